@@ -1,0 +1,1 @@
+"""tracestore.client — see design.md."""

@@ -1,0 +1,1 @@
+"""tracestore.kernels — see design.md."""

@@ -1,0 +1,1 @@
+"""tracestore.server — see design.md."""

@@ -1,0 +1,1 @@
+"""Generated protobuf code for tracestore.v1 (see proto/)."""
