@@ -19,8 +19,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -28,8 +29,12 @@ def git_commit() -> str:
 
 def machine() -> dict[str, Any]:
     """CPU/GPU, core count and library versions of this run."""
-    info: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                            "cores": os.cpu_count(), "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -75,17 +80,21 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
 def append_results(bench: str, rows: Sequence[dict[str, Any]]) -> Path:
     """Append rows (with machine, commit and time) to ``bench/results/<bench>.jsonl``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{bench}.jsonl"
-    stamp = {"bench": bench, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-             "commit": git_commit(), "machine": machine()}
+    stamp = {
+        "bench": bench,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine(),
+    }
     with path.open("a") as f:
         for r in rows:
             f.write(json.dumps({**stamp, **r}, default=str) + "\n")

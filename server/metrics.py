@@ -29,8 +29,10 @@ class Metrics:
             p + "ingest_duplicates", "Resent messages answered without a second write", registry=r
         )
         self.durable_ack_latency = Histogram(
-            p + "durable_ack_latency_seconds", "Receipt of a write to its durable acknowledgement",
-            buckets=_LATENCY, registry=r,
+            p + "durable_ack_latency_seconds",
+            "Receipt of a write to its durable acknowledgement",
+            buckets=_LATENCY,
+            registry=r,
         )
         # durability and storage
         self.backlog_bytes = Gauge(p + "backlog_bytes", "Bytes received but not yet in a committed shard", registry=r)
@@ -41,8 +43,10 @@ class Metrics:
         self.open_trajectories = Gauge(p + "open_trajectories", "Trajectories with records and no seal", registry=r)
         self.sealed_trajectories = Counter(p + "sealed_trajectories", "Trajectories sealed", registry=r)
         self.shard_write_latency = Histogram(
-            p + "shard_write_latency_seconds", "Build and publish one shard and its manifest",
-            buckets=_LATENCY, registry=r,
+            p + "shard_write_latency_seconds",
+            "Build and publish one shard and its manifest",
+            buckets=_LATENCY,
+            registry=r,
         )
         self.shard_bytes = Counter(p + "shard_bytes", "Bytes of committed shards", registry=r)
         self.shards = Counter(p + "shards", "Shards committed", registry=r)
@@ -51,7 +55,9 @@ class Metrics:
         )
         self.storage_retries = Counter(p + "storage_retries", "Storage calls retried", ["op"], registry=r)
         self.storage_errors = Counter(p + "storage_errors", "Storage calls that failed", ["op"], registry=r)
-        self.checksum_failures = Counter(p + "checksum_failures", "Chunks that failed checksum verification", registry=r)
+        self.checksum_failures = Counter(
+            p + "checksum_failures", "Chunks that failed checksum verification", registry=r
+        )
         # reads
         self.read_bytes = Counter(p + "read_bytes", "Record bytes served to readers", registry=r)
         self.read_latency = Histogram(
@@ -60,13 +66,19 @@ class Metrics:
         # admission and memory
         self.rejected = Counter(p + "rejected_requests", "Requests rejected, by gRPC status", ["code"], registry=r)
         self.requests = Counter(p + "requests", "RPCs handled, by method and status", ["method", "code"], registry=r)
-        self.backpressure = Counter(p + "backpressure_events", "Writes held or refused over the memory budget", registry=r)
+        self.backpressure = Counter(
+            p + "backpressure_events", "Writes held or refused over the memory budget", registry=r
+        )
         self.memory_budget = Gauge(p + "memory_budget_bytes", "Configured in-memory budget", registry=r)
         self.memory_in_use = Gauge(p + "memory_in_use_bytes", "Bytes held against the memory budget", registry=r)
         self.shm_capacity = Gauge(p + "shm_capacity_bytes", "Shared-memory staging bytes registered", registry=r)
-        self.shm_in_use = Gauge(p + "shm_in_use_bytes", "Shared-memory staging bytes reserved, not released", registry=r)
+        self.shm_in_use = Gauge(
+            p + "shm_in_use_bytes", "Shared-memory staging bytes reserved, not released", registry=r
+        )
         self.active_streams = Gauge(p + "active_write_streams", "Open Write streams", registry=r)
         self.unguided_trajectories = Counter(
-            p + "unguided_trajectories", "Trajectories recorders reported as unguided (no complete records)",
-            ["reason"], registry=r,
+            p + "unguided_trajectories",
+            "Trajectories recorders reported as unguided (no complete records)",
+            ["reason"],
+            registry=r,
         )

@@ -46,6 +46,8 @@ def run(ns: argparse.Namespace) -> int:
                 failures += not ok
                 rtn_mis = (rtn != ref).float().mean().item()
                 tr_mis = (y != ref).float().mean().item()
-                print(f"{fmt.name:8} {bits:>2} {rule:8} {'exact' if ok else 'FAIL':>9} {rtn_mis:>13.3e} {tr_mis:>15.3e}")
+                print(
+                    f"{fmt.name:8} {bits:>2} {rule:8} {'exact' if ok else 'FAIL':>9} {rtn_mis:>13.3e} {tr_mis:>15.3e}"
+                )
     print("selftest", "passed" if not failures else f"FAILED ({failures} identity mismatches)")
     return 1 if failures else 0

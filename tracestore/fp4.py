@@ -171,9 +171,7 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     return xb.abs().amax(dim=-1)
 
 
-def quantize(
-    x: torch.Tensor, fmt: FP4Format | str, global_scale: float | torch.Tensor | None = None
-) -> Quantized:
+def quantize(x: torch.Tensor, fmt: FP4Format | str, global_scale: float | torch.Tensor | None = None) -> Quantized:
     """RTN-quantize ``x`` [..., D] (float32/bf16/fp16) to FP4 codes and block scales.
 
     ``global_scale`` is decode-side (NVFP4 only; None = amax(|x|)/2688). Example::

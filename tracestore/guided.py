@@ -18,6 +18,10 @@ from tracestore.fp4 import (
     check_width,
     dequantize,
     e2m1_table,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    mx_scale_bytes,
     quantize,
     rtn_codes,
     scale_values,
@@ -118,6 +122,36 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, rule: Rule = "brac
     return torch.where(torch.isnan(z), torch.full_like(out, 7), out)
 
 
+def _row_global_scale(
+    global_scale: float | torch.Tensor, fmt: FP4Format, lead: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """g as float32 broadcastable to [..., nblocks]: a scalar, or one per row (chunks recorded in
+    different forwards carry different global scales)."""
+    if fmt.name != "nvfp4":
+        return torch.ones((), dtype=torch.float32, device=device)
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    if g.dim() == 0:
+        return g
+    if tuple(g.shape) != lead:
+        raise ShapeError(f"global_scale must be a scalar or one value per row {lead}, got {tuple(g.shape)}")
+    return g.unsqueeze(-1)
+
+
+def _rtn_rows(xb: torch.Tensor, fmt: FP4Format, g: torch.Tensor) -> torch.Tensor:
+    """RTN fake-quant of blocked float32 ``xb`` [..., nb, block] with a scalar or per-row g."""
+    amax = xb.abs().amax(-1)
+    if fmt.name == "nvfp4":
+        s_enc = 1.0 / g
+        sf = e4m3_encode(amax * (s_enc * _f32(1.0 / 6.0).to(xb.device)))
+        enc = torch.clamp(s_enc / e4m3_decode(sf), max=torch.finfo(torch.float32).max)
+        codes = rtn_codes(xb * enc.unsqueeze(-1))
+        return e2m1_table(xb.device)[codes.long()] * e4m3_decode(sf).unsqueeze(-1) * g.unsqueeze(-1)
+    sb = mx_scale_bytes(amax, fmt.scale_rule)
+    sv = e8m0_decode(sb)
+    codes = rtn_codes(xb / sv.unsqueeze(-1))
+    return e2m1_table(xb.device)[codes.long()] * sv.unsqueeze(-1)
+
+
 def guided_round(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -170,7 +204,7 @@ def guided_round(
     with torch.no_grad():
         xf = x.detach().float().reshape(*lead, nblocks, fmt.block)
         sf = scale_values(scales, fmt)
-        g = _f32(global_scale).to(x.device) if fmt.name == "nvfp4" else _f32(1.0).to(x.device)
+        g = _row_global_scale(global_scale, fmt, lead, x.device)
         s = sf * g
         if token_scales is not None:
             s = s * token_scales.float().unsqueeze(-1)
@@ -179,7 +213,7 @@ def guided_round(
         codes = guided_codes(z, c.reshape(*lead, nblocks, fmt.block), bits, rule)
         # y = (q·sf)·g[·token scale]: the same evaluation order as dequantize, so that invariant 1
         # (identity) holds bit for bit; q·(sf·g) differs in the last bit for ~22% of |q| ∈ {1.5, 3, 6}.
-        y = e2m1_table(x.device)[codes.long()] * sf.unsqueeze(-1) * g
+        y = e2m1_table(x.device)[codes.long()] * sf.unsqueeze(-1) * g.unsqueeze(-1)
         if token_scales is not None:
             y = y * token_scales.float().reshape(*lead, 1, 1)
         y = torch.where(s == 0, torch.where(torch.signbit(xf), -0.0, 0.0), y)
@@ -189,8 +223,7 @@ def guided_round(
         if valid is not None:
             fallback = fallback | (~valid.bool()).reshape(*lead, 1, 1)
         if bool(fallback.any()):
-            fg = global_scale if fallback_global_scale is None else fallback_global_scale
-            rtn = dequantize(quantize(x.detach().float(), fmt, fg if fmt.name == "nvfp4" else None))
-            y = torch.where(fallback, rtn.reshape(y.shape), y)
+            fg = g if fallback_global_scale is None else _row_global_scale(fallback_global_scale, fmt, lead, x.device)
+            y = torch.where(fallback, _rtn_rows(xf, fmt, fg), y)
         y = y.reshape(x.shape)
     return _ste(x, y)
