@@ -1,0 +1,422 @@
+"""The record model of design.md §4: sites, runs, record chunks, trajectory seals, prefix links.
+
+numpy only (no torch): the sidecar and the storage layer build on these types. Every type is a
+frozen dataclass validated on construction, so an object that exists is well formed; ids are
+checked against a charset that cannot escape a storage path.
+
+Example::
+
+    site = SiteSpec("layers.23.mlp.input", "moe_input", layer=23, width=2048)   # NVFP4, b = 1
+    chunk = RecordChunk("run-1", 0, "traj-7", site.name, token_start=0, n_tokens=4,
+                        codes=np.zeros((4, site.code_bytes), np.uint8),
+                        scales=np.zeros((4, site.scale_bytes), np.uint8), global_scale=1.0)
+    chunk.validate(site)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+import zlib
+from typing import Any, Literal
+
+import numpy as np
+
+from tracestore.errors import ConfigError, DTypeError, NotFoundError, ShapeError, ValidationError
+from tracestore.formats import FP4Format, check_bits, get_format
+
+SiteKind = Literal["moe_input", "key", "value", "other"]
+SITE_KINDS: tuple[str, ...] = ("moe_input", "key", "value", "other")
+FORMAT_NAMES: tuple[str, ...] = ("nvfp4", "mxfp4", "mxfp4-rceil")
+
+_RUN_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+IdKind = Literal["run", "trajectory", "site", "writer", "source"]
+
+
+def validate_id(kind: str, value: object) -> str:
+    """Check a run / trajectory / site / writer id; return it or raise :class:`ValidationError`.
+
+    run: ``[a-z0-9][a-z0-9_.-]{0,63}``; trajectory, site, writer: ``[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}``.
+    ``".."`` is refused anywhere in an id, so no id can name a parent directory.
+    """
+    if not isinstance(value, str):
+        raise ValidationError(f"{kind} id must be a str, got {type(value).__name__} {value!r}")
+    pattern = _RUN_RE if kind == "run" else _ID_RE
+    if kind not in ("run", "trajectory", "site", "writer", "source"):
+        raise ConfigError(f"unknown id kind {kind!r}; expected run, trajectory, site, writer or source")
+    if pattern.fullmatch(value) is None or ".." in value:
+        rule = "[a-z0-9][a-z0-9_.-]{0,63}" if kind == "run" else "[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
+        raise ValidationError(f"invalid {kind} id {value[:200]!r}: expected {rule} without '..'")
+    return value
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValidationError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise ValidationError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _format_name(fmt: FP4Format | str) -> str:
+    f = get_format(fmt)
+    return "nvfp4" if f.name == "nvfp4" else "mxfp4-rceil" if f.scale_rule == "rceil" else "mxfp4"
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """One quantization site of a run (design.md §4).
+
+    ``width`` values per row (a multiple of the format's block); ``bits`` = b low code bits kept;
+    ``rows_per_token`` > 1 for MoE inputs quantized once per routed expert (rows by routing slot).
+    A row holds ``code_bytes = width*bits//8`` packed code bytes and ``scale_bytes = width//block``
+    scale bytes.
+    """
+
+    name: str
+    kind: SiteKind
+    layer: int
+    width: int
+    format: str = "nvfp4"
+    bits: int = 1
+    rows_per_token: int = 1
+
+    def __post_init__(self) -> None:
+        validate_id("site", self.name)
+        if self.kind not in SITE_KINDS:
+            raise ConfigError(f"site {self.name}: kind must be one of {SITE_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "layer", _int(f"site {self.name}: layer", self.layer, 0))
+        object.__setattr__(self, "format", _format_name(self.format))
+        object.__setattr__(self, "bits", check_bits(self.bits))
+        object.__setattr__(self, "rows_per_token", _int(f"site {self.name}: rows_per_token", self.rows_per_token, 1))
+        width = _int(f"site {self.name}: width", self.width, 1)
+        block = self.fmt.block
+        if width % block:
+            raise ShapeError(
+                f"site {self.name}: width must be a multiple of the {self.format} block {block}, got {width}"
+            )
+        object.__setattr__(self, "width", width)
+
+    @property
+    def fmt(self) -> FP4Format:
+        return get_format(self.format)
+
+    @property
+    def code_bytes(self) -> int:
+        return self.width * self.bits // 8
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.width // self.fmt.block
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A run and its declared sites. ``RunSpec("run-1", (site_a, site_b)).site("name")``."""
+
+    run: str
+    sites: tuple[SiteSpec, ...]
+
+    def __post_init__(self) -> None:
+        validate_id("run", self.run)
+        sites = tuple(self.sites)
+        for s in sites:
+            if not isinstance(s, SiteSpec):
+                raise ValidationError(f"run {self.run}: sites must be SiteSpec objects, got {type(s).__name__}")
+        names = [s.name for s in sites]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValidationError(f"run {self.run}: duplicate site names {dup}")
+        object.__setattr__(self, "sites", sites)
+
+    def site(self, name: str) -> SiteSpec:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise NotFoundError(f"run {self.run} has no site {name!r}; declared sites: {[s.name for s in self.sites]}")
+
+    @property
+    def site_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "sites": [s.to_dict() for s in self.sites]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSpec:
+        try:
+            return cls(d["run"], tuple(SiteSpec(**s) for s in d["sites"]))
+        except (KeyError, TypeError) as exc:
+            raise ValidationError(f"not a RunSpec dict ({exc}): expected {{'run': str, 'sites': [...]}}") from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise ValidationError(f"RunSpec JSON does not parse: {exc}") from exc
+        return cls.from_dict(d)
+
+
+def _u8_2d(name: str, a: object) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy uint8 array, got {type(a).__name__}")
+    if a.dtype != np.uint8:
+        raise DTypeError(f"{name} must have dtype uint8, got {a.dtype}")
+    if a.ndim != 2:
+        raise ShapeError(f"{name} must be 2-D [rows, bytes_per_row], got shape {a.shape}")
+    return np.ascontiguousarray(a)
+
+
+_CHECKSUM_TAG = b"tracestore.chunk.v1\0"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecordChunk:
+    """Records of one site for tokens ``[token_start, token_start + n_tokens)`` of one trajectory.
+
+    ``codes``: uint8 ``[n_tokens*rows_per_token, code_bytes]`` (packed low-b code bits),
+    ``scales``: uint8 ``[n_rows, scale_bytes]`` (raw E4M3/E8M0 bytes, row-major),
+    ``global_scale``: the decode-side float32 g (1.0 for MX), ``token_scales``: float32 ``[n_rows]``
+    or None. Arrays are not copied; do not mutate them after construction.
+    """
+
+    run: str
+    policy_version: int
+    trajectory: str
+    site: str
+    token_start: int
+    n_tokens: int
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scale: float
+    token_scales: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        validate_id("run", self.run)
+        validate_id("trajectory", self.trajectory)
+        validate_id("site", self.site)
+        object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
+        object.__setattr__(self, "token_start", _int("token_start", self.token_start, 0))
+        object.__setattr__(self, "n_tokens", _int("n_tokens", self.n_tokens, 1))
+        codes = _u8_2d("codes", self.codes)
+        scales = _u8_2d("scales", self.scales)
+        if codes.shape[0] != scales.shape[0]:
+            raise ShapeError(f"{self.key_str}: codes has {codes.shape[0]} rows but scales has {scales.shape[0]}")
+        if codes.shape[0] % self.n_tokens:
+            raise ShapeError(
+                f"{self.key_str}: {codes.shape[0]} rows is not a whole number of rows per token for "
+                f"n_tokens={self.n_tokens}"
+            )
+        object.__setattr__(self, "codes", codes)
+        object.__setattr__(self, "scales", scales)
+        try:
+            g = np.float32(self.global_scale)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"{self.key_str}: global_scale must be a float, got {self.global_scale!r}") from exc
+        if not np.isfinite(g) or g <= 0:
+            raise ValidationError(f"{self.key_str}: global_scale must be finite and > 0, got {self.global_scale!r}")
+        object.__setattr__(self, "global_scale", float(g))
+        if self.token_scales is not None:
+            ts = self.token_scales
+            if not isinstance(ts, np.ndarray) or ts.dtype != np.float32:
+                raise DTypeError(f"{self.key_str}: token_scales must be a float32 numpy array or None")
+            if ts.shape != (codes.shape[0],):
+                raise ShapeError(f"{self.key_str}: token_scales must have shape ({codes.shape[0]},), got {ts.shape}")
+            object.__setattr__(self, "token_scales", np.ascontiguousarray(ts))
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.n_tokens
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def rows_per_token(self) -> int:
+        return self.n_rows // self.n_tokens
+
+    @property
+    def key_str(self) -> str:
+        return (
+            f"run {self.run} v{self.policy_version} trajectory {self.trajectory} site {self.site} "
+            f"tokens [{self.token_start}, {self.token_start + self.n_tokens})"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        ts = 0 if self.token_scales is None else self.token_scales.nbytes
+        return int(self.codes.nbytes + self.scales.nbytes + ts)
+
+    @property
+    def checksum(self) -> int:
+        """crc32 (zlib) over a canonical encoding: tag, the key fields, g, the shapes, then the bytes.
+
+        Encoding: ``b"tracestore.chunk.v1\\0"``, ``run\\0trajectory\\0site\\0`` (UTF-8),
+        ``<qqqqqqf`` = (policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, g),
+        codes bytes, scales bytes, then ``b"\\1"`` + token_scales float32 LE bytes or ``b"\\0"``.
+        """
+        return chunk_checksum(
+            self.run,
+            self.policy_version,
+            self.trajectory,
+            self.site,
+            self.token_start,
+            self.n_tokens,
+            self.codes,
+            self.scales,
+            self.global_scale,
+            self.token_scales,
+        )
+
+    def validate(self, site: SiteSpec) -> RecordChunk:
+        """Check this chunk against its site's declared layout; returns self."""
+        if site.name != self.site:
+            raise ValidationError(f"{self.key_str}: validated against site {site.name!r}")
+        rows = self.n_tokens * site.rows_per_token
+        if self.codes.shape != (rows, site.code_bytes):
+            raise ShapeError(
+                f"{self.key_str}: codes must be uint8[{rows}, {site.code_bytes}] (n_tokens*rows_per_token, "
+                f"width*bits/8 for width {site.width}, b={site.bits}), got {list(self.codes.shape)}"
+            )
+        if self.scales.shape != (rows, site.scale_bytes):
+            raise ShapeError(
+                f"{self.key_str}: scales must be uint8[{rows}, {site.scale_bytes}] (width/block), "
+                f"got {list(self.scales.shape)}"
+            )
+        if not site.fmt.has_global_scale and self.global_scale != 1.0:
+            raise ValidationError(f"{self.key_str}: {site.format} has no global scale; expected 1.0")
+        return self
+
+    def same_bytes(self, other: RecordChunk) -> bool:
+        """True when both chunks hold the same key and identical bytes (a harmless retry)."""
+        if (self.run, self.policy_version, self.trajectory, self.site, self.token_start, self.n_tokens) != (
+            other.run,
+            other.policy_version,
+            other.trajectory,
+            other.site,
+            other.token_start,
+            other.n_tokens,
+        ):
+            return False
+        if np.float32(self.global_scale).tobytes() != np.float32(other.global_scale).tobytes():
+            return False
+        if (self.token_scales is None) != (other.token_scales is None):
+            return False
+        if (
+            self.token_scales is not None
+            and other.token_scales is not None
+            and self.token_scales.tobytes() != other.token_scales.tobytes()
+        ):
+            return False
+        return bool(np.array_equal(self.codes, other.codes) and np.array_equal(self.scales, other.scales))
+
+
+def chunk_checksum(
+    run: str,
+    policy_version: int,
+    trajectory: str,
+    site: str,
+    token_start: int,
+    n_tokens: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    global_scale: float,
+    token_scales: np.ndarray | None,
+) -> int:
+    """The canonical chunk checksum (see :attr:`RecordChunk.checksum`) from raw parts."""
+    head = _CHECKSUM_TAG + f"{run}\0{trajectory}\0{site}\0".encode()
+    n_rows, cb = codes.shape
+    head += struct.pack(
+        "<qqqqqqf", policy_version, token_start, n_tokens, n_rows, cb, scales.shape[1], np.float32(global_scale)
+    )
+    crc = zlib.crc32(head)
+    crc = zlib.crc32(np.ascontiguousarray(codes).data, crc)
+    crc = zlib.crc32(np.ascontiguousarray(scales).data, crc)
+    if token_scales is None:
+        crc = zlib.crc32(b"\0", crc)
+    else:
+        crc = zlib.crc32(b"\1", crc)
+        crc = zlib.crc32(np.ascontiguousarray(token_scales, dtype="<f4").data, crc)
+    return crc
+
+
+def _site_tuple(run: str, sites: object) -> tuple[str, ...]:
+    if isinstance(sites, str) or not isinstance(sites, (tuple, list)):
+        raise ValidationError(f"run {run}: seal sites must be a tuple of site names, got {sites!r}")
+    out = tuple(validate_id("site", s) for s in sites)
+    if len(set(out)) != len(out):
+        raise ValidationError(f"run {run}: seal lists a site twice: {list(out)}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectorySeal:
+    """The writer's statement that every token of every listed site has been sent.
+
+    A rollout runs forwards for positions ``0..n_tokens-2`` only: the last position of a sealed
+    trajectory is unrecorded by design (readers mask it; it is not missing data).
+    """
+
+    run: str
+    policy_version: int
+    trajectory: str
+    n_tokens: int
+    sites: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        validate_id("run", self.run)
+        validate_id("trajectory", self.trajectory)
+        object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
+        object.__setattr__(self, "n_tokens", _int(f"seal of {self.trajectory}: n_tokens", self.n_tokens, 1))
+        object.__setattr__(self, "sites", _site_tuple(self.run, self.sites))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "policy_version": self.policy_version,
+            "trajectory": self.trajectory,
+            "n_tokens": self.n_tokens,
+            "sites": list(self.sites),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrajectorySeal:
+        return cls(d["run"], d["policy_version"], d["trajectory"], d["n_tokens"], tuple(d["sites"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLink:
+    """``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt, prefix-cache hit)."""
+
+    run: str
+    policy_version: int
+    trajectory: str
+    source: str
+    n_tokens: int
+
+    def __post_init__(self) -> None:
+        validate_id("run", self.run)
+        validate_id("trajectory", self.trajectory)
+        validate_id("source", self.source)
+        if self.source == self.trajectory:
+            raise ValidationError(f"prefix link of {self.trajectory} names itself as its source")
+        object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
+        object.__setattr__(self, "n_tokens", _int(f"link of {self.trajectory}: n_tokens", self.n_tokens, 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrefixLink:
+        return cls(d["run"], d["policy_version"], d["trajectory"], d["source"], d["n_tokens"])
