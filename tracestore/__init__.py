@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tracestore.arrow import CHUNK_SCHEMA, chunks_to_table, table_to_chunks
 from tracestore.errors import (
     ConfigError,
     ConflictError,
@@ -23,6 +24,14 @@ from tracestore.errors import (
     ValidationError,
 )
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4, FP4Format, get_format
+from tracestore.records import (
+    PrefixLink,
+    RecordChunk,
+    RunSpec,
+    SiteSpec,
+    TrajectorySeal,
+    validate_id,
+)
 
 __version__ = "0.1.0"
 
@@ -62,6 +71,15 @@ __all__ = [
     "CorruptionError",
     "StorageError",
     "MissingExtraError",
+    "SiteSpec",
+    "RunSpec",
+    "RecordChunk",
+    "TrajectorySeal",
+    "PrefixLink",
+    "validate_id",
+    "CHUNK_SCHEMA",
+    "chunks_to_table",
+    "table_to_chunks",
     *_LAZY,
 ]
 
