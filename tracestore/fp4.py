@@ -106,12 +106,12 @@ def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
 def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
     """float32 -> E4M3 ("fn") bytes: round to nearest even, saturate to ±448, NaN -> 0x7F."""
     v = v.float()
-    a = v.abs()
+    a = torch.clamp(v.abs(), max=E4M3_MAX)  # saturate first: the binade below must be 448's
     # Exponent of the value's binade, clamped at the subnormal floor 2^-6 (step 2^-9 below it).
     _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1)
     e = torch.clamp(e - 1, min=-6)
     step = torch.ldexp(torch.ones_like(a), (e - 3).to(torch.int32))
-    n = torch.round(torch.clamp(a, max=E4M3_MAX) / step)  # round-half-even; exact (power-of-two step)
+    n = torch.round(a / step)  # round-half-even; exact (power-of-two step)
     q = torch.clamp(n * step, max=E4M3_MAX)
     # Re-encode the rounded value (rounding may have carried into the next binade).
     _, e2 = torch.frexp(q)
