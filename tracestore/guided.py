@@ -68,6 +68,38 @@ def _magnitudes(device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
 
 
+def _paper_codes(
+    z: torch.Tensor, c: torch.Tensor, bits: int, kminus: torch.Tensor, kplus: torch.Tensor
+) -> torch.Tensor:
+    """Rule "paper" (the paper's Algorithm 1): the candidate r nearest to |z| among codes whose low
+    bits are c, then the bracket end nearest to (sign)·m_r; an unresolvable tie gives RTN(z)."""
+    mags = _magnitudes(z.device)
+    a = z.abs()
+    neg = torch.signbit(z)
+    sigma = neg.to(torch.uint8) * 8
+    ks = torch.arange(8, device=z.device, dtype=torch.uint8)
+    if bits == 4:
+        cand = ks == (c & 7).unsqueeze(-1)
+        target_neg = (c & 8) != 0
+    else:
+        cand = (ks & ((1 << bits) - 1)) == c.unsqueeze(-1)
+        target_neg = neg
+    dist = torch.where(cand, (mags - a.unsqueeze(-1)).abs(), torch.full_like(mags, float("inf")))
+    best = dist.amin(-1, keepdim=True)
+    tied = cand & (dist == best)
+    inside = tied & ((ks == kminus.unsqueeze(-1)) | (ks == kplus.unsqueeze(-1)))
+    n_tied = tied.sum(-1)
+    n_inside = inside.sum(-1)
+    r = torch.where(n_tied == 1, tied.to(torch.uint8).argmax(-1), inside.to(torch.uint8).argmax(-1))
+    give_up = (n_tied > 1) & (n_inside != 1)
+    t = torch.where(target_neg, -mags[r], mags[r])
+    sgn = torch.where(neg, -1.0, 1.0)
+    d_lo = (sgn * mags[kminus.long()] - t).abs()
+    d_hi = (sgn * mags[kplus.long()] - t).abs()
+    out = torch.where(d_hi < d_lo, sigma | kplus, sigma | kminus)
+    return torch.where(give_up, rtn_codes(z), out)
+
+
 def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, rule: Rule = "bracket") -> torch.Tensor:
     """TRACE's code choice for float32 ``z = x / s`` given recorded low bits ``c`` (uint8).
 
@@ -90,33 +122,17 @@ def guided_codes(z: torch.Tensor, c: torch.Tensor, bits: int, rule: Rule = "brac
     lo_hit = (lo_code & mask) == c
     hi_hit = (hi_code & mask) == c
 
-    # rule "paper": nearest candidate r, then the bracket end nearest to (sign)·m_r
-    ks = torch.arange(8, device=z.device, dtype=torch.uint8)
-    if bits == 4:
-        cand = ks == (c & 7).unsqueeze(-1)
-        target_neg = (c & 8) != 0
-    else:
-        cand = (ks & ((1 << bits) - 1)) == c.unsqueeze(-1)
-        target_neg = neg
-    dist = torch.where(cand, (mags - a.unsqueeze(-1)).abs(), torch.full_like(mags, float("inf")))
-    best = dist.amin(-1, keepdim=True)
-    tied = cand & (dist == best)
-    inside = tied & ((ks == kminus.unsqueeze(-1)) | (ks == kplus.unsqueeze(-1)))
-    n_tied = tied.sum(-1)
-    n_inside = inside.sum(-1)
-    r = torch.where(n_tied == 1, tied.to(torch.uint8).argmax(-1), inside.to(torch.uint8).argmax(-1))
-    give_up = (n_tied > 1) & (n_inside != 1)
-    t = torch.where(target_neg, -mags[r], mags[r])
-    sgn = torch.where(neg, -1.0, 1.0)
-    d_lo = (sgn * mags[kminus.long()] - t).abs()
-    d_hi = (sgn * mags[kplus.long()] - t).abs()
-    paper = torch.where(d_hi < d_lo, hi_code, lo_code)
-    paper = torch.where(give_up, rtn_codes(z), paper)
-
     if rule == "bracket":
-        out = torch.where(lo_hit & ~hi_hit, lo_code, torch.where(hi_hit & ~lo_hit, hi_code, paper))
+        # One bit names the rollout's code whenever it is a bracket end (adjacent codes differ in
+        # bit 0); only the values where neither or both ends match fall through to the paper rule.
+        out = torch.where(lo_hit, lo_code, hi_code)
+        undecided = ~(lo_hit ^ hi_hit)
     else:
-        out = paper
+        out = lo_code.clone()
+        undecided = torch.ones_like(lo_hit)
+    idx = undecided.nonzero(as_tuple=True)
+    if idx[0].numel():
+        out[idx] = _paper_codes(z[idx], c[idx], bits, kminus[idx], kplus[idx])
     out = torch.where(on_code, lo_code, out)  # a on a codeword: that codeword
     out = torch.where(a >= E2M1_MAX, sigma | 7, out)  # saturate like RTN
     return torch.where(torch.isnan(z), torch.full_like(out, 7), out)
