@@ -1,0 +1,133 @@
+"""The demo pipeline: rollout → records → training forwards in five modes → fidelity report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tracestore.demo import fidelity
+from tracestore.demo.model import DTYPES, ModelSpec, build_model
+from tracestore.demo.rollout import OnForward, Rollout, run_rollout
+from tracestore.demo.train import Mode, SiteGuidance, standard_modes, train_forward
+from tracestore.errors import ConfigError
+from tracestore.formats import get_format
+from tracestore.packing import pack_bits
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything ``tracestore demo`` takes (see ``tracestore demo --help``)."""
+
+    model: ModelSpec = ModelSpec()
+    trajectories: int = 4
+    prompt: int = 16
+    tokens: int = 48  # generated tokens per trajectory
+    bits: int = 1
+    rule: str = "bracket"
+    device: str = "cpu"
+    dtype: str = "bf16"
+    seed: int = 0
+    storage: str | None = None  # file:// URL for the service path; None: a temp dir under out
+    transport: str = "auto"  # "service" | "memory" | "auto" (service when its parts are installed)
+
+    def __post_init__(self) -> None:
+        if self.trajectories < 1 or self.prompt < 1 or self.tokens < 2:
+            raise ConfigError(
+                f"need trajectories >= 1, prompt >= 1 and tokens >= 2, got {self.trajectories}, {self.prompt}, {self.tokens}"
+            )
+        if self.bits not in (1, 2, 3, 4):
+            raise ConfigError(f"bits must be 1..4, got {self.bits}")
+        if self.rule not in ("bracket", "paper"):
+            raise ConfigError(f"rule must be 'bracket' or 'paper', got {self.rule!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.transport not in ("service", "memory", "auto"):
+            raise ConfigError(f"transport must be 'service', 'memory' or 'auto', got {self.transport!r}")
+
+
+def memory_guidance(roll: Rollout, mode: Mode, fmt_name: str = "nvfp4") -> dict[str, SiteGuidance]:
+    """Guidance for ``mode`` straight from the rollout's in-memory records (no service): the low
+    ``mode.bits`` of each code, scale bytes and g; the last position is unrecorded (valid False)."""
+    out: dict[str, SiteGuidance] = {}
+    for name, tr in roll.sites.items():
+        layer = int(name.split(".")[1])
+        if not mode.records(layer) or tr.codes is None or tr.scales is None or tr.g is None:
+            continue
+        b, n1, _ = tr.codes.shape
+        pad = (0, 0, 0, 1)  # one unrecorded row per trajectory at the end
+        out[name] = SiteGuidance(
+            packed=torch.nn.functional.pad(pack_bits(tr.codes, mode.bits), pad),
+            scales=torch.nn.functional.pad(tr.scales, pad),
+            g=torch.nn.functional.pad(tr.g, (0, 1), value=1.0),
+            valid=torch.nn.functional.pad(torch.ones(b, n1, dtype=torch.bool, device=tr.codes.device), (0, 1)),
+            bits=mode.bits,
+        )
+    return out
+
+
+Progress = Callable[[str, int], Any]  # (description, total) -> callable(step)
+
+
+def run_demo(
+    cfg: DemoConfig,
+    *,
+    guidance_for: Callable[[Rollout, Mode], dict[str, SiteGuidance]] | None = None,
+    on_forward: OnForward | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Run the pipeline; returns the results dict (``results.json``). ``guidance_for`` supplies each
+    TRACE mode's records (default: in memory), ``on_forward`` sees each rollout forward's records."""
+    fmt = get_format("nvfp4")
+    dtype = DTYPES[cfg.dtype]
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    model = build_model(cfg.model, dtype=dtype, device=cfg.device, seed=cfg.seed)
+    gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 1)
+    prompts = torch.randint(3, cfg.model.vocab, (cfg.trajectories, cfg.prompt), generator=gen, device=cfg.device)
+    timings["build_model_s"] = time.perf_counter() - t0
+
+    n_pos = cfg.prompt + cfg.tokens - 1
+    t = time.perf_counter()
+    bar = progress("rollout (FP4, KV cache)", n_pos) if progress else None
+    roll = run_rollout(model, prompts, cfg.tokens, fmt=fmt, generator=gen, on_forward=on_forward, progress=bar)
+    timings["rollout_fp4_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    bar = progress("rollout replay (BF16 reference)", n_pos) if progress else None
+    ref = run_rollout(model, prompts, cfg.tokens, fmt=None, tokens=roll.tokens, progress=bar)
+    timings["rollout_bf16_s"] = time.perf_counter() - t
+
+    modes = standard_modes(cfg.model.layers, cfg.bits)
+    stats: dict[str, dict[str, fidelity.SiteStats]] = {}
+    logprob: dict[str, dict[str, float]] = {}
+    t = time.perf_counter()
+    step = progress("training forwards", len(modes)) if progress else None
+    get_guidance = guidance_for or (lambda r, m: memory_guidance(r, m))
+    for mode in modes:
+        source = ref if mode.quant == "none" else roll
+        guidance = get_guidance(roll, mode) if mode.quant == "trace" else {}
+        tr = train_forward(model, roll.tokens, roll.prompt_len, mode, fmt, guidance, cfg.rule)
+        stats[mode.name] = {
+            name: fidelity.site_stats(st.y, tr.y[name], st.codes, tr.codes.get(name))
+            for name, st in source.sites.items()
+        }
+        logprob[mode.name] = fidelity.logprob_diff(source, tr)
+        if step:
+            step(1)
+    timings["training_s"] = time.perf_counter() - t
+
+    moe_rows = fidelity.layer_table(modes, stats, cfg.model.layers, "mlp.input")
+    kv_rows = {kind: fidelity.layer_table(modes, stats, cfg.model.layers, f"attn.{kind}") for kind in ("k", "v")}
+    timings["total_s"] = time.perf_counter() - t0
+    return {
+        "config": {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)},
+        "modes": [{"name": m.name, "label": m.label, "layers": sorted(m.layers), "bits": m.bits} for m in modes],
+        "moe_input": moe_rows,
+        "kv": kv_rows,
+        "logprob_diff": logprob,
+        "expectations": fidelity.expectations(modes, moe_rows, logprob),
+        "timings": timings,
+    }
