@@ -1,0 +1,293 @@
+"""fsspec access with a timeout on every call, retries with backoff, and create-only atomic publish.
+
+``storage_options`` go to fsspec untouched (tracestore never handles credentials). Every call
+runs on a small worker pool and is bounded by ``timeout`` seconds: a black-holed S3 endpoint
+makes s3fs PUTs hang forever (shared/reliability.md), so a hang surfaces here as
+:class:`~tracestore.errors.StorageError` instead. Transient failures (timeouts, connection
+errors, other ``OSError`` that is not "not found / exists / permission") are retried with
+exponential backoff; each retry and each final error is counted in :attr:`Storage.stats` and
+reported to ``on_event(kind, op, detail)`` so a server can feed its metrics without this module
+importing prometheus.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from tracestore.errors import ConflictError, NotFoundError, StorageError, TraceStoreError
+
+T = TypeVar("T")
+EventHook = Callable[[str, str, str], None]
+"""``on_event(kind, op, detail)``; kind is ``"retry"``, ``"timeout"`` or ``"error"``."""
+
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, TraceStoreError):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, _PERMANENT)
+
+
+class Storage:
+    """A filesystem root (any fsspec URL) with bounded, retried calls.
+
+    ``Storage("s3://bucket/prefix", {"endpoint_url": ...}, timeout=30)``; paths passed to the
+    methods are relative to the root (``"run-1/v0/w0/part-00000000.parquet"``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 0.05,
+        on_event: EventHook | None = None,
+        workers: int = 8,
+    ) -> None:
+        if not isinstance(url, str) or not url:
+            raise StorageError(f"storage URL must be a non-empty string like 'file://./data', got {url!r}")
+        if not timeout or timeout <= 0:
+            raise StorageError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.on_event = on_event
+        self.stats: dict[str, int] = {"retries": 0, "timeouts": 0, "errors": 0, "bytes_written": 0, "bytes_read": 0}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-io")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+        except ImportError as exc:
+            from tracestore.errors import MissingExtraError
+
+            raise MissingExtraError(
+                f"no fsspec backend for {url!r} ({exc}); for s3:// install `pip install 'tracestore[s3]'`"
+            ) from exc
+        except (ValueError, TypeError) as exc:
+            raise StorageError(f"cannot open storage {url!r}: {exc}") from exc
+        self.root = root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    def full(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def rel(self, full: str) -> str:
+        full = full.rstrip("/")
+        prefix = self.root.lstrip("/") + "/"
+        f = full.lstrip("/")
+        return f[len(prefix) :] if f.startswith(prefix) else f
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _event(self, kind: str, op: str, detail: str) -> None:
+        self._count({"retry": "retries", "timeout": "timeouts", "error": "errors"}[kind])
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):  # a metrics hook must never break storage
+                self.on_event(kind, op, detail)
+
+    def call(self, op: str, fn: Callable[..., T], *args: Any, retry: bool = True, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` bounded by the timeout, retrying transient errors."""
+        attempts = 1 + (self.retries if retry else 0)
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            if attempt:
+                self._event("retry", op, repr(last))
+                time.sleep(self.backoff * (2 ** (attempt - 1)))
+            fut = self._pool.submit(fn, *args, **kwargs)
+            try:
+                return fut.result(timeout=self.timeout)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                self._event("timeout", op, f"no answer in {self.timeout:g} s")
+                last = TimeoutError(f"{op} timed out after {self.timeout:g} s")
+            except BaseException as exc:
+                if not _transient(exc):
+                    if isinstance(exc, (FileNotFoundError,)) and not isinstance(exc, TraceStoreError):
+                        raise NotFoundError(f"{op}: not found on {self.url} ({exc})") from exc
+                    if isinstance(exc, PermissionError):
+                        self._event("error", op, repr(exc))
+                        raise StorageError(f"{op}: permission denied on {self.url}: {exc}") from exc
+                    raise
+                last = exc
+        self._event("error", op, repr(last))
+        raise StorageError(
+            f"{op} on {self.url} failed after {attempts} attempt(s) (timeout {self.timeout:g} s each): {last!r}; "
+            "check that the storage is reachable"
+        ) from last
+
+    # ------------------------------------------------------------------ reads
+
+    def cat(self, rel: str) -> bytes:
+        data = self.call(f"read {rel}", self.fs.cat_file, self.full(rel))
+        self._count("bytes_read", len(data))
+        return bytes(data)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.call(f"exists {rel}", self.fs.exists, self.full(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self.call(f"size {rel}", self.fs.size, self.full(rel)))
+
+    def ls_dirs(self, rel: str) -> list[str]:
+        """Names of the entries directly under ``rel`` (directories and files); [] when absent."""
+
+        def _ls() -> list[str]:
+            path = self.full(rel)
+            try:
+                entries = self.fs.ls(path, detail=False, refresh=True) if not self.local else self.fs.ls(path, False)
+            except FileNotFoundError:
+                return []
+            return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+        return self.call(f"list {rel}", _ls)
+
+    def find(self, rel: str) -> list[str]:
+        """All files below ``rel`` as root-relative paths ([] when absent)."""
+
+        def _find() -> list[str]:
+            path = self.full(rel)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
+            try:
+                return [self.rel(p) for p in self.fs.find(path)]
+            except FileNotFoundError:
+                return []
+
+        return self.call(f"list {rel}", _find)
+
+    def open_read(self, rel: str) -> Any:
+        """A binary file handle for ranged reads (no read-ahead cache: pyarrow asks for exact ranges)."""
+        kw: dict[str, Any] = {} if self.local else {"cache_type": "none", "block_size": 1 << 20}
+        return self.call(f"open {rel}", self.fs.open, self.full(rel), "rb", **kw)
+
+    # ------------------------------------------------------------------ writes
+
+    def publish(self, rel: str, data: bytes) -> bool:
+        """Write ``data`` at ``rel`` create-only and atomically; True if written, False if already there.
+
+        An existing object with identical bytes is a harmless repeat (False); different bytes raise
+        :class:`ConflictError`. Never leaves a partial object: S3 gets one PUT (``If-None-Match: *``),
+        local disk a temp file in the same directory, fsync, a create-only link, fsync of the directory.
+        """
+        try:
+            if self.local:
+                self.call(f"write {rel}", self._publish_local, self.full(rel), data)
+            else:
+                self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), data, mode="create")
+        except FileExistsError:
+            existing = self.cat(rel)
+            if existing != data:
+                raise ConflictError(
+                    f"{self.full(rel)} already exists with different bytes ({len(existing)} B vs {len(data)} B): "
+                    "the same shard key was written twice with different contents"
+                ) from None
+            return False
+        self._count("bytes_written", len(data))
+        return True
+
+    @staticmethod
+    def _publish_local(path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        created = []
+        d = directory
+        while d and not os.path.isdir(d):
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            # link() is the create-only rename: it fails with FileExistsError instead of replacing.
+            os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+        for dpath in [directory, *[os.path.dirname(c) for c in created]]:
+            dfd = os.open(dpath, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def rm(self, rel: str, recursive: bool = False) -> None:
+        def _rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.full(rel), recursive=recursive)
+
+        self.call(f"delete {rel}", _rm)
+
+
+class CountingFile(io.RawIOBase):
+    """Wraps a binary file handle and counts the bytes handed out (for read accounting)."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self._f = f
+        self.bytes_read = 0
+        self.io_error: OSError | None = None  # set when the storage (not the bytes) failed
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return int(self._f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+    def _read(self, size: int) -> bytes:
+        try:
+            return bytes(self._f.read(size))
+        except OSError as exc:
+            self.io_error = exc
+            raise
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._read(size)
+        self.bytes_read += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self._read(len(b))
+        n = len(data)
+        b[:n] = data
+        self.bytes_read += n
+        return n
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            super().close()

@@ -1,0 +1,493 @@
+"""StoreReader: microbatch-aligned, rank-sharded, verified reads of stored records.
+
+For a run, a set of policy versions, a :class:`~tracestore.plan.MicrobatchPlan`, an optional
+site subset (a pipeline stage's layers) and an optional column range (a tensor-parallel rank's
+heads), :meth:`StoreReader.read` returns per-site arrays aligned row-for-row to the plan plus a
+validity mask. Only the row groups that hold the plan's (trajectory, site, token) ranges are
+fetched, using the manifests' index (ranged reads; never the whole step). Every chunk's checksum
+is verified on every read.
+
+Resolution rules
+- A trajectory's tokens ``[0, P)`` covered by a :class:`~tracestore.records.PrefixLink` are read
+  from the link's source (recursively), transparently.
+- When several selected versions hold the same token, the newest wins (a re-rollout after a weight
+  update supersedes); two chunks of one version covering a token must hold identical bytes, else
+  :class:`~tracestore.errors.ConflictError` names the key.
+- The last position of a sealed trajectory is unrecorded by design (the rollout never forwards the
+  final sampled token): it comes back invalid and is never reported missing.
+- Padding segments (trajectory ``None``) come back invalid.
+
+Example::
+
+    reader = StoreReader(store, "run-1")
+    res = reader.read(MicrobatchPlan([("t0", 0, 512)]), sites=["layers.23.mlp.input"], columns=(0, 1024))
+    rows = res["layers.23.mlp.input"]   # SiteRows: codes [512, 128], scales [512, 64], valid [512] ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from tracestore.errors import (
+    ConfigError,
+    ConflictError,
+    CorruptionError,
+    MissingRecordsError,
+    NotFoundError,
+    ValidationError,
+)
+from tracestore.fsutil import CountingFile
+from tracestore.plan import MicrobatchPlan
+from tracestore.records import PrefixLink, RecordChunk, SiteSpec, TrajectorySeal, validate_id
+from tracestore.shards import ChunkEntry, Manifest, open_parquet, read_entries
+from tracestore.store import Store
+
+OnMissing = Literal["error", "mask"]
+StalePolicy = Literal["drop", "flag"]
+ColumnRange = tuple[int, int]
+_MAX_LINK_DEPTH = 64
+
+
+@dataclasses.dataclass
+class SiteRows:
+    """One site's records aligned to a plan: row ``i`` is the plan's ``i``-th row.
+
+    ``codes`` uint8 ``[n_rows, code_bytes]`` and ``scales`` uint8 ``[n_rows, scale_bytes]`` (of the
+    column range), ``global_scale`` float32 ``[n_rows]`` (1.0 where invalid), ``token_scales`` float32
+    ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool ``[n_rows]``,
+    ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool ``[n_rows]`` (older
+    than ``max_staleness`` with ``stale="flag"``). ``n_rows = plan.n_tokens * site.rows_per_token``.
+    """
+
+    site: SiteSpec
+    columns: ColumnRange
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scale: np.ndarray
+    token_scales: np.ndarray | None
+    valid: np.ndarray
+    policy_version: np.ndarray
+    stale: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.valid.shape[0])
+
+
+@dataclasses.dataclass
+class ReadStats:
+    shards: int = 0
+    row_groups: int = 0
+    chunks: int = 0
+    bytes_read: int = 0  # bytes handed to the Parquet decoder by the storage
+    missing_rows: int = 0  # rows masked because no record was found (on_missing="mask")
+    exempt_rows: int = 0  # final positions of sealed trajectories (unrecorded by design)
+
+
+class ReadResult(Mapping[str, SiteRows]):
+    """``result[site] -> SiteRows``; ``result.stats`` says what the read fetched."""
+
+    def __init__(self, plan: MicrobatchPlan, rows: dict[str, SiteRows], stats: ReadStats) -> None:
+        self.plan = plan
+        self.rows = rows
+        self.stats = stats
+
+    def __getitem__(self, site: str) -> SiteRows:
+        try:
+            return self.rows[site]
+        except KeyError:
+            raise NotFoundError(f"site {site!r} was not read; read sites: {list(self.rows)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclasses.dataclass
+class _Task:
+    entry: ChunkEntry
+    manifest: Manifest
+    lo: int  # source token range [lo, hi)
+    hi: int
+    out_token: int  # plan token index of lo
+    compare: bool  # True: check equality with what is already there (same version overlap)
+
+
+def _column_range(site: SiteSpec, columns: object) -> ColumnRange:
+    if columns is None:
+        return (0, site.width)
+    if isinstance(columns, Mapping):
+        return _column_range(site, columns.get(site.name))
+    try:
+        pair: tuple[Any, ...] = tuple(columns)  # type: ignore[call-overload,arg-type]
+        if len(pair) != 2:
+            raise ValueError("not a pair")
+        a, b = int(pair[0]), int(pair[1])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"columns must be (start, end) in values or a {{site: (start, end)}} dict, got {columns!r}"
+        ) from exc
+    block = site.fmt.block
+    if not 0 <= a < b <= site.width or a % block or b % block or (a * site.bits) % 8 or (b * site.bits) % 8:
+        raise ConfigError(
+            f"site {site.name}: column range [{a}, {b}) must lie in [0, {site.width}] and be aligned to the "
+            f"{site.format} block {block} (and to whole code bytes at b={site.bits})"
+        )
+    return (a, b)
+
+
+def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted token indices -> maximal [start, end) runs."""
+    if tokens.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(tokens) != 1)[0]
+    starts = np.concatenate([[tokens[0]], tokens[breaks + 1]])
+    ends = np.concatenate([tokens[breaks] + 1, [tokens[-1] + 1]])
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
+
+
+class StoreReader:
+    """Reads one run of a :class:`~tracestore.store.Store` aligned to microbatch plans.
+
+    Manifests and Parquet footers are cached (they are immutable); new manifests are picked up
+    on each read (``refresh=True``). ``workers`` shards are fetched concurrently.
+    """
+
+    def __init__(self, store: Store, run: str, *, workers: int = 4) -> None:
+        if not isinstance(store, Store):
+            raise ValidationError(f"StoreReader needs a Store, got {type(store).__name__}")
+        self.store = store
+        self.run = validate_id("run", run)
+        self.spec = store.get_run(run)
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._listed: dict[int, list[str]] = {}  # version -> manifest paths seen at the last refresh
+        self._by_traj: dict[str, list[tuple[Manifest, ChunkEntry]]] = {}
+        self._seals: dict[str, list[TrajectorySeal]] = {}
+        self._links: dict[str, list[PrefixLink]] = {}
+        self._indexed: set[str] = set()
+        self._footers: dict[str, pq.FileMetaData] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-read")
+
+    # ------------------------------------------------------------------ index
+
+    def versions(self) -> list[int]:
+        return self.store.list_versions(self.run)
+
+    def refresh(self, versions: Iterable[int]) -> None:
+        """List the manifests of ``versions`` and index any new ones."""
+        for v in versions:
+            paths = self.store.manifest_paths(self.run, v)
+            old = set(self._listed.get(v, []))
+            if old - set(paths):  # retention removed some: rebuild from scratch
+                self._reset()
+                old = set()
+            self._listed[v] = paths
+            for p in paths:
+                if p not in old and p not in self._indexed:
+                    self._index(p, self.store.read_manifest(p))
+
+    def _reset(self) -> None:
+        self._by_traj.clear()
+        self._seals.clear()
+        self._links.clear()
+        self._indexed.clear()
+        listed = dict(self._listed)
+        self._listed.clear()
+        for paths in listed.values():
+            for p in paths:
+                if self.store.storage.exists(p):
+                    self._index(p, self.store.read_manifest(p))
+
+    def _index(self, path: str, m: Manifest) -> None:
+        if m.run != self.run:
+            raise CorruptionError(f"manifest {path} belongs to run {m.run}, not {self.run}")
+        for e in m.chunks:
+            self._by_traj.setdefault(e.trajectory, []).append((m, e))
+        for s in m.seals:
+            self._seals.setdefault(s.trajectory, []).append(s)
+        for x in m.links:
+            self._links.setdefault(x.trajectory, []).append(x)
+        self._indexed.add(path)
+
+    def seal(self, trajectory: str, versions: Iterable[int] | None = None) -> TrajectorySeal | None:
+        """The newest seal of ``trajectory`` among ``versions`` (all indexed when None)."""
+        vs = None if versions is None else set(versions)
+        seals = [s for s in self._seals.get(trajectory, []) if vs is None or s.policy_version in vs]
+        return max(seals, key=lambda s: (s.policy_version, s.n_tokens), default=None)
+
+    def _link(self, trajectory: str, vs: set[int]) -> PrefixLink | None:
+        links = [x for x in self._links.get(trajectory, []) if x.policy_version in vs]
+        return max(links, key=lambda x: (x.policy_version, x.n_tokens), default=None)
+
+    # ------------------------------------------------------------------ read
+
+    def read(
+        self,
+        plan: MicrobatchPlan | Sequence[tuple[str | None, int, int]],
+        versions: int | Iterable[int] | None = None,
+        sites: Iterable[str] | None = None,
+        columns: ColumnRange | Mapping[str, ColumnRange] | None = None,
+        on_missing: OnMissing = "error",
+        max_staleness: int | None = None,
+        *,
+        current_version: int | None = None,
+        stale: StalePolicy = "drop",
+        require_sealed: bool = False,
+        refresh: bool = True,
+    ) -> ReadResult:
+        """Read the records of ``plan`` (see the module docstring for the rules).
+
+        ``versions``: one version, several, or None for all of the run's versions. ``max_staleness``:
+        records of versions older than ``current_version - max_staleness`` (``current_version``
+        defaults to the newest version stored) are dropped (``stale="drop"``) or returned and
+        flagged in ``SiteRows.stale`` (``stale="flag"``). ``on_missing="error"`` raises
+        :class:`MissingRecordsError` naming trajectory, site and tokens; ``"mask"`` returns them
+        invalid. ``require_sealed`` demands a seal for every trajectory in the plan.
+        """
+        if not isinstance(plan, MicrobatchPlan):
+            plan = MicrobatchPlan(plan)
+        if on_missing not in ("error", "mask"):
+            raise ConfigError(f"on_missing must be 'error' or 'mask', got {on_missing!r}")
+        if stale not in ("drop", "flag"):
+            raise ConfigError(f"stale must be 'drop' or 'flag', got {stale!r}")
+        site_specs = self._sites(sites)
+        col = {s.name: _column_range(s, columns) for s in site_specs}
+
+        all_versions = self.versions()
+        if versions is None:
+            vs = set(all_versions)
+        elif isinstance(versions, (int, np.integer)):
+            vs = {int(versions)}
+        else:
+            vs = {int(v) for v in versions}
+        stale_below = -1
+        if max_staleness is not None:
+            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+                raise ConfigError(f"max_staleness must be an integer >= 0 or None, got {max_staleness!r}")
+            current = current_version if current_version is not None else max(all_versions, default=0)
+            stale_below = current - max_staleness
+            if stale == "drop":
+                vs = {v for v in vs if v >= stale_below}
+        present = sorted(v for v in vs if v in set(all_versions))
+        with self._lock:
+            if refresh or any(v not in self._listed for v in present):
+                self.refresh(present)
+            return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed)
+
+    def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
+        if sites is None:
+            return list(self.spec.sites)
+        if isinstance(sites, str):
+            sites = [sites]
+        return [self.spec.site(s) for s in sites]
+
+    def _resolve(self, traj: str, a: int, b: int, vs: set[int]) -> list[tuple[str, int, int]]:
+        """Split tokens [a, b) of ``traj`` into (owner trajectory, lo, hi) pieces, following links."""
+        out: list[tuple[str, int, int]] = []
+        todo = [(traj, a, b, 0)]
+        while todo:
+            t, lo, hi, depth = todo.pop()
+            link = self._link(t, vs)
+            if link is None or lo >= link.n_tokens:
+                out.append((t, lo, hi))
+                continue
+            if depth >= _MAX_LINK_DEPTH:
+                raise CorruptionError(f"prefix links from {traj} form a chain longer than {_MAX_LINK_DEPTH} (a cycle?)")
+            cut = min(hi, link.n_tokens)
+            todo.append((link.source, lo, cut, depth + 1))
+            if hi > cut:
+                todo.append((t, cut, hi, depth))
+        return sorted(out, key=lambda p: p[1])
+
+    def _read(
+        self,
+        plan: MicrobatchPlan,
+        vs: set[int],
+        site_specs: list[SiteSpec],
+        col: dict[str, ColumnRange],
+        on_missing: OnMissing,
+        stale_below: int,
+        require_sealed: bool,
+    ) -> ReadResult:
+        stats = ReadStats()
+        if require_sealed:
+            unsealed = [t for t in plan.trajectories if self.seal(t, vs) is None]
+            if unsealed:
+                raise MissingRecordsError(
+                    f"run {self.run}: trajectories {unsealed[:10]} have no seal in versions {sorted(vs)} "
+                    "(require_sealed=True)"
+                )
+        # 1. plan -> tasks per site
+        tasks: dict[str, list[_Task]] = {s.name: [] for s in site_specs}
+        pieces_of = []
+        for seg in plan.segments:
+            pieces_of.append(
+                [] if seg.trajectory is None else self._resolve(seg.trajectory, seg.token_start, seg.token_end, vs)
+            )
+        for s in site_specs:
+            for i, seg in enumerate(plan.segments):
+                base = int(plan.offsets[i]) - seg.token_start
+                for owner, lo, hi in pieces_of[i]:
+                    cands = [
+                        (m, e)
+                        for m, e in self._by_traj.get(owner, ())
+                        if e.site == s.name and m.policy_version in vs and e.token_start < hi and e.token_end > lo
+                    ]
+                    cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
+                    filled = np.full(hi - lo, -1, dtype=np.int64)
+                    for m, e in cands:
+                        a, b = max(lo, e.token_start), min(hi, e.token_end)
+                        window = filled[a - lo : b - lo]
+                        for kind, mask in ((False, window == -1), (True, window == m.policy_version)):
+                            idx = np.nonzero(mask)[0]
+                            for ra, rb in _ranges(idx):
+                                tasks[s.name].append(_Task(e, m, a + ra, a + rb, base + a + ra, kind))
+                        window[window == -1] = m.policy_version
+        # 2. fetch the chunks
+        needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}
+        for tl in tasks.values():
+            for t in tl:
+                if t.manifest.shard is None:
+                    raise CorruptionError(f"manifest of {t.manifest.writer}/{t.manifest.seq} lists chunks but no shard")
+                needed.setdefault(t.manifest.shard, (t.manifest, {}))[1][t.entry] = None
+        loaded: dict[tuple[str, ChunkEntry], RecordChunk] = {}
+        futs = {
+            path: self._pool.submit(self._load, path, m, list(es), stats) for path, (m, es) in sorted(needed.items())
+        }
+        for path, fut in futs.items():
+            for e, chunk in fut.result().items():
+                loaded[(path, e)] = chunk
+        # 3. assemble
+        rows: dict[str, SiteRows] = {}
+        missing: list[str] = []
+        for s in site_specs:
+            rows[s.name] = self._assemble(plan, s, col[s.name], tasks[s.name], loaded, stale_below)
+            self._check_missing(plan, s, rows[s.name], vs, stats, missing)
+        if missing and on_missing == "error":
+            more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
+            raise MissingRecordsError(
+                f"run {self.run} versions {sorted(vs)}: no record for " + "; ".join(missing[:20]) + more
+            )
+        return ReadResult(plan, rows, stats)
+
+    def _load(
+        self, path: str, m: Manifest, entries: list[ChunkEntry], stats: ReadStats
+    ) -> dict[ChunkEntry, RecordChunk]:
+        storage = self.store.storage
+        where = f"{self.store.url}/{path}"
+
+        def _op() -> tuple[dict[ChunkEntry, RecordChunk], int]:
+            raw = storage.fs.open(storage.full(path), "rb", **({} if storage.local else {"cache_type": "none"}))
+            f = CountingFile(raw)
+            try:
+                size = f.seek(0, 2)
+                if size != m.shard_bytes:
+                    raise CorruptionError(
+                        f"shard {where}: {size} bytes, its manifest says {m.shard_bytes} (truncated or replaced)"
+                    )
+                f.seek(0)
+                try:
+                    pf = open_parquet(f, where, self._footers.get(path))
+                    out = read_entries(pf, m, entries, where)
+                except CorruptionError:
+                    if f.io_error is not None:  # the storage failed, not the bytes
+                        raise f.io_error from None
+                    raise
+                self._footers.setdefault(path, pf.metadata)
+                return out, f.bytes_read
+            finally:
+                f.close()
+
+        try:
+            out, nbytes = storage.call(f"read {path}", _op)
+        except NotFoundError:
+            raise NotFoundError(f"shard {where} listed in a manifest is gone (deleted by retention?)") from None
+        with self._stats_lock:
+            stats.shards += 1
+            stats.row_groups += len({e.row_group for e in entries})
+            stats.chunks += len(entries)
+            stats.bytes_read += nbytes
+        storage._count("bytes_read", nbytes)
+        return out
+
+    def _assemble(
+        self,
+        plan: MicrobatchPlan,
+        s: SiteSpec,
+        cols: ColumnRange,
+        tasks: list[_Task],
+        loaded: dict[tuple[str, ChunkEntry], RecordChunk],
+        stale_below: int,
+    ) -> SiteRows:
+        k = s.rows_per_token
+        n = plan.n_tokens * k
+        cb0, cb1 = cols[0] * s.bits // 8, cols[1] * s.bits // 8
+        sb0, sb1 = cols[0] // s.fmt.block, cols[1] // s.fmt.block
+        codes = np.zeros((n, cb1 - cb0), np.uint8)
+        scales = np.zeros((n, sb1 - sb0), np.uint8)
+        g = np.ones(n, np.float32)
+        pv = np.full(n, -1, np.int64)
+        valid = np.zeros(n, bool)
+        ts: np.ndarray | None = None
+        for t in tasks:
+            c = loaded[(t.manifest.shard or "", t.entry)]
+            r0, r1 = (t.lo - c.token_start) * k, (t.hi - c.token_start) * k
+            o0, o1 = t.out_token * k, t.out_token * k + (r1 - r0)
+            src_codes = c.codes[r0:r1, cb0:cb1]
+            src_scales = c.scales[r0:r1, sb0:sb1]
+            if t.compare:
+                same = (
+                    np.array_equal(codes[o0:o1], src_codes)
+                    and np.array_equal(scales[o0:o1], src_scales)
+                    and bool(np.all(g[o0:o1] == np.float32(c.global_scale)))
+                    and (ts is None or c.token_scales is None or ts[o0:o1].tobytes() == c.token_scales[r0:r1].tobytes())
+                )
+                if not same:
+                    raise ConflictError(
+                        f"run {self.run} v{c.policy_version} trajectory {c.trajectory} site {s.name} tokens "
+                        f"[{t.lo}, {t.hi}) are stored twice with different bytes (shard {t.manifest.shard})"
+                    )
+                continue
+            codes[o0:o1] = src_codes
+            scales[o0:o1] = src_scales
+            g[o0:o1] = c.global_scale
+            pv[o0:o1] = c.policy_version
+            valid[o0:o1] = True
+            if c.token_scales is not None:
+                if ts is None:
+                    ts = np.ones(n, np.float32)
+                ts[o0:o1] = c.token_scales[r0:r1]
+        stale_rows = valid & (pv < stale_below)
+        return SiteRows(s, cols, codes, scales, g, ts, valid, pv, stale_rows)
+
+    def _check_missing(
+        self, plan: MicrobatchPlan, s: SiteSpec, rows: SiteRows, vs: set[int], stats: ReadStats, out: list[str]
+    ) -> None:
+        k = s.rows_per_token
+        tok_valid = np.asarray(rows.valid.reshape(-1, k).all(axis=1), dtype=bool)
+        for i, seg in enumerate(plan.segments):
+            if seg.trajectory is None:
+                continue
+            o = int(plan.offsets[i])
+            bad = np.nonzero(~tok_valid[o : o + seg.n_tokens])[0] + seg.token_start
+            if bad.size == 0:
+                continue
+            seal = self.seal(seg.trajectory, vs)
+            if seal is not None and seal.n_tokens - 1 in bad:
+                bad = bad[bad != seal.n_tokens - 1]
+                stats.exempt_rows += k
+            if bad.size == 0:
+                continue
+            stats.missing_rows += int(bad.size) * k
+            spans = ", ".join(f"[{a}, {b})" for a, b in _ranges(bad)[:8])
+            out.append(f"trajectory {seg.trajectory} site {s.name} tokens {spans}")

@@ -1,0 +1,283 @@
+"""Store: durable Parquet shards of record chunks on any fsspec URL (design.md §8).
+
+Layout under the root URL::
+
+    {run}/run.json                                          the RunSpec (create-only)
+    {run}/v{policy_version}/{writer}/part-{seq:08d}.parquet  one shard, published with one call
+    {run}/v{policy_version}/{writer}/part-{seq:08d}.manifest.json   written after it: makes it visible
+
+Writers own their key space (writer id + sequence number), so nothing needs a coordinator;
+a reader's view of a version is the union of the manifests present. Keys are deterministic and
+writes create-only: repeating a ``write_shard`` call (a retry after a lost ack) is a no-op, the
+same key with different bytes is a :class:`ConflictError`.
+
+Example::
+
+    store = Store("file://./tracestore-data")
+    store.put_run(RunSpec("run-1", (SiteSpec("layers.23.mlp.input", "moe_input", 23, 2048),)))
+    info = store.write_shard("run-1", 0, "sidecar-0", 0, chunks, seals=[TrajectorySeal(...)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
+from tracestore.fsutil import EventHook, Storage
+from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
+from tracestore.shards import MIN_ROW_GROUP_BYTES, ROW_GROUP_BYTES, Manifest, encode_shard, shard_name
+
+_VERSION_DIR = re.compile(r"v(\d+)")
+_MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """The result of :meth:`Store.write_shard`."""
+
+    run: str
+    policy_version: int
+    writer: str
+    seq: int
+    path: str | None  # root-relative Parquet path; None for a seal/link-only write
+    manifest_path: str
+    n_chunks: int
+    nbytes: int  # bytes of the Parquet file
+    payload_bytes: int  # codes + scales + token scales of the chunks
+    written: bool  # False when an identical shard was already there (a repeated call)
+
+
+def _version(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValidationError(f"policy_version must be an integer >= 0, got {v!r}")
+    return v
+
+
+class Store:
+    """Record storage on an fsspec URL (``file://`` default, ``memory://``, ``s3://``...).
+
+    ``storage_options`` are passed to fsspec untouched; ``timeout`` bounds every storage call
+    (seconds); transient errors are retried ``retries`` times with backoff; ``on_event(kind, op,
+    detail)`` is called on each retry / timeout / error (for metrics). ``stats`` counts them.
+    """
+
+    def __init__(
+        self,
+        url: str = "file://./tracestore-data",
+        storage_options: dict[str, Any] | None = None,
+        *,
+        timeout: float = 60.0,
+        retries: int = 3,
+        on_event: EventHook | None = None,
+        row_group_bytes: int = ROW_GROUP_BYTES,
+        min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
+    ) -> None:
+        self.storage = Storage(url, storage_options, timeout=timeout, retries=retries, on_event=on_event)
+        self.url = url
+        self.row_group_bytes = int(row_group_bytes)
+        self.min_row_group_bytes = int(min_row_group_bytes)
+        self._runs: dict[str, RunSpec] = {}
+        self._manifests: dict[str, Manifest] = {}  # manifests are immutable once published
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.storage.stats
+
+    # ------------------------------------------------------------------ runs
+
+    def put_run(self, spec: RunSpec) -> bool:
+        """Declare a run (create-only). Repeating the same spec is a no-op; a different one conflicts."""
+        if not isinstance(spec, RunSpec):
+            raise ValidationError(f"put_run expects a RunSpec, got {type(spec).__name__}")
+        data = spec.to_json().encode()
+        try:
+            written = self.storage.publish(f"{spec.run}/run.json", data)
+        except ConflictError:
+            existing = self.get_run(spec.run)
+            raise ConflictError(
+                f"run {spec.run} is already declared with other sites: {existing.to_json()}; "
+                "use a new run id to change sites"
+            ) from None
+        with self._lock:
+            self._runs[spec.run] = spec
+        return written
+
+    def get_run(self, run: str) -> RunSpec:
+        validate_id("run", run)
+        with self._lock:
+            if run in self._runs:
+                return self._runs[run]
+        try:
+            data = self.storage.cat(f"{run}/run.json")
+        except NotFoundError:
+            raise NotFoundError(
+                f"run {run!r} is not declared in {self.url}; call put_run(RunSpec(...)) first"
+            ) from None
+        spec = RunSpec.from_json(data)
+        with self._lock:
+            self._runs[run] = spec
+        return spec
+
+    # ------------------------------------------------------------------ writing
+
+    def shard_paths(self, run: str, policy_version: int, writer: str, seq: int) -> tuple[str, str]:
+        base = f"{run}/v{policy_version}/{writer}/{shard_name(seq)}"
+        return f"{base}.parquet", f"{base}.manifest.json"
+
+    def write_shard(
+        self,
+        run: str,
+        policy_version: int,
+        writer: str,
+        seq: int,
+        chunks: Sequence[RecordChunk],
+        seals: Sequence[TrajectorySeal] = (),
+        links: Sequence[PrefixLink] = (),
+    ) -> ShardInfo:
+        """Publish one complete shard create-only, then its manifest. Repeating the call is a no-op.
+
+        Chunks are validated against the run's sites; seals must list declared sites. Returns
+        :class:`ShardInfo`. Raises ConflictError if ``(run, version, writer, seq)`` already holds
+        different data.
+        """
+        validate_id("run", run)
+        validate_id("writer", writer)
+        policy_version = _version(policy_version)
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise ValidationError(f"seq must be an integer >= 0, got {seq!r}")
+        spec = self.get_run(run)
+        for c in chunks:
+            if not isinstance(c, RecordChunk):
+                raise ValidationError(f"write_shard expects RecordChunk objects, got {type(c).__name__}")
+            c.validate(spec.site(c.site))
+        for s in seals:
+            if not isinstance(s, TrajectorySeal):
+                raise ValidationError(f"seals must be TrajectorySeal objects, got {type(s).__name__}")
+            for name in s.sites:
+                spec.site(name)
+        for x in links:
+            if not isinstance(x, PrefixLink):
+                raise ValidationError(f"links must be PrefixLink objects, got {type(x).__name__}")
+        shard_path, manifest_path = self.shard_paths(run, policy_version, writer, seq)
+        data, manifest = encode_shard(
+            run,
+            policy_version,
+            writer,
+            seq,
+            shard_path,
+            chunks,
+            seals,
+            links,
+            row_group_bytes=self.row_group_bytes,
+            min_row_group_bytes=self.min_row_group_bytes,
+        )
+        written = False
+        if data is not None:
+            written = self.storage.publish(shard_path, data)
+        written = self.storage.publish(manifest_path, manifest.to_json()) or written
+        with self._lock:
+            self._manifests[manifest_path] = manifest
+        return ShardInfo(
+            run,
+            policy_version,
+            writer,
+            seq,
+            shard_path if data is not None else None,
+            manifest_path,
+            len(manifest.chunks),
+            manifest.shard_bytes,
+            sum(e.nbytes for e in manifest.chunks),
+            written,
+        )
+
+    # ------------------------------------------------------------------ listing
+
+    def list_runs(self) -> list[str]:
+        out = []
+        for name in self.storage.ls_dirs(""):
+            try:
+                validate_id("run", name)
+            except ValidationError:
+                continue
+            out.append(name)
+        return sorted(out)
+
+    def list_versions(self, run: str) -> list[int]:
+        validate_id("run", run)
+        out = []
+        for name in self.storage.ls_dirs(run):
+            m = _VERSION_DIR.fullmatch(name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def manifest_paths(self, run: str, policy_version: int) -> list[str]:
+        """Root-relative paths of the committed manifests of one version (sorted)."""
+        validate_id("run", run)
+        base = f"{run}/v{_version(policy_version)}/"
+        out = []
+        for p in self.storage.find(base.rstrip("/")):
+            if not p.startswith(base):
+                continue
+            parts = p[len(base) :].split("/")
+            if len(parts) == 2 and _MANIFEST_FILE.fullmatch(parts[1]):
+                out.append(p)
+        return sorted(out)
+
+    def read_manifest(self, path: str) -> Manifest:
+        with self._lock:
+            cached = self._manifests.get(path)
+        if cached is not None:
+            return cached
+        m = Manifest.from_json(self.storage.cat(path), where=f"{self.url}/{path}")
+        expect_dir = path.rsplit("/", 3)
+        if len(expect_dir) == 4 and (
+            expect_dir[0].rsplit("/", 1)[-1] != m.run
+            or expect_dir[1] != f"v{m.policy_version}"
+            or expect_dir[2] != m.writer
+            or expect_dir[3] != f"{shard_name(m.seq)}.manifest.json"
+        ):
+            raise CorruptionError(f"manifest {path} describes run {m.run} v{m.policy_version} {m.writer}/{m.seq}")
+        with self._lock:
+            self._manifests[path] = m
+        return m
+
+    def manifests(self, run: str, policy_version: int) -> list[Manifest]:
+        return [self.read_manifest(p) for p in self.manifest_paths(run, policy_version)]
+
+    def list_writers(self, run: str, version: int) -> list[str]:
+        return sorted({p.split("/")[2] for p in self.manifest_paths(run, version)})
+
+    def list_trajectories(self, run: str, version: int) -> list[str]:
+        out: set[str] = set()
+        for m in self.manifests(run, version):
+            out |= m.trajectories
+        return sorted(out)
+
+    # ------------------------------------------------------------------ retention
+
+    def delete_versions_older_than(self, run: str, keep: int) -> list[int]:
+        """Retention: delete every policy version ``< keep`` of ``run``; returns the deleted versions.
+
+        Manifests go first (the data stops being visible), then the shards and directories.
+        """
+        keep = _version(keep)
+        deleted = []
+        for v in self.list_versions(run):
+            if v >= keep:
+                continue
+            for p in self.manifest_paths(run, v):
+                self.storage.rm(p)
+                with self._lock:
+                    self._manifests.pop(p, None)
+            self.storage.rm(f"{run}/v{v}", recursive=True)
+            deleted.append(v)
+        return deleted
