@@ -83,14 +83,14 @@ def _moe_block(layer: nn.Module) -> nn.Module | None:
     return None
 
 
-def _attention(layer: nn.Module) -> nn.Module:
+def _attention(layer: nn.Module) -> Any:
     attn = getattr(layer, "self_attn", None)
     if attn is None or not hasattr(attn, "layer_idx"):
         raise ConfigError(f"{type(layer).__name__} has no self_attn with a layer_idx; cannot hook its K/V")
     return attn
 
 
-def _kv_width(model: nn.Module) -> int:
+def _kv_width(model: Any) -> int:
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * int(head_dim)
@@ -172,7 +172,7 @@ class HFSiteHooks:
     Dense layers (no MoE block) get only K/V sites. Use as a context manager or call :meth:`remove`.
     """
 
-    def __init__(self, model: nn.Module, fn: SiteFn, *, layers: Iterable[int] | None = None, kv: bool = True) -> None:
+    def __init__(self, model: Any, fn: SiteFn, *, layers: Iterable[int] | None = None, kv: bool = True) -> None:
         require("transformers", "demo")
         if not callable(fn):
             raise ConfigError(f"fn must be callable as fn(site, x), got {type(fn).__name__}")

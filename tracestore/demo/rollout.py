@@ -136,10 +136,7 @@ def run_rollout(
             if progress is not None:
                 progress(end - start)
             lp = torch.log_softmax(logits, dim=-1)
-            if tokens is None:
-                nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1)
-            else:
-                nxt = tokens[:, end]
+            nxt = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1) if tokens is None else tokens[:, end]
             out[:, end] = nxt
             logprobs[:, end - plen] = lp.gather(1, nxt[:, None]).squeeze(1)
             if end == n - 1:

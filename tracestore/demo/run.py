@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,9 +13,10 @@ import torch
 
 from tracestore.demo import fidelity
 from tracestore.demo.model import DTYPES, ModelSpec, build_model
-from tracestore.demo.rollout import OnForward, Rollout, run_rollout
+from tracestore.demo.rollout import Rollout, run_rollout
 from tracestore.demo.train import Mode, SiteGuidance, standard_modes, train_forward
-from tracestore.errors import ConfigError
+from tracestore.demo.transport import ServiceTransport, default_workdir, run_id, service_available
+from tracestore.errors import ConfigError, MissingExtraError
 from tracestore.formats import get_format
 from tracestore.packing import pack_bits
 
@@ -37,7 +40,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.trajectories < 1 or self.prompt < 1 or self.tokens < 2:
             raise ConfigError(
-                f"need trajectories >= 1, prompt >= 1 and tokens >= 2, got {self.trajectories}, {self.prompt}, {self.tokens}"
+                "need trajectories >= 1, prompt >= 1 and tokens >= 2, "
+                f"got {self.trajectories}, {self.prompt}, {self.tokens}"
             )
         if self.bits not in (1, 2, 3, 4):
             raise ConfigError(f"bits must be 1..4, got {self.bits}")
@@ -72,15 +76,31 @@ def memory_guidance(roll: Rollout, mode: Mode, fmt_name: str = "nvfp4") -> dict[
 Progress = Callable[[str, int], Any]  # (description, total) -> callable(step)
 
 
+def _site_widths(model: Any) -> dict[str, int]:
+    from tracestore.client.hf_hooks import HFSiteHooks
+
+    with HFSiteHooks(model, lambda site, x: None) as hooks:
+        return {s.name: s.width for s in hooks.sites}
+
+
+def _same(a: SiteGuidance, b: SiteGuidance) -> bool:
+    return (
+        a.bits == b.bits
+        and torch.equal(a.valid, b.valid)
+        and torch.equal(a.packed[a.valid], b.packed[b.valid])
+        and torch.equal(a.scales[a.valid], b.scales[b.valid])
+        and torch.equal(a.g[a.valid], b.g[b.valid])
+    )
+
+
 def run_demo(
     cfg: DemoConfig,
     *,
-    guidance_for: Callable[[Rollout, Mode], dict[str, SiteGuidance]] | None = None,
-    on_forward: OnForward | None = None,
+    out: pathlib.Path | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Run the pipeline; returns the results dict (``results.json``). ``guidance_for`` supplies each
-    TRACE mode's records (default: in memory), ``on_forward`` sees each rollout forward's records."""
+    """Run the pipeline; returns the results dict (``results.json``). Records travel through the
+    service (``cfg.transport`` "service", or "auto" when its parts are installed) or stay in memory."""
     fmt = get_format("nvfp4")
     dtype = DTYPES[cfg.dtype]
     timings: dict[str, float] = {}
@@ -88,46 +108,88 @@ def run_demo(
     model = build_model(cfg.model, dtype=dtype, device=cfg.device, seed=cfg.seed)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 1)
     prompts = torch.randint(3, cfg.model.vocab, (cfg.trajectories, cfg.prompt), generator=gen, device=cfg.device)
+    modes = standard_modes(cfg.model.layers, cfg.bits)
     timings["build_model_s"] = time.perf_counter() - t0
 
-    n_pos = cfg.prompt + cfg.tokens - 1
-    t = time.perf_counter()
-    bar = progress("rollout (FP4, KV cache)", n_pos) if progress else None
-    roll = run_rollout(model, prompts, cfg.tokens, fmt=fmt, generator=gen, on_forward=on_forward, progress=bar)
-    timings["rollout_fp4_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    bar = progress("rollout replay (BF16 reference)", n_pos) if progress else None
-    ref = run_rollout(model, prompts, cfg.tokens, fmt=None, tokens=roll.tokens, progress=bar)
-    timings["rollout_bf16_s"] = time.perf_counter() - t
+    why_not = service_available() if cfg.transport != "memory" else "--transport memory"
+    if cfg.transport == "service" and why_not:
+        raise MissingExtraError(f"--transport service needs the client SDK and server: {why_not}")
+    transport: dict[str, Any] = {"path": "memory" if why_not else "service"}
+    with contextlib.ExitStack() as stack:
+        service: ServiceTransport | None = None
+        if not why_not:
+            workdir = default_workdir(out)
+            service = stack.enter_context(ServiceTransport(modes, _site_widths(model), workdir, cfg.storage))
+            transport.update(storage=service.storage, address=service.address, runs=[run_id(m) for m in service.modes])
+        n_pos = cfg.prompt + cfg.tokens - 1
+        t = time.perf_counter()
+        bar = progress("rollout (FP4, KV cache)", n_pos) if progress else None
+        on_forward = service.on_forward if service else None
+        roll = run_rollout(model, prompts, cfg.tokens, fmt=fmt, generator=gen, on_forward=on_forward, progress=bar)
+        timings["rollout_fp4_s"] = time.perf_counter() - t
+        if service is not None:
+            t = time.perf_counter()
+            service.finish(cfg.trajectories, cfg.prompt + cfg.tokens)
+            timings["seal_flush_s"] = time.perf_counter() - t
+            transport.update(recorder_stats=service.stats, sent_bytes=service.sent_bytes)
 
-    modes = standard_modes(cfg.model.layers, cfg.bits)
-    stats: dict[str, dict[str, fidelity.SiteStats]] = {}
-    logprob: dict[str, dict[str, float]] = {}
-    t = time.perf_counter()
-    step = progress("training forwards", len(modes)) if progress else None
-    get_guidance = guidance_for or (lambda r, m: memory_guidance(r, m))
-    for mode in modes:
-        source = ref if mode.quant == "none" else roll
-        guidance = get_guidance(roll, mode) if mode.quant == "trace" else {}
-        tr = train_forward(model, roll.tokens, roll.prompt_len, mode, fmt, guidance, cfg.rule)
-        stats[mode.name] = {
-            name: fidelity.site_stats(st.y, tr.y[name], st.codes, tr.codes.get(name))
-            for name, st in source.sites.items()
-        }
-        logprob[mode.name] = fidelity.logprob_diff(source, tr)
-        if step:
-            step(1)
-    timings["training_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        bar = progress("rollout replay (BF16 reference)", n_pos) if progress else None
+        ref = run_rollout(model, prompts, cfg.tokens, fmt=None, tokens=roll.tokens, progress=bar)
+        timings["rollout_bf16_s"] = time.perf_counter() - t
+
+        stats: dict[str, dict[str, fidelity.SiteStats]] = {}
+        logprob: dict[str, dict[str, float]] = {}
+        identical: dict[str, bool] = {}
+        t = time.perf_counter()
+        step = progress("training forwards", len(modes)) if progress else None
+        for mode in modes:
+            source = ref if mode.quant == "none" else roll
+            guidance: dict[str, SiteGuidance] = {}
+            if mode.quant == "trace":
+                guidance = memory_guidance(roll, mode)
+                if service is not None:
+                    read = service.guidance(roll, mode)
+                    identical[mode.name] = set(read) == set(guidance) and all(
+                        _same(read[k], guidance[k]) for k in guidance
+                    )
+                    guidance = read  # train on what came back through the service
+            tr = train_forward(model, roll.tokens, roll.prompt_len, mode, fmt, guidance, cfg.rule)
+            stats[mode.name] = {
+                name: fidelity.site_stats(st.y, tr.y[name], st.codes, tr.codes.get(name))
+                for name, st in source.sites.items()
+            }
+            logprob[mode.name] = fidelity.logprob_diff(source, tr)
+            if step:
+                step(1)
+        timings["training_s"] = time.perf_counter() - t
 
     moe_rows = fidelity.layer_table(modes, stats, cfg.model.layers, "mlp.input")
     kv_rows = {kind: fidelity.layer_table(modes, stats, cfg.model.layers, f"attn.{kind}") for kind in ("k", "v")}
+    checks = fidelity.expectations(modes, moe_rows, logprob)
+    if service is not None:
+        transport["read_back_identical"] = identical
+        transport["summary"] = (
+            f"service: RolloutRecorder -> tracestore serve ({transport['address']}) -> {transport['storage']}"
+            " -> GuidanceReader; training used the records read back"
+        )
+        checks.append(
+            {
+                "check": "records read back through GuidanceReader are byte-identical to what the rollout recorded",
+                "measured": ", ".join(f"{k}: {v}" for k, v in identical.items()),
+                "ok": all(identical.values()),
+            }
+        )
+    else:
+        transport["summary"] = f"in memory (NOT through the service: {why_not})"
     timings["total_s"] = time.perf_counter() - t0
     return {
         "config": {**dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model)},
         "modes": [{"name": m.name, "label": m.label, "layers": sorted(m.layers), "bits": m.bits} for m in modes],
+        "transport": transport,
         "moe_input": moe_rows,
         "kv": kv_rows,
         "logprob_diff": logprob,
-        "expectations": fidelity.expectations(modes, moe_rows, logprob),
+        "expectations": checks,
         "timings": timings,
     }

@@ -1,0 +1,98 @@
+"""``tracestore demo``: TRACE end to end on a randomly initialised transformers MoE model."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from typing import Any
+
+from tracestore.cli import env_default
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    e = env_default
+    p = sub.add_parser(
+        "demo",
+        help="TRACE end to end on a small random MoE model: FP4 rollout -> records -> training -> fidelity report",
+        description="Generate with a KV cache and NVFP4 fake-quant (MoE-block inputs, post-RoPE K/V), record "
+        "the rollout's FP4 codes through RolloutRecorder -> `tracestore serve` -> storage, read them back "
+        "with GuidanceReader and run one teacher-forced training forward in five modes (BF16, vanilla RTN "
+        "QAT, TRACE compact, TRACE all layers, TRACE b=4). Prints a per-layer table; writes results.json "
+        "and PNG plots into --out. Every --flag can also be set as TRACESTORE_FLAG (e.g. TRACESTORE_ARCH).",
+    )
+    p.add_argument("--arch", default=e("--arch", "qwen3_moe"), help="transformers MoE model type: qwen3_moe "
+                   "(default), qwen2_moe, mixtral, olmoe")  # fmt: skip
+    p.add_argument("--layers", type=int, default=int(e("--layers", 8)), help="decoder layers (default 8)")
+    p.add_argument("--hidden", type=int, default=int(e("--hidden", 256)), help="hidden size (default 256)")
+    p.add_argument("--heads", type=int, default=int(e("--heads", 4)), help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=int(e("--kv-heads", 2)), help="K/V heads (default 2)")
+    p.add_argument("--experts", type=int, default=int(e("--experts", 8)), help="routed experts (default 8)")
+    p.add_argument("--top-k", type=int, default=int(e("--top-k", 2)), help="experts per token (default 2)")
+    p.add_argument("--vocab", type=int, default=int(e("--vocab", 1024)), help="vocabulary size (default 1024)")
+    p.add_argument("--trajectories", type=int, default=int(e("--trajectories", 4)), help="batch of rollouts (4)")
+    p.add_argument("--prompt", type=int, default=int(e("--prompt", 16)), help="prompt tokens (default 16)")
+    p.add_argument("--tokens", type=int, default=int(e("--tokens", 48)), help="generated tokens per trajectory (48)")
+    p.add_argument("--bits", type=int, default=int(e("--bits", 1)), help="b of the compact/all-layers modes (1)")
+    p.add_argument("--rule", default=e("--rule", "bracket"), choices=("bracket", "paper"), help="guided rounding rule")
+    p.add_argument(
+        "--storage", default=e("--storage", None), help="file:// URL for the records (default: OUT/service/store)"
+    )
+    p.add_argument("--transport", default=e("--transport", "auto"), choices=("auto", "service", "memory"),
+                   help="service: through RolloutRecorder/serve/GuidanceReader; memory: records held in memory; "
+                   "auto: service when installed")  # fmt: skip
+    p.add_argument("--device", default=e("--device", None), help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=e("--dtype", "bf16"), choices=("bf16", "fp32"), help="model dtype (bf16)")
+    p.add_argument("--seed", type=int, default=int(e("--seed", 0)))
+    p.add_argument("--out", default=e("--out", "tracestore-demo"), help="output directory (default ./tracestore-demo)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    def make(desc: str, total: int) -> Any:
+        bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+        def step(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+
+        return step
+
+    return make
+
+
+def run(ns: argparse.Namespace) -> int:
+    from tracestore.errors import MissingExtraError, TraceStoreError, require
+
+    try:
+        torch = require("torch", "torch")
+        require("transformers", "demo")
+        from tracestore.demo import report
+        from tracestore.demo.model import ModelSpec
+        from tracestore.demo.run import DemoConfig, run_demo
+    except MissingExtraError as exc:
+        print(f"tracestore demo: {exc}", file=sys.stderr)
+        return 2
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")  # type: ignore[attr-defined]
+    try:
+        cfg = DemoConfig(
+            model=ModelSpec(ns.arch, ns.layers, ns.hidden, ns.heads, ns.kv_heads, ns.experts, ns.top_k, vocab=ns.vocab),
+            trajectories=ns.trajectories, prompt=ns.prompt, tokens=ns.tokens, bits=ns.bits, rule=ns.rule,
+            device=device, dtype=ns.dtype, seed=ns.seed, storage=ns.storage, transport=ns.transport,
+        )  # fmt: skip
+        out = pathlib.Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        results = run_demo(cfg, out=out, progress=_progress(not ns.no_progress and sys.stderr.isatty()))
+    except TraceStoreError as exc:
+        print(f"tracestore demo: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_table(results))
+    paths = [report.write_json(results, out), *report.write_plots(results, out)]
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(c["ok"] for c in results["expectations"]) else 1
