@@ -65,12 +65,14 @@ class RunSpec(_message.Message):
     def __init__(self, run: _Optional[str] = ..., sites: _Optional[_Iterable[_Union[Site, _Mapping]]] = ...) -> None: ...
 
 class ShmRef(_message.Message):
-    __slots__ = ("offset", "length")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    offset: int
-    length: int
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    __slots__ = ("codes_offset", "scales_offset", "token_scales_offset")
+    CODES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SCALES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SCALES_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    codes_offset: int
+    scales_offset: int
+    token_scales_offset: int
+    def __init__(self, codes_offset: _Optional[int] = ..., scales_offset: _Optional[int] = ..., token_scales_offset: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("policy_version", "trajectory", "site", "token_start", "n_tokens", "codes", "scales", "global_scale", "token_scales", "has_token_scales", "checksum", "shm")

@@ -1,0 +1,664 @@
+"""RolloutRecorder: the rollout engine's side of tracestore. Never blocks, never crashes the engine.
+
+Per forward, :meth:`RolloutRecorder.record_forward` copies each site's record rows (a GPU slab
+slice or CPU memory) into the staging pool — on a side CUDA stream, non-blocking, when the rows
+live on a GPU — and queues one descriptor per (segment, site). A background thread waits for the
+copies, numbers messages per writer ``(writer, epoch, sequence)``, streams them to the sidecar
+(offsets into shared memory over a unix socket, inline bytes over TCP), and releases staging when
+the sidecar acknowledges the sequence as durable. On a lost connection it reconnects and resends
+the unacknowledged messages (the sidecar answers duplicates as success). When it cannot keep up —
+staging full, sidecar unreachable for ``give_up_s`` — it drops the affected trajectories, marks
+them unguided (they are never sealed, so a reader sees them as incomplete), counts them, and
+carries on.
+
+Example::
+
+    rec = RolloutRecorder("unix:///run/tracestore.sock", run_spec, writer="node3-gpu0")
+    rec.record_forward([("traj-1", 0, 12), ("traj-2", 0, 9)], {"layers.23.mlp.input": SiteOutput(codes, scales, g)})
+    rec.finish("traj-1", n_tokens=13); rec.flush(timeout=30); rec.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError
+from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, chunk_checksum, validate_id
+from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.convert import link_to_pb, run_spec_to_pb, seal_to_pb
+
+from .staging import StagingPool
+from .transport import channel, method
+
+log = logging.getLogger("tracestore.client")
+
+# gRPC codes (by name, so this module does not need grpc at import time)
+_CONTENT_ERRORS = {"INVALID_ARGUMENT", "ALREADY_EXISTS", "DATA_LOSS", "NOT_FOUND", "PERMISSION_DENIED"}
+
+
+@dataclasses.dataclass
+class SiteOutput:
+    """One site's rows of one forward: ``codes`` uint8 [rows, code_bytes], ``scales`` uint8
+    [rows, scale_bytes] (torch tensors on any device, or numpy), ``global_scale`` a float or a
+    one-element tensor (decode-side g), ``token_scales`` float32 [rows] or None."""
+
+    codes: Any
+    scales: Any
+    global_scale: Any = 1.0
+    token_scales: Any = None
+
+
+@dataclasses.dataclass
+class _Region:
+    offset: int
+    size: int
+    refs: int
+    event: Any = None  # CUDA event the copy into it completes on
+
+
+@dataclasses.dataclass
+class _Piece:
+    """One chunk waiting to be sent: rows of one segment in a staging region."""
+
+    trajectory: str
+    site: str
+    version: int
+    token_start: int
+    n_tokens: int
+    region: _Region
+    codes_off: int
+    scales_off: int
+    ts_off: int  # -1: no token scales
+    g_off: int
+    nbytes: int
+
+
+@dataclasses.dataclass
+class _Out:
+    """A numbered message in flight."""
+
+    seq: int
+    req: pb.WriteRequest
+    pieces: list[_Piece]
+    trajectories: set[str]
+    nbytes: int
+
+
+class RolloutRecorder:
+    """Streams a rollout's TRACE records to a sidecar. See the module docstring.
+
+    ``address``: ``"host:port"`` or ``"unix:///path/sock"`` (then shared-memory staging is used);
+    ``writer``: this engine instance's id (unique per run); ``epoch``: defaults to the current
+    time in ns, so a restarted engine fences its predecessor.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        run_spec: RunSpec,
+        writer: str,
+        policy_version: int = 0,
+        *,
+        staging_bytes: int = 256 << 20,
+        batch_bytes: int = 4 << 20,
+        shared_memory: bool | None = None,
+        shm_dir: str = "/dev/shm",
+        give_up_s: float = 30.0,
+        epoch: int | None = None,
+        connect: bool = True,
+    ) -> None:
+        if not isinstance(run_spec, RunSpec):
+            raise ConfigError(f"run_spec must be a tracestore.records.RunSpec, got {type(run_spec).__name__}")
+        validate_id("writer", writer)
+        self.address = address
+        self.run_spec = run_spec
+        self.writer = writer
+        self.policy_version = int(policy_version)
+        self.batch_bytes = int(batch_bytes)
+        self.give_up_s = float(give_up_s)
+        self.epoch = int(epoch) if epoch is not None else time.time_ns()
+        shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
+        self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir)
+        self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)
+        self._sites = {s.name: s for s in run_spec.sites}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[_Piece | TrajectorySeal | PrefixLink] = deque()
+        self._unacked: deque[_Out] = deque()
+        self._next_seq = 1
+        self._acked = 0
+        self._unguided: set[str] = set()
+        self._unguided_unreported: dict[str, int] = {}
+        self._sites_of: dict[str, set[str]] = {}
+        self._version_of: dict[str, int] = {}
+        self._closed = False
+        self._connected = False
+        self._down_since: float | None = time.monotonic()
+        self.stats: dict[str, int] = dict(
+            chunks=0,
+            bytes=0,
+            messages=0,
+            acked_messages=0,
+            resent=0,
+            reconnects=0,
+            unguided=0,
+            refused_forwards=0,
+            rejected_messages=0,
+        )
+        self._cuda: Any = None
+        self._side_stream: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"tracestore-recorder-{writer}", daemon=True)
+        if connect:
+            self._thread.start()
+
+    # -- engine-facing API (never blocks on the network) ------------------------------------------
+
+    def record_forward(
+        self,
+        segments: Sequence[tuple[str, int, int]],
+        outputs: dict[str, SiteOutput],
+        policy_version: int | None = None,
+    ) -> bool:
+        """Queue one forward's records. ``segments`` are the forward's rows in order,
+        ``(trajectory, token_start, token_end)``; each site's tensors hold those rows
+        (x ``rows_per_token``). Returns False when the forward was refused (staging full or
+        recorder closed): its trajectories are then unguided. Bad arguments raise."""
+        version = self.policy_version if policy_version is None else int(policy_version)
+        segs = [(validate_id("trajectory", t), int(a), int(b)) for t, a, b in segments]
+        for t, a, b in segs:
+            if a < 0 or b <= a:
+                raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
+        n_tok = sum(b - a for _, a, b in segs)
+        plans = []
+        for name, out in outputs.items():
+            site = self._sites.get(name)
+            if site is None:
+                raise ValidationError(f"run {self.run_spec.run} declares no site {name!r}: {list(self._sites)}")
+            rows = n_tok * site.rows_per_token
+            _check(out.codes, (rows, site.code_bytes), f"{name}.codes")
+            _check(out.scales, (rows, site.scale_bytes), f"{name}.scales")
+            if out.token_scales is not None:
+                _check(out.token_scales, (rows,), f"{name}.token_scales", dtype="float32")
+            nc, ns = rows * site.code_bytes, rows * site.scale_bytes
+            nt = rows * 4 if out.token_scales is not None else 0
+            plans.append((name, site, out, rows, nc, ns, nt))
+        live = [t for t, _, _ in segs if t not in self._unguided]
+        if self._closed or not live:
+            return False
+        # reserve every region first so a forward is staged whole or not at all
+        regions: list[tuple[int, int]] = []
+        for _, _, _, _, nc, ns, nt in plans:
+            size = nc + ns + nt + 64
+            off = self.pool.reserve(size)
+            if off is None:
+                for o, _ in regions:
+                    self.pool.release(o)
+                self.stats["refused_forwards"] += 1
+                self._mark_unguided([t for t, _, _ in segs], "staging_full")
+                return False
+            regions.append((off, size))
+        event = None
+        for (name, site, out, rows, nc, ns, nt), (off, size) in zip(plans, regions, strict=True):
+            g_off = off + nc + ns + nt
+            event = self._copy(out, off, nc, ns, nt, g_off)
+            region = _Region(off, size, refs=0, event=event)
+            row = 0
+            pieces = []
+            for t, a, b in segs:
+                r = (b - a) * site.rows_per_token
+                if t not in self._unguided:
+                    pieces.append(
+                        _Piece(
+                            t,
+                            name,
+                            version,
+                            a,
+                            b - a,
+                            region,
+                            codes_off=off + row * site.code_bytes,
+                            scales_off=off + nc + row * site.scale_bytes,
+                            ts_off=off + nc + ns + row * 4 if nt else -1,
+                            g_off=g_off,
+                            nbytes=r * (site.code_bytes + site.scale_bytes) + (r * 4 if nt else 0),
+                        )
+                    )
+                    self._sites_of.setdefault(t, set()).add(name)
+                    self._version_of[t] = version
+                row += r
+            region.refs = len(pieces)
+            with self._lock:
+                self._queue.extend(pieces)
+        with self._lock:
+            self._wake.notify_all()
+        return True
+
+    def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
+        """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
+        v = self.policy_version if policy_version is None else int(policy_version)
+        link = PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens)
+        self._sites_of.setdefault(trajectory, set())
+        with self._lock:
+            self._queue.append(link)
+            self._wake.notify_all()
+
+    def finish(self, trajectory: str, n_tokens: int, sites: Sequence[str] | None = None) -> bool:
+        """Seal ``trajectory`` (``n_tokens`` = its full length; the last position is unrecorded by
+        design). Returns False if it is unguided (then it is not sealed)."""
+        validate_id("trajectory", trajectory)
+        if trajectory in self._unguided:
+            self._sites_of.pop(trajectory, None)
+            return False
+        names = tuple(sorted(sites if sites is not None else self._sites_of.get(trajectory, ()) or self._sites))
+        v = self._version_of.get(trajectory, self.policy_version)
+        seal = TrajectorySeal(self.run_spec.run, v, trajectory, n_tokens, names)
+        self._sites_of.pop(trajectory, None)
+        self._version_of.pop(trajectory, None)
+        with self._lock:
+            self._queue.append(seal)
+            self._wake.notify_all()
+        return True
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = int(version)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued is durably acknowledged; True on success within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._unacked:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._wake.wait(0.1 if left is None else min(left, 0.1))
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Flush (up to ``timeout``), stop the sender and free the staging pool."""
+        ok = self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.pool.close()
+        return ok
+
+    @property
+    def unguided(self) -> frozenset[str]:
+        return frozenset(self._unguided)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _mark_unguided(self, trajectories: Sequence[str] | set[str], reason: str) -> None:
+        new = [t for t in trajectories if t not in self._unguided]
+        self._unguided.update(new)
+        if new:
+            self.stats["unguided"] += len(new)
+            self._unguided_unreported[reason] = self._unguided_unreported.get(reason, 0) + len(new)
+            log.warning("%d trajectories unguided (%s), e.g. %s", len(new), reason, new[0])
+
+    def _copy(self, out: SiteOutput, off: int, nc: int, ns: int, nt: int, g_off: int) -> Any:
+        srcs = [(out.codes, off, nc), (out.scales, off + nc, ns)]
+        if nt:
+            srcs.append((out.token_scales, off + nc + ns, nt))
+        g = out.global_scale
+        if any(_is_cuda(x) for x, _, _ in srcs) or _is_cuda(g):
+            return self._copy_cuda(srcs, g, g_off)
+        for x, o, n in srcs:
+            self._np[o : o + n] = _as_bytes(x)
+        self._np[g_off : g_off + 4] = np.frombuffer(np.float32(_scalar(g)).tobytes(), np.uint8)
+        return None
+
+    def _copy_cuda(self, srcs: list[tuple[Any, int, int]], g: Any, g_off: int) -> Any:
+        import torch
+
+        if self._cuda is None:
+            self.pool.pin()
+            self._cuda = self.pool.tensor()
+            self._side_stream = torch.cuda.Stream()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for x, o, n in srcs:
+                self._cuda[o : o + n].copy_(x.reshape(-1).view(torch.uint8), non_blocking=True)
+            if isinstance(g, torch.Tensor):
+                self._cuda[g_off : g_off + 4].copy_(g.reshape(-1)[:1].float().view(torch.uint8), non_blocking=True)
+            else:
+                self._np[g_off : g_off + 4] = np.frombuffer(np.float32(g).tobytes(), np.uint8)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        for x, _, _ in srcs:  # keep the slab alive until the copy ran
+            if _is_cuda(x):
+                x.record_stream(side)
+        return ev
+
+    def _build(self, pieces: list[_Piece], extras: list[TrajectorySeal | PrefixLink], shm: bool) -> _Out:
+        run = self.run_spec.run
+        req = pb.WriteRequest(run=run, writer=self.writer, epoch=self.epoch)
+        if shm:
+            req.shm_pool = self.pool.name or ""
+        trajs: set[str] = set()
+        nbytes = 0
+        for p in pieces:
+            if p.region.event is not None:
+                p.region.event.synchronize()
+            site = self._sites[p.site]
+            rows = p.n_tokens * site.rows_per_token
+            nc, ns = rows * site.code_bytes, rows * site.scale_bytes
+            codes = self._np[p.codes_off : p.codes_off + nc].reshape(rows, site.code_bytes)
+            scales = self._np[p.scales_off : p.scales_off + ns].reshape(rows, site.scale_bytes)
+            ts = None if p.ts_off < 0 else self._np[p.ts_off : p.ts_off + rows * 4].view("<f4")
+            g = float(self._np[p.g_off : p.g_off + 4].view("<f4")[0])
+            crc = chunk_checksum(run, p.version, p.trajectory, p.site, p.token_start, p.n_tokens, codes, scales, g, ts)
+            c = req.chunks.add(
+                policy_version=p.version,
+                trajectory=p.trajectory,
+                site=p.site,
+                token_start=p.token_start,
+                n_tokens=p.n_tokens,
+                global_scale=g,
+                has_token_scales=ts is not None,
+                checksum=crc,
+            )
+            if shm:
+                c.shm.codes_offset = p.codes_off
+                c.shm.scales_offset = p.scales_off
+                c.shm.token_scales_offset = max(p.ts_off, 0)
+            else:
+                c.codes = codes.tobytes()
+                c.scales = scales.tobytes()
+                if ts is not None:
+                    c.token_scales = ts.tobytes()
+            trajs.add(p.trajectory)
+            nbytes += p.nbytes
+        for e in extras:
+            if isinstance(e, TrajectorySeal):
+                req.seals.append(seal_to_pb(e))
+            else:
+                req.links.append(link_to_pb(e))
+            trajs.add(e.trajectory)
+        for reason, n in self._unguided_unreported.items():
+            req.unguided.add(reason=reason, count=n)
+        self._unguided_unreported = {}
+        return _Out(0, req, pieces, trajs, nbytes)
+
+    def _release(self, out: _Out) -> None:
+        for p in out.pieces:
+            p.region.refs -= 1
+            if p.region.refs == 0:
+                self.pool.release(p.region.offset)
+
+    def _take_batch(self) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
+        pieces: list[_Piece] = []
+        extras: list[TrajectorySeal | PrefixLink] = []
+        size = 0
+        while self._queue and size < self.batch_bytes:
+            item = self._queue.popleft()
+            if isinstance(item, _Piece):
+                if item.trajectory in self._unguided:
+                    item.region.refs -= 1
+                    if item.region.refs == 0:
+                        self.pool.release(item.region.offset)
+                    continue
+                pieces.append(item)
+                size += item.nbytes
+            else:
+                if item.trajectory in self._unguided:
+                    continue
+                extras.append(item)
+                size += 64
+        return pieces, extras
+
+    def _run(self) -> None:
+        backoff = 0.05
+        shm = self.pool.name is not None
+        ch = None
+        while True:
+            with self._lock:
+                if self._closed:
+                    break
+            try:
+                if ch is None:
+                    ch = channel(self.address)
+                self._stream(ch, shm)
+                backoff = 0.05
+            except _StreamError as exc:
+                self._on_stream_error(exc)
+                if exc.code == "RESOURCE_EXHAUSTED":
+                    time.sleep(max(exc.retry_after, 0.05))
+                elif exc.code not in _CONTENT_ERRORS and exc.code != "FAILED_PRECONDITION":
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    if exc.code == "UNAVAILABLE" and ch is not None:
+                        ch.close()
+                        ch = None
+            except Exception as exc:  # noqa: BLE001 - never let the sender die
+                log.exception("recorder sender error: %s", exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            self._give_up_if_down()
+        if ch is not None:
+            ch.close()
+
+    def _give_up_if_down(self) -> None:
+        with self._lock:
+            down = self._down_since
+            if down is None or time.monotonic() - down < self.give_up_s:
+                return
+            if not self._unacked and not self._queue:
+                return
+            lost: set[str] = set()
+            for out in self._unacked:
+                lost |= out.trajectories
+                self._release(out)
+            self._unacked.clear()
+            for item in self._queue:
+                lost.add(item.trajectory)
+                if isinstance(item, _Piece):
+                    item.region.refs -= 1
+                    if item.region.refs == 0:
+                        self.pool.release(item.region.offset)
+            self._queue.clear()
+            # a fresh epoch: sequence restarts at 1, no gap with what the sidecar has
+            self.epoch = max(self.epoch + 1, time.time_ns())
+            self._next_seq = 1
+            self._acked = 0
+            self._mark_unguided(lost, "sidecar_unreachable")
+            self._down_since = time.monotonic()
+            self._wake.notify_all()
+
+    def _stream(self, ch: Any, shm: bool) -> None:
+        import grpc
+
+        call = method(ch, "Write", "stream_stream")
+        sendq: deque[bytes | None] = deque()
+        send_cv = threading.Condition()
+        first = [True]
+
+        def requests() -> Iterator[bytes]:
+            while True:
+                with send_cv:
+                    while not sendq:
+                        send_cv.wait(0.5)
+                    item = sendq.popleft()
+                if item is None:
+                    return
+                yield item
+
+        def push(out: _Out) -> None:
+            if first[0]:
+                out.req.run_spec.CopyFrom(run_spec_to_pb(self.run_spec))
+                data = out.req.SerializeToString()
+                out.req.ClearField("run_spec")
+                first[0] = False
+            else:
+                data = out.req.SerializeToString()
+            with send_cv:
+                sendq.append(data)
+                send_cv.notify()
+
+        responses = call(requests(), wait_for_ready=False)
+        stop = threading.Event()
+        err: list[Any] = []
+
+        def acks() -> None:
+            try:
+                for raw in responses:
+                    r = pb.WriteResponse.FromString(raw)
+                    self._on_ack(r.epoch, r.durable_sequence)
+            except grpc.RpcError as exc:
+                err.append(exc)
+            finally:
+                stop.set()
+                with self._lock:
+                    self._wake.notify_all()
+
+        t = threading.Thread(target=acks, daemon=True, name="tracestore-recorder-acks")
+        t.start()
+        try:
+            with self._lock:
+                resend = list(self._unacked)
+            for out in resend:  # resend in order; the sidecar answers duplicates as success
+                push(out)
+                self.stats["resent"] += 1
+            while not stop.is_set():
+                with self._lock:
+                    if self._closed and not self._queue and not self._unacked:
+                        break
+                    inflight = sum(o.nbytes for o in self._unacked)
+                    if not self._queue or inflight > 8 * self.batch_bytes:
+                        self._wake.wait(0.05)
+                        continue
+                    pieces, extras = self._take_batch()
+                if not pieces and not extras:
+                    continue
+                out = self._build(pieces, extras, shm)
+                with self._lock:
+                    out.seq = self._next_seq
+                    out.req.epoch = self.epoch
+                    out.req.sequence = out.seq
+                    self._next_seq += 1
+                    self._unacked.append(out)
+                self.stats["messages"] += 1
+                self.stats["chunks"] += len(pieces)
+                self.stats["bytes"] += out.nbytes
+                push(out)
+        finally:
+            with send_cv:
+                sendq.append(None)
+                send_cv.notify()
+            if not stop.is_set():
+                stop.wait(1.0)
+            if not stop.is_set():
+                responses.cancel()
+            t.join(timeout=5)
+        if err:
+            exc = err[0]
+            code = exc.code().name if exc.code() is not None else "UNKNOWN"
+            meta = dict(exc.trailing_metadata() or ())
+            raise _StreamError(
+                code,
+                exc.details() or "",
+                _int(meta.get("tracestore-failed-sequence")),
+                _int(meta.get("retry-after-ms"), 0) / 1000.0,
+            )
+
+    def _on_ack(self, epoch: int, durable: int) -> None:
+        with self._lock:
+            self._connected = True
+            self._down_since = None
+            if epoch != self.epoch:
+                return
+            while self._unacked and self._unacked[0].seq <= durable:
+                out = self._unacked.popleft()
+                self._release(out)
+                self.stats["acked_messages"] += 1
+            self._acked = max(self._acked, durable)
+            self._wake.notify_all()
+
+    def _on_stream_error(self, exc: _StreamError) -> None:
+        with self._lock:
+            self._connected = False
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            self.stats["reconnects"] += 1
+            if exc.code in _CONTENT_ERRORS and exc.failed_seq is not None:
+                # The sidecar refused one message for its content: drop it, mark its trajectories
+                # unguided and renumber the later ones (the sidecar accepted none of them).
+                self._down_since = None
+                keep: deque[_Out] = deque()
+                for out in self._unacked:
+                    if out.seq == exc.failed_seq:
+                        self._release(out)
+                        self._mark_unguided(out.trajectories, exc.code.lower())
+                        self.stats["rejected_messages"] += 1
+                        log.warning("sidecar refused message %d: %s %s", out.seq, exc.code, exc.details)
+                    else:
+                        if out.seq > exc.failed_seq:
+                            out.seq -= 1
+                            out.req.sequence = out.seq
+                        keep.append(out)
+                self._unacked = keep
+                self._next_seq -= 1
+            elif exc.code == "FAILED_PRECONDITION":
+                # gap or fenced epoch: start a new epoch; chunk-level dedupe makes the resend safe
+                self.epoch = max(self.epoch + 1, time.time_ns())
+                for i, out in enumerate(self._unacked, start=1):
+                    out.seq = i
+                    out.req.sequence = i
+                    out.req.epoch = self.epoch
+                self._next_seq = len(self._unacked) + 1
+                log.warning("sidecar: %s; restarting as epoch %d", exc.details, self.epoch)
+            self._wake.notify_all()
+
+
+class _StreamError(Exception):
+    def __init__(self, code: str, details: str, failed_seq: int | None, retry_after: float) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code, self.details, self.failed_seq, self.retry_after = code, details, failed_seq, retry_after
+
+
+def _int(v: Any, default: int | None = None) -> Any:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _is_cuda(x: Any) -> bool:
+    return bool(getattr(x, "is_cuda", False))
+
+
+def _scalar(g: Any) -> float:
+    if hasattr(g, "item"):
+        return float(g.reshape(-1)[0].item()) if hasattr(g, "reshape") else float(g.item())
+    return float(g)
+
+
+def _as_bytes(x: Any) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().contiguous().numpy()
+    arr = np.ascontiguousarray(x)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> None:
+    got = tuple(getattr(x, "shape", ()))
+    if got != shape:
+        raise ShapeError(f"{name} must have shape {list(shape)}, got {list(got)}")
+    dt = str(getattr(x, "dtype", ""))
+    if not dt.endswith(dtype):
+        raise DTypeError(f"{name} must have dtype {dtype}, got {dt}")
+
+
+__all__ = ["RolloutRecorder", "SiteOutput"]
+_ = contextlib

@@ -1,0 +1,130 @@
+"""``tracestore serve``: run the sidecar. Works with no configuration; every flag has a TRACESTORE_ twin."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from tracestore.cli import env_default
+
+MiB = 1 << 20
+
+
+def _opt_int(v: str) -> int | None:
+    return None if str(v).lower() in ("", "none", "off", "-1") else int(v)
+
+
+def _opt_str(v: str) -> str | None:
+    return None if str(v).lower() in ("", "none", "off") else v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the sidecar (gRPC ingest/read service, WAL, shard flusher, Prometheus metrics)",
+        description="Run the tracestore sidecar. Every --flag can also be set as TRACESTORE_FLAG "
+        "(e.g. TRACESTORE_STORAGE, TRACESTORE_PORT).",
+    )
+    e = env_default
+    p.add_argument("--storage", default=e("--storage", "file://./tracestore-data"), help="fsspec URL of the store")
+    p.add_argument("--storage-options", default=e("--storage-options", ""), help="JSON dict passed to fsspec")
+    p.add_argument("--host", default=e("--host", "127.0.0.1"), help="gRPC bind address")
+    p.add_argument("--port", type=int, default=int(e("--port", 7433)), help="gRPC TCP port (0: ephemeral)")
+    p.add_argument("--unix-socket", type=_opt_str, default=e("--unix-socket", None), help="also listen on this UDS")
+    p.add_argument("--metrics-host", default=e("--metrics-host", "127.0.0.1"))
+    p.add_argument("--metrics-port", type=_opt_int, default=e("--metrics-port", "9433"), help="'off' disables")
+    p.add_argument(
+        "--wal-dir",
+        type=_opt_str,
+        default=e("--wal-dir", "./tracestore-wal"),
+        help="write-ahead log directory; 'off' acks only committed shards",
+    )
+    p.add_argument("--wal-segment-mib", type=int, default=int(e("--wal-segment-mib", 64)))
+    p.add_argument("--memory-budget-mib", type=int, default=int(e("--memory-budget-mib", 1024)))
+    p.add_argument("--shard-target-mib", type=int, default=int(e("--shard-target-mib", 128)))
+    p.add_argument("--flush-interval", type=float, default=float(e("--flush-interval", 2.0)), help="seconds")
+    p.add_argument("--backpressure-timeout", type=float, default=float(e("--backpressure-timeout", 5.0)))
+    p.add_argument("--max-message-mib", type=int, default=int(e("--max-message-mib", 64)))
+    p.add_argument("--max-streams", type=int, default=int(e("--max-streams", 256)))
+    p.add_argument("--workers", type=int, default=int(e("--workers", 64)))
+    p.add_argument("--grace", type=float, default=float(e("--grace", 30.0)), help="seconds to drain on SIGTERM")
+    p.add_argument("--storage-timeout", type=float, default=float(e("--storage-timeout", 60.0)))
+    p.add_argument("--shm-dir", default=e("--shm-dir", "/dev/shm"), help="where writers' staging pools live")
+    p.add_argument(
+        "--ready-file",
+        type=_opt_str,
+        default=e("--ready-file", None),
+        help="write {port, metrics_port} JSON here once serving (for port 0)",
+    )
+    p.add_argument("--log-level", default=e("--log-level", "INFO"))
+    p.set_defaults(func=run)
+
+
+def config_from_args(ns: argparse.Namespace) -> Any:
+    from .config import ServerConfig
+
+    options = json.loads(ns.storage_options) if ns.storage_options else None
+    return ServerConfig(
+        storage=ns.storage,
+        storage_options=options,
+        host=ns.host,
+        port=ns.port,
+        unix_socket=ns.unix_socket,
+        metrics_host=ns.metrics_host,
+        metrics_port=ns.metrics_port,
+        wal_dir=ns.wal_dir,
+        wal_segment_bytes=ns.wal_segment_mib * MiB,
+        memory_budget_bytes=ns.memory_budget_mib * MiB,
+        shard_target_bytes=ns.shard_target_mib * MiB,
+        flush_interval_s=ns.flush_interval,
+        backpressure_timeout_s=ns.backpressure_timeout,
+        max_message_bytes=ns.max_message_mib * MiB,
+        max_streams=ns.max_streams,
+        workers=ns.workers,
+        grace_s=ns.grace,
+        storage_timeout_s=ns.storage_timeout,
+        shm_dir=ns.shm_dir,
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    try:
+        from .service import Sidecar
+    except ImportError as exc:
+        print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sidecar = Sidecar(config_from_args(ns)).start()
+    log = logging.getLogger("tracestore.server")
+    log.info(
+        "serving on %s:%d%s, metrics %s",
+        ns.host,
+        sidecar.port,
+        f" and unix:{ns.unix_socket}" if ns.unix_socket else "",
+        sidecar.metrics_port,
+    )
+    if ns.ready_file:
+        import os
+
+        tmp = ns.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"port": sidecar.port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)
+        os.replace(tmp, ns.ready_file)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: draining (grace %.0fs)", signum, ns.grace)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(1.0):
+        pass
+    ok = sidecar.stop()
+    log.info("stopped; everything accepted is %s", "committed" if ok else "in the fsynced write-ahead log")
+    return 0

@@ -1,0 +1,78 @@
+"""Sidecar configuration: one frozen dataclass, validated on construction; every field is a CLI flag."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tracestore.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``tracestore serve`` can be told. Defaults run with no configuration.
+
+    ``wal_dir=None`` acknowledges a write only when its shard is committed (right for ``memory://``
+    and for tests); with a WAL directory a write is acknowledged once appended there and fsynced.
+    ``port=0`` binds an ephemeral port (reported by :attr:`Sidecar.port`); ``metrics_port=None``
+    disables the Prometheus endpoint.
+    """
+
+    storage: str = "file://./tracestore-data"
+    storage_options: dict[str, Any] | None = None
+    host: str = "127.0.0.1"
+    port: int = 7433
+    unix_socket: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 9433
+    wal_dir: str | None = "./tracestore-wal"
+    wal_segment_bytes: int = 64 * MiB
+    memory_budget_bytes: int = 1024 * MiB
+    shard_target_bytes: int = 128 * MiB
+    flush_interval_s: float = 2.0
+    backpressure_timeout_s: float = 5.0
+    max_message_bytes: int = 64 * MiB
+    max_streams: int = 256
+    workers: int = 64
+    grace_s: float = 30.0
+    storage_timeout_s: float = 60.0
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        for name in ("wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1024:
+                raise ConfigError(f"{name} must be an integer >= 1024 bytes, got {v!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be 0..65535 (0 = ephemeral), got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be 0..65535 or None, got {self.metrics_port}")
+        for name in ("flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.workers < 4 or self.max_streams < 1:
+            raise ConfigError(f"workers must be >= 4 and max_streams >= 1, got {self.workers}, {self.max_streams}")
+        if self.max_message_bytes > self.memory_budget_bytes:
+            raise ConfigError(
+                f"max_message_bytes ({self.max_message_bytes}) must not exceed memory_budget_bytes "
+                f"({self.memory_budget_bytes}): one message could never be admitted"
+            )
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        """Channel arguments set deliberately (reliability.md, gRPC traps)."""
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            # BDP probing let 100 slow streams grow the server by ~1.7 GiB (reliability.md); we bound
+            # in-flight bytes with our own budget instead.
+            ("grpc.http2.bdp_probe", 0),
+            # Otherwise a second server silently binds the same port.
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]

@@ -1,0 +1,584 @@
+"""The sidecar's ingest engine: writer sessions, deduplication, the WAL, the memory budget and the flusher.
+
+No gRPC here (the service in ``service.py`` parses requests and maps errors to status codes).
+
+Life of a message (one numbered batch of chunks/seals/links from one writer):
+``submit`` checks (epoch, sequence) against the writer's session — a resend is answered as
+success, a gap or an older epoch is refused — checks every chunk key against what this server has
+seen (same bytes: dropped as a retry; different bytes: :class:`ConflictError`), waits for room in
+the memory budget (or refuses with :class:`OverBudgetError`), appends the raw message to the WAL
+and queues it. It is *durable* when the WAL fsync covering it returns (``wal_dir`` set) or when its
+shard is committed (no WAL). The flusher groups a writer's queued messages into shards
+(``Store.write_shard`` with a per-writer shard number recorded in the WAL *before* the write, so a
+re-flush after a crash repeats the identical call, which the store treats as a no-op), then
+releases the memory and retires WAL segments whose every message is committed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import json
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tracestore.errors import ConflictError, TraceStoreError, ValidationError
+from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal
+
+from .config import ServerConfig
+from .metrics import Metrics
+from .wal import Buffer, WriteAheadLog
+
+log = logging.getLogger("tracestore.server")
+
+# WAL entry types
+DATA, STATE, PLAN, DONE = 1, 2, 3, 4
+_LEN = struct.Struct("<I")
+
+
+class SequenceError(TraceStoreError, ValueError):
+    """A writer message out of order: a gap in the sequence, or an epoch older than the session's."""
+
+
+class OverBudgetError(TraceStoreError, MemoryError):
+    """The memory budget stayed full for the backpressure timeout; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DrainingError(TraceStoreError, RuntimeError):
+    """The server is shutting down and accepts no new writes."""
+
+
+@dataclasses.dataclass
+class Message:
+    """One numbered writer message, parsed and validated."""
+
+    run: str
+    writer: str
+    epoch: int
+    seq: int
+    chunks: list[RecordChunk]
+    seals: list[TrajectorySeal]
+    links: list[PrefixLink]
+    nbytes: int
+    crcs: list[int]  # RecordChunk.checksum of each chunk (computed once, at parse time)
+    received: float = dataclasses.field(default_factory=time.monotonic)
+    segment: int = 0
+    shard_seq: int | None = None
+    path: str = "grpc"
+
+
+@dataclasses.dataclass
+class WriterState:
+    run: str
+    writer: str
+    epoch: int = 0
+    received_seq: int = 0
+    durable_seq: int = 0
+    committed_seq: int = 0
+    shard_next: int = 0
+    pending: deque[Message] = dataclasses.field(default_factory=deque)
+    pending_bytes: int = 0
+    listeners: set[threading.Condition] = dataclasses.field(default_factory=set)
+
+
+class Engine:
+    """Ingest state of one sidecar. ``store`` follows the tracestore.store.Store contract."""
+
+    def __init__(self, config: ServerConfig, store: Any, metrics: Metrics) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # budget freed / flush finished
+        self._kick = threading.Condition(self._lock)  # flusher wake-up
+        self.writers: dict[tuple[str, str], WriterState] = {}
+        self.runs: dict[str, RunSpec] = {}
+        # (run, version, trajectory, site) -> sorted [(start, end, checksum)] of chunks seen
+        self._index: dict[tuple[str, int, str, str], list[tuple[int, int, int]]] = {}
+        self._seals: dict[tuple[str, int, str], tuple[int, tuple[str, ...]]] = {}
+        self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
+        self._open: set[tuple[str, int, str]] = set()
+        self.in_use = 0
+        self._acks: deque[tuple[int, WriterState, int, int, float]] = deque()  # ticket, state, epoch, seq, t0
+        self._seg_outstanding: dict[int, int] = {}
+        self._force = 0  # flush requests outstanding
+        self._flush_generation = 0
+        self._draining = False
+        self._stopped = False
+        self.shards_committed = 0
+        self.wal: WriteAheadLog | None = None
+        self._flusher: threading.Thread | None = None
+        self.parse_wal_data: Callable[[bytes], Message] | None = None
+        metrics.memory_budget.set(config.memory_budget_bytes)
+
+    # -- runs -------------------------------------------------------------------------------------
+
+    def declare_run(self, spec: RunSpec) -> None:
+        """Create the run on storage, or check that the stored one is identical."""
+        with self._lock:
+            known = self.runs.get(spec.run)
+        if known is not None:
+            if known != spec:
+                raise ConflictError(f"run {spec.run} is already declared with different sites; runs are immutable")
+            return
+        self.store.put_run(spec)
+        with self._lock:
+            self.runs[spec.run] = spec
+
+    def run_spec(self, run: str) -> RunSpec:
+        with self._lock:
+            spec = self.runs.get(run)
+        if spec is None:
+            spec = self.store.get_run(run)  # NotFoundError when never declared
+            with self._lock:
+                self.runs[run] = spec
+        return spec
+
+    # -- start / replay ---------------------------------------------------------------------------
+
+    def start(self, parse_wal_data: Callable[[bytes], Message]) -> int:
+        """Replay the WAL (if any) and start the flusher; returns the number of messages replayed."""
+        self.parse_wal_data = parse_wal_data
+        replayed = 0
+        if self.config.wal_dir is not None:
+            self.wal = WriteAheadLog(
+                self.config.wal_dir,
+                segment_bytes=self.config.wal_segment_bytes,
+                on_synced=self._on_synced,
+                segment_header=self._snapshot,
+            )
+            for segment, kind, payload in self.wal.replay():
+                replayed += self._replay_entry(segment, kind, payload)
+            self.wal.start()
+            self._retire_segments()
+            self.metrics.wal_bytes.set(self.wal.nbytes)
+        self._update_gauges()
+        self._flusher = threading.Thread(target=self._flush_loop, name="tracestore-flusher", daemon=True)
+        self._flusher.start()
+        if replayed:
+            log.info("replayed %d messages from the write-ahead log", replayed)
+        return replayed
+
+    def _snapshot(self) -> list[tuple[int, bytes]]:
+        states = [[w.run, w.writer, w.epoch, w.received_seq, w.shard_next] for w in self.writers.values()]
+        return [(STATE, json.dumps({"writers": states}).encode())]
+
+    def _state(self, run: str, writer: str) -> WriterState:
+        key = (run, writer)
+        st = self.writers.get(key)
+        if st is None:
+            # Shard numbers start at the current microsecond so that a writer whose WAL state was
+            # lost (or a server without a WAL) never reuses the number of a committed shard.
+            st = self.writers[key] = WriterState(run, writer, shard_next=time.time_ns() // 1000)
+        return st
+
+    def _replay_entry(self, segment: int, kind: int, payload: bytes) -> int:
+        if kind == STATE:
+            for run, writer, epoch, seq, shard_next in json.loads(payload)["writers"]:
+                st = self._state(run, writer)
+                if (epoch, seq) > (st.epoch, st.received_seq):
+                    st.epoch, st.received_seq = epoch, seq
+                    st.durable_seq = st.committed_seq = seq
+                st.shard_next = max(st.shard_next, shard_next)
+            return 0
+        if kind == DATA:
+            assert self.parse_wal_data is not None
+            msg = self.parse_wal_data(payload)
+            st = self._state(msg.run, msg.writer)
+            if (msg.epoch, msg.seq) <= (st.epoch, st.received_seq):
+                return 0  # covered by a state snapshot (already committed)
+            msg.segment = segment
+            self._remember(msg)
+            st.epoch, st.received_seq, st.durable_seq = msg.epoch, msg.seq, msg.seq
+            self._enqueue(st, msg)
+            return 1
+        info = json.loads(payload)
+        st = self._state(info["run"], info["writer"])
+        if kind == PLAN:
+            ids = {tuple(x) for x in info["messages"]}
+            for m in st.pending:
+                if (m.epoch, m.seq) in ids:
+                    m.shard_seq = info["shard"]
+            st.shard_next = max(st.shard_next, info["shard"] + 1)
+        elif kind == DONE:
+            done = [m for m in st.pending if m.shard_seq == info["shard"]]
+            self._release(st, done)
+        return 0
+
+    # -- submit -----------------------------------------------------------------------------------
+
+    def submit(self, msg: Message, wal_parts: Sequence[Buffer]) -> tuple[WriterState, bool]:
+        """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room."""
+        deadline = time.monotonic() + self.config.backpressure_timeout_s
+        if msg.nbytes > self.config.memory_budget_bytes:
+            raise OverBudgetError(
+                f"message of {msg.nbytes} bytes exceeds the whole memory budget of "
+                f"{self.config.memory_budget_bytes} bytes; send smaller batches",
+                retry_after_s=0.0,
+            )
+        with self._lock:
+            waited = False
+            while True:
+                if self._draining:
+                    raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
+                st = self._state(msg.run, msg.writer)
+                dup = self._check_sequence(st, msg)
+                if dup:
+                    self.metrics.ingest_duplicates.inc()
+                    return st, True
+                if self.in_use + msg.nbytes <= self.config.memory_budget_bytes:
+                    break
+                if not waited:
+                    self.metrics.backpressure.inc()
+                    waited = True
+                self._force = max(self._force, 1)
+                self._kick.notify_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OverBudgetError(
+                        f"memory budget of {self.config.memory_budget_bytes} bytes is full "
+                        f"({self.in_use} held, storage is behind); nothing of this message was accepted",
+                        retry_after_s=min(5.0, self.config.flush_interval_s),
+                    )
+                self._room.wait(left)
+            self._check_conflicts(msg)
+            if self.wal is not None:
+                segment, ticket = self.wal.append(DATA, wal_parts)
+                msg.segment = segment
+                self._acks.append((ticket, st, msg.epoch, msg.seq, msg.received))
+                self.metrics.wal_bytes.set(self.wal.nbytes)
+            self._remember(msg)
+            if msg.epoch != st.epoch:
+                st.epoch, st.durable_seq, st.committed_seq = msg.epoch, 0, 0
+            st.received_seq = msg.seq
+            self._enqueue(st, msg)
+            for c in msg.chunks:
+                self.metrics.ingest_records.labels(msg.path).inc(c.n_rows)
+            self.metrics.ingest_chunks.labels(msg.path).inc(len(msg.chunks))
+            self.metrics.ingest_bytes.labels(msg.path).inc(msg.nbytes)
+            self._update_gauges()
+            if st.pending_bytes >= self.config.shard_target_bytes:
+                self._kick.notify_all()
+            return st, False
+
+    def _check_sequence(self, st: WriterState, msg: Message) -> bool:
+        if msg.epoch < st.epoch:
+            raise SequenceError(
+                f"writer {msg.writer} of run {msg.run}: epoch {msg.epoch} is older than the session's epoch "
+                f"{st.epoch} (a newer instance took over this writer id); start a new epoch"
+            )
+        if msg.epoch > st.epoch:
+            if msg.seq != 1:
+                raise SequenceError(
+                    f"writer {msg.writer} of run {msg.run}: a new epoch {msg.epoch} must start at sequence 1, "
+                    f"got {msg.seq}"
+                )
+            return False
+        if msg.seq <= st.received_seq:
+            return True
+        if msg.seq != st.received_seq + 1:
+            raise SequenceError(
+                f"writer {msg.writer} of run {msg.run} epoch {msg.epoch}: expected sequence "
+                f"{st.received_seq + 1}, got {msg.seq} (a gap: messages were lost; resend from "
+                f"{st.received_seq + 1})"
+            )
+        return False
+
+    def _check_conflicts(self, msg: Message) -> None:
+        fresh: list[RecordChunk] = []
+        fresh_crcs: list[int] = []
+        batch: dict[tuple[str, int, str, str], list[tuple[int, int, int]]] = {}
+        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
+            key = (c.run, c.policy_version, c.trajectory, c.site)
+            span = (c.token_start, c.token_end, crc)
+            same = False
+            for spans in (self._index.get(key, []), batch.get(key, [])):
+                i = bisect.bisect_left(spans, (c.token_start, -1, -1))
+                for s, e, k in spans[max(0, i - 1) : i + 2]:
+                    if s < c.token_end and c.token_start < e:
+                        if (s, e, k) == span:
+                            same = True
+                        else:
+                            raise ConflictError(
+                                f"{c.key_str}: overlaps tokens [{s}, {e}) already written with different bytes; "
+                                "a key holds one value (resend identical bytes, or use a new policy version)"
+                            )
+            if not same:
+                bisect.insort(batch.setdefault(key, []), span)
+                fresh.append(c)
+                fresh_crcs.append(crc)
+        for seal in msg.seals:
+            prev = self._seals.get((seal.run, seal.policy_version, seal.trajectory))
+            if prev is not None and prev != (seal.n_tokens, seal.sites):
+                raise ConflictError(
+                    f"trajectory {seal.trajectory} v{seal.policy_version} is already sealed with "
+                    f"n_tokens={prev[0]} sites={list(prev[1])}, got n_tokens={seal.n_tokens}"
+                )
+        for link in msg.links:
+            prevl = self._links.get((link.run, link.policy_version, link.trajectory))
+            if prevl is not None and prevl != (link.source, link.n_tokens):
+                raise ConflictError(
+                    f"trajectory {link.trajectory} v{link.policy_version} already links to {prevl[0]} "
+                    f"for {prevl[1]} tokens, got {link.source} for {link.n_tokens}"
+                )
+        msg.chunks, msg.crcs = fresh, fresh_crcs  # identical resends of single chunks are dropped here
+
+    def _remember(self, msg: Message) -> None:
+        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
+            bisect.insort(
+                self._index.setdefault((c.run, c.policy_version, c.trajectory, c.site), []),
+                (c.token_start, c.token_end, crc),
+            )
+            self._open.add((c.run, c.policy_version, c.trajectory))
+        for s in msg.seals:
+            self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
+            if (s.run, s.policy_version, s.trajectory) in self._open:
+                self._open.discard((s.run, s.policy_version, s.trajectory))
+                self.metrics.sealed_trajectories.inc()
+        for link in msg.links:
+            self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
+
+    def _enqueue(self, st: WriterState, msg: Message) -> None:
+        st.pending.append(msg)
+        st.pending_bytes += msg.nbytes
+        self.in_use += msg.nbytes
+        if self.wal is not None:
+            self._seg_outstanding[msg.segment] = self._seg_outstanding.get(msg.segment, 0) + 1
+
+    def _update_gauges(self) -> None:
+        self.metrics.memory_in_use.set(self.in_use)
+        self.metrics.backlog_bytes.set(self.in_use)
+        self.metrics.open_trajectories.set(len(self._open))
+        oldest = min((w.pending[0].received for w in self.writers.values() if w.pending), default=None)
+        self.metrics.backlog_oldest_age.set(0.0 if oldest is None else time.monotonic() - oldest)
+
+    # -- durability -------------------------------------------------------------------------------
+
+    def _on_synced(self, ticket: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            touched: set[int] = set()
+            while self._acks and self._acks[0][0] <= ticket:
+                _, st, epoch, seq, t0 = self._acks.popleft()
+                if epoch == st.epoch and seq > st.durable_seq:
+                    st.durable_seq = seq
+                self.metrics.durable_ack_latency.observe(now - t0)
+                if id(st) not in touched:
+                    touched.add(id(st))
+                    self._notify(st)
+
+    def _notify(self, st: WriterState) -> None:
+        for cond in list(st.listeners):
+            with cond:
+                cond.notify_all()
+
+    def listen(self, st: WriterState, cond: threading.Condition) -> None:
+        with self._lock:
+            st.listeners.add(cond)
+
+    def unlisten(self, st: WriterState, cond: threading.Condition) -> None:
+        with self._lock:
+            st.listeners.discard(cond)
+
+    def durable(self, st: WriterState) -> tuple[int, int, int]:
+        """(epoch, durable_seq, received_seq) of a writer, consistently."""
+        with self._lock:
+            return st.epoch, st.durable_seq, st.received_seq
+
+    # -- flushing ---------------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Commit everything accepted so far to storage; True when done within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            target = {k: w.received_seq for k, w in self.writers.items() if w.pending}
+            self._force += 1
+            self._kick.notify_all()
+            try:
+                while any(self.writers[k].pending and self.writers[k].pending[0].seq <= s for k, s in target.items()):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._room.wait(left if left is None else min(left, 0.5))
+                return True
+            finally:
+                self._force -= 1
+
+    def _due(self, st: WriterState, now: float) -> bool:
+        if not st.pending:
+            return False
+        if self._force or self._draining or st.pending_bytes >= self.config.shard_target_bytes:
+            return True
+        if self.in_use * 2 >= self.config.memory_budget_bytes:
+            return True
+        interval = self.config.flush_interval_s
+        return now - st.pending[0].received >= interval
+
+    def _take(self, st: WriterState) -> list[Message]:
+        first = st.pending[0]
+        if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
+            return [m for m in st.pending if m.shard_seq == first.shard_seq]
+        group, size = [], 0
+        for m in st.pending:
+            if m.shard_seq is not None or (group and size + m.nbytes > self.config.shard_target_bytes):
+                break
+            group.append(m)
+            size += m.nbytes
+        shard = st.shard_next
+        st.shard_next += 1
+        for m in group:
+            m.shard_seq = shard
+        if self.wal is not None:
+            plan = {"run": st.run, "writer": st.writer, "shard": shard, "messages": [[m.epoch, m.seq] for m in group]}
+            self.wal.append(PLAN, [json.dumps(plan).encode()])
+        return group
+
+    def _flush_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                due = [w for w in self.writers.values() if self._due(w, now)]
+                if not due:
+                    self._kick.wait(min(0.05, self.config.flush_interval_s / 4))
+                    continue
+                groups = [(w, self._take(w)) for w in due]
+            for st, group in groups:
+                ok = self._commit(st, group)
+                if not ok:
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    break
+                backoff = 0.05
+
+    def _commit(self, st: WriterState, group: list[Message]) -> bool:
+        shard = group[0].shard_seq
+        assert shard is not None
+        by_version: dict[int, tuple[list[RecordChunk], list[TrajectorySeal], list[PrefixLink]]] = {}
+        for m in group:
+            for c in m.chunks:
+                by_version.setdefault(c.policy_version, ([], [], []))[0].append(c)
+            for s in m.seals:
+                by_version.setdefault(s.policy_version, ([], [], []))[1].append(s)
+            for link in m.links:
+                by_version.setdefault(link.policy_version, ([], [], []))[2].append(link)
+        t0 = time.monotonic()
+        try:
+            for version, (chunks, seals, links) in sorted(by_version.items()):
+                self.store.write_shard(st.run, version, st.writer, shard, chunks, seals=seals, links=links)
+        except Exception as exc:  # storage down / slow: keep everything, retry later
+            self.metrics.storage_errors.labels("write_shard").inc()
+            self.metrics.storage_retries.labels("write_shard").inc()
+            log.warning("shard %s/%s/%d not committed yet (%s); will retry", st.run, st.writer, shard, exc)
+            return False
+        nbytes = sum(m.nbytes for m in group)
+        self.metrics.shard_write_latency.observe(time.monotonic() - t0)
+        self.metrics.shard_bytes.inc(nbytes)
+        self.metrics.shards.inc(max(1, len(by_version)))
+        self.metrics.last_commit_timestamp.set(time.time())
+        with self._lock:
+            if self.wal is not None:
+                done = {"run": st.run, "writer": st.writer, "shard": shard}
+                with contextlib.suppress(TraceStoreError):  # a lost DONE only repeats a no-op flush
+                    self.wal.append(DONE, [json.dumps(done).encode()])
+            self._release(st, group)
+            self.shards_committed += 1
+            last = group[-1]
+            if last.epoch == st.epoch:
+                st.committed_seq = max(st.committed_seq, last.seq)
+                if self.wal is None and last.seq > st.durable_seq:
+                    st.durable_seq = last.seq
+                    for m in group:
+                        self.metrics.durable_ack_latency.observe(time.monotonic() - m.received)
+                    self._notify(st)
+            self._retire_segments()
+            self._update_gauges()
+            self._room.notify_all()
+        return True
+
+    def _release(self, st: WriterState, group: list[Message]) -> None:
+        ids = {id(m) for m in group}
+        st.pending = deque(m for m in st.pending if id(m) not in ids)
+        for m in group:
+            st.pending_bytes -= m.nbytes
+            self.in_use -= m.nbytes
+            if self.wal is not None:
+                self._seg_outstanding[m.segment] -= 1
+
+    def _retire_segments(self) -> None:
+        if self.wal is None:
+            return
+        live = [s for s, n in self._seg_outstanding.items() if n > 0]
+        keep_from = min(live, default=self.wal.active_index)
+        for s in [s for s in self._seg_outstanding if s < keep_from]:
+            del self._seg_outstanding[s]
+        self.wal.delete_before(keep_from)
+        self.metrics.wal_bytes.set(self.wal.nbytes)
+
+    # -- stop -------------------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new writes, then commit what is pending within ``timeout`` (the WAL keeps the rest)."""
+        with self._lock:
+            self._draining = True
+            self._room.notify_all()
+        return self.flush(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._kick.notify_all()
+        if self._flusher is not None:
+            self._flusher.join(timeout=10)
+        if self.wal is not None:
+            self.wal.close()
+
+    def stat(self, run: str = "") -> dict[str, Any]:
+        with self._lock:
+            writers = [
+                dict(
+                    run=w.run,
+                    writer=w.writer,
+                    epoch=w.epoch,
+                    received_sequence=w.received_seq,
+                    durable_sequence=w.durable_seq,
+                    committed_sequence=w.committed_seq,
+                )
+                for w in self.writers.values()
+                if not run or w.run == run
+            ]
+            return dict(
+                draining=self._draining,
+                backlog_bytes=self.in_use,
+                memory_in_use_bytes=self.in_use,
+                memory_budget_bytes=self.config.memory_budget_bytes,
+                wal_bytes=0 if self.wal is None else self.wal.nbytes,
+                open_trajectories=len(self._open),
+                shards_committed=self.shards_committed,
+                writers=writers,
+            )
+
+
+def pack_wal_data(request: bytes | memoryview, blobs: Sequence[Buffer]) -> list[Buffer]:
+    """WAL payload of a DATA entry: u32 request length, the raw request, then shared-memory payloads."""
+    return [_LEN.pack(len(request)), request, *blobs]
+
+
+def unpack_wal_data(payload: bytes) -> tuple[memoryview, memoryview]:
+    if len(payload) < 4:
+        raise ValidationError("write-ahead log data entry shorter than its length prefix")
+    (n,) = _LEN.unpack_from(payload)
+    view = memoryview(payload)
+    return view[4 : 4 + n], view[4 + n :]

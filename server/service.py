@@ -1,0 +1,400 @@
+"""The gRPC service ``tracestore.v1.TraceStore`` and the :class:`Sidecar` that hosts it.
+
+Handlers take raw request bytes (generic handlers, no deserializer) and parse them themselves so
+a malformed message is INVALID_ARGUMENT with an explanation. Errors map to status codes by class
+(:func:`status_of`); no traceback ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tracestore import __version__
+from tracestore.errors import (
+    ConflictError,
+    CorruptionError,
+    MissingRecordsError,
+    NotFoundError,
+    StorageError,
+    TraceStoreError,
+)
+from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.convert import run_spec_from_pb
+
+from .config import ServerConfig
+from .engine import DrainingError, Engine, OverBudgetError, SequenceError, pack_wal_data
+from .metrics import Metrics
+from .wire import ShmPools, parse_seal, parse_write, seal_message, wal_parser
+
+log = logging.getLogger("tracestore.server")
+SERVICE = "tracestore.v1.TraceStore"
+READ_SLICE_BYTES = 4 << 20
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status for an exception (reliability.md's table)."""
+    if isinstance(exc, OverBudgetError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, SequenceError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, DrainingError | StorageError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ConflictError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, CorruptionError):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, NotFoundError | MissingRecordsError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, TraceStoreError | ValueError | TypeError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def _details(exc: BaseException) -> str:
+    if status_of(exc) is grpc.StatusCode.INTERNAL:
+        return f"internal error ({type(exc).__name__}); see the sidecar log"
+    return str(exc)[:2000]
+
+
+class TraceStoreService:
+    """Handlers of tracestore.v1.TraceStore over one :class:`Engine`."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, shm: ShmPools, config: ServerConfig) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.shm = shm
+        self.config = config
+        self._readers: dict[str, Any] = {}
+        self._readers_lock = threading.Lock()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Write": grpc.stream_stream_rpc_method_handler(self.write),
+                "Seal": grpc.unary_unary_rpc_method_handler(self.seal),
+                "Read": grpc.unary_stream_rpc_method_handler(self.read),
+                "Stat": grpc.unary_unary_rpc_method_handler(self.stat),
+            },
+        )
+
+    def _fail(self, context: grpc.ServicerContext, method: str, exc: BaseException, meta: dict[str, str]) -> None:
+        code = status_of(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("internal error in %s", method, exc_info=exc)
+        if isinstance(exc, OverBudgetError):
+            meta["retry-after-ms"] = str(int(exc.retry_after_s * 1000))
+        self.metrics.rejected.labels(code.name).inc()
+        self.metrics.requests.labels(method, code.name).inc()
+        if meta:
+            context.set_trailing_metadata(tuple(meta.items()))
+        context.abort(code, _details(exc))
+
+    # -- Write ------------------------------------------------------------------------------------
+
+    def write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Bidirectional stream: each message in, acks of the highest durable sequence out."""
+        cond = threading.Condition()
+        box: dict[str, Any] = {"state": None, "error": None, "failed_seq": None, "done": False}
+        local = context.peer().startswith("unix:")
+        shm = self.shm.view if local else None
+        self.metrics.active_streams.inc()
+
+        def declare(spec: pb.RunSpec) -> None:
+            self.engine.declare_run(run_spec_from_pb(spec))
+
+        def consume() -> None:
+            try:
+                for raw in requests:
+                    seq = None
+                    try:
+                        req, msg, blobs = parse_write(
+                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
+                        )
+                        seq = req.sequence
+                        if req.unguided:
+                            for u in req.unguided:
+                                self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
+                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs))
+                    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                        with cond:
+                            box["error"], box["failed_seq"] = exc, seq
+                            cond.notify_all()
+                        return
+                    with cond:
+                        if box["state"] is not st:
+                            if box["state"] is not None:
+                                self.engine.unlisten(box["state"], cond)
+                            box["state"] = st
+                            self.engine.listen(st, cond)
+                        box["epoch"] = msg.epoch
+                        cond.notify_all()
+            except Exception:  # noqa: BLE001 - the client went away mid-stream
+                pass
+            finally:
+                with cond:
+                    box["done"] = True
+                    cond.notify_all()
+
+        reader = threading.Thread(target=consume, name="tracestore-write-reader", daemon=True)
+        reader.start()
+        sent = (0, 0)
+        try:
+            while True:
+                with cond:
+                    cond.wait(0.25)
+                    st, err, done = box["state"], box["error"], box["done"]
+                if st is not None:
+                    epoch, durable, received = self.engine.durable(st)
+                    if epoch == box.get("epoch") and (epoch, durable) != sent and durable > 0:
+                        sent = (epoch, durable)
+                        yield pb.WriteResponse(
+                            epoch=epoch, durable_sequence=durable, received_sequence=received
+                        ).SerializeToString()
+                    if done and err is None and durable >= received:
+                        break
+                elif done and err is None:
+                    break
+                if err is not None:
+                    meta = {} if box["failed_seq"] is None else {"tracestore-failed-sequence": str(box["failed_seq"])}
+                    self._fail(context, "Write", err, meta)
+                if not context.is_active():
+                    break
+            self.metrics.requests.labels("Write", "OK").inc()
+        finally:
+            self.metrics.active_streams.dec()
+            if box["state"] is not None:
+                self.engine.unlisten(box["state"], cond)
+
+    # -- Seal -------------------------------------------------------------------------------------
+
+    def seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            req = parse_seal(raw)
+            msg = seal_message(req, self.engine.run_spec)
+            wal = pb.WriteRequest(
+                run=req.run, writer=req.writer, epoch=req.epoch, sequence=req.sequence, seals=req.seals, links=req.links
+            ).SerializeToString()
+            st, _ = self.engine.submit(msg, pack_wal_data(wal, []))
+            deadline = time.monotonic() + max(1.0, context.time_remaining() or self.config.grace_s)
+            cond = threading.Condition()
+            self.engine.listen(st, cond)
+            try:
+                while True:
+                    epoch, durable, _ = self.engine.durable(st)
+                    if epoch != req.epoch or durable >= req.sequence:
+                        break
+                    if time.monotonic() > deadline or not context.is_active():
+                        raise StorageError("the seal was accepted but is not durable yet; resend it (it is idempotent)")
+                    with cond:
+                        cond.wait(0.1)
+            finally:
+                self.engine.unlisten(st, cond)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(context, "Seal", exc, {})
+            raise  # unreachable: abort raises
+        self.metrics.requests.labels("Seal", "OK").inc()
+        return pb.SealResponse(epoch=epoch, durable_sequence=durable).SerializeToString()
+
+    # -- Read -------------------------------------------------------------------------------------
+
+    def read(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        t0 = time.monotonic()
+        try:
+            rows_by_site = self._read_rows(raw)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(context, "Read", exc, {})
+            return
+        nbytes = 0
+        for site, rows in rows_by_site:
+            n = int(rows.codes.shape[0])
+            cb, sb = int(rows.codes.shape[1]), int(rows.scales.shape[1])
+            per_row = cb + sb + 4 + 4 + 1 + 8
+            step = max(1, READ_SLICE_BYTES // max(per_row, 1))
+            for a in range(0, max(n, 1), step):
+                b = min(n, a + step)
+                if not context.is_active():
+                    return
+                ts = rows.token_scales
+                msg = pb.ReadResponse(
+                    site=site,
+                    row_start=a,
+                    n_rows=b - a,
+                    total_rows=n,
+                    code_bytes=cb,
+                    scale_bytes=sb,
+                    codes=rows.codes[a:b].tobytes(),
+                    scales=rows.scales[a:b].tobytes(),
+                    global_scale=rows.global_scale[a:b].astype("<f4").tobytes(),
+                    token_scales=b"" if ts is None else ts[a:b].astype("<f4").tobytes(),
+                    has_token_scales=ts is not None,
+                    valid=rows.valid[a:b].astype("u1").tobytes(),
+                    policy_version=rows.policy_version[a:b].astype("<i8").tobytes(),
+                )
+                nbytes += (b - a) * per_row
+                yield msg.SerializeToString()
+        self.metrics.read_bytes.inc(nbytes)
+        self.metrics.read_latency.observe(time.monotonic() - t0)
+        self.metrics.requests.labels("Read", "OK").inc()
+
+    def _read_rows(self, raw: bytes) -> list[tuple[str, Any]]:
+        from tracestore.plan import MicrobatchPlan
+        from tracestore.reader import StoreReader
+        from tracestore.records import validate_id
+
+        from .wire import _decode
+
+        req = _decode(pb.ReadRequest, raw, "Read request")
+        assert isinstance(req, pb.ReadRequest)
+        validate_id("run", req.run)
+        spec = self.engine.run_spec(req.run)
+        # Read-your-writes: commit what this sidecar holds before reading storage.
+        if not self.engine.flush(self.config.storage_timeout_s):
+            raise StorageError("could not commit pending records before the read (storage is behind); retry")
+        plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
+        sites = list(req.sites) or list(spec.site_names)
+        on_missing = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
+        columns = (req.column_start, req.column_end) if req.has_columns else None
+        with self._readers_lock:
+            reader = self._readers.get(req.run)
+            if reader is None:
+                reader = self._readers[req.run] = StoreReader(self.engine.store, req.run)
+        result = reader.read(
+            plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
+        )
+        return [(s, result[s]) for s in sites]
+
+    # -- Stat -------------------------------------------------------------------------------------
+
+    def stat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            from .wire import _decode
+
+            req = _decode(pb.StatRequest, raw, "Stat request")
+            assert isinstance(req, pb.StatRequest)
+            s = self.engine.stat(req.run)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(context, "Stat", exc, {})
+            raise
+        self.metrics.requests.labels("Stat", "OK").inc()
+        return pb.StatResponse(
+            state=pb.SERVING_STATE_DRAINING if s["draining"] else pb.SERVING_STATE_SERVING,
+            version=__version__,
+            backlog_bytes=s["backlog_bytes"],
+            memory_in_use_bytes=s["memory_in_use_bytes"],
+            memory_budget_bytes=s["memory_budget_bytes"],
+            wal_bytes=s["wal_bytes"],
+            open_trajectories=s["open_trajectories"],
+            shards_committed=s["shards_committed"],
+            writers=[pb.WriterState(**w) for w in s["writers"]],
+            storage_url=self.config.storage,
+        ).SerializeToString()
+
+
+class Sidecar:
+    """A running sidecar: engine, gRPC server (TCP + optional unix socket), health, reflection, metrics.
+
+    >>> sc = Sidecar(ServerConfig(storage="memory://x", wal_dir=None, port=0, metrics_port=None)).start()
+    >>> sc.port > 0
+    True
+    >>> sc.stop()
+    """
+
+    def __init__(self, config: ServerConfig, store: Any = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.metrics.build_info.info({"version": __version__})
+        self._store = store
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.Server | None = None
+        self._http: Any = None
+        self.engine: Engine | None = None
+        self.health = health.HealthServicer()
+        self._stopped = threading.Event()
+
+    def _storage_event(self, kind: str, op: str, detail: str) -> None:
+        if kind == "retry":
+            self.metrics.storage_retries.labels(op).inc()
+        else:
+            self.metrics.storage_errors.labels(op).inc()
+
+    def start(self) -> Sidecar:
+        cfg = self.config
+        if self._store is None:
+            from tracestore.store import Store
+
+            self._store = Store(
+                cfg.storage, cfg.storage_options, timeout=cfg.storage_timeout_s, on_event=self._storage_event
+            )
+        self.engine = Engine(cfg, self._store, self.metrics)
+        self.engine.start(wal_parser(self.engine.run_spec))
+        self.shm = ShmPools(cfg.shm_dir)
+        service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tracestore-rpc"),
+            options=cfg.grpc_options(),
+            maximum_concurrent_rpcs=cfg.max_streams,
+        )
+        server.add_generic_rpc_handlers((service.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
+        )
+        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise StorageError(f"could not bind gRPC on {cfg.host}:{cfg.port} (in use?)")
+        if cfg.unix_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.unix_socket)
+            server.add_insecure_port(f"unix:{cfg.unix_socket}")
+        server.start()
+        self._server = server
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._http, _ = start_http_server(cfg.metrics_port, cfg.metrics_host, registry=self.metrics.registry)
+            self.metrics_port = self._http.server_port
+        return self
+
+    def stop(self, grace: float | None = None) -> bool:
+        """NOT_SERVING at once, stop accepting, drain streams, commit (or leave in the fsynced WAL)."""
+        if self._stopped.is_set():
+            return True
+        self._stopped.set()
+        grace = self.config.grace_s if grace is None else grace
+        t_end = time.monotonic() + grace
+        self.health.enter_graceful_shutdown()
+        ok = True
+        if self.engine is not None:
+            ok = self.engine.drain(max(0.1, grace * 0.5))
+        if self._server is not None:
+            self._server.stop(max(0.1, t_end - time.monotonic())).wait()
+        if self.engine is not None:
+            ok = self.engine.flush(max(0.1, t_end - time.monotonic())) and ok
+            self.engine.close()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        if self.config.unix_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.unix_socket)
+        return ok
+
+    def wait(self) -> None:
+        if self._server is not None:
+            self._server.wait_for_termination()

@@ -1,0 +1,254 @@
+"""The sidecar's write-ahead log: segment files of checksummed entries, group-committed with fsync.
+
+An entry is ``<IIB`` (payload length, crc32 of type byte + payload, type) followed by the payload.
+Appends go to the page cache at once (``os.writev``); one background thread fsyncs (``fdatasync``)
+everything written so far and reports the highest synced ticket, so many writers share one fsync
+(group commit, as in PostgreSQL's WAL and Kafka's log flush). A crash can leave a torn tail only
+in the newest segment: replay stops there and truncates it. Segments are deleted oldest first once
+the caller says their entries are committed elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tracestore.errors import CorruptionError, StorageError
+
+HEADER = struct.Struct("<IIB")
+MAX_ENTRY = 1 << 31
+_SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Segment:
+    index: int
+    path: Path
+    size: int = 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WriteAheadLog:
+    """Append-only, fsynced log in ``directory``.
+
+    ``on_synced(ticket)`` is called from the sync thread after every fsync with the highest ticket
+    now durable (tickets are 1, 2, 3 ... in append order). ``segment_header()`` returns entries
+    ``[(type, payload)]`` written first in every new segment (the caller's state snapshot).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        segment_bytes: int = 64 << 20,
+        on_synced: Callable[[int], None] | None = None,
+        segment_header: Callable[[], Sequence[tuple[int, bytes]]] | None = None,
+    ) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = int(segment_bytes)
+        self._on_synced = on_synced
+        self._segment_header = segment_header
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.segments: list[Segment] = []
+        self._fd = -1
+        self._retired: list[int] = []
+        self._written = 0  # highest ticket handed out
+        self._synced = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def replay(self) -> Iterator[tuple[int, int, bytes]]:
+        """Yield ``(segment_index, type, payload)`` for every intact entry, oldest first.
+
+        A bad entry at the tail of the newest segment is a torn write: it is truncated away.
+        A bad entry anywhere else is real corruption and raises :class:`CorruptionError`.
+        """
+        found = sorted(
+            (int(m.group(1)), p) for p in self.dir.iterdir() if (m := _SEGMENT_RE.fullmatch(p.name)) is not None
+        )
+        self.segments = [Segment(i, p, p.stat().st_size) for i, p in found]
+        for n, seg in enumerate(self.segments):
+            last = n == len(self.segments) - 1
+            with open(seg.path, "rb") as f:
+                data = f.read()
+            pos = 0
+            while pos < len(data):
+                bad = None
+                if pos + HEADER.size > len(data):
+                    bad = "truncated header"
+                else:
+                    length, crc, kind = HEADER.unpack_from(data, pos)
+                    end = pos + HEADER.size + length
+                    if end > len(data):
+                        bad = "truncated entry"
+                    else:
+                        payload = data[pos + HEADER.size : end]
+                        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
+                            bad = "checksum mismatch"
+                if bad is not None:
+                    if not last:
+                        raise CorruptionError(
+                            f"write-ahead log {seg.path} is corrupt at byte {pos} ({bad}) and is not the newest "
+                            "segment; move the WAL directory aside to start empty (unacknowledged data is lost)"
+                        )
+                    with open(seg.path, "r+b") as f:
+                        f.truncate(pos)
+                        os.fsync(f.fileno())
+                    seg.size = pos
+                    break
+                yield seg.index, kind, payload
+                pos = end
+
+    # -- appending ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open a fresh segment and start the sync thread (call after :meth:`replay`)."""
+        with self._lock:
+            self._open_segment()
+        self._thread = threading.Thread(target=self._sync_loop, name="tracestore-wal-sync", daemon=True)
+        self._thread.start()
+
+    def _open_segment(self) -> None:
+        if self._fd >= 0:  # the sync thread fsyncs and closes it before reporting later tickets
+            self._retired.append(self._fd)
+        index = self.segments[-1].index + 1 if self.segments else 1
+        path = self.dir / f"wal-{index:012d}.log"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        _fsync_dir(self.dir)
+        self.segments.append(Segment(index, path, 0))
+        if self._segment_header is not None:
+            for kind, payload in self._segment_header():
+                self._write(kind, [payload])
+
+    def _write(self, kind: int, parts: Sequence[Buffer]) -> None:
+        length = sum(len(p) for p in parts)
+        if length >= MAX_ENTRY:
+            raise StorageError(f"write-ahead log entry of {length} bytes exceeds the 2 GiB entry limit")
+        crc = zlib.crc32(bytes([kind]))
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        bufs = [HEADER.pack(length, crc, kind), *parts]
+        total = HEADER.size + length
+        done = os.writev(self._fd, bufs)
+        if done != total:  # short write (disk full, signal): finish it the slow way
+            rest = b"".join(bytes(b) for b in bufs)[done:]
+            while rest:
+                n = os.write(self._fd, rest)
+                rest = rest[n:]
+        self.segments[-1].size += total
+
+    def append(self, kind: int, parts: Sequence[Buffer]) -> tuple[int, int]:
+        """Append one entry; return ``(segment_index, ticket)``. Durable once ``on_synced(>= ticket)``."""
+        with self._lock:
+            if self._error is not None:
+                raise StorageError(f"write-ahead log failed earlier: {self._error}")
+            if self._closed:
+                raise StorageError("write-ahead log is closed")
+            if self.segments[-1].size >= self.segment_bytes:
+                self._open_segment()
+            try:
+                self._write(kind, parts)
+            except OSError as exc:
+                self._error = exc
+                raise StorageError(f"write-ahead log append failed in {self.dir}: {exc}") from exc
+            self._written += 1
+            self._cond.notify_all()
+            return self.segments[-1].index, self._written
+
+    @property
+    def active_index(self) -> int:
+        return self.segments[-1].index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def _sync_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._written == self._synced and not self._closed:
+                    self._cond.wait()
+                if self._written == self._synced and self._closed:
+                    return
+                target, fd = self._written, self._fd
+                retired, self._retired = self._retired, []
+            # fsync outside the lock so appends continue meanwhile (group commit); only this thread
+            # closes retired segment fds, and close() joins it before closing the active one.
+            try:
+                for old in retired:
+                    os.fdatasync(old)
+                    os.close(old)
+                os.fdatasync(fd)
+            except OSError as exc:
+                with self._lock:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._lock:
+                self._synced = target
+                self._cond.notify_all()
+            if self._on_synced is not None:
+                self._on_synced(target)
+
+    def wait_synced(self, ticket: int, timeout: float | None = None) -> bool:
+        with self._lock:
+            return self._cond.wait_for(lambda: self._synced >= ticket or self._error is not None, timeout)
+
+    # -- retiring -------------------------------------------------------------------------------
+
+    def delete_before(self, index: int) -> int:
+        """Delete segments with index < ``index`` (never the active one); return bytes freed."""
+        freed = 0
+        with self._lock:
+            keep = []
+            for seg in self.segments:
+                if seg.index < index and seg is not self.segments[-1]:
+                    with contextlib.suppress(FileNotFoundError):
+                        seg.path.unlink()
+                    freed += seg.size
+                else:
+                    keep.append(seg)
+            self.segments = keep
+        if freed:
+            _fsync_dir(self.dir)
+        return freed
+
+    def close(self) -> None:
+        """Fsync what was appended, stop the sync thread and close the segment."""
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._lock:
+            for old in self._retired:
+                os.fdatasync(old)
+                os.close(old)
+            self._retired = []
+            if self._fd >= 0:
+                try:
+                    os.fdatasync(self._fd)
+                finally:
+                    os.close(self._fd)
+                    self._fd = -1

@@ -1,0 +1,186 @@
+"""Parsing of Write/Seal requests into engine messages, and the shared-memory pools writers register.
+
+Parsing happens inside the handler (raw bytes in, explicit ``FromString``) so malformed input is
+INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (reliability.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from tracestore.errors import CorruptionError, ValidationError
+from tracestore.records import RunSpec, validate_id
+from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
+
+from .engine import Message, unpack_wal_data
+from .wal import Buffer
+
+POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_.-]{1,100}")
+
+
+class ShmPools:
+    """Read-only maps of writers' staging pools (files under ``shm_dir``), opened on first use."""
+
+    def __init__(self, shm_dir: str) -> None:
+        self.dir = Path(shm_dir)
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def view(self, name: str, offset: int, length: int) -> memoryview:
+        if POOL_NAME.fullmatch(name) is None or ".." in name:
+            raise ValidationError(f"shared-memory pool name must match {POOL_NAME.pattern}, got {name[:120]!r}")
+        with self._lock:
+            mm = self._maps.get(name)
+            if mm is None:
+                try:
+                    fd = os.open(self.dir / name, os.O_RDONLY)
+                except OSError as exc:
+                    raise ValidationError(f"shared-memory pool {name!r} cannot be opened in {self.dir}: {exc}") from exc
+                try:
+                    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                except (OSError, ValueError) as exc:
+                    raise ValidationError(f"shared-memory pool {name!r} cannot be mapped: {exc}") from exc
+                finally:
+                    os.close(fd)
+                self._maps[name] = mm
+        if offset < 0 or length < 0 or offset + length > len(mm):
+            raise ValidationError(
+                f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {len(mm)} bytes"
+            )
+        return memoryview(mm)[offset : offset + length]
+
+    def close(self) -> None:
+        with self._lock:
+            for mm in self._maps.values():
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive; the map goes with the process
+                    pass
+            self._maps.clear()
+
+
+def _decode(cls: type, data: bytes, what: str) -> object:
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise ValidationError(f"{what} is not a valid tracestore.v1.{cls.__name__} message: {exc}") from exc
+
+
+def parse_write(
+    data: bytes,
+    run_spec: Callable[[str], RunSpec],
+    shm: Callable[[str, int, int], Buffer] | None,
+    *,
+    verify: bool = True,
+    path: str = "grpc",
+    declare: Callable[[pb.RunSpec], None] | None = None,
+) -> tuple[pb.WriteRequest, Message, list[Buffer]]:
+    """Parse and validate one WriteRequest. Returns the wire message, the engine message and the
+    shared-memory payloads (in chunk order) that must go into the WAL beside the raw request.
+
+    ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
+    """
+    req = _decode(pb.WriteRequest, data, "Write request")
+    assert isinstance(req, pb.WriteRequest)
+    if declare is not None and req.HasField("run_spec"):
+        declare(req.run_spec)  # the run spec may ride along with any message
+    return (req, *_parse(req, req.chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
+
+
+def parse_seal(data: bytes) -> pb.SealRequest:
+    req = _decode(pb.SealRequest, data, "Seal request")
+    assert isinstance(req, pb.SealRequest)
+    return req
+
+
+def seal_message(req: pb.SealRequest, run_spec: Callable[[str], RunSpec]) -> Message:
+    return _parse(req, [], req.seals, req.links, run_spec, None, verify=True, path="grpc")[0]
+
+
+def _parse(
+    req: pb.WriteRequest | pb.SealRequest,
+    chunks_pb: object,
+    seals_pb: object,
+    links_pb: object,
+    run_spec: Callable[[str], RunSpec],
+    shm: Callable[[str, int, int], Buffer] | None,
+    *,
+    verify: bool,
+    path: str,
+) -> tuple[Message, list[Buffer]]:
+    validate_id("run", req.run)
+    validate_id("writer", req.writer)
+    if req.epoch < 1 or req.sequence < 1:
+        raise ValidationError(f"epoch and sequence must both be >= 1, got epoch {req.epoch} sequence {req.sequence}")
+    spec = run_spec(req.run)
+    chunks, crcs, blobs = [], [], []
+    nbytes = 0
+    for c in chunks_pb:  # type: ignore[attr-defined]
+        validate_id("trajectory", c.trajectory)
+        validate_id("site", c.site)
+        site = spec.site(c.site) if c.site in spec.site_names else None
+        if site is None:
+            raise ValidationError(f"run {req.run} declares no site {c.site!r}; declared: {list(spec.site_names)}")
+        if c.HasField("shm"):
+            if shm is None:
+                raise ValidationError("shared-memory references are accepted only over the local unix socket")
+            if c.codes or c.scales or c.token_scales:
+                raise ValidationError(f"chunk of {c.trajectory!r}: set either shm or inline bytes, not both")
+            if not (0 < c.n_tokens <= 1 << 24):
+                raise ValidationError(f"chunk of {c.trajectory!r}: n_tokens must be 1..2^24, got {c.n_tokens}")
+            _, nc, ns, nt = payload_sizes(site, c.n_tokens, c.has_token_scales)
+            # One copy out of the pool: the writer may reuse the region once this message is durable.
+            codes = bytes(shm(req.shm_pool, c.shm.codes_offset, nc))  # type: ignore[attr-defined]
+            scales = bytes(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
+            ts = bytes(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
+            blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
+        else:
+            codes, scales = c.codes, c.scales
+            ts = c.token_scales if c.has_token_scales else None
+        chunk = chunk_from_parts(req.run, c, site, codes, scales, ts)
+        crc = chunk.checksum
+        if verify and c.checksum and c.checksum != crc:
+            raise CorruptionError(
+                f"{chunk.key_str}: checksum {c.checksum:#010x} sent, {crc:#010x} computed over the bytes received "
+                "(corrupted in memory or on the wire); resend"
+            )
+        chunks.append(chunk)
+        crcs.append(crc)
+        nbytes += chunk.nbytes
+    seals = [seal_from_pb(req.run, s) for s in seals_pb]  # type: ignore[attr-defined]
+    links = [link_from_pb(req.run, s) for s in links_pb]  # type: ignore[attr-defined]
+    for seal in seals:
+        unknown = [s for s in seal.sites if s not in spec.site_names]
+        if unknown:
+            raise ValidationError(f"seal of {seal.trajectory} names undeclared sites {unknown}")
+    nbytes += 64 * (len(seals) + len(links))
+    msg = Message(req.run, req.writer, req.epoch, req.sequence, chunks, seals, links, nbytes, crcs, path=path)
+    return msg, blobs
+
+
+def wal_parser(run_spec: Callable[[str], RunSpec]) -> Callable[[bytes], Message]:
+    """Parse a WAL DATA entry back into a message (shared-memory payloads come from the entry)."""
+
+    def parse(payload: bytes) -> Message:
+        request, blob = unpack_wal_data(payload)
+        cursor = [0]
+
+        def from_blob(_pool: str, _offset: int, length: int) -> Buffer:
+            start = cursor[0]
+            cursor[0] += length
+            return blob[start : start + length]
+
+        req = _decode(pb.WriteRequest, bytes(request), "WAL entry")
+        assert isinstance(req, pb.WriteRequest)
+        msg, _ = _parse(req, req.chunks, req.seals, req.links, run_spec, from_blob, verify=False, path="wal")
+        return msg
+
+    return parse
