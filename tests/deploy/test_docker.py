@@ -1,0 +1,169 @@
+"""Checks of deploy/docker: hadolint, image conventions, no torch/CUDA; optional podman build."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import tomllib
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_hadolint(h):
+    hadolint = h.tool("hadolint")
+    proc = h.run([hadolint, str(h.DOCKERFILE)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_catches_a_broken_dockerfile(h, tmp_path: Path):
+    hadolint = h.tool("hadolint")
+    text = h.DOCKERFILE.read_text()
+    broken = text.replace('ENTRYPOINT ["tracestore", "serve"]', "ENTRYPOINT tracestore serve").replace(
+        "ARG PYTHON_IMAGE=python:3.11-slim-bookworm", "ARG PYTHON_IMAGE=python:latest"
+    )
+    assert broken != text
+    (tmp_path / "Dockerfile").write_text(broken + "RUN apt-get update && apt-get install -y curl\n")
+    proc = h.run([hadolint, str(tmp_path / "Dockerfile")])
+    assert proc.returncode != 0
+    assert "DL3025" in proc.stdout  # shell-form ENTRYPOINT
+
+
+def test_image_conventions(h):
+    ins = instructions(h.DOCKERFILE.read_text())
+    froms = [a for i, a in ins if i == "FROM"]
+    assert len(froms) >= 2, "multi-stage build expected"
+    users = [a for i, a in ins if i == "USER"]
+    assert users and re.fullmatch(r"\d+(:\d+)?", users[-1]) and not users[-1].startswith("0"), users
+    last_user = max(n for n, (i, _) in enumerate(ins) if i == "USER")
+    assert all(i != "RUN" for i, _ in ins[last_user:]), "nothing runs as root after USER"
+    (entry,) = [a for i, a in ins if i == "ENTRYPOINT"]
+    argv = json.loads(entry)  # exec form: a JSON array
+    assert argv[:2] == ["tracestore", "serve"]
+    exposed = {int(p) for i, a in ins if i == "EXPOSE" for p in a.split()}
+    assert {7433, 9433} <= exposed
+
+
+def test_no_torch_or_cuda_in_the_image(h):
+    text = h.DOCKERFILE.read_text()
+    ins = instructions(text)
+    bad = re.compile(r"torch|cuda|cupy|triton|nvidia", re.I)
+    for i, a in ins:
+        if i in {"FROM", "ARG"}:
+            assert not bad.search(a), f"{i} {a}"
+        if i == "RUN":
+            for step in re.split(r"&&|;", a):
+                if re.search(r"\b(pip|apt-get|apt|conda)\b.*\binstall\b", step):
+                    assert not bad.search(step), f"installs a GPU package: {step.strip()}"
+    (install,) = [a for i, a in ins if i == "RUN" and "pip install" in a]
+    extras = re.search(r"\.\[([\w,]+)\]", install)
+    assert extras is not None
+    with open(h.ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    reqs = list(project["dependencies"])
+    optional = project["optional-dependencies"]
+    todo = extras.group(1).split(",")
+    seen: set[str] = set()
+    while todo:  # follow self-references such as tracestore[s3,server]
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for req in optional[extra]:
+            m = re.match(r"tracestore\[([\w,]+)\]", req)
+            if m:
+                todo.extend(m.group(1).split(","))
+            else:
+                reqs.append(req)
+    assert reqs and not [r for r in reqs if re.search(r"torch|cuda|cupy|triton", r, re.I)], reqs
+
+
+def test_dockerignore_keeps_the_context_small(h):
+    ignore = (h.DEPLOY / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("**")] == "**", "ignore everything by default"
+    copied = {a.split()[0] for i, a in instructions(h.DOCKERFILE.read_text()) if i == "COPY" and "--from" not in a}
+    for src in copied:
+        assert f"!{src}" in ignore, f"COPY {src} but the dockerignore excludes it"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
+    """Optional: build the image with podman and ask it for gRPC health on a read-only root."""
+    podman = shutil.which("podman")
+    if podman is None:
+        pytest.skip("podman is not installed: the image build is not checked here")
+    if os.environ.get("TRACESTORE_PODMAN_TEST") != "1":
+        pytest.skip("set TRACESTORE_PODMAN_TEST=1 (needs the base image python:3.11-slim-bookworm reachable)")
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tag = f"localhost/tracestore-test:{uuid.uuid4().hex[:8]}"
+    ignore = h.DEPLOY / "docker" / "Dockerfile.dockerignore"
+    build = h.run(
+        [podman, "build", "-f", str(h.DOCKERFILE), "--ignorefile", str(ignore), "-t", tag, str(h.ROOT)], timeout=900
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    port = _free_port()
+    name = f"tracestore-test-{uuid.uuid4().hex[:8]}"
+    run = [
+        podman,
+        "run",
+        "-d",
+        "--rm",
+        "--name",
+        name,
+        "--read-only",
+        "--user",
+        "10001:10001",
+        "--tmpfs",
+        "/var/lib/tracestore:uid=10001,gid=10001",
+        "--tmpfs",
+        "/var/run/tracestore:uid=10001,gid=10001",
+        "--tmpfs",
+        "/tmp",
+        "-p",
+        f"127.0.0.1:{port}:7433",
+        tag,
+    ]
+    started = h.run(run)
+    assert started.returncode == 0, started.stderr
+    try:
+        whoami = h.run([podman, "exec", name, "id", "-u"])
+        assert whoami.stdout.strip() == "10001"
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    status = resp.status
+                    break
+            except grpc.RpcError:
+                time.sleep(1)
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        subprocess.run([podman, "rm", "-f", name], capture_output=True, check=False)
+        subprocess.run([podman, "rmi", "-f", tag], capture_output=True, check=False)
