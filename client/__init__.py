@@ -1,1 +1,30 @@
-"""tracestore.client — see design.md."""
+"""tracestore.client — the rollout recorder and the trainer's guidance reader (design.md §7).
+
+``import tracestore.client`` loads neither torch nor grpc: the recorder and reader import them
+lazily where a GPU tensor or a sidecar connection needs them.
+
+    from tracestore.client import RolloutRecorder, SiteOutput, GuidanceReader
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "RolloutRecorder": "tracestore.client.recorder",
+    "SiteOutput": "tracestore.client.recorder",
+    "GuidanceReader": "tracestore.client.reader",
+    "StagingPool": "tracestore.client.staging",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tracestore.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

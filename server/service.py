@@ -30,7 +30,7 @@ from tracestore.errors import (
     TraceStoreError,
 )
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_from_pb
+from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
 
 from .config import ServerConfig
 from .engine import DrainingError, Engine, OverBudgetError, SequenceError, pack_wal_data
@@ -284,6 +284,10 @@ class TraceStoreService:
             req = _decode(pb.StatRequest, raw, "Stat request")
             assert isinstance(req, pb.StatRequest)
             s = self.engine.stat(req.run)
+            spec = None
+            if req.run:
+                with contextlib.suppress(NotFoundError):
+                    spec = run_spec_to_pb(self.engine.run_spec(req.run))
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Stat", exc, {})
             raise
@@ -299,6 +303,7 @@ class TraceStoreService:
             shards_committed=s["shards_committed"],
             writers=[pb.WriterState(**w) for w in s["writers"]],
             storage_url=self.config.storage,
+            run_spec=spec,
         ).SerializeToString()
 
 

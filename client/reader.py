@@ -1,0 +1,274 @@
+"""GuidanceReader: the trainer's side. Plan in, ``{site: Guidance}`` out, aligned row for row.
+
+``source`` is a storage URL (direct ranged reads through :class:`tracestore.reader.StoreReader`;
+the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
+the ``Read`` RPC). The next plan can be fetched in the background (:meth:`GuidanceReader.prefetch`)
+while the current microbatch trains. Results are torch tensors on ``device``; for a CUDA device
+the host arrays are pinned and copied with ``non_blocking=True``.
+
+Example::
+
+    reader = GuidanceReader("s3://bucket/trace", "run-1", sites=my_stage_sites, device="cuda")
+    reader.prefetch(next_plan)
+    guidance = reader.read(plan)             # {site: Guidance}
+    y = tracestore.kernels.guided_fp4(x, guidance["layers.23.mlp.input"])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from tracestore.errors import (
+    ConfigError,
+    CorruptionError,
+    MissingRecordsError,
+    NotFoundError,
+    StorageError,
+    TraceStoreError,
+    ValidationError,
+)
+from tracestore.plan import MicrobatchPlan
+from tracestore.records import RunSpec, SiteSpec, validate_id
+
+from .transport import channel, is_sidecar_address, method
+
+PlanLike = MicrobatchPlan | Sequence[tuple[str | None, int, int]]
+
+
+class HostRows:
+    """One site's plan-aligned rows as numpy arrays (what both sources produce)."""
+
+    def __init__(
+        self,
+        site: SiteSpec,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        global_scale: np.ndarray,
+        token_scales: np.ndarray | None,
+        valid: np.ndarray,
+        policy_version: np.ndarray,
+    ) -> None:
+        self.site, self.codes, self.scales, self.global_scale = site, codes, scales, global_scale
+        self.token_scales, self.valid, self.policy_version = token_scales, valid, policy_version
+
+
+class GuidanceReader:
+    """Reads guidance for microbatch plans. See the module docstring."""
+
+    def __init__(
+        self,
+        source: str,
+        run: str,
+        *,
+        versions: int | Iterable[int] | None = None,
+        sites: Iterable[str] | None = None,
+        columns: tuple[int, int] | None = None,
+        device: Any = "cpu",
+        on_missing: str = "error",
+        prefetch: bool = True,
+        rule: str = "bracket",
+        storage_options: dict[str, Any] | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        validate_id("run", run)
+        if on_missing not in ("error", "mask"):
+            raise ConfigError(f"on_missing must be 'error' or 'mask', got {on_missing!r}")
+        self.source = source
+        self.run = run
+        self.versions = versions
+        self.sites = None if sites is None else [validate_id("site", s) for s in sites]
+        self.columns = columns
+        self.device = device
+        self.on_missing = on_missing
+        self.rule = rule
+        self.timeout = timeout
+        self.sidecar = is_sidecar_address(source)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[Any, ...], Future[dict[str, HostRows]]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
+        self._channel: Any = None
+        if self.sidecar:
+            self._channel = channel(source)
+            self._store_reader = None
+            self.spec: RunSpec | None = None
+        else:
+            from tracestore.reader import StoreReader
+            from tracestore.store import Store
+
+            self._store = Store(source, storage_options)
+            self._store_reader = StoreReader(self._store, run)
+            self.spec = self._store_reader.spec
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def prefetch(self, plan: PlanLike) -> None:
+        """Start reading ``plan`` in the background; a later :meth:`read` of the same plan uses it."""
+        if self._pool is None:
+            return
+        key = _plan_key(plan)
+        with self._lock:
+            if key not in self._pending:
+                self._pending[key] = self._pool.submit(self._fetch, plan)
+
+    def read(self, plan: PlanLike) -> dict[str, Any]:
+        """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``)."""
+        key = _plan_key(plan)
+        with self._lock:
+            fut = self._pending.pop(key, None)
+        host = fut.result() if fut is not None else self._fetch(plan)
+        return {name: self._to_guidance(rows) for name, rows in host.items()}
+
+    def read_host(self, plan: PlanLike) -> dict[str, HostRows]:
+        """The same rows as numpy arrays (no torch needed)."""
+        return self._fetch(plan)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._channel is not None:
+            self._channel.close()
+
+    def __enter__(self) -> GuidanceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- fetching ---------------------------------------------------------------------------------
+
+    def _fetch(self, plan: PlanLike) -> dict[str, HostRows]:
+        if not isinstance(plan, MicrobatchPlan):
+            plan = MicrobatchPlan(plan)
+        if self.sidecar:
+            return self._fetch_sidecar(plan)
+        assert self._store_reader is not None
+        result = self._store_reader.read(
+            plan, versions=self.versions, sites=self.sites, columns=self.columns, on_missing=self.on_missing
+        )
+        out = {}
+        for name in result:
+            r = result[name]
+            out[name] = HostRows(r.site, r.codes, r.scales, r.global_scale, r.token_scales, r.valid, r.policy_version)
+        return out
+
+    def _fetch_sidecar(self, plan: MicrobatchPlan) -> dict[str, HostRows]:
+        import grpc
+
+        from tracestore.v1 import tracestore_pb2 as pb
+
+        if self.spec is None:
+            self.spec = self._run_spec_from_sidecar()
+        versions = (
+            []
+            if self.versions is None
+            else ([int(self.versions)] if isinstance(self.versions, int) else [int(v) for v in self.versions])
+        )
+        req = pb.ReadRequest(
+            run=self.run,
+            plan=[pb.Segment(trajectory=s[0] or "", token_start=s[1], token_end=s[2]) for s in _segments(plan)],
+            versions=versions,
+            sites=self.sites or [],
+            on_missing=pb.ON_MISSING_MASK if self.on_missing == "mask" else pb.ON_MISSING_ERROR,
+            has_columns=self.columns is not None,
+            column_start=self.columns[0] if self.columns else 0,
+            column_end=self.columns[1] if self.columns else 0,
+        )
+        parts: dict[str, list[Any]] = {}
+        try:
+            for raw in method(self._channel, "Read", "unary_stream")(req.SerializeToString(), timeout=self.timeout):
+                m = pb.ReadResponse.FromString(raw)
+                parts.setdefault(m.site, []).append(m)
+        except grpc.RpcError as exc:
+            raise _error_from_status(exc) from None
+        out = {}
+        for name, msgs in parts.items():
+            site = self.spec.site(name)
+            n = msgs[0].total_rows
+            if sum(m.n_rows for m in msgs) != n:
+                raise CorruptionError(f"sidecar sent {sum(m.n_rows for m in msgs)} rows of {name}, expected {n}")
+            cb, sb = msgs[0].code_bytes, msgs[0].scale_bytes
+
+            def cat(field: str, dtype: str, msgs: list[Any] = msgs) -> np.ndarray:
+                return np.frombuffer(bytearray().join(getattr(m, field) for m in msgs), dtype)
+
+            has_ts = msgs[0].has_token_scales
+            out[name] = HostRows(
+                site,
+                cat("codes", "u1").reshape(n, cb),
+                cat("scales", "u1").reshape(n, sb),
+                cat("global_scale", "<f4").astype(np.float32),
+                cat("token_scales", "<f4").astype(np.float32) if has_ts else None,
+                cat("valid", "u1").astype(bool),
+                cat("policy_version", "<i8").astype(np.int64),
+            )
+        return out
+
+    def _run_spec_from_sidecar(self) -> RunSpec:
+        import grpc
+
+        from tracestore.v1 import tracestore_pb2 as pb
+        from tracestore.v1.convert import run_spec_from_pb
+
+        try:
+            raw = method(self._channel, "Stat", "unary_unary")(
+                pb.StatRequest(run=self.run).SerializeToString(), timeout=self.timeout
+            )
+        except grpc.RpcError as exc:
+            raise _error_from_status(exc) from None
+        resp = pb.StatResponse.FromString(raw)
+        if not resp.HasField("run_spec"):
+            raise NotFoundError(f"run {self.run!r} is not declared at the sidecar {self.source}")
+        return run_spec_from_pb(resp.run_spec)
+
+    def _to_guidance(self, rows: HostRows) -> Any:
+        import torch
+
+        from tracestore.guidance import Guidance
+
+        dev = torch.device(self.device)
+        pin = dev.type == "cuda"
+
+        def t(a: np.ndarray | None) -> Any:
+            if a is None:
+                return None
+            x = torch.from_numpy(np.ascontiguousarray(a))
+            if pin:
+                x = x.pin_memory()
+            return x.to(dev, non_blocking=pin)
+
+        site = rows.site
+        return Guidance(
+            codes=t(rows.codes),
+            scales=t(rows.scales),
+            global_scale=t(rows.global_scale.astype(np.float32)),
+            bits=site.bits,
+            fmt=site.fmt,
+            rule=self.rule,  # type: ignore[arg-type]
+            token_scales=t(rows.token_scales),
+            valid=t(rows.valid.astype(bool)),
+        )
+
+
+def _segments(plan: MicrobatchPlan) -> list[tuple[str | None, int, int]]:
+    return [(s.trajectory, s.token_start, s.token_end) for s in plan.segments]
+
+
+def _plan_key(plan: PlanLike) -> tuple[Any, ...]:
+    segs = _segments(plan) if isinstance(plan, MicrobatchPlan) else [tuple(s) for s in plan]
+    return tuple(segs)
+
+
+def _error_from_status(exc: Any) -> TraceStoreError:
+    code = exc.code().name if exc.code() is not None else "UNKNOWN"
+    details = exc.details() or code
+    cls: type[TraceStoreError] = {
+        "INVALID_ARGUMENT": ValidationError,
+        "NOT_FOUND": MissingRecordsError,
+        "DATA_LOSS": CorruptionError,
+    }.get(code, StorageError)
+    return cls(f"sidecar Read failed ({code}): {details}")
