@@ -157,6 +157,20 @@ def kustomize(target: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
+def serve_env_names() -> set[str]:
+    """TRACESTORE_* variables `tracestore serve` reads: the env twins of its flags."""
+    import argparse
+
+    from tracestore.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if "serve" not in sub.choices:
+        raise AssertionError("`tracestore serve` is not registered (tracestore.server.cli missing?)")
+    flags = [s for a in sub.choices["serve"]._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+    return {"TRACESTORE_" + f[2:].replace("-", "_").upper() for f in flags}
+
+
 @pytest.fixture(scope="session")
 def exporter_names() -> set[str]:
     from tracestore.server.metrics import Metrics
@@ -179,6 +193,7 @@ def h() -> SimpleNamespace:
         recorded_names=recorded_names,
         github_anchors=github_anchors,
         kustomize=kustomize,
+        serve_env_names=serve_env_names,
         ROOT=ROOT,
         DEPLOY=DEPLOY,
         RULES=RULES,

@@ -61,6 +61,12 @@ def test_image_conventions(h):
     assert {7433, 9433} <= exposed
 
 
+def test_image_env_are_serve_flags(h):
+    ins = instructions(h.DOCKERFILE.read_text())
+    names = {m for i, a in ins if i == "ENV" for m in re.findall(r"\b(TRACESTORE_\w+)=", a)}
+    assert names and names - h.serve_env_names() == set()
+
+
 def test_no_torch_or_cuda_in_the_image(h):
     text = h.DOCKERFILE.read_text()
     ins = instructions(text)

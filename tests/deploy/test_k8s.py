@@ -177,6 +177,14 @@ def test_shared_volumes(docs):
         assert name in volumes, name
 
 
+def test_sidecar_env_are_serve_flags(h, docs):
+    sidecar, _ = containers(one(docs, "Deployment"))
+    names = {e["name"] for e in sidecar["env"] if e["name"].startswith("TRACESTORE_")}
+    known = h.serve_env_names()
+    assert {"TRACESTORE_STORAGE", "TRACESTORE_GRACE"} <= known  # the check itself sees the flags
+    assert names - known == set(), "variables `tracestore serve` does not read"
+
+
 def test_sidecar_writes_only_to_volumes(docs):
     sidecar, _ = containers(one(docs, "Deployment"))
     mounts = {m["mountPath"] for m in sidecar["volumeMounts"]}
@@ -212,7 +220,7 @@ def test_grace_period_covers_engine_exit_and_drain(docs):
     tmpl = deploy["spec"]["template"]
     sidecar, _ = containers(deploy)
     engine_exit = to_seconds(tmpl["metadata"]["annotations"]["tracestore.dev/engine-exit-seconds"])
-    drain = float(env(sidecar)["TRACESTORE_GRACE_S"])
+    drain = float(env(sidecar)["TRACESTORE_GRACE"])
     assert tmpl["spec"]["terminationGracePeriodSeconds"] >= engine_exit + drain
 
 
@@ -220,7 +228,7 @@ def test_resources(docs):
     sidecar, engine = containers(one(docs, "Deployment"))
     res = sidecar["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] == res["limits"]["memory"]
-    budget = int(env(sidecar)["TRACESTORE_MEMORY_BUDGET_BYTES"])
+    budget = int(env(sidecar)["TRACESTORE_MEMORY_BUDGET_MIB"]) * 2**20
     assert quantity_bytes(res["limits"]["memory"]) >= budget + 2**30, "memory limit must exceed the budget"
     assert "nvidia.com/gpu" in engine["resources"]["limits"]
 
