@@ -14,8 +14,16 @@ GENERATED = ("tracestore_pb2.py", "tracestore_pb2.pyi", "tracestore_pb2_grpc.py"
 
 def test_generated_code_matches_proto(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the [dev] extra) regenerates the code")
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-           f"--grpc_python_out={tmp_path}", "proto/tracestore/v1/tracestore.proto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        "-Iproto",
+        f"--python_out={tmp_path}",
+        f"--pyi_out={tmp_path}",
+        f"--grpc_python_out={tmp_path}",
+        "proto/tracestore/v1/tracestore.proto",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=60)
     for name in GENERATED:
         fresh = (tmp_path / "tracestore" / "v1" / name).read_text()
