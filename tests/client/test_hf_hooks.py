@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
 from tracestore.client.hf_hooks import HFSiteHooks, site_name  # noqa: E402
+
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
 from tracestore.errors import ConfigError, ShapeError  # noqa: E402
 
