@@ -1,0 +1,117 @@
+"""Compile-once cache and launcher for the CUDA kernels in ``_source.py`` (CuPy, imported lazily).
+
+Each template instantiation is compiled by NVRTC on first use (CuPy also caches the binary on
+disk) and launched on torch's *current* stream with raw pointers as arguments: no CuPy arrays, no
+allocation, no synchronization, so launches can be captured in a ``torch.cuda.CUDAGraph``.
+Compile every kernel a graph will use *before* capturing it (call the op once, or ``warmup``):
+loading a module is not a capturable operation.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from tracestore.errors import MissingExtraError
+
+from ._source import SOURCE
+
+# -fmad=false: the reference rounds after every multiply; a contracted a*b+c would not (numerics.md §3).
+_OPTIONS = ("--std=c++17", "-fmad=false")
+_BLOCK = 256
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def cupy_module() -> Any:
+    """Import CuPy or raise :class:`MissingExtraError` naming the ``gpu`` extra."""
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - exercised only without CuPy
+        raise MissingExtraError(
+            "the tracestore GPU kernels need CuPy: install it with `pip install 'tracestore[gpu]'` "
+            "(cupy-cuda12x or cupy-cuda13x matching your CUDA driver)"
+        ) from exc
+    return cupy
+
+
+def have_cupy() -> bool:
+    try:
+        cupy_module()
+    except MissingExtraError:
+        return False
+    return True
+
+
+def get_kernel(name_expr: str, device_index: int) -> Any:
+    """The compiled kernel for e.g. ``"record_act<1,0,1,0>"`` on a device (compiled once)."""
+    key = (name_expr, device_index)
+    fn = _modules.get(key)
+    if fn is None:
+        cupy = cupy_module()
+        with _lock:
+            fn = _modules.get(key)
+            if fn is None:
+                with cupy.cuda.Device(device_index):
+                    mod = cupy.RawModule(code=SOURCE, options=_OPTIONS, name_expressions=[name_expr])
+                    fn = mod.get_function(name_expr)
+                _modules[key] = fn
+    return fn
+
+
+def _stream(device_index: int, ptr: int) -> Any:
+    key = (device_index, ptr)
+    s = _streams.get(key)
+    if s is None:
+        cupy = cupy_module()
+        with cupy.cuda.Device(device_index):
+            s = cupy.cuda.ExternalStream(ptr)
+        _streams[key] = s
+    return s
+
+
+def ptr(t: Any) -> np.uint64:
+    """Device pointer of a tensor (or 0 for None) as a kernel argument."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def u32(v: int) -> np.uint32:
+    return np.uint32(v)
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def launch(name_expr: str, device: Any, n_threads: int, args: tuple[Any, ...]) -> None:
+    """Launch ``n_threads`` threads (blocks of 256) of a kernel on torch's current stream of ``device``."""
+    import torch
+
+    if n_threads <= 0:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = get_kernel(name_expr, index)
+    cupy = cupy_module()
+    stream = _stream(index, torch.cuda.current_stream(device).cuda_stream)
+    grid = ((n_threads + _BLOCK - 1) // _BLOCK,)
+    with cupy.cuda.Device(index), stream:
+        fn(grid, (_BLOCK,), args)
+
+
+def launch_grid(name_expr: str, device: Any, grid: int, args: tuple[Any, ...]) -> None:
+    """Launch ``grid`` blocks of 256 threads (grid-stride kernels) on torch's current stream."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = get_kernel(name_expr, index)
+    cupy = cupy_module()
+    stream = _stream(index, torch.cuda.current_stream(device).cuda_stream)
+    with cupy.cuda.Device(index), stream:
+        fn((grid,), (_BLOCK,), args)

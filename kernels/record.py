@@ -1,0 +1,440 @@
+"""Rollout-side record capture (design.md §5): activations / engine FP4 codes / paged KV -> records.
+
+Anatomy: a static :class:`RecordBuffer` slab per site (allocated once, before any graph
+capture) and three launchers that write a forward's rows into it at ``row_offset``. On a GPU each
+launcher is one CUDA kernel (``_source.py``) on torch's current stream: no allocation, no sync,
+no host read of device data, so the calls can live inside a captured ``torch.cuda.CUDAGraph``
+(call each once before capturing so its kernel is compiled and loaded). On the CPU the same calls
+run the torch reference (``quantize`` + ``pack_bits`` + ``unswizzle_scales``) into the same buffers.
+
+Example::
+
+    slab = RecordBuffer.allocate(site, capacity=4096, device="cuda")
+    g = torch.ones(1, device="cuda")                      # the engine's decode-side global scale
+    rows = record_from_activations(x, site, slab, row_offset=256, global_scale=g)
+    # rows.codes uint8[N, width*b/8], rows.scales uint8[N, width/16], rows.global_scale float32[N]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tracestore.errors import ConfigError, DTypeError, ShapeError
+from tracestore.formats import FP4Format, packed_row_bytes
+from tracestore.fp4 import quantize, resolve_global_scale
+from tracestore.layouts import padded_shape, unswizzle_scales
+from tracestore.packing import pack_bits, pack_fp4, unpack_fp4
+
+from . import _launch as L
+from ._common import (
+    DTYPE_CODE,
+    check_aligned,
+    check_float,
+    check_rows_2d,
+    check_uint8,
+    fmt_code,
+    same_device,
+    site_params,
+    use_gpu,
+)
+
+ScaleLayout = ("rowmajor", "swizzled128x4")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordBuffer:
+    """Caller-owned record rows of one site: ``codes`` uint8[cap, width*bits/8], ``scales``
+    uint8[cap, width/block] (row-major), ``global_scale`` float32[cap] (decode-side g per row;
+    1.0 for MX), optional ``fp4`` uint8[cap, width/2] (the packed FP4 codes an engine's GEMM eats)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    fp4: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_uint8(self.codes, "codes")
+        check_uint8(self.scales, "scales")
+        if self.global_scale.dtype != torch.float32:
+            raise DTypeError(f"global_scale must be float32, got {self.global_scale.dtype}")
+        cap = self.codes.shape[0] if self.codes.dim() == 2 else -1
+        if self.scales.dim() != 2 or self.scales.shape[0] != cap or tuple(self.global_scale.shape) != (cap,):
+            raise ShapeError(
+                f"codes/scales must be 2-D and global_scale 1-D with one row count, got {list(self.codes.shape)}, "
+                f"{list(self.scales.shape)}, {list(self.global_scale.shape)}"
+            )
+        if self.fp4 is not None and (check_uint8(self.fp4, "fp4").dim() != 2 or self.fp4.shape[0] != cap):
+            raise ShapeError(f"fp4 must be uint8[{cap}, width/2], got {list(self.fp4.shape)}")
+        for t in (self.scales, self.global_scale, *(() if self.fp4 is None else (self.fp4,))):
+            if t.device != self.codes.device:
+                raise ConfigError(f"all RecordBuffer tensors must be on one device, got {self.codes.device} and {t.device}")
+
+    @classmethod
+    def allocate(
+        cls, site: Any, capacity: int, device: torch.device | str = "cuda", *, with_fp4: bool = False
+    ) -> RecordBuffer:
+        """Zeroed buffers for ``capacity`` rows of ``site`` (do this once, outside graph capture)."""
+        width, fmt, bits = site_params(site)
+        if capacity < 1:
+            raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
+        return cls(
+            codes=torch.zeros(capacity, packed_row_bytes(width, bits), dtype=torch.uint8, device=device),
+            scales=torch.zeros(capacity, width // fmt.block, dtype=torch.uint8, device=device),
+            global_scale=torch.ones(capacity, dtype=torch.float32, device=device),
+            fp4=torch.zeros(capacity, width // 2, dtype=torch.uint8, device=device) if with_fp4 else None,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def rows(self, start: int, n: int) -> RecordBuffer:
+        """A view of rows ``[start, start+n)`` (no copy)."""
+        if start < 0 or n < 0 or start + n > self.capacity:
+            raise ShapeError(f"rows [{start}, {start + n}) are outside the buffer's {self.capacity} rows")
+        sl = slice(start, start + n)
+        return RecordBuffer(
+            self.codes[sl], self.scales[sl], self.global_scale[sl], None if self.fp4 is None else self.fp4[sl]
+        )
+
+
+def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int, n: int) -> RecordBuffer:
+    if not isinstance(out, RecordBuffer):
+        raise ConfigError(f"out must be a RecordBuffer (RecordBuffer.allocate(site, capacity)), got {type(out).__name__}")
+    want_c, want_s = packed_row_bytes(width, bits), width // fmt.block
+    if out.codes.shape[1] != want_c or out.scales.shape[1] != want_s:
+        raise ShapeError(
+            f"out rows must hold {want_c} code bytes and {want_s} scale bytes for width {width}, {fmt}, "
+            f"bits={bits}; got {out.codes.shape[1]} and {out.scales.shape[1]}"
+        )
+    if row_offset < 0 or row_offset + n > out.capacity:
+        raise ShapeError(
+            f"rows [{row_offset}, {row_offset + n}) do not fit the buffer's {out.capacity} rows; "
+            "allocate a larger slab or flush it first"
+        )
+    if n >= 2**31 // max(1, want_s):
+        raise ShapeError(f"{n} rows × {want_s} blocks exceed one launch (2^31 blocks); split the call")
+    return out
+
+
+def _g_tensor(global_scale: Any, fmt: FP4Format, device: torch.device, slot: torch.Tensor) -> torch.Tensor | None:
+    """The decode-side g as a device float32 tensor of one element (None for MX).
+
+    A Python float is written into ``slot`` (a row of the output's global_scale): under graph
+    capture that value is baked into the graph, so pass a tensor when g changes per step."""
+    if not fmt.has_global_scale:
+        if global_scale is not None:
+            raise ConfigError(f"{fmt} has no global scale; pass global_scale=None")
+        return None
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
+            raise ShapeError(
+                f"global_scale must be a float32 tensor with one element (decode-side g), got "
+                f"{global_scale.dtype}{list(global_scale.shape)}"
+            )
+        same_device("global_scale", global_scale, device)
+        return global_scale.reshape(1)
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        slot.fill_(float(global_scale))
+        return slot
+    raise ConfigError(f"global_scale must be a float32 device tensor, a float or None, got {type(global_scale).__name__}")
+
+
+def compute_global_scale(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode-side NVFP4 g = amax(|x|)/2688 (0 or non-finite -> 1) into ``out`` (float32, 1 element).
+
+    Three graph-safe launches on the GPU (zero, amax with atomics, finalize); the reference
+    ``resolve_global_scale`` on the CPU. Returns ``out``.
+    """
+    x = check_float(x)
+    if out.dtype != torch.float32 or out.numel() != 1:
+        raise ShapeError(f"out must be a float32 tensor with one element, got {out.dtype}{list(out.shape)}")
+    same_device("out", out, x.device)
+    if not use_gpu(x.device):
+        out.copy_(resolve_global_scale(x, None).reshape(out.shape))
+        return out
+    if not x.is_contiguous():
+        raise ShapeError("x must be contiguous for compute_global_scale on the GPU")
+    check_aligned(x.reshape(-1, x.shape[-1]), "x", 16)
+    out.zero_()
+    n16 = x.numel() * x.element_size() // 16
+    grid = max(1, min(132 * 8, (n16 + 255) // 256))
+    dt = DTYPE_CODE[x.dtype]
+    L.launch_grid(f"amax_abs<{dt}>", x.device, grid, (L.ptr(x), L.i64(n16), L.ptr(out)))
+    L.launch_grid("finalize_g", x.device, 1, (L.ptr(out),))
+    return out
+
+
+def record_from_activations(
+    x: torch.Tensor,
+    site: Any,
+    out: RecordBuffer,
+    *,
+    row_offset: int = 0,
+    global_scale: torch.Tensor | float | None = None,
+) -> RecordBuffer:
+    """RTN-quantize activations as the engine would and record them (numerics.md §3, §4, §6).
+
+    ``x`` [N, width] float32/bfloat16/float16 (or [..., width], contiguous); writes rows
+    ``[row_offset, row_offset+N)`` of ``out``: packed low-b bits, scale bytes, g per row, and the
+    packed FP4 codes if ``out.fp4`` exists. NVFP4 ``global_scale`` is decode-side: a float32
+    device tensor (graph-safe), a float, or None = amax(|x|)/2688 computed on the device (two
+    extra small launches). Returns the written rows as a :class:`RecordBuffer` view.
+    """
+    width, fmt, bits = site_params(site)
+    x = check_rows_2d(check_float(x), "x", width)
+    n = x.shape[0]
+    _check_out(out, width, fmt, bits, row_offset, n)
+    same_device("out", out.codes, x.device)
+    rows = out.rows(row_offset, n)
+    if n == 0:
+        return rows
+    slot = out.global_scale[row_offset : row_offset + 1]
+    if fmt.has_global_scale and global_scale is None:
+        g = compute_global_scale(x, slot)
+    else:
+        g = _g_tensor(global_scale, fmt, x.device, slot)
+    if not use_gpu(x.device):
+        q = quantize(x, fmt, None if g is None else g.reshape(()))
+        rows.codes.copy_(pack_bits(q.codes, bits))
+        rows.scales.copy_(q.scales)
+        rows.global_scale.fill_(q.global_scale)
+        if rows.fp4 is not None:
+            rows.fp4.copy_(pack_fp4(q.codes))
+        return rows
+    check_aligned(x, "x", 16)
+    dt, fc = DTYPE_CODE[x.dtype], fmt_code(fmt)
+    fp4 = rows.fp4
+    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)}>"
+    L.launch(
+        name,
+        x.device,
+        n * (width // fmt.block),
+        (
+            L.ptr(x),
+            L.i64(x.stride(0) * x.element_size()),
+            L.u32(n),
+            L.u32(width // fmt.block),
+            L.ptr(g),
+            L.ptr(rows.codes),
+            L.i64(rows.codes.stride(0)),
+            L.ptr(rows.scales),
+            L.i64(rows.scales.stride(0)),
+            L.ptr(rows.global_scale),
+            L.ptr(fp4),
+            L.i64(0 if fp4 is None else fp4.stride(0)),
+        ),
+    )
+    return rows
+
+
+def record_from_codes(
+    packed_fp4: torch.Tensor,
+    scales: torch.Tensor,
+    site: Any,
+    out: RecordBuffer,
+    *,
+    row_offset: int = 0,
+    scale_layout: str = "rowmajor",
+    global_scale: torch.Tensor | float | None = None,
+) -> RecordBuffer:
+    """Record the engine's own packed FP4 codes (element 2j in the low nibble) and scale bytes.
+
+    ``packed_fp4`` uint8[N, width/2]; ``scales`` uint8[N, width/block] row-major, or for
+    ``scale_layout="swizzled128x4"`` CUTLASS's swizzled buffer (any shape, R'·C' bytes, numerics.md
+    §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor or float).
+    Writes rows ``[row_offset, row_offset+N)`` of ``out`` and returns them.
+    """
+    width, fmt, bits = site_params(site)
+    packed_fp4 = check_rows_2d(check_uint8(packed_fp4, "packed_fp4"), "packed_fp4", width // 2)
+    check_uint8(scales, "scales")
+    n, nb = packed_fp4.shape[0], width // fmt.block
+    if scale_layout not in ScaleLayout:
+        raise ConfigError(f"scale_layout must be one of {ScaleLayout}, got {scale_layout!r}")
+    swz = scale_layout == "swizzled128x4"
+    if swz:
+        rp, cp = padded_shape(n, nb)
+        if scales.numel() != rp * cp or not scales.is_contiguous():
+            raise ShapeError(
+                f"a swizzled scale buffer for {n}×{nb} scales is a contiguous {rp}×{cp} = {rp * cp} bytes "
+                f"(rows padded to 128, columns to 4), got {list(scales.shape)}"
+            )
+    else:
+        scales = check_rows_2d(scales, "scales", nb)
+        if scales.shape[0] != n:
+            raise ShapeError(f"scales must have {n} rows like packed_fp4, got {scales.shape[0]}")
+    _check_out(out, width, fmt, bits, row_offset, n)
+    for name_, t in (("packed_fp4", packed_fp4), ("scales", scales)):
+        same_device(name_, t, out.device)
+    if fmt.has_global_scale and global_scale is None:
+        raise ConfigError("NVFP4 records need the engine's decode-side global_scale (a float32 tensor or float)")
+    rows = out.rows(row_offset, n)
+    if n == 0:
+        return rows
+    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1])
+    if not use_gpu(out.device):
+        codes = unpack_fp4(packed_fp4)
+        rows.codes.copy_(pack_bits(codes, bits))
+        rows.scales.copy_(unswizzle_scales(scales, n, nb) if swz else scales)
+        rows.global_scale.copy_(g.reshape(()).expand(n) if g is not None else torch.ones(n))
+        return rows
+    check_aligned(packed_fp4, "packed_fp4", fmt.block // 2)
+    L.launch(
+        f"record_codes<{fmt.block},{bits},{int(swz)}>",
+        out.device,
+        n * nb,
+        (
+            L.ptr(packed_fp4),
+            L.i64(packed_fp4.stride(0)),
+            L.ptr(scales),
+            L.i64(padded_shape(n, nb)[1] if swz else scales.stride(0)),
+            L.u32(n),
+            L.u32(nb),
+            L.ptr(rows.codes),
+            L.i64(rows.codes.stride(0)),
+            L.ptr(rows.scales),
+            L.i64(rows.scales.stride(0)),
+            L.ptr(g),
+            L.ptr(rows.global_scale),
+        ),
+    )
+    return rows
+
+
+def _one_kv(
+    pool: torch.Tensor,
+    spool: torch.Tensor,
+    page_table: torch.Tensor,
+    n_tokens: int,
+    site: Any,
+    out: RecordBuffer,
+    token_start: int,
+    row_offset: int,
+    global_scale: Any,
+    name: str,
+) -> RecordBuffer:
+    width, fmt, bits = site_params(site)
+    check_uint8(pool, f"{name} pool")
+    check_uint8(spool, f"{name} scales")
+    if pool.dim() != 4 or spool.dim() != 4 or pool.shape[:3] != spool.shape[:3]:
+        raise ShapeError(
+            f"{name} pool must be [pages, page_size, heads, head_dim/2] and its scales "
+            f"[pages, page_size, heads, head_dim/{fmt.block}], got {list(pool.shape)} and {list(spool.shape)}"
+        )
+    pages, page_size, heads, half = pool.shape
+    if heads * half * 2 != width or spool.shape[3] * fmt.block != half * 2:
+        raise ShapeError(
+            f"{name}: heads×head_dim = {heads}×{half * 2} with {spool.shape[3]} scales per head does not match "
+            f"the site (width {width}, {fmt} blocks of {fmt.block})"
+        )
+    if pool.stride(3) != 1 or pool.stride(2) != half or spool.stride(3) != 1 or spool.stride(2) != spool.shape[3]:
+        raise ShapeError(f"{name}: each slot's heads×head_dim bytes (and scales) must be contiguous")
+    _check_out(out, width, fmt, bits, row_offset, n_tokens)
+    same_device(f"{name} pool", pool, out.device)
+    same_device(f"{name} scales", spool, out.device)
+    rows = out.rows(row_offset, n_tokens)
+    if n_tokens == 0:
+        return rows
+    if fmt.has_global_scale and global_scale is None:
+        raise ConfigError(f"{name}: NVFP4 KV records need the cache's decode-side global_scale")
+    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1])
+    if not use_gpu(out.device):
+        pos = torch.arange(token_start, token_start + n_tokens)
+        pg = page_table.long()[pos // page_size]
+        slot = pos % page_size
+        codes = unpack_fp4(pool[pg, slot].reshape(n_tokens, width // 2))
+        rows.codes.copy_(pack_bits(codes, bits))
+        rows.scales.copy_(spool[pg, slot].reshape(n_tokens, -1))
+        rows.global_scale.copy_(g.reshape(()).expand(n_tokens) if g is not None else torch.ones(n_tokens))
+        return rows
+    base_ok = pool.data_ptr() % (fmt.block // 2) == 0 and (pool.stride(0) % (fmt.block // 2)) == 0
+    if not base_ok or (pool.stride(1) % (fmt.block // 2)):
+        raise ShapeError(f"{name} pool must be aligned to {fmt.block // 2} bytes per page and slot")
+    L.launch(
+        f"record_kv<{fmt.block},{bits}>",
+        out.device,
+        n_tokens * (width // fmt.block),
+        (
+            L.ptr(pool),
+            L.i64(pool.stride(0)),
+            L.i64(pool.stride(1)),
+            L.ptr(spool),
+            L.i64(spool.stride(0)),
+            L.i64(spool.stride(1)),
+            L.ptr(page_table),
+            L.i32(int(page_table.dtype == torch.int64)),
+            L.u32(page_size),
+            L.u32(token_start),
+            L.u32(n_tokens),
+            L.u32(width // fmt.block),
+            L.ptr(rows.codes),
+            L.i64(rows.codes.stride(0)),
+            L.ptr(rows.scales),
+            L.i64(rows.scales.stride(0)),
+            L.ptr(g),
+            L.ptr(rows.global_scale),
+        ),
+    )
+    return rows
+
+
+def _pair(v: Any, name: str) -> tuple[Any, ...]:
+    if isinstance(v, (tuple, list)):
+        return tuple(v)
+    return (v,)
+
+
+def record_kv_pages(
+    kv_pool: torch.Tensor | Sequence[torch.Tensor],
+    kv_scales: torch.Tensor | Sequence[torch.Tensor],
+    page_table: torch.Tensor,
+    n_tokens: int,
+    site: Any,
+    out: RecordBuffer | Sequence[RecordBuffer],
+    *,
+    token_start: int = 0,
+    row_offset: int = 0,
+    global_scale: Any = None,
+) -> tuple[RecordBuffer, ...]:
+    """Gather one request's tokens ``[token_start, token_start+n_tokens)`` from a paged FP4 KV cache.
+
+    ``kv_pool`` uint8[pages, page_size, heads, head_dim/2] (or a ``(k_pool, v_pool)`` pair, with
+    ``kv_scales``, ``site``, ``out`` and ``global_scale`` pairs to match), ``kv_scales``
+    uint8[pages, page_size, heads, head_dim/block], ``page_table`` int32/int64[≥ pages used] the
+    request's pages in order. Token ``t`` lives at page ``page_table[t // page_size]``, slot
+    ``t % page_size``; its record row is heads×head_dim wide. Page ids are trusted (they are read
+    on the device, never synchronized to the host). Returns the written rows per cache.
+    """
+    pools, spools = _pair(kv_pool, "kv_pool"), _pair(kv_scales, "kv_scales")
+    k = len(pools)
+    sites = _pair(site, "site") if isinstance(site, (tuple, list)) else (site,) * k
+    outs = _pair(out, "out")
+    gs = tuple(global_scale) if isinstance(global_scale, (tuple, list)) else (global_scale,) * k
+    if not (len(spools) == len(sites) == len(outs) == len(gs) == k) or k not in (1, 2):
+        raise ShapeError("pass one cache or a (K, V) pair, with as many scale pools, sites, outputs and global scales")
+    if not isinstance(page_table, torch.Tensor) or page_table.dtype not in (torch.int32, torch.int64):
+        raise DTypeError("page_table must be an int32 or int64 tensor of page ids")
+    if page_table.dim() != 1 or not page_table.is_contiguous():
+        raise ShapeError(f"page_table must be a contiguous 1-D tensor, got {list(page_table.shape)}")
+    page_size = pools[0].shape[1] if pools[0].dim() == 4 else 1
+    if n_tokens < 0 or token_start < 0:
+        raise ShapeError(f"token_start and n_tokens must be >= 0, got {token_start}, {n_tokens}")
+    if n_tokens and -(-(token_start + n_tokens) // page_size) > page_table.shape[0]:
+        raise ShapeError(
+            f"tokens up to {token_start + n_tokens} need {-(-(token_start + n_tokens) // page_size)} pages of "
+            f"{page_size}, the page table has {page_table.shape[0]}"
+        )
+    same_device("page_table", page_table, outs[0].device)
+    names = ("k", "v") if k == 2 else ("kv",)
+    return tuple(
+        _one_kv(pools[i], spools[i], page_table, n_tokens, sites[i], outs[i], token_start, row_offset, gs[i], names[i])
+        for i in range(k)
+    )

@@ -1,0 +1,313 @@
+"""Record capture: CPU path against the reference, errors, and (marker gpu) the CUDA kernels bit for
+bit against the same reference, inside and outside a captured CUDA graph."""
+
+import itertools
+
+import pytest
+import torch
+
+from tracestore.errors import ConfigError, DTypeError, ShapeError
+from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
+from tracestore.fp4 import quantize, resolve_global_scale
+from tracestore.layouts import swizzle_scales
+from tracestore.packing import pack_bits, pack_fp4
+from tracestore.records import SiteSpec
+from tracestore.kernels import (
+    RecordBuffer,
+    compute_global_scale,
+    record_from_activations,
+    record_from_codes,
+    record_kv_pages,
+)
+from tracestore.kernels.testing import assert_bits_equal
+
+FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp4-rceil": MXFP4_RCEIL}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def site(fmt="nvfp4", blocks=5, bits=1, kind="moe_input"):
+    return SiteSpec("layers.3.mlp.input", kind, 3, blocks * FORMATS[fmt].block, fmt, bits)
+
+
+def activations(n, width, dtype, gen, device="cpu"):
+    x = torch.randn(n, width, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    if n > 2:
+        x[1, : width // 2] = 0.0  # an all-zero block
+        x[2, 3] = float("nan")  # a NaN block
+        x[2, -1] = float("inf")
+    return x.to(dtype).to(device)
+
+
+def expected(x, s, g):
+    q = quantize(x.cpu(), s.fmt, g)
+    return pack_bits(q.codes, s.bits), q.scales, q.global_scale, pack_fp4(q.codes)
+
+
+def poisoned(s, cap, device, with_fp4=True):
+    out = RecordBuffer.allocate(s, cap, device, with_fp4=with_fp4)
+    out.codes.fill_(0xAB)
+    out.scales.fill_(0xCD)
+    out.global_scale.fill_(-7.0)
+    if out.fp4 is not None:
+        out.fp4.fill_(0xEF)
+    return out
+
+
+def check_rows(out, off, x, s, g):
+    codes, scales, gval, fp4 = expected(x, s, g)
+    n = x.shape[0]
+    assert_bits_equal(out.codes[off : off + n], codes.to(out.device), "codes")
+    assert_bits_equal(out.scales[off : off + n], scales.to(out.device), "scales")
+    assert_bits_equal(out.global_scale[off : off + n].cpu(), torch.full((n,), gval), "global_scale")
+    if out.fp4 is not None:
+        assert_bits_equal(out.fp4[off : off + n], fp4.to(out.device), "fp4")
+
+
+def check_untouched(out, lo, hi):
+    assert bool((out.codes[:lo] == 0xAB).all()) and bool((out.codes[hi:] == 0xAB).all())
+    assert bool((out.scales[:lo] == 0xCD).all()) and bool((out.scales[hi:] == 0xCD).all())
+
+
+# ------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("fmt, bits", list(itertools.product(FORMATS, [1, 2, 3, 4])))
+def test_cpu_record_from_activations(fmt, bits, gen):
+    s = site(fmt, 7, bits)
+    x = activations(5, s.width, torch.bfloat16, gen)
+    out = poisoned(s, 9, "cpu")
+    g = 0.02 if fmt == "nvfp4" else None
+    rows = record_from_activations(x, s, out, row_offset=3, global_scale=g)
+    assert rows.codes.shape == (5, s.code_bytes)
+    check_rows(out, 3, x, s, g)
+    check_untouched(out, 3, 8)
+
+
+def test_cpu_global_scale_from_amax_and_tensor(gen):
+    s = site("nvfp4", 3)
+    x = activations(4, s.width, torch.float32, gen)[3:]  # finite rows only
+    out = poisoned(s, 4, "cpu")
+    record_from_activations(x, s, out)
+    check_rows(out, 0, x, s, None)
+    record_from_activations(x, s, out, global_scale=torch.tensor([0.5]))
+    check_rows(out, 0, x, s, 0.5)
+    g = compute_global_scale(x, torch.zeros(1))
+    assert_bits_equal(g.reshape(()), resolve_global_scale(x, None))
+
+
+@pytest.mark.parametrize("fmt, bits, layout", list(itertools.product(FORMATS, [1, 4], ["rowmajor", "swizzled128x4"])))
+def test_cpu_record_from_codes(fmt, bits, layout, gen):
+    s = site(fmt, 5, bits)
+    x = activations(3, s.width, torch.float32, gen)
+    g = 0.03 if fmt == "nvfp4" else None
+    q = quantize(x, s.fmt, g)
+    sc = swizzle_scales(q.scales, fill=0x55) if layout != "rowmajor" else q.scales
+    out = poisoned(s, 6, "cpu")
+    record_from_codes(pack_fp4(q.codes), sc, s, out, row_offset=2, scale_layout=layout, global_scale=g)
+    assert_bits_equal(out.codes[2:5], pack_bits(q.codes, bits))
+    assert_bits_equal(out.scales[2:5], q.scales)
+    check_untouched(out, 2, 5)
+
+
+def kv_cache(pages, page_size, heads, head_dim, fmt, gen, device="cpu"):
+    pool = torch.randint(0, 256, (pages, page_size, heads, head_dim // 2), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(0, 256, (pages, page_size, heads, head_dim // fmt.block), generator=gen, dtype=torch.uint8)
+    return pool.to(device), sc.to(device)
+
+
+def kv_expected(pool, sc, table, start, n, bits):
+    ps = pool.shape[1]
+    rows_c, rows_s = [], []
+    for t in range(start, start + n):
+        p, slot = int(table[t // ps]), t % ps
+        rows_c.append(pool[p, slot].reshape(-1))
+        rows_s.append(sc[p, slot].reshape(-1))
+    packed = torch.stack(rows_c).cpu()
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(n, -1)
+    return pack_bits(codes, bits), torch.stack(rows_s).cpu()
+
+
+@pytest.mark.parametrize("bits", [1, 3])
+def test_cpu_record_kv_pages(bits, gen):
+    heads, hd = 2, 32
+    s = SiteSpec("layers.3.attn.k", "key", 3, heads * hd, "nvfp4", bits)
+    k, ks = kv_cache(6, 4, heads, hd, NVFP4, gen)
+    v, vs = kv_cache(6, 4, heads, hd, NVFP4, gen)
+    table = torch.tensor([5, 0, 3, 2], dtype=torch.int32)
+    ok, ov = poisoned(s, 12, "cpu"), poisoned(s, 12, "cpu")
+    record_kv_pages((k, v), (ks, vs), table, 11, s, (ok, ov), token_start=2, row_offset=1, global_scale=(0.5, 0.25))
+    for pool, sc, out, g in ((k, ks, ok, 0.5), (v, vs, ov, 0.25)):
+        c, sx = kv_expected(pool, sc, table, 2, 11, bits)
+        assert_bits_equal(out.codes[1:12], c)
+        assert_bits_equal(out.scales[1:12], sx)
+        assert bool((out.global_scale[1:12] == g).all())
+
+
+def test_errors(gen):
+    s = site("nvfp4", 4)
+    out = RecordBuffer.allocate(s, 4, "cpu")
+    x = activations(3, s.width, torch.float32, gen)
+    with pytest.raises(ShapeError, match="do not fit"):
+        record_from_activations(x, s, out, row_offset=2)
+    with pytest.raises(ShapeError, match=r"\[\.\.\., 64\]"):
+        record_from_activations(x[:, :48], s, out)
+    with pytest.raises(DTypeError):
+        record_from_activations(x.to(torch.float64), s, out)
+    with pytest.raises(ConfigError, match="no global scale"):
+        ms = site("mxfp4", 2)
+        record_from_activations(x, ms, RecordBuffer.allocate(ms, 4, "cpu"), global_scale=1.0)
+    with pytest.raises(ShapeError, match="code bytes"):
+        record_from_activations(x, site("nvfp4", 4, bits=2), out)
+    packed = torch.zeros(3, 32, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="global_scale"):
+        record_from_codes(packed, torch.zeros(3, 4, dtype=torch.uint8), s, out)
+    with pytest.raises(ConfigError, match="scale_layout"):
+        record_from_codes(packed, torch.zeros(3, 4, dtype=torch.uint8), s, out, global_scale=1.0, scale_layout="x")
+    with pytest.raises(ShapeError, match="swizzled"):
+        record_from_codes(packed, torch.zeros(3, 4, dtype=torch.uint8), s, out, global_scale=1.0,
+                          scale_layout="swizzled128x4")
+    with pytest.raises(ConfigError, match="RecordBuffer"):
+        record_from_activations(x, s, object())  # type: ignore[arg-type]
+    with pytest.raises(ShapeError, match="pages"):
+        k, ks = kv_cache(2, 4, 2, 32, NVFP4, gen)
+        record_kv_pages(k, ks, torch.tensor([0, 1], dtype=torch.int32), 9, site("nvfp4", 4), out, global_scale=1.0)
+    with pytest.raises(DTypeError, match="page_table"):
+        record_kv_pages(k, ks, torch.tensor([0.0, 1.0]), 2, site("nvfp4", 4), out, global_scale=1.0)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+SHAPES = [(1, 1), (7, 13), (129, 31), (300, 128)]  # (rows, blocks): one row, primes, 128+1 rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype, bits", list(itertools.product(FORMATS, DTYPES, [1, 2, 3, 4])))
+def test_gpu_record_from_activations_exact(fmt, dtype, bits, gen):
+    for n, blocks in SHAPES:
+        s = site(fmt, blocks, bits)
+        x = activations(n, s.width, dtype, gen, "cuda")
+        out = poisoned(s, n + 5, "cuda")
+        if fmt == "nvfp4":
+            g = torch.tensor([0.0137], device="cuda")
+            record_from_activations(x, s, out, row_offset=3, global_scale=g)
+            check_rows(out, 3, x, s, g.cpu())
+            record_from_activations(x, s, out, row_offset=2)  # g from the device amax
+            check_rows(out, 2, x, s, None)
+        else:
+            record_from_activations(x, s, out, row_offset=3)
+            check_rows(out, 3, x, s, None)
+        check_untouched(out, 2, n + 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_record_large_exact(fmt, gen):
+    """65536 × 2048 bf16: every row compared with the reference run on the GPU, 64 rows on the CPU."""
+    s = site(fmt, 2048 // FORMATS[fmt].block, 1)
+    x = (torch.randn(65536, 2048, device="cuda") * 2).to(torch.bfloat16)
+    out = poisoned(s, 65536, "cuda", with_fp4=False)
+    g = torch.tensor([0.0021], device="cuda") if fmt == "nvfp4" else None
+    record_from_activations(x, s, out, global_scale=g)
+    q = quantize(x, s.fmt, None if g is None else g.reshape(()))
+    assert_bits_equal(out.codes, pack_bits(q.codes, 1), "codes (GPU reference)")
+    assert_bits_equal(out.scales, q.scales, "scales (GPU reference)")
+    idx = torch.randint(0, 65536, (64,), generator=gen)
+    check_rows(RecordBuffer(out.codes[idx], out.scales[idx], out.global_scale[idx]), 0, x[idx], s,
+               None if g is None else g.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bits, layout", list(itertools.product(FORMATS, [1, 2, 3, 4], ["rowmajor", "swizzled128x4"])))
+def test_gpu_record_from_codes_exact(fmt, bits, layout, gen):
+    for n, blocks in SHAPES:
+        s = site(fmt, blocks, bits)
+        codes = torch.randint(0, 16, (n, s.width), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 256, (n, blocks), generator=gen, dtype=torch.uint8)
+        sc = swizzle_scales(scales, fill=0x55) if layout != "rowmajor" else scales
+        out = poisoned(s, n + 4, "cuda")
+        g = torch.tensor([0.75], device="cuda") if fmt == "nvfp4" else None
+        record_from_codes(pack_fp4(codes).cuda(), sc.cuda(), s, out, row_offset=4, scale_layout=layout, global_scale=g)
+        assert_bits_equal(out.codes[4:], pack_bits(codes, bits).cuda(), f"codes {n}x{blocks}")
+        assert_bits_equal(out.scales[4:], scales.cuda(), f"scales {n}x{blocks}")
+        assert bool((out.global_scale[4:] == (0.75 if g is not None else 1.0)).all())
+        check_untouched(out, 4, n + 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, bits, pt_dtype", [("nvfp4", 1, torch.int32), ("nvfp4", 4, torch.int64),
+                                                 ("mxfp4", 2, torch.int32)])
+def test_gpu_record_kv_pages_exact(fmt, bits, pt_dtype, gen):
+    f = FORMATS[fmt]
+    heads, hd = 8, 64 if fmt == "nvfp4" else 128
+    s = SiteSpec("layers.3.attn.k", "key", 3, heads * hd, fmt, bits)
+    k, ks = kv_cache(40, 16, heads, hd, f, gen, "cuda")
+    v, vs = kv_cache(40, 16, heads, hd, f, gen, "cuda")
+    table = torch.randperm(40, generator=gen)[:20].to(pt_dtype)
+    ok, ov = poisoned(s, 400, "cuda"), poisoned(s, 400, "cuda")
+    g = (torch.tensor([0.5], device="cuda"), 0.25) if fmt == "nvfp4" else None
+    record_kv_pages((k, v), (ks, vs), table.cuda(), 301, s, (ok, ov), token_start=13, row_offset=7, global_scale=g)
+    for pool, sc, out in ((k, ks, ok), (v, vs, ov)):
+        c, sx = kv_expected(pool.cpu(), sc.cpu(), table, 13, 301, bits)
+        assert_bits_equal(out.codes[7:308], c.cuda())
+        assert_bits_equal(out.scales[7:308], sx.cuda())
+    if g is not None:
+        assert bool((ok.global_scale[7:308] == 0.5).all()) and bool((ov.global_scale[7:308] == 0.25).all())
+
+
+@pytest.mark.gpu
+def test_gpu_compute_global_scale(gen):
+    for dtype in DTYPES:
+        x = activations(33, 256, dtype, gen, "cuda")[3:]
+        g = compute_global_scale(x, torch.zeros(1, device="cuda"))
+        assert_bits_equal(g.reshape(()).cpu(), resolve_global_scale(x.cpu(), None), str(dtype))
+    for bad in (torch.zeros(4, 32, device="cuda"), torch.full((4, 32), float("nan"), device="cuda")):
+        assert float(compute_global_scale(bad, torch.zeros(1, device="cuda"))) == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_record_in_cuda_graph(gen):
+    """Two forwards of different sizes share one slab; the graph is replayed on new activations and
+    a new global scale, and every row equals the reference."""
+    s = site("nvfp4", 128, 1)
+    ms = site("mxfp4", 64, 2)
+    xa = torch.zeros(256, s.width, dtype=torch.bfloat16, device="cuda")
+    xb = torch.zeros(64, s.width, dtype=torch.bfloat16, device="cuda")
+    g = torch.ones(1, device="cuda")
+    codes_in = torch.zeros(129, s.width // 2, dtype=torch.uint8, device="cuda")
+    swz_in = torch.zeros(swizzle_scales(torch.zeros(129, 128, dtype=torch.uint8)).numel(), dtype=torch.uint8,
+                         device="cuda")
+    slab = poisoned(s, 1024, "cuda")
+    mslab = poisoned(ms, 512, "cuda")
+    cslab = poisoned(s, 256, "cuda")
+
+    def step():
+        record_from_activations(xa, s, slab, row_offset=0, global_scale=g)
+        record_from_activations(xb, s, slab, row_offset=256)  # g from this tensor's amax, on the device
+        record_from_activations(xa, ms, mslab, row_offset=100)
+        record_from_codes(codes_in, swz_in, s, cslab, row_offset=5, scale_layout="swizzled128x4", global_scale=g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and load every kernel before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(2):
+        xa.copy_(activations(256, s.width, torch.bfloat16, gen, "cuda"))
+        xb.copy_((torch.randn(64, s.width, generator=gen) * (trial + 1)).to(torch.bfloat16).cuda())
+        g.fill_(0.01 * (trial + 1))
+        codes = torch.randint(0, 16, (129, s.width), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 256, (129, 128), generator=gen, dtype=torch.uint8)
+        codes_in.copy_(pack_fp4(codes).cuda())
+        swz_in.copy_(swizzle_scales(scales).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        check_rows(slab, 0, xa, s, g.cpu())
+        check_rows(slab, 256, xb, s, None)
+        check_rows(mslab, 100, xa, ms, None)
+        assert_bits_equal(cslab.codes[5:134], pack_bits(codes, 1).cuda())
+        assert_bits_equal(cslab.scales[5:134], scales.cuda())
+        check_untouched(slab, 0, 320)
