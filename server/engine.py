@@ -58,6 +58,25 @@ class DrainingError(TraceStoreError, RuntimeError):
     """The server is shutting down and accepts no new writes."""
 
 
+class Waker:
+    """A condition with a sticky flag: a ``wake()`` before ``wait()`` is never lost."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._dirty = False
+
+    def wake(self) -> None:
+        with self.cond:
+            self._dirty = True
+            self.cond.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self.cond:
+            if not self._dirty:
+                self.cond.wait(timeout)
+            self._dirty = False
+
+
 @dataclasses.dataclass
 class Message:
     """One numbered writer message, parsed and validated."""
@@ -88,7 +107,7 @@ class WriterState:
     shard_next: int = 0
     pending: deque[Message] = dataclasses.field(default_factory=deque)
     pending_bytes: int = 0
-    listeners: set[threading.Condition] = dataclasses.field(default_factory=set)
+    listeners: set[Waker] = dataclasses.field(default_factory=set)
 
 
 class Engine:
@@ -378,17 +397,16 @@ class Engine:
                     self._notify(st)
 
     def _notify(self, st: WriterState) -> None:
-        for cond in list(st.listeners):
-            with cond:
-                cond.notify_all()
+        for waker in list(st.listeners):
+            waker.wake()
 
-    def listen(self, st: WriterState, cond: threading.Condition) -> None:
+    def listen(self, st: WriterState, waker: Waker) -> None:
         with self._lock:
-            st.listeners.add(cond)
+            st.listeners.add(waker)
 
-    def unlisten(self, st: WriterState, cond: threading.Condition) -> None:
+    def unlisten(self, st: WriterState, waker: Waker) -> None:
         with self._lock:
-            st.listeners.discard(cond)
+            st.listeners.discard(waker)
 
     def durable(self, st: WriterState) -> tuple[int, int, int]:
         """(epoch, durable_seq, received_seq) of a writer, consistently."""
@@ -428,7 +446,8 @@ class Engine:
         first = st.pending[0]
         if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
             return [m for m in st.pending if m.shard_seq == first.shard_seq]
-        group, size = [], 0
+        group: list[Message] = []
+        size = 0
         for m in st.pending:
             if m.shard_seq is not None or (group and size + m.nbytes > self.config.shard_target_bytes):
                 break

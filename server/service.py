@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,7 +33,7 @@ from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
 
 from .config import ServerConfig
-from .engine import DrainingError, Engine, OverBudgetError, SequenceError, pack_wal_data
+from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics
 from .wire import ShmPools, parse_seal, parse_write, seal_message, wal_parser
 
@@ -105,8 +105,8 @@ class TraceStoreService:
 
     def write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Bidirectional stream: each message in, acks of the highest durable sequence out."""
-        cond = threading.Condition()
-        box: dict[str, Any] = {"state": None, "error": None, "failed_seq": None, "done": False}
+        waker = Waker()
+        box: dict[str, Any] = {"state": None, "epoch": None, "error": None, "failed_seq": None, "done": False}
         local = context.peer().startswith("unix:")
         shm = self.shm.view if local else None
         self.metrics.active_streams.inc()
@@ -123,41 +123,35 @@ class TraceStoreService:
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )
                         seq = req.sequence
-                        if req.unguided:
-                            for u in req.unguided:
-                                self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
+                        for u in req.unguided:
+                            self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
                         st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs))
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                        with cond:
-                            box["error"], box["failed_seq"] = exc, seq
-                            cond.notify_all()
+                        box["error"], box["failed_seq"] = exc, seq
                         return
-                    with cond:
-                        if box["state"] is not st:
-                            if box["state"] is not None:
-                                self.engine.unlisten(box["state"], cond)
-                            box["state"] = st
-                            self.engine.listen(st, cond)
-                        box["epoch"] = msg.epoch
-                        cond.notify_all()
+                    if box["state"] is not st:
+                        if box["state"] is not None:
+                            self.engine.unlisten(box["state"], waker)
+                        box["state"] = st
+                        self.engine.listen(st, waker)
+                    box["epoch"] = msg.epoch
+                    waker.wake()
             except Exception:  # noqa: BLE001 - the client went away mid-stream
                 pass
             finally:
-                with cond:
-                    box["done"] = True
-                    cond.notify_all()
+                box["done"] = True
+                waker.wake()
 
         reader = threading.Thread(target=consume, name="tracestore-write-reader", daemon=True)
         reader.start()
         sent = (0, 0)
         try:
             while True:
-                with cond:
-                    cond.wait(0.25)
-                    st, err, done = box["state"], box["error"], box["done"]
+                waker.wait(0.25)
+                st, err, done = box["state"], box["error"], box["done"]
                 if st is not None:
                     epoch, durable, received = self.engine.durable(st)
-                    if epoch == box.get("epoch") and (epoch, durable) != sent and durable > 0:
+                    if epoch == box["epoch"] and (epoch, durable) != sent and durable > 0:
                         sent = (epoch, durable)
                         yield pb.WriteResponse(
                             epoch=epoch, durable_sequence=durable, received_sequence=received
@@ -175,7 +169,7 @@ class TraceStoreService:
         finally:
             self.metrics.active_streams.dec()
             if box["state"] is not None:
-                self.engine.unlisten(box["state"], cond)
+                self.engine.unlisten(box["state"], waker)
 
     # -- Seal -------------------------------------------------------------------------------------
 
@@ -188,8 +182,8 @@ class TraceStoreService:
             ).SerializeToString()
             st, _ = self.engine.submit(msg, pack_wal_data(wal, []))
             deadline = time.monotonic() + max(1.0, context.time_remaining() or self.config.grace_s)
-            cond = threading.Condition()
-            self.engine.listen(st, cond)
+            waker = Waker()
+            self.engine.listen(st, waker)
             try:
                 while True:
                     epoch, durable, _ = self.engine.durable(st)
@@ -197,10 +191,9 @@ class TraceStoreService:
                         break
                     if time.monotonic() > deadline or not context.is_active():
                         raise StorageError("the seal was accepted but is not durable yet; resend it (it is idempotent)")
-                    with cond:
-                        cond.wait(0.1)
+                    waker.wait(0.1)
             finally:
-                self.engine.unlisten(st, cond)
+                self.engine.unlisten(st, waker)
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Seal", exc, {})
             raise  # unreachable: abort raises
@@ -264,7 +257,7 @@ class TraceStoreService:
             raise StorageError("could not commit pending records before the read (storage is behind); retry")
         plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
         sites = list(req.sites) or list(spec.site_names)
-        on_missing = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
+        on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
         with self._readers_lock:
             reader = self._readers.get(req.run)

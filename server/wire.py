@@ -6,12 +6,14 @@ INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -60,14 +62,12 @@ class ShmPools:
     def close(self) -> None:
         with self._lock:
             for mm in self._maps.values():
-                try:
+                with contextlib.suppress(BufferError):  # a view is still alive; it goes with the process
                     mm.close()
-                except BufferError:  # a view is still alive; the map goes with the process
-                    pass
             self._maps.clear()
 
 
-def _decode(cls: type, data: bytes, what: str) -> object:
+def _decode(cls: Any, data: bytes, what: str) -> object:
     try:
         return cls.FromString(data)
     except DecodeError as exc:
@@ -121,7 +121,8 @@ def _parse(
     if req.epoch < 1 or req.sequence < 1:
         raise ValidationError(f"epoch and sequence must both be >= 1, got epoch {req.epoch} sequence {req.sequence}")
     spec = run_spec(req.run)
-    chunks, crcs, blobs = [], [], []
+    chunks, crcs = [], []
+    blobs: list[Buffer] = []
     nbytes = 0
     for c in chunks_pb:  # type: ignore[attr-defined]
         validate_id("trajectory", c.trajectory)

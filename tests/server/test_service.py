@@ -1,0 +1,238 @@
+"""The gRPC service in-process on port 0: acks, health, reflection, metrics, and hostile input.
+
+Every hostile case gets its documented status while a concurrent good writer keeps streaming and
+loses nothing, and the server stays SERVING.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tracestore.client import RolloutRecorder, SiteOutput
+from tracestore.plan import MicrobatchPlan
+from tracestore.reader import StoreReader
+from tracestore.server.config import ServerConfig
+from tracestore.server.service import Sidecar
+from tracestore.server.testing import SPEC, make_chunk, write_request
+from tracestore.store import Store
+from tracestore.v1 import tracestore_pb2 as pb
+
+MAX_MSG = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    d = tmp_path_factory.mktemp("svc")
+    cfg = ServerConfig(storage=f"file://{d / 'data'}", wal_dir=str(d / "wal"), port=0, metrics_port=0,
+                       unix_socket=str(d / "s.sock"), flush_interval_s=0.05, max_message_bytes=MAX_MSG,
+                       memory_budget_bytes=64 << 20)  # fmt: skip
+    sc = Sidecar(cfg).start()
+    Store(cfg.storage).put_run(SPEC)
+    yield sc
+    sc.stop(5)
+
+
+@pytest.fixture(scope="module")
+def channel(sidecar: Sidecar) -> Iterator[grpc.Channel]:
+    ch = grpc.insecure_channel(f"127.0.0.1:{sidecar.port}", options=[("grpc.max_send_message_length", 8 << 20)])
+    yield ch
+    ch.close()
+
+
+def stream(ch: grpc.Channel, requests: Sequence[bytes]) -> tuple[list[pb.WriteResponse], grpc.RpcError | None]:
+    call = ch.stream_stream("/tracestore.v1.TraceStore/Write")
+    out = []
+    try:
+        for raw in call(iter(requests), timeout=20):
+            out.append(pb.WriteResponse.FromString(raw))
+    except grpc.RpcError as exc:
+        return out, exc
+    return out, None
+
+
+def test_write_acks_highest_durable_sequence(channel: grpc.Channel, sidecar: Sidecar) -> None:
+    reqs = [write_request(i, [make_chunk(f"ack-{i}", 0, 3)], writer="ack").SerializeToString() for i in range(1, 6)]
+    acks, err = stream(channel, reqs)
+    assert err is None
+    assert acks and acks[-1].durable_sequence == 5
+    assert [a.durable_sequence for a in acks] == sorted(a.durable_sequence for a in acks)
+    # resending after "reconnect": success, no duplicate
+    acks, err = stream(channel, reqs[2:])
+    assert err is None and acks[-1].durable_sequence == 5
+    assert sidecar.engine is not None and sidecar.engine.flush(10)
+    got = [e.trajectory for m in sidecar.engine.store.manifests(SPEC.run, 0) for e in m.chunks
+           if e.trajectory.startswith("ack-")]  # fmt: skip
+    assert sorted(got) == [f"ack-{i}" for i in range(1, 6)]
+
+
+def test_health_reflection_metrics(channel: grpc.Channel, sidecar: Sidecar) -> None:
+    h = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "tracestore.v1.TraceStore"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+    r = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"tracestore.v1.TraceStore", "grpc.health.v1.Health"} <= names
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10).read().decode()
+    for metric in ("tracestore_ingest_bytes_total", "tracestore_durable_ack_latency_seconds_bucket",
+                   "tracestore_memory_budget_bytes", "tracestore_backlog_bytes"):  # fmt: skip
+        assert metric in text
+
+
+def test_seal_and_stat(channel: grpc.Channel) -> None:
+    seal = pb.SealRequest(run=SPEC.run, writer="sealer", epoch=1, sequence=1,
+                          seals=[pb.TrajectorySeal(trajectory="s1", n_tokens=4, sites=["layers.1.mlp.input"])])  # fmt: skip
+    resp = pb.SealResponse.FromString(channel.unary_unary("/tracestore.v1.TraceStore/Seal")(seal.SerializeToString()))
+    assert resp.durable_sequence == 1
+    stat = pb.StatResponse.FromString(
+        channel.unary_unary("/tracestore.v1.TraceStore/Stat")(pb.StatRequest(run=SPEC.run).SerializeToString())
+    )
+    assert stat.state == pb.SERVING_STATE_SERVING
+    assert [s.name for s in stat.run_spec.sites] == list(SPEC.site_names)
+    assert any(w.writer == "sealer" and w.durable_sequence == 1 for w in stat.writers)
+
+
+def _bad(mutate: Any) -> bytes:
+    req = write_request(1, [make_chunk("bad", 0, 4)], writer="hostile")
+    out = mutate(req)
+    return out if isinstance(out, bytes) else req.SerializeToString()
+
+
+def _set(field: str, value: Any) -> Any:
+    def f(req: pb.WriteRequest) -> None:
+        setattr(req.chunks[0], field, value)
+
+    return f
+
+
+HOSTILE = {
+    "garbage-bytes": (lambda r: b"\xff\xfe\x00garbage" * 10, "INVALID_ARGUMENT", "not a valid"),
+    "short-codes": (_set("codes", b"\0" * 31), "INVALID_ARGUMENT", "expected codes/scales"),
+    "long-scales": (_set("scales", b"\0" * 999), "INVALID_ARGUMENT", "expected codes/scales"),
+    "token-scales-length": (lambda r: (_set("has_token_scales", True)(r), _set("token_scales", b"\0" * 3)(r))[0],
+                            "INVALID_ARGUMENT", "expected codes/scales"),
+    "negative-start": (_set("token_start", -5), "INVALID_ARGUMENT", "token_start >= 0"),
+    "zero-tokens": (_set("n_tokens", 0), "INVALID_ARGUMENT", "n_tokens >= 1"),
+    "dotdot-trajectory": (_set("trajectory", "../../escape"), "INVALID_ARGUMENT", "invalid trajectory id"),
+    "slash-trajectory": (_set("trajectory", "a/b"), "INVALID_ARGUMENT", "invalid trajectory id"),
+    "nul-site": (_set("site", "layers\0x"), "INVALID_ARGUMENT", "invalid site id"),
+    "long-trajectory": (_set("trajectory", "t" * 500), "INVALID_ARGUMENT", "invalid trajectory id"),
+    "bad-run": (lambda r: setattr(r, "run", "../Run") or None, "INVALID_ARGUMENT", "invalid run id"),
+    "bad-writer": (lambda r: setattr(r, "writer", "/etc/passwd") or None, "INVALID_ARGUMENT", "invalid writer id"),
+    "undeclared-run": (lambda r: setattr(r, "run", "never-declared") or None, "NOT_FOUND", "not declared"),
+    "unknown-site": (_set("site", "layers.99.x"), "INVALID_ARGUMENT", "declares no site"),
+    "zero-epoch": (lambda r: setattr(r, "epoch", 0) or None, "INVALID_ARGUMENT", "epoch and sequence"),
+    "new-epoch-not-at-1": (lambda r: setattr(r, "sequence", 7) or None, "FAILED_PRECONDITION", "sequence 1, got 7"),
+    "bad-checksum": (_set("checksum", 12345), "DATA_LOSS", "checksum"),
+    "nan-global-scale": (_set("global_scale", float("nan")), "INVALID_ARGUMENT", "global_scale"),
+    "shm-over-tcp": (lambda r: r.chunks[0].shm.SetInParent(), "INVALID_ARGUMENT", "unix socket"),
+    "oversized": (_set("codes", b"\0" * (MAX_MSG + 10)), "RESOURCE_EXHAUSTED", ""),
+}
+
+
+class GoodWriter:
+    """A recorder streaming in the background through the whole hostile suite."""
+
+    def __init__(self, address: str) -> None:
+        self.rec = RolloutRecorder(address, SPEC, "good-writer", staging_bytes=4 << 20, batch_bytes=16 << 10)
+        self.sent: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.rng = np.random.default_rng(7)
+        self.rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def run(self) -> None:
+        site = SPEC.site("layers.1.mlp.input")
+        i = 0
+        while not self.stop.is_set() and i < 400:
+            t = f"good-{i}"
+            codes = self.rng.integers(0, 256, (6, site.code_bytes), dtype=np.uint8)
+            scales = self.rng.integers(0, 256, (6, site.scale_bytes), dtype=np.uint8)
+            assert self.rec.record_forward([(t, 0, 6)], {site.name: SiteOutput(codes, scales, 0.5)})
+            self.rows[t] = (codes, scales)
+            self.rec.finish(t, 7)
+            self.sent.append(t)
+            i += 1
+            self.stop.wait(0.002)
+
+
+@pytest.fixture(scope="module")
+def good(sidecar: Sidecar) -> Iterator[GoodWriter]:
+    g = GoodWriter(f"127.0.0.1:{sidecar.port}")
+    g.thread.start()
+    yield g
+    g.stop.set()
+    g.thread.join()
+    assert g.rec.flush(30), g.rec.stats
+    assert g.rec.stats["unguided"] == 0 and g.rec.stats["rejected_messages"] == 0, g.rec.stats
+    assert sidecar.engine is not None and sidecar.engine.flush(30)
+    result = StoreReader(sidecar.engine.store, SPEC.run).read(
+        MicrobatchPlan([(t, 0, 6) for t in g.sent]), sites=["layers.1.mlp.input"]
+    )["layers.1.mlp.input"]
+    assert result.codes.tobytes() == b"".join(g.rows[t][0].tobytes() for t in g.sent)
+    assert result.scales.tobytes() == b"".join(g.rows[t][1].tobytes() for t in g.sent)
+    g.rec.close()
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_write(case: str, channel: grpc.Channel, good: GoodWriter, sidecar: Sidecar, tmp_path: Path) -> None:
+    mutate, code, words = HOSTILE[case]
+    _, err = stream(channel, [_bad(mutate)])
+    assert err is not None, f"{case} was accepted"
+    assert err.code().name == code, (case, err.code(), err.details())
+    assert words in (err.details() or ""), err.details()
+    assert "Traceback" not in (err.details() or "")
+    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert h.status == health_pb2.HealthCheckResponse.SERVING
+    root = Path(sidecar.config.storage.removeprefix("file://"))
+    assert not (root.parent / "escape").exists() and not (root / "escape").exists()
+
+
+def test_conflicting_bytes_already_exists(channel: grpc.Channel, good: GoodWriter) -> None:
+    a = write_request(1, [make_chunk("conf", 0, 4, seed=1)], writer="conf-a").SerializeToString()
+    b = write_request(1, [make_chunk("conf", 0, 4, seed=2)], writer="conf-b").SerializeToString()
+    assert stream(channel, [a])[1] is None
+    _, err = stream(channel, [b])
+    assert err is not None and err.code() == grpc.StatusCode.ALREADY_EXISTS, err
+    assert dict(err.trailing_metadata() or ())["tracestore-failed-sequence"] == "1"
+
+
+def test_gap_is_failed_precondition(channel: grpc.Channel, good: GoodWriter) -> None:
+    one = write_request(1, [make_chunk("gap", 0, 2)], writer="gapper").SerializeToString()
+    three = write_request(3, [make_chunk("gap", 2, 2)], writer="gapper").SerializeToString()
+    _, err = stream(channel, [one, three])
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expected sequence 2, got 3" in (err.details() or "")
+    assert dict(err.trailing_metadata() or ())["tracestore-failed-sequence"] == "3"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(min_size=1, max_size=2000))
+def test_random_bytes_never_internal(data: bytes, channel: grpc.Channel, good: GoodWriter) -> None:
+    _, err = stream(channel, [data])
+    if err is not None:
+        assert err.code().name in {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "DATA_LOSS"}, (
+            err.code(), err.details())
+
+
+def test_read_rpc_errors(channel: grpc.Channel) -> None:
+    call = channel.unary_stream("/tracestore.v1.TraceStore/Read")
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(b"\x0a\xff\xff"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    req = pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory="nobody", token_start=0, token_end=4)])
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(req.SerializeToString()))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in (e.value.details() or "")
