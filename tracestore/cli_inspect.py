@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import zlib
 from collections import defaultdict
@@ -31,13 +32,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="summarize stored records; --validate checks every checksum and sealed trajectory",
         description="Summarize a tracestore storage URL (sizes, sites, tokens, completeness). "
         "With --validate, read every shard and exit 1 on any corrupt or missing record. "
-        "Env twins: TRACESTORE_RUN, TRACESTORE_VERSION, TRACESTORE_TRAJECTORY, TRACESTORE_TIMEOUT.",
+        "Env twins: TRACESTORE_RUN, TRACESTORE_VERSION, TRACESTORE_TRAJECTORY, "
+        "TRACESTORE_STORAGE_OPTIONS, TRACESTORE_TIMEOUT.",
     )
     p.add_argument("url", help="storage URL, e.g. file://./tracestore-data or s3://bucket/prefix")
     p.add_argument("--run", default=env_default("--run", None), help="only this run")
     p.add_argument("--version", type=int, default=env_default("--version", None), help="only this policy version")
     p.add_argument("--trajectory", default=env_default("--trajectory", None), help="show one trajectory's coverage")
     p.add_argument("--validate", action="store_true", help="verify all checksums and seals; exit 1 on any problem")
+    p.add_argument(
+        "--storage-options",
+        default=env_default("--storage-options", None),
+        help='JSON object passed to fsspec untouched, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
     p.add_argument("--timeout", type=float, default=float(env_default("--timeout", 60.0)), help="seconds per call")
     p.set_defaults(func=run)
 
@@ -130,7 +137,14 @@ def run(ns: argparse.Namespace) -> int:
 
     out = sys.stdout
     try:
-        store = Store(ns.url, timeout=ns.timeout)
+        options = None
+        if ns.storage_options:
+            try:
+                options = json.loads(ns.storage_options)
+            except ValueError as exc:
+                print(f"tracestore inspect: --storage-options is not JSON: {exc}", file=sys.stderr)
+                return 2
+        store = Store(ns.url, options, timeout=ns.timeout)
         runs = [ns.run] if ns.run else store.list_runs()
         if not runs:
             print(f"{ns.url}: no runs", file=out)

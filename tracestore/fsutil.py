@@ -34,12 +34,19 @@ EventHook = Callable[[str, str, str], None]
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
+# Connection-level errors of the S3 stack are not OSError subclasses (botocore's
+# EndpointConnectionError, ReadTimeoutError ...): recognize them by their package.
+_NETWORK_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "gcsfs", "adlfs")
+
+
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, TraceStoreError):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
-    return isinstance(exc, OSError) and not isinstance(exc, _PERMANENT)
+    if isinstance(exc, OSError):
+        return not isinstance(exc, _PERMANENT)
+    return any(type(exc).__module__.startswith(p) for p in _NETWORK_PACKAGES)
 
 
 class Storage:
@@ -123,14 +130,16 @@ class Storage:
                 fut.cancel()
                 self._event("timeout", op, f"no answer in {self.timeout:g} s")
                 last = TimeoutError(f"{op} timed out after {self.timeout:g} s")
-            except BaseException as exc:
+            except Exception as exc:
                 if not _transient(exc):
-                    if isinstance(exc, (FileNotFoundError,)) and not isinstance(exc, TraceStoreError):
+                    if isinstance(exc, (TraceStoreError, FileExistsError)):
+                        raise
+                    if isinstance(exc, FileNotFoundError):
                         raise NotFoundError(f"{op}: not found on {self.url} ({exc})") from exc
+                    self._event("error", op, repr(exc))
                     if isinstance(exc, PermissionError):
-                        self._event("error", op, repr(exc))
                         raise StorageError(f"{op}: permission denied on {self.url}: {exc}") from exc
-                    raise
+                    raise StorageError(f"{op} on {self.url} failed: {exc!r}") from exc
                 last = exc
         self._event("error", op, repr(last))
         raise StorageError(
@@ -253,7 +262,7 @@ class CountingFile(io.RawIOBase):
         super().__init__()
         self._f = f
         self.bytes_read = 0
-        self.io_error: OSError | None = None  # set when the storage (not the bytes) failed
+        self.io_error: Exception | None = None  # set when the storage (not the bytes) failed
 
     def readable(self) -> bool:
         return True
@@ -270,7 +279,7 @@ class CountingFile(io.RawIOBase):
     def _read(self, size: int) -> bytes:
         try:
             return bytes(self._f.read(size))
-        except OSError as exc:
+        except Exception as exc:
             self.io_error = exc
             raise
 

@@ -268,8 +268,12 @@ def read_entries(
     try:
         table = pf.read_row_groups(groups, use_threads=False)
     except (OSError, pa.ArrowException, ValueError) as exc:
-        desc = ", ".join(f"{e.trajectory}/{e.site}@{e.token_start}" for e in entries[:3])
-        raise CorruptionError(f"shard {where}: row groups {groups} (chunks {desc} ...) fail to decode: {exc}") from exc
+        desc = "; ".join(
+            f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
+            for e in entries[:3]
+        )
+        more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+        raise CorruptionError(f"shard {where}: row groups {groups} holding {desc}{more} fail to decode: {exc}") from exc
     base = {}
     row = 0
     for g in groups:

@@ -39,14 +39,14 @@ def s3_options(endpoint: str, timeout: float = 10.0) -> dict[str, Any]:
         "secret": "testing",
         "client_kwargs": {"region_name": "us-west-2"},
         "config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout, "retries": {"max_attempts": 2}},
-        "skip_instance_cache": True,
     }
 
 
-def make_s3_bucket(endpoint: str) -> str:
+@pytest.fixture(scope="session")
+def s3_bucket(s3_endpoint: str) -> str:
     import s3fs
 
-    fs = s3fs.S3FileSystem(**s3_options(endpoint))
+    fs = s3fs.S3FileSystem(**s3_options(s3_endpoint))
     bucket = f"ts-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     return bucket
@@ -60,7 +60,8 @@ def backend(request: pytest.FixtureRequest, tmp_path) -> tuple[str, dict[str, An
     if request.param == "file":
         return f"file://{tmp_path}/store", None
     endpoint = request.getfixturevalue("s3_endpoint")
-    return f"s3://{make_s3_bucket(endpoint)}/root", s3_options(endpoint)
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/{uuid.uuid4().hex}", s3_options(endpoint)
 
 
 @pytest.fixture
