@@ -312,9 +312,11 @@ def rtn_fp4(
     elif isinstance(global_scale, torch.Tensor):
         if global_scale.numel() != 1:
             raise ShapeError(f"global_scale must have one element, got {list(global_scale.shape)}")
-        g = resolve_global_scale(x, global_scale.detach().to(torch.float32).reshape(()).to(x.device))
+        g = global_scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
     else:
-        g = resolve_global_scale(x, float(global_scale))
+        # a device fill, not a host-to-device copy: capturable in a CUDA graph (0 / non-finite -> 1
+        # is applied by the kernels and the reference alike)
+        g = torch.full((), float(global_scale), dtype=torch.float32, device=x.device)
     return _rtn_fp4_op(x, g, fmt_name(f))
 
 
