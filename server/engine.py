@@ -562,6 +562,12 @@ class Engine:
         if self._flusher is not None:
             self._flusher.join(timeout=10)
         if self.wal is not None:
+            with self._lock:
+                if not any(w.pending for w in self.writers.values()):
+                    # Everything is committed: keep only a fresh segment holding the writer
+                    # sessions (so resends after the restart are still recognised).
+                    self._seg_outstanding.clear()
+                    self.wal.delete_before(self.wal.rotate())
             self.wal.close()
 
     def stat(self, run: str = "") -> dict[str, Any]:

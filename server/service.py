@@ -77,6 +77,7 @@ class TraceStoreService:
         self.config = config
         self._readers: dict[str, Any] = {}
         self._readers_lock = threading.Lock()
+        self.draining = False
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -156,8 +157,8 @@ class TraceStoreService:
                         yield pb.WriteResponse(
                             epoch=epoch, durable_sequence=durable, received_sequence=received
                         ).SerializeToString()
-                    if done and err is None and durable >= received:
-                        break
+                    if (done or self.draining) and err is None and durable >= received:
+                        break  # on shutdown: end the stream once all it sent is durable
                 elif done and err is None:
                     break
                 if err is not None:
@@ -319,6 +320,7 @@ class Sidecar:
         self._server: grpc.Server | None = None
         self._http: Any = None
         self.engine: Engine | None = None
+        self.service: TraceStoreService | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
 
@@ -339,7 +341,7 @@ class Sidecar:
         self.engine = Engine(cfg, self._store, self.metrics)
         self.engine.start(wal_parser(self.engine.run_spec))
         self.shm = ShmPools(cfg.shm_dir)
-        service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
+        service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tracestore-rpc"),
             options=cfg.grpc_options(),
@@ -377,6 +379,8 @@ class Sidecar:
         grace = self.config.grace_s if grace is None else grace
         t_end = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
+        if self.service is not None:
+            self.service.draining = True
         ok = True
         if self.engine is not None:
             ok = self.engine.drain(max(0.1, grace * 0.5))

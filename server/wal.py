@@ -141,6 +141,13 @@ class WriteAheadLog:
             for kind, payload in self._segment_header():
                 self._write(kind, [payload])
 
+    def rotate(self) -> int:
+        """Start a new segment now (it opens with the caller's state snapshot); returns its index."""
+        with self._lock:
+            self._open_segment()
+            self._cond.notify_all()
+            return self.segments[-1].index
+
     def _write(self, kind: int, parts: Sequence[Buffer]) -> None:
         length = sum(len(p) for p in parts)
         if length >= MAX_ENTRY:

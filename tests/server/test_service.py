@@ -19,13 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
+
+from tracestore.plan import MicrobatchPlan
+from tracestore.reader import StoreReader
 from tracestore.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
@@ -92,8 +92,8 @@ def test_health_reflection_metrics(channel: grpc.Channel, sidecar: Sidecar) -> N
 
 
 def test_seal_and_stat(channel: grpc.Channel) -> None:
-    seal = pb.SealRequest(run=SPEC.run, writer="sealer", epoch=1, sequence=1,
-                          seals=[pb.TrajectorySeal(trajectory="s1", n_tokens=4, sites=["layers.1.mlp.input"])])  # fmt: skip
+    s1 = pb.TrajectorySeal(trajectory="s1", n_tokens=4, sites=["layers.1.mlp.input"])
+    seal = pb.SealRequest(run=SPEC.run, writer="sealer", epoch=1, sequence=1, seals=[s1])
     resp = pb.SealResponse.FromString(channel.unary_unary("/tracestore.v1.TraceStore/Seal")(seal.SerializeToString()))
     assert resp.durable_sequence == 1
     stat = pb.StatResponse.FromString(
@@ -121,8 +121,11 @@ HOSTILE = {
     "garbage-bytes": (lambda r: b"\xff\xfe\x00garbage" * 10, "INVALID_ARGUMENT", "not a valid"),
     "short-codes": (_set("codes", b"\0" * 31), "INVALID_ARGUMENT", "expected codes/scales"),
     "long-scales": (_set("scales", b"\0" * 999), "INVALID_ARGUMENT", "expected codes/scales"),
-    "token-scales-length": (lambda r: (_set("has_token_scales", True)(r), _set("token_scales", b"\0" * 3)(r))[0],
-                            "INVALID_ARGUMENT", "expected codes/scales"),
+    "token-scales-length": (
+        lambda r: (_set("has_token_scales", True)(r), _set("token_scales", b"\0" * 3)(r))[0],
+        "INVALID_ARGUMENT",
+        "expected codes/scales",
+    ),
     "negative-start": (_set("token_start", -5), "INVALID_ARGUMENT", "token_start >= 0"),
     "zero-tokens": (_set("n_tokens", 0), "INVALID_ARGUMENT", "n_tokens >= 1"),
     "dotdot-trajectory": (_set("trajectory", "../../escape"), "INVALID_ARGUMENT", "invalid trajectory id"),
@@ -224,7 +227,9 @@ def test_random_bytes_never_internal(data: bytes, channel: grpc.Channel, good: G
     _, err = stream(channel, [data])
     if err is not None:
         assert err.code().name in {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "DATA_LOSS"}, (
-            err.code(), err.details())
+            err.code(),
+            err.details(),
+        )
 
 
 def test_read_rpc_errors(channel: grpc.Channel) -> None:
