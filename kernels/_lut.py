@@ -26,7 +26,7 @@ def n_codes(bits: int) -> int:
     return 16 if bits == 4 else 1 << bits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decision_table(bits: int, rule: str) -> tuple[tuple[int, ...], ...]:
     """``table[c][region]`` = output magnitude code k (0..7) for a positive z, from the reference."""
     bits = check_bits(bits)

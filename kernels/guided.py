@@ -213,8 +213,12 @@ def guided_fp4(
     _check_index(mask, "mask", n, torch.bool, dev)
     if rows is None and m != n:
         raise ShapeError(f"x has {n} rows but guidance has {m}; pass rows= to gather guidance rows per x row")
-    for name, t in (("codes", guidance.codes), ("scales", guidance.scales), ("valid", guidance.valid),
-                    ("token_scales", guidance.token_scales)):
+    for name, t in (
+        ("codes", guidance.codes),
+        ("scales", guidance.scales),
+        ("valid", guidance.valid),
+        ("token_scales", guidance.token_scales),
+    ):
         if t is not None and t.device != dev:
             raise ConfigError(f"guidance.{name} is on {t.device} but x is on {dev}; use guidance.to(x.device)")
     g = guidance.global_scale

@@ -71,7 +71,9 @@ class RecordBuffer:
             raise ShapeError(f"fp4 must be uint8[{cap}, width/2], got {list(self.fp4.shape)}")
         for t in (self.scales, self.global_scale, *(() if self.fp4 is None else (self.fp4,))):
             if t.device != self.codes.device:
-                raise ConfigError(f"all RecordBuffer tensors must be on one device, got {self.codes.device} and {t.device}")
+                raise ConfigError(
+                    f"all RecordBuffer tensors must be on one device, got {self.codes.device} and {t.device}"
+                )
 
     @classmethod
     def allocate(
@@ -108,7 +110,9 @@ class RecordBuffer:
 
 def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int, n: int) -> RecordBuffer:
     if not isinstance(out, RecordBuffer):
-        raise ConfigError(f"out must be a RecordBuffer (RecordBuffer.allocate(site, capacity)), got {type(out).__name__}")
+        raise ConfigError(
+            f"out must be a RecordBuffer (RecordBuffer.allocate(site, capacity)), got {type(out).__name__}"
+        )
     want_c, want_s = packed_row_bytes(width, bits), width // fmt.block
     if out.codes.shape[1] != want_c or out.scales.shape[1] != want_s:
         raise ShapeError(
@@ -145,7 +149,9 @@ def _g_tensor(global_scale: Any, fmt: FP4Format, device: torch.device, slot: tor
     if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
         slot.fill_(float(global_scale))
         return slot
-    raise ConfigError(f"global_scale must be a float32 device tensor, a float or None, got {type(global_scale).__name__}")
+    raise ConfigError(
+        f"global_scale must be a float32 device tensor, a float or None, got {type(global_scale).__name__}"
+    )
 
 
 def compute_global_scale(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -198,6 +204,7 @@ def record_from_activations(
     if n == 0:
         return rows
     slot = out.global_scale[row_offset : row_offset + 1]
+    g: torch.Tensor | None
     if fmt.has_global_scale and global_scale is None:
         g = compute_global_scale(x, slot)
     else:

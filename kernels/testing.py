@@ -20,7 +20,9 @@ def bits_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return None
     bad = (~same).nonzero()
     first = tuple(int(i) for i in bad[0])
-    return f"{bad.shape[0]} of {a.numel()} elements differ; first at {first}: {a[first].item()!r} vs {b[first].item()!r}"
+    return (
+        f"{bad.shape[0]} of {a.numel()} elements differ; first at {first}: {a[first].item()!r} vs {b[first].item()!r}"
+    )
 
 
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:

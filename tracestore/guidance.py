@@ -82,17 +82,17 @@ class Guidance:
                 raise ShapeError(f"global_scale must be a float, a scalar tensor or float32[{n}], got {list(gshape)}")
             if _dtype_name(self.global_scale) != "float32":
                 raise DTypeError(f"global_scale must be float32, got {_dtype_name(self.global_scale)}")
-        if self.token_scales is not None:
-            if _shape(self.token_scales, "token_scales") != (n,) or _dtype_name(self.token_scales) != "float32":
-                raise ShapeError(
-                    f"token_scales must be float32[{n}], got {_dtype_name(self.token_scales)}"
-                    f"{list(_shape(self.token_scales, 'token_scales'))}"
-                )
-        if self.valid is not None:
-            if _shape(self.valid, "valid") != (n,) or _dtype_name(self.valid) != "bool":
-                raise ShapeError(
-                    f"valid must be bool[{n}], got {_dtype_name(self.valid)}{list(_shape(self.valid, 'valid'))}"
-                )
+        if self.token_scales is not None and (
+            _shape(self.token_scales, "token_scales") != (n,) or _dtype_name(self.token_scales) != "float32"
+        ):
+            raise ShapeError(
+                f"token_scales must be float32[{n}], got {_dtype_name(self.token_scales)}"
+                f"{list(_shape(self.token_scales, 'token_scales'))}"
+            )
+        if self.valid is not None and (_shape(self.valid, "valid") != (n,) or _dtype_name(self.valid) != "bool"):
+            raise ShapeError(
+                f"valid must be bool[{n}], got {_dtype_name(self.valid)}{list(_shape(self.valid, 'valid'))}"
+            )
 
     @property
     def n_rows(self) -> int:

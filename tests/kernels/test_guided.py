@@ -5,15 +5,15 @@ import itertools
 
 import pytest
 import torch
-
 import tracestore.kernels.guided as kg
+from tracestore.kernels import guided_fp4, rtn_fp4
+from tracestore.kernels.testing import assert_bits_equal
+
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
 from tracestore.fp4 import dequantize, quantize
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
-from tracestore.kernels import guided_fp4, rtn_fp4
-from tracestore.kernels.testing import assert_bits_equal
 from tracestore.packing import pack_bits
 
 FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp4-rceil": MXFP4_RCEIL}
@@ -59,8 +59,9 @@ def reference(x, gd, rows=None, mask=None):
     if mask is not None:
         ok = mask if ok is None else ok & mask
     fb = torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g)) if gd.fmt.has_global_scale else None
-    return guided_round(x, codes, scales, g, gd.bits, gd.fmt, gd.rule, token_scales=ts, valid=ok,
-                        fallback_global_scale=fb)
+    return guided_round(
+        x, codes, scales, g, gd.bits, gd.fmt, gd.rule, token_scales=ts, valid=ok, fallback_global_scale=fb
+    )
 
 
 # ------------------------------------------------------------------------------------------- CPU
@@ -74,8 +75,9 @@ def test_cpu_guided_equals_reference(fmt, bits, rule, gen):
 
 def test_cpu_rows_mask_token_scales(gen):
     x, gd = make_case(8, 2, "nvfp4", 1, torch.float32, gen)
-    gd = Guidance(gd.codes, gd.scales, gd.global_scale, 1, NVFP4, token_scales=torch.rand(8, generator=gen) + 0.5,
-                  valid=gd.valid)
+    gd = Guidance(
+        gd.codes, gd.scales, gd.global_scale, 1, NVFP4, token_scales=torch.rand(8, generator=gen) + 0.5, valid=gd.valid
+    )
     rows = torch.randperm(8, generator=gen)[:5]
     mask = torch.tensor([True, False, True, True, False])
     y = guided_fp4(x[:5], gd, rows=rows, mask=mask)
@@ -159,7 +161,9 @@ def test_errors(gen):
 
 
 def gpu_vs_cpu(x, gd, rows=None, mask=None, what=""):
-    y = guided_fp4(x.cuda(), gd.to("cuda"), None if rows is None else rows.cuda(), None if mask is None else mask.cuda())
+    y = guided_fp4(
+        x.cuda(), gd.to("cuda"), None if rows is None else rows.cuda(), None if mask is None else mask.cuda()
+    )
     assert_bits_equal(y.cpu(), guided_fp4(x, gd, rows, mask), what)
 
 
@@ -181,8 +185,15 @@ def test_gpu_guided_exact(fmt, dtype, bits, fast_div, gen):
 def test_gpu_guided_rows_mask_token_scales(fast_div, gen):
     for fmt in FORMATS:
         x, gd = make_case(64, 5, fmt, 1, torch.bfloat16, gen)
-        gd = Guidance(gd.codes, gd.scales, gd.global_scale, 1, gd.fmt, token_scales=torch.rand(64, generator=gen) + 0.5,
-                      valid=gd.valid)
+        gd = Guidance(
+            gd.codes,
+            gd.scales,
+            gd.global_scale,
+            1,
+            gd.fmt,
+            token_scales=torch.rand(64, generator=gen) + 0.5,
+            valid=gd.valid,
+        )
         rows = torch.randint(0, 64, (100,), generator=gen)
         mask = torch.rand(100, generator=gen) > 0.2
         xs = torch.cat([x, x[:36]])
@@ -194,7 +205,9 @@ def test_gpu_guided_region_boundaries(fast_div, gen):
     """MX scales are powers of two, so z = x / s hits every multiple of 0.25 (and its float
     neighbours) exactly: every tie and bracket edge of numerics.md §2/§7, every recorded code."""
     grid = torch.arange(0, 28, dtype=torch.float32) * 0.25
-    zs = torch.cat([grid, torch.nextafter(grid, torch.full_like(grid, 9.0)), torch.nextafter(grid, torch.zeros_like(grid))])
+    zs = torch.cat(
+        [grid, torch.nextafter(grid, torch.full_like(grid, 9.0)), torch.nextafter(grid, torch.zeros_like(grid))]
+    )
     zs = torch.cat([zs, -zs])
     n = zs.numel()
     for bits, rule in itertools.product([1, 2, 3, 4], ["bracket", "paper"]):
@@ -227,7 +240,7 @@ def test_gpu_rtn_exact(fmt, dtype, gen):
     x = (torch.randn(77, 13 * 32, generator=gen) * 5).to(dtype)
     x[0, 0] = float("nan")
     x[1, :32] = 0
-    for g in ([None, 0.01, torch.tensor([0.003])] if fmt == "nvfp4" else [None]):
+    for g in [None, 0.01, torch.tensor([0.003])] if fmt == "nvfp4" else [None]:
         gg = g.cuda() if isinstance(g, torch.Tensor) else g
         assert_bits_equal(rtn_fp4(x.cuda(), fmt, gg).cpu(), rtn_fp4(x, fmt, g), f"g={g}")
 

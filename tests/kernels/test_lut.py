@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tracestore.kernels._lut import REGIONS, decision_table, lut_codes, n_codes
 
 from tracestore.guided import guided_codes
-from tracestore.kernels._lut import REGIONS, decision_table, lut_codes, n_codes
 
 
 def _z_values(gen: torch.Generator) -> torch.Tensor:
@@ -26,7 +26,9 @@ def test_table_matches_reference(bits, rule, gen):
     ref = guided_codes(z, c, bits, rule)
     got = lut_codes(z, c, bits, rule)
     bad = (ref != got).nonzero()
-    assert bad.numel() == 0, f"first mismatch z={z[bad[0]].item()!r} c={c[bad[0]].item()}: {ref[bad[0]]} vs {got[bad[0]]}"
+    assert bad.numel() == 0, (
+        f"first mismatch z={z[bad[0]].item()!r} c={c[bad[0]].item()}: {ref[bad[0]]} vs {got[bad[0]]}"
+    )
 
 
 def test_table_shape_and_saturation():

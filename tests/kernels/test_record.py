@@ -5,13 +5,6 @@ import itertools
 
 import pytest
 import torch
-
-from tracestore.errors import ConfigError, DTypeError, ShapeError
-from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
-from tracestore.fp4 import quantize, resolve_global_scale
-from tracestore.layouts import swizzle_scales
-from tracestore.packing import pack_bits, pack_fp4
-from tracestore.records import SiteSpec
 from tracestore.kernels import (
     RecordBuffer,
     compute_global_scale,
@@ -20,6 +13,13 @@ from tracestore.kernels import (
     record_kv_pages,
 )
 from tracestore.kernels.testing import assert_bits_equal
+
+from tracestore.errors import ConfigError, DTypeError, ShapeError
+from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
+from tracestore.fp4 import quantize, resolve_global_scale
+from tracestore.layouts import swizzle_scales
+from tracestore.packing import pack_bits, pack_fp4
+from tracestore.records import SiteSpec
 
 FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp4-rceil": MXFP4_RCEIL}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -164,8 +164,9 @@ def test_errors(gen):
     with pytest.raises(ConfigError, match="scale_layout"):
         record_from_codes(packed, torch.zeros(3, 4, dtype=torch.uint8), s, out, global_scale=1.0, scale_layout="x")
     with pytest.raises(ShapeError, match="swizzled"):
-        record_from_codes(packed, torch.zeros(3, 4, dtype=torch.uint8), s, out, global_scale=1.0,
-                          scale_layout="swizzled128x4")
+        record_from_codes(
+            packed, torch.zeros(3, 4, dtype=torch.uint8), s, out, global_scale=1.0, scale_layout="swizzled128x4"
+        )
     with pytest.raises(ConfigError, match="RecordBuffer"):
         record_from_activations(x, s, object())  # type: ignore[arg-type]
     with pytest.raises(ShapeError, match="pages"):
@@ -213,12 +214,19 @@ def test_gpu_record_large_exact(fmt, gen):
     assert_bits_equal(out.codes, pack_bits(q.codes, 1), "codes (GPU reference)")
     assert_bits_equal(out.scales, q.scales, "scales (GPU reference)")
     idx = torch.randint(0, 65536, (64,), generator=gen)
-    check_rows(RecordBuffer(out.codes[idx], out.scales[idx], out.global_scale[idx]), 0, x[idx], s,
-               None if g is None else g.cpu())
+    check_rows(
+        RecordBuffer(out.codes[idx], out.scales[idx], out.global_scale[idx]),
+        0,
+        x[idx],
+        s,
+        None if g is None else g.cpu(),
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, bits, layout", list(itertools.product(FORMATS, [1, 2, 3, 4], ["rowmajor", "swizzled128x4"])))
+@pytest.mark.parametrize(
+    "fmt, bits, layout", list(itertools.product(FORMATS, [1, 2, 3, 4], ["rowmajor", "swizzled128x4"]))
+)
 def test_gpu_record_from_codes_exact(fmt, bits, layout, gen):
     for n, blocks in SHAPES:
         s = site(fmt, blocks, bits)
@@ -235,8 +243,9 @@ def test_gpu_record_from_codes_exact(fmt, bits, layout, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, bits, pt_dtype", [("nvfp4", 1, torch.int32), ("nvfp4", 4, torch.int64),
-                                                 ("mxfp4", 2, torch.int32)])
+@pytest.mark.parametrize(
+    "fmt, bits, pt_dtype", [("nvfp4", 1, torch.int32), ("nvfp4", 4, torch.int64), ("mxfp4", 2, torch.int32)]
+)
 def test_gpu_record_kv_pages_exact(fmt, bits, pt_dtype, gen):
     f = FORMATS[fmt]
     heads, hd = 8, 64 if fmt == "nvfp4" else 128
@@ -275,8 +284,9 @@ def test_gpu_record_in_cuda_graph(gen):
     xb = torch.zeros(64, s.width, dtype=torch.bfloat16, device="cuda")
     g = torch.ones(1, device="cuda")
     codes_in = torch.zeros(129, s.width // 2, dtype=torch.uint8, device="cuda")
-    swz_in = torch.zeros(swizzle_scales(torch.zeros(129, 128, dtype=torch.uint8)).numel(), dtype=torch.uint8,
-                         device="cuda")
+    swz_in = torch.zeros(
+        swizzle_scales(torch.zeros(129, 128, dtype=torch.uint8)).numel(), dtype=torch.uint8, device="cuda"
+    )
     slab = poisoned(s, 1024, "cuda")
     mslab = poisoned(ms, 512, "cuda")
     cslab = poisoned(s, 256, "cuda")
