@@ -13,6 +13,7 @@ step of a synthetic MoE layer stack spent in record kernels.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -327,7 +328,9 @@ def main() -> None:
         ["kernel", "provider", "median_ms", "min_ms", "max_ms", "GB/s", "%copy"],
     )
     if not args.no_save:
-        path = append_results("bench_kernels", [{**r, "ceiling_GBps": ceiling, "shape": [n, d]} for r in rows])
+        # the device copy of the tree has no .git: the caller passes the commit that ran
+        extra = {"ceiling_GBps": ceiling, "shape": [n, d], "code_commit": os.environ.get("TRACESTORE_BENCH_COMMIT")}
+        path = append_results("bench_kernels", [{**r, **extra} for r in rows])
         print(f"appended {len(rows)} rows to {path}")
 
 
