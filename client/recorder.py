@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -80,6 +79,7 @@ class _Piece:
     ts_off: int  # -1: no token scales
     g_off: int
     nbytes: int
+    queued: float = 0.0
 
 
 @dataclasses.dataclass
@@ -207,7 +207,8 @@ class RolloutRecorder:
                 return False
             regions.append((off, size))
         event = None
-        for (name, site, out, rows, nc, ns, nt), (off, size) in zip(plans, regions, strict=True):
+        now = time.monotonic()
+        for (name, site, out, _rows, nc, ns, nt), (off, size) in zip(plans, regions, strict=True):
             g_off = off + nc + ns + nt
             event = self._copy(out, off, nc, ns, nt, g_off)
             region = _Region(off, size, refs=0, event=event)
@@ -229,6 +230,7 @@ class RolloutRecorder:
                             ts_off=off + nc + ns + row * 4 if nt else -1,
                             g_off=g_off,
                             nbytes=r * (site.code_bytes + site.scale_bytes) + (r * 4 if nt else 0),
+                            queued=now,
                         )
                     )
                     self._sites_of.setdefault(t, set()).add(name)
@@ -437,7 +439,7 @@ class RolloutRecorder:
                     time.sleep(max(exc.retry_after, 0.05))
                 elif exc.code not in _CONTENT_ERRORS and exc.code != "FAILED_PRECONDITION":
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    backoff = min(backoff * 2, 2.0, max(0.05, self.give_up_s / 4))
                     if exc.code == "UNAVAILABLE" and ch is not None:
                         ch.close()
                         ch = None
@@ -455,6 +457,11 @@ class RolloutRecorder:
             if down is None or time.monotonic() - down < self.give_up_s:
                 return
             if not self._unacked and not self._queue:
+                return
+            # Only records that waited the whole give-up time are dropped; fresh ones get their chance.
+            ages = [p.queued for o in self._unacked for p in o.pieces]
+            ages += [p.queued for p in self._queue if isinstance(p, _Piece)]
+            if ages and time.monotonic() - min(ages) < self.give_up_s:
                 return
             lost: set[str] = set()
             for out in self._unacked:
@@ -661,4 +668,3 @@ def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> N
 
 
 __all__ = ["RolloutRecorder", "SiteOutput"]
-_ = contextlib

@@ -1,0 +1,248 @@
+"""Recorder -> separate `tracestore serve` process -> storage -> GuidanceReader, on the CPU.
+
+Bytes read back (from storage directly, from the sidecar over TCP and over the unix socket) are
+identical to what the recorder was given, in plan order, including prefix links and several rows
+per token. Also: the recorder never blocks or crashes when the sidecar is away.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
+from tracestore.server.testing import ServeProcess
+
+from tracestore.errors import MissingRecordsError, ShapeError, ValidationError
+from tracestore.records import RunSpec, SiteSpec
+
+SPEC = RunSpec(
+    "e2e",
+    (
+        SiteSpec("layers.20.mlp.input", "moe_input", layer=20, width=128),
+        SiteSpec("layers.20.mlp.experts", "moe_input", layer=20, width=64, rows_per_token=2, bits=2),
+        SiteSpec("layers.20.attn.k", "key", layer=20, width=64, format="mxfp4"),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    sp = ServeProcess(tmp_path_factory.mktemp("e2e"), unix_socket=True, flags=["--flush-interval", "0.1"])
+    with sp:
+        yield sp
+
+
+class Rollout:
+    """A fake engine: prefill forwards of whole prompts, then decode forwards of one token each."""
+
+    def __init__(self, n_traj: int, prompt: int, gen: int, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.n_traj, self.prompt, self.gen = n_traj, prompt, gen
+        self.rows: dict[tuple[str, str], list[tuple[int, np.ndarray, np.ndarray, float, np.ndarray | None]]] = {}
+
+    def traj(self, i: int) -> str:
+        return f"q{i // 4}-s{i % 4}"
+
+    def forward(self, segs: list[tuple[str, int, int]], torch_tensors: bool = False) -> dict[str, SiteOutput]:
+        out = {}
+        n = sum(b - a for _, a, b in segs)
+        for s in SPEC.sites:
+            rows = n * s.rows_per_token
+            codes = self.rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+            scales = self.rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8)
+            g = float(np.float32(self.rng.uniform(0.01, 1))) if s.fmt.has_global_scale else 1.0
+            ts = self.rng.uniform(0.5, 2, rows).astype(np.float32) if s.name.endswith("experts") else None
+            r = 0
+            for t, a, b in segs:
+                k = (b - a) * s.rows_per_token
+                self.rows.setdefault((t, s.name), []).append(
+                    (a, codes[r : r + k], scales[r : r + k], g, None if ts is None else ts[r : r + k])
+                )
+                r += k
+            if torch_tensors:
+                out[s.name] = SiteOutput(torch.from_numpy(codes), torch.from_numpy(scales), torch.tensor(g),
+                                         None if ts is None else torch.from_numpy(ts))  # fmt: skip
+            else:
+                out[s.name] = SiteOutput(codes, scales, g, ts)
+        return out
+
+    def expected(self, plan: list[tuple[str, int, int]], site: str, links: dict[str, str]) -> dict[str, np.ndarray]:
+        s = SPEC.site(site)
+        parts: dict[str, list[np.ndarray]] = {"codes": [], "scales": [], "g": []}
+        for t, a, b in plan:
+            for tok in range(a, b):
+                owner = links.get(t, t) if tok < self.prompt else t
+                for start, codes, scales, g, _ in self.rows[(owner, site)]:
+                    n = len(codes) // s.rows_per_token
+                    if start <= tok < start + n:
+                        k = (tok - start) * s.rows_per_token
+                        parts["codes"].append(codes[k : k + s.rows_per_token])
+                        parts["scales"].append(scales[k : k + s.rows_per_token])
+                        parts["g"].append(np.full(s.rows_per_token, g, np.float32))
+        return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def _record(rec: RolloutRecorder, ro: Rollout, links: bool, torch_tensors: bool = False) -> dict[str, str]:
+    linked: dict[str, str] = {}
+    # prefill: sample 0 of each group runs the prompt; samples 1..3 hit the prefix cache (linked)
+    firsts = [ro.traj(i) for i in range(ro.n_traj) if i % 4 == 0 or not links]
+    assert rec.record_forward([(t, 0, ro.prompt) for t in firsts], ro.forward([(t, 0, ro.prompt) for t in firsts]))
+    if links:
+        for i in range(ro.n_traj):
+            if i % 4:
+                rec.link_prefix(ro.traj(i), ro.traj(i - i % 4), ro.prompt)
+                linked[ro.traj(i)] = ro.traj(i - i % 4)
+    for step in range(ro.gen - 1):  # the last sampled token never runs a forward
+        segs = [(ro.traj(i), ro.prompt + step, ro.prompt + step + 1) for i in range(ro.n_traj)]
+        assert rec.record_forward(segs, ro.forward(segs, torch_tensors))
+    for i in range(ro.n_traj):
+        rec.finish(ro.traj(i), ro.prompt + ro.gen)
+    return linked
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix-shm"])
+def test_end_to_end_bytes_identical(served: ServeProcess, transport: str) -> None:
+    address = served.address if transport == "tcp" else served.unix_address
+    ro = Rollout(n_traj=16, prompt=9, gen=6, seed=hash(transport) % 1000)
+    rec = RolloutRecorder(address, SPEC, f"writer-{transport}", staging_bytes=8 << 20, batch_bytes=64 << 10)
+    assert (rec.pool.name is not None) == (transport == "unix-shm")
+    # distinct trajectory names per transport
+    ro.traj = lambda i, tr=transport: f"{tr}-q{i // 4}-s{i % 4}"  # type: ignore[method-assign]
+    links = _record(rec, ro, links=True, torch_tensors=transport == "tcp")
+    assert rec.flush(60), rec.stats
+    assert rec.stats["unguided"] == 0 and rec.stats["acked_messages"] == rec.stats["messages"] > 0
+    rec.close()
+    n = ro.prompt + ro.gen - 1
+    plan = [(ro.traj(i), 0, n) for i in (5, 0, 15, 2, 9)] + [(ro.traj(3), 4, 11)]
+    for source in (served.address, served.unix_address, served.storage):  # sidecar Read flushes first
+        with GuidanceReader(source, SPEC.run, prefetch=True) as reader:
+            reader.prefetch(plan)
+            got = reader.read(plan)
+        for s in SPEC.sites:
+            want = ro.expected(plan, s.name, links)
+            g = got[s.name]
+            assert g.codes.dtype == torch.uint8 and g.codes.shape == (len(want["codes"]), s.code_bytes)
+            assert g.codes.numpy().tobytes() == want["codes"].tobytes(), (source, s.name)
+            assert g.scales.numpy().tobytes() == want["scales"].tobytes(), (source, s.name)
+            assert np.array_equal(g.global_scale.numpy(), want["g"]), (source, s.name)
+            assert bool(g.valid.all()) and g.bits == s.bits and g.fmt == s.fmt
+            assert (g.token_scales is not None) == s.name.endswith("experts")
+    if transport == "unix-shm":
+        text = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).read().decode()
+        line = next(x for x in text.splitlines() if x.startswith('tracestore_ingest_bytes_total{path="shm"}'))
+        assert float(line.split()[-1]) > 0
+
+
+def test_reader_missing_records(served: ServeProcess) -> None:
+    rec = RolloutRecorder(served.address, SPEC, "writer-missing")
+    ro = Rollout(4, 3, 2, seed=3)
+    ro.traj = lambda i: f"miss-{i}"  # type: ignore[method-assign]
+    _record(rec, ro, links=False)
+    assert rec.flush(30)
+    rec.close()
+    plan = [("miss-0", 0, 4), ("miss-1", 0, 9)]  # tokens 5..8 of miss-1 were never recorded
+    for source in (served.address, served.storage):
+        with (
+            GuidanceReader(source, SPEC.run, prefetch=False) as reader,
+            pytest.raises(MissingRecordsError, match="miss-1"),
+        ):
+            reader.read(plan)
+        with GuidanceReader(source, SPEC.run, on_missing="mask", sites=["layers.20.mlp.input"]) as reader:
+            g = reader.read(plan)["layers.20.mlp.input"]
+        # sealed with n_tokens 5: position 4 is unrecorded by design, 5..8 are beyond the seal
+        assert g.valid.tolist() == [True] * 4 + [True] * 4 + [False] * 5
+
+
+def test_unreachable_sidecar_never_blocks(tmp_path: Path) -> None:
+    sp = ServeProcess(tmp_path)
+    sp.port = _free_port()
+    rec = RolloutRecorder(sp.address, SPEC, "lonely", give_up_s=0.5, staging_bytes=1 << 20)
+    ro = Rollout(4, 8, 1, seed=1)
+    ro.traj = lambda i: f"lost-{i}"  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    for _ in range(20):
+        rec.record_forward([(ro.traj(i), 0, 8) for i in range(4)], ro.forward([(ro.traj(i), 0, 8) for i in range(4)]))
+    assert time.monotonic() - t0 < 1.0  # staging copies only, no network wait
+    deadline = time.monotonic() + 10
+    while rec.stats["unguided"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rec.unguided == {f"lost-{i}" for i in range(4)}
+    assert rec.finish("lost-0", 9) is False  # unguided trajectories are never sealed
+    assert rec.pool.in_use == 0  # dropped records released their staging
+    sp.start()  # the sidecar appears: new trajectories flow
+    try:
+        segs = [("found-0", 0, 8)]
+        assert rec.record_forward(segs, ro.forward(segs))
+        rec.finish("found-0", 9)
+        assert rec.flush(30), rec.stats
+        with GuidanceReader(sp.address, SPEC.run) as reader:
+            assert reader.read([("found-0", 0, 8)])["layers.20.mlp.input"].valid.all()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{sp.metrics_port}/metrics", timeout=10).read().decode()
+        assert 'tracestore_unguided_trajectories_total{reason="sidecar_unreachable"} 4.0' in text
+    finally:
+        rec.close(timeout=5)
+        sp.terminate()
+
+
+def test_staging_full_refuses_without_blocking(served: ServeProcess) -> None:
+    rec = RolloutRecorder(served.address, SPEC, "tiny", staging_bytes=8192, connect=False)
+    ro = Rollout(2, 64, 1)
+    segs = [("big-0", 0, 64), ("big-1", 0, 64)]
+    assert rec.record_forward(segs, ro.forward(segs)) is False
+    assert rec.unguided == {"big-0", "big-1"} and rec.stats["refused_forwards"] == 1
+    rec.close(timeout=1)
+
+
+def test_rejected_message_marks_only_its_trajectories(served: ServeProcess) -> None:
+    a = RolloutRecorder(served.address, SPEC, "dup-a")
+    b = RolloutRecorder(served.address, SPEC, "dup-b", batch_bytes=1)  # one forward per message
+    ro = Rollout(1, 4, 1, seed=11)
+    segs = [("clash", 0, 4)]
+    a.record_forward(segs, ro.forward(segs))
+    assert a.flush(30)
+    b.record_forward(segs, ro.forward(segs))  # same key, other bytes: ALREADY_EXISTS
+    later = [("after-clash", 0, 4)]
+    b.record_forward(later, ro.forward(later))
+    b.finish("after-clash", 5)
+    assert b.flush(30), b.stats
+    assert b.unguided == {"clash"} and b.stats["rejected_messages"] == 1
+    with GuidanceReader(served.address, SPEC.run) as reader:
+        assert reader.read(later)["layers.20.mlp.input"].valid.all()
+    a.close()
+    b.close()
+
+
+def test_bad_arguments_raise(served: ServeProcess) -> None:
+    rec = RolloutRecorder(served.address, SPEC, "args", connect=False)
+    ro = Rollout(1, 4, 1)
+    out = ro.forward([("x", 0, 4)])
+    with pytest.raises(ShapeError, match=r"must have shape \[6, 16\]"):
+        rec.record_forward([("x", 0, 6)], out)
+    with pytest.raises(ValidationError, match="invalid trajectory id"):
+        rec.record_forward([("../x", 0, 4)], out)
+    with pytest.raises(ValidationError, match="declares no site"):
+        rec.record_forward([("x", 0, 4)], {"nope": out["layers.20.mlp.input"]})
+    rec.close(timeout=1)
+
+
+def test_client_import_is_light() -> None:
+    code = ("import sys, tracestore.client, tracestore.server; "
+            "print(sorted(m for m in ('torch', 'grpc', 'cupy', 'triton') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,58 @@
+"""Staging ring: reservations never overlap, releases in any order reclaim space, shared pools map."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tracestore.client.staging import StagingPool
+
+from tracestore.errors import ConfigError
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 3000), st.integers(0, 1000)), max_size=200))
+def test_reservations_never_overlap(ops: list[tuple[bool, int, int]]) -> None:
+    pool = StagingPool(8192, align=64)
+    live: dict[int, int] = {}
+    for is_reserve, n, pick in ops:
+        if is_reserve or not live:
+            off = pool.reserve(n)
+            if off is None:
+                assert live, "an empty pool refused a fitting reservation"
+                continue
+            assert off >= 0 and off + n <= pool.capacity
+            for o, m in live.items():
+                assert off + n <= o or o + m <= off
+            live[off] = n
+        else:
+            off = sorted(live)[pick % len(live)]
+            pool.release(off)
+            del live[off]
+    for off in list(live):
+        pool.release(off)
+    assert pool.in_use == 0
+    assert pool.reserve(pool.capacity) == 0  # fully reclaimed
+    pool.close()
+
+
+def test_shared_pool_is_visible_to_another_mapping(tmp_path: Path) -> None:
+    pool = StagingPool(4096, shared=True, shm_dir=str(tmp_path))
+    assert pool.name is not None and pool.path is not None and pool.path.exists()
+    off = pool.reserve(5)
+    assert off is not None
+    pool.mm[off : off + 5] = b"hello"
+    with open(pool.path, "rb") as f:
+        other = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert other[off : off + 5] == b"hello"
+        other.close()
+    pool.close()
+    assert not pool.path.exists()
+
+
+def test_too_small_pool_is_refused() -> None:
+    with pytest.raises(ConfigError, match="at least 4096"):
+        StagingPool(100)
