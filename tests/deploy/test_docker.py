@@ -173,3 +173,40 @@ def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
     finally:
         subprocess.run([podman, "rm", "-f", name], capture_output=True, check=False)
         subprocess.run([podman, "rmi", "-f", tag], capture_output=True, check=False)
+
+
+def dependency_closure(extras: set[str]) -> set[str]:
+    """Installed distributions that ``tracestore[extras]`` pulls in, transitively (markers evaluated)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo: list[tuple[str, set[str]]] = [("tracestore", extras)]
+    while todo:
+        name, want = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen and not want:
+            continue
+        seen.add(key)
+        envs = [{"extra": e} for e in want] or [{"extra": ""}]
+        for line in metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is not None and not any(req.marker.evaluate(env) for env in envs):
+                continue
+            try:
+                metadata.distribution(req.name)
+            except metadata.PackageNotFoundError:
+                continue  # not installed here, so not part of what this environment resolved
+            todo.append((req.name, set(req.extras)))
+    return seen
+
+
+def test_sidecar_dependency_closure_has_no_gpu_stack():
+    """No torch, CUDA, CuPy or Triton can arrive indirectly through the image's extras either."""
+    seen = dependency_closure({"server", "s3"})
+    assert {"grpcio", "s3fs", "pyarrow", "prometheus-client"} <= seen, sorted(seen)
+    gpu = {n for n in seen if re.search(r"torch|cuda|cupy|triton|nvidia", n)}
+    assert gpu == set(), gpu
+    # negative control: the same walk does find torch through the torch extra
+    assert "torch" in dependency_closure({"torch"})
