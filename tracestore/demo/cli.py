@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=e("--device", None), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=e("--dtype", "bf16"), choices=("bf16", "fp32"), help="model dtype (bf16)")
     p.add_argument("--seed", type=int, default=int(e("--seed", 0)))
+    p.add_argument("--threads", type=int, default=int(e("--threads", 1)), help="torch CPU threads (default 1: "
+                   "the ops are small; 0 keeps torch's default)")  # fmt: skip
     p.add_argument("--out", default=e("--out", "tracestore-demo"), help="output directory (default ./tracestore-demo)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -85,6 +87,7 @@ def run(ns: argparse.Namespace) -> int:
             model=ModelSpec(ns.arch, ns.layers, ns.hidden, ns.heads, ns.kv_heads, ns.experts, ns.top_k, vocab=ns.vocab),
             trajectories=ns.trajectories, prompt=ns.prompt, tokens=ns.tokens, bits=ns.bits, rule=ns.rule,
             device=device, dtype=ns.dtype, seed=ns.seed, storage=ns.storage, transport=ns.transport,
+            threads=ns.threads or None,
         )  # fmt: skip
         out = pathlib.Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,11 @@ def format_table(results: dict[str, Any]) -> str:
     labels = {m["name"]: m["label"] for m in results["modes"]}
     for name, d in results["logprob_diff"].items():
         lines.append(f"{labels[name]:<36} {d['max']:>10.3e} {d['mean']:>10.3e}")
+    lines += [
+        "",
+        "Record bytes per token (codes + scale bytes, all recorded sites): "
+        + ", ".join(f"{labels[k]} {v} B" for k, v in results["record_bytes_per_token"].items()),
+    ]
     lines += ["", "Expectations (issue 6)"]
     for e in results["expectations"]:
         lines.append(f"  [{'ok' if e['ok'] else 'FAILED'}] {e['check']}: {e['measured']}")

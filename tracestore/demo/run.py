@@ -36,6 +36,9 @@ class DemoConfig:
     seed: int = 0
     storage: str | None = None  # file:// URL for the service path; None: a temp dir under out
     transport: str = "auto"  # "service" | "memory" | "auto" (service when its parts are installed)
+    # torch intra-op threads on the CPU. The demo's ops are tiny, so threads mostly synchronise: on the
+    # shared 2-core machine (load ~4.5) the default run took 86 s with 2 threads and 8.7 s with 1.
+    threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.trajectories < 1 or self.prompt < 1 or self.tokens < 2:
@@ -49,6 +52,8 @@ class DemoConfig:
             raise ConfigError(f"rule must be 'bracket' or 'paper', got {self.rule!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 (or None: torch's default), got {self.threads}")
         if self.transport not in ("service", "memory", "auto"):
             raise ConfigError(f"transport must be 'service', 'memory' or 'auto', got {self.transport!r}")
 
@@ -101,6 +106,16 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the pipeline; returns the results dict (``results.json``). Records travel through the
     service (``cfg.transport`` "service", or "auto" when its parts are installed) or stay in memory."""
+    threads = torch.get_num_threads()
+    if cfg.threads is not None and cfg.device == "cpu":
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, out, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig, out: pathlib.Path | None, progress: Progress | None) -> dict[str, Any]:
     fmt = get_format("nvfp4")
     dtype = DTYPES[cfg.dtype]
     timings: dict[str, float] = {}
@@ -167,6 +182,16 @@ def run_demo(
     moe_rows = fidelity.layer_table(modes, stats, cfg.model.layers, "mlp.input")
     kv_rows = {kind: fidelity.layer_table(modes, stats, cfg.model.layers, f"attn.{kind}") for kind in ("k", "v")}
     checks = fidelity.expectations(modes, moe_rows, logprob)
+    # bytes one token costs on the wire/storage per TRACE mode (numerics.md §6: b + 8/16 bits per value)
+    record_bytes = {
+        m.name: sum(
+            tr.y.shape[-1] * m.bits // 8 + tr.y.shape[-1] // fmt.block
+            for name, tr in roll.sites.items()
+            if m.records(int(name.split(".")[1]))
+        )
+        for m in modes
+        if m.quant == "trace"
+    }
     if service is not None:
         transport["read_back_identical"] = identical
         transport["summary"] = (
@@ -190,6 +215,7 @@ def run_demo(
         "moe_input": moe_rows,
         "kv": kv_rows,
         "logprob_diff": logprob,
+        "record_bytes_per_token": record_bytes,
         "expectations": checks,
         "timings": timings,
     }
