@@ -307,6 +307,9 @@ def test_every_rule_is_healthy(h, stack, workload):
     assert len(rules) == len(h.all_rules())
     bad = [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert bad == []
+    # a healthy sidecar under a normal workload raises no alert, not even a pending one
+    active = [(r["name"], r["state"]) for r in rules if r["type"] == "alerting" and r["state"] != "inactive"]
+    assert active == []
 
 
 def test_rules_name_only_live_metrics(h, workload, exported):
