@@ -33,7 +33,7 @@ import numpy as np
 from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, chunk_checksum, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import link_to_pb, run_spec_to_pb, seal_to_pb
+from tracestore.v1.convert import inline_chunk_parts, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import StagingPool
 from .transport import channel, method
@@ -91,6 +91,11 @@ class _Out:
     pieces: list[_Piece]
     trajectories: set[str]
     nbytes: int
+    payload: list[Any] = dataclasses.field(default_factory=list)  # inline chunk wire parts
+
+    def serialize(self) -> bytes:
+        head = self.req.SerializeToString()
+        return b"".join([head, *self.payload]) if self.payload else head
 
 
 class RolloutRecorder:
@@ -350,6 +355,7 @@ class RolloutRecorder:
             req.shm_pool = self.pool.name or ""
         trajs: set[str] = set()
         nbytes = 0
+        payload: list[Any] = []
         for p in pieces:
             if p.region.event is not None:
                 p.region.event.synchronize()
@@ -361,7 +367,7 @@ class RolloutRecorder:
             ts = None if p.ts_off < 0 else self._np[p.ts_off : p.ts_off + rows * 4].view("<f4")
             g = float(self._np[p.g_off : p.g_off + 4].view("<f4")[0])
             crc = chunk_checksum(run, p.version, p.trajectory, p.site, p.token_start, p.n_tokens, codes, scales, g, ts)
-            c = req.chunks.add(
+            head = dict(
                 policy_version=p.version,
                 trajectory=p.trajectory,
                 site=p.site,
@@ -372,14 +378,18 @@ class RolloutRecorder:
                 checksum=crc,
             )
             if shm:
+                c = req.chunks.add(**head)
                 c.shm.codes_offset = p.codes_off
                 c.shm.scales_offset = p.scales_off
                 c.shm.token_scales_offset = max(p.ts_off, 0)
-            else:
-                c.codes = codes.tobytes()
-                c.scales = scales.tobytes()
-                if ts is not None:
-                    c.token_scales = ts.tobytes()
+            else:  # payload straight from staging into the wire bytes (one copy, at send time)
+                view = self.pool.view
+                payload += inline_chunk_parts(
+                    pb.Chunk(**head),
+                    view[p.codes_off : p.codes_off + nc],
+                    view[p.scales_off : p.scales_off + ns],
+                    None if ts is None else view[p.ts_off : p.ts_off + rows * 4],
+                )
             trajs.add(p.trajectory)
             nbytes += p.nbytes
         for e in extras:
@@ -391,7 +401,7 @@ class RolloutRecorder:
         for reason, n in self._unguided_unreported.items():
             req.unguided.add(reason=reason, count=n)
         self._unguided_unreported = {}
-        return _Out(0, req, pieces, trajs, nbytes)
+        return _Out(0, req, pieces, trajs, nbytes, payload)
 
     def _release(self, out: _Out) -> None:
         for p in out.pieces:
@@ -504,11 +514,11 @@ class RolloutRecorder:
         def push(out: _Out) -> None:
             if first[0]:
                 out.req.run_spec.CopyFrom(run_spec_to_pb(self.run_spec))
-                data = out.req.SerializeToString()
+                data = out.serialize()
                 out.req.ClearField("run_spec")
                 first[0] = False
             else:
-                data = out.req.SerializeToString()
+                data = out.serialize()
             with send_cv:
                 sendq.append(data)
                 send_cv.notify()

@@ -67,6 +67,74 @@ class ShmPools:
             self._maps.clear()
 
 
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValidationError("Write request is not a valid tracestore.v1.WriteRequest message: bad varint")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, pos: int, end: int) -> Any:
+    """Yield (field number, wire type, start of field, start of value, end of value) over [pos, end)."""
+    while pos < end:
+        start = pos
+        tag, pos = _varint(buf, pos, end)
+        number, wt = tag >> 3, tag & 7
+        if wt == 0:
+            _, stop = _varint(buf, pos, end)
+        elif wt == 2:
+            n, pos = _varint(buf, pos, end)
+            stop = pos + n
+        elif wt == 1:
+            stop = pos + 8
+        elif wt == 5:
+            stop = pos + 4
+        else:
+            raise ValidationError(f"Write request is not a valid tracestore.v1.WriteRequest: wire type {wt}")
+        if stop > end or number == 0:
+            raise ValidationError("Write request is not a valid tracestore.v1.WriteRequest message: truncated field")
+        yield number, wt, start, pos, stop
+        pos = stop
+
+
+_CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
+_PAYLOAD = {pb.Chunk.CODES_FIELD_NUMBER: 0, pb.Chunk.SCALES_FIELD_NUMBER: 1, pb.Chunk.TOKEN_SCALES_FIELD_NUMBER: 2}
+
+InlineChunk = tuple[pb.Chunk, list[memoryview | None]]
+
+
+def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk]]:
+    """Parse a WriteRequest without copying chunk payloads: returns the request without its chunks
+    and, per chunk, its small fields (a pb.Chunk) plus memoryviews of codes/scales/token_scales
+    into ``data``. Protobuf would copy each payload twice (into its arena, then into ``bytes``)."""
+    buf = memoryview(data)
+    rest: list[memoryview] = []
+    chunks: list[InlineChunk] = []
+    for number, wt, start, a, b in _fields(buf, 0, len(buf)):
+        if number != _CHUNKS or wt != 2:
+            rest.append(buf[start:b])
+            continue
+        head: list[memoryview] = []
+        payload: list[memoryview | None] = [None, None, None]
+        for n2, wt2, s2, a2, b2 in _fields(buf, a, b):
+            if n2 in _PAYLOAD and wt2 == 2:
+                payload[_PAYLOAD[n2]] = buf[a2:b2]  # last one wins, as in protobuf
+            else:
+                head.append(buf[s2:b2])
+        c = _decode(pb.Chunk, b"".join(head), "Write request chunk")
+        assert isinstance(c, pb.Chunk)
+        chunks.append((c, payload))
+    req = _decode(pb.WriteRequest, b"".join(rest), "Write request")
+    assert isinstance(req, pb.WriteRequest)
+    return req, chunks
+
+
 def _decode(cls: Any, data: bytes, what: str) -> object:
     try:
         return cls.FromString(data)
@@ -88,11 +156,10 @@ def parse_write(
 
     ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
     """
-    req = _decode(pb.WriteRequest, data, "Write request")
-    assert isinstance(req, pb.WriteRequest)
+    req, chunks = scan_write(data)
     if declare is not None and req.HasField("run_spec"):
         declare(req.run_spec)  # the run spec may ride along with any message
-    return (req, *_parse(req, req.chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
+    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
@@ -107,7 +174,7 @@ def seal_message(req: pb.SealRequest, run_spec: Callable[[str], RunSpec]) -> Mes
 
 def _parse(
     req: pb.WriteRequest | pb.SealRequest,
-    chunks_pb: object,
+    chunks_in: list[InlineChunk],
     seals_pb: object,
     links_pb: object,
     run_spec: Callable[[str], RunSpec],
@@ -124,7 +191,10 @@ def _parse(
     chunks, crcs = [], []
     blobs: list[Buffer] = []
     nbytes = 0
-    for c in chunks_pb:  # type: ignore[attr-defined]
+    for c, inline in chunks_in:
+        codes: Buffer
+        scales: Buffer
+        ts: Buffer | None
         validate_id("trajectory", c.trajectory)
         validate_id("site", c.site)
         site = spec.site(c.site) if c.site in spec.site_names else None
@@ -133,7 +203,7 @@ def _parse(
         if c.HasField("shm"):
             if shm is None:
                 raise ValidationError("shared-memory references are accepted only over the local unix socket")
-            if c.codes or c.scales or c.token_scales:
+            if any(x is not None and len(x) for x in inline):
                 raise ValidationError(f"chunk of {c.trajectory!r}: set either shm or inline bytes, not both")
             if not (0 < c.n_tokens <= 1 << 24):
                 raise ValidationError(f"chunk of {c.trajectory!r}: n_tokens must be 1..2^24, got {c.n_tokens}")
@@ -144,8 +214,10 @@ def _parse(
             ts = bytes(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
             blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
         else:
-            codes, scales = c.codes, c.scales
-            ts = c.token_scales if c.has_token_scales else None
+            empty = memoryview(b"")
+            codes = inline[0] if inline[0] is not None else empty
+            scales = inline[1] if inline[1] is not None else empty
+            ts = (inline[2] if inline[2] is not None else empty) if c.has_token_scales else None
         chunk = chunk_from_parts(req.run, c, site, codes, scales, ts)
         crc = chunk.checksum
         if verify and c.checksum and c.checksum != crc:
@@ -179,9 +251,8 @@ def wal_parser(run_spec: Callable[[str], RunSpec]) -> Callable[[bytes], Message]
             cursor[0] += length
             return blob[start : start + length]
 
-        req = _decode(pb.WriteRequest, bytes(request), "WAL entry")
-        assert isinstance(req, pb.WriteRequest)
-        msg, _ = _parse(req, req.chunks, req.seals, req.links, run_spec, from_blob, verify=False, path="wal")
+        req, chunks = scan_write(bytes(request))
+        msg, _ = _parse(req, chunks, req.seals, req.links, run_spec, from_blob, verify=True, path="wal")
         return msg
 
     return parse

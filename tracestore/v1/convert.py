@@ -6,6 +6,8 @@ Payload bytes are never reinterpreted here: arrays become ``bytes`` row-major, l
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from tracestore.errors import ValidationError
@@ -139,3 +141,43 @@ def link_to_pb(link: PrefixLink) -> pb.PrefixLink:
 
 def link_from_pb(run: str, s: pb.PrefixLink) -> PrefixLink:
     return PrefixLink(run, s.policy_version, s.trajectory, s.source, s.n_tokens)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def len_field(number: int, length: int) -> bytes:
+    """Protobuf tag + length prefix of a length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+# Field numbers of the payload fields (see tracestore.proto): WriteRequest.chunks, Chunk.codes/scales/token_scales.
+_WRITE_CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
+_CODES, _SCALES, _TOKEN_SCALES = (
+    pb.Chunk.CODES_FIELD_NUMBER,
+    pb.Chunk.SCALES_FIELD_NUMBER,
+    pb.Chunk.TOKEN_SCALES_FIELD_NUMBER,
+)
+
+
+def inline_chunk_parts(head: pb.Chunk, codes: Any, scales: Any, token_scales: Any | None) -> list[Any]:
+    """Wire bytes of one ``WriteRequest.chunks`` entry as buffers, payloads not copied.
+
+    Appending these to a serialized WriteRequest (protobuf concatenation merges repeated fields)
+    lets a sender join header and payload straight from its staging memory in one copy, instead of
+    copying each payload into a message object and again when serializing (measured: protobuf
+    serialization of large bytes fields ran at ~0.7 GB/s on the bench machine).
+    """
+    h = head.SerializeToString()
+    parts: list[Any] = [h]
+    for number, buf in ((_CODES, codes), (_SCALES, scales), (_TOKEN_SCALES, token_scales)):
+        if buf is not None and len(buf):
+            parts += [len_field(number, len(buf)), buf]
+    body = sum(len(x) for x in parts)
+    return [len_field(_WRITE_CHUNKS, body), *parts]
