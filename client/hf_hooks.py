@@ -26,10 +26,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -267,6 +268,107 @@ class HFSiteHooks:
             self.previous_impl = None
 
     def __enter__(self) -> HFSiteHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def site_outputs(records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], run_spec: Any) -> dict[str, Any]:
+    """``RolloutRecorder`` outputs for the sites of ``run_spec`` from full FP4 codes.
+
+    ``records[site] = (codes uint8 [B, T, w] in 0..15, scales uint8 [B, T, w/block], g)``; each
+    declared site's low ``bits`` are packed (numerics.md §6) into rows ordered batch-major, which
+    matches segments ``[(trajectory_b, start, start+T) for b in batch]``.
+    """
+    from tracestore.client.recorder import SiteOutput
+
+    from tracestore.packing import pack_bits
+
+    out = {}
+    for site in run_spec.sites:
+        if site.name not in records:
+            raise ConfigError(
+                f"run {run_spec.run} declares site {site.name!r} but this forward produced no record for it"
+            )
+        codes, scales, g = records[site.name]
+        b, t, w = codes.shape
+        out[site.name] = SiteOutput(pack_bits(codes.reshape(b * t, w), site.bits), scales.reshape(b * t, -1), g)
+    return out
+
+
+class FP4SiteRecorder:
+    """NVFP4/MXFP4 fake quantization at every hooked site, recorded into ``RolloutRecorder``\\ s.
+
+    Each site's input is quantized with a per-forward decode-side global scale (``quantize``:
+    ``g = amax/2688`` of that forward's tensor), the model consumes the dequantized value, and
+    after the forward every recorder gets the sites its run declares (low ``bits`` packed).
+    Rows are batch-major: ``segments`` lists one ``(trajectory, start, end)`` per batch row.
+    This is the readable CPU/any-device path; ``tracestore.kernels.record_from_activations``
+    is the graph-safe GPU capture.
+
+    Example::
+
+        with FP4SiteRecorder(model, [recorder]) as fp4:
+            cache = fp4.hooks.new_cache()
+            with fp4.forward([("traj-0", 0, 12), ("traj-1", 0, 12)]):
+                model(input_ids=prompt, cache=cache, use_cache=True)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        recorders: Iterable[Any] = (),
+        *,
+        fmt: str = "nvfp4",
+        fake_quant: bool = True,
+        layers: Iterable[int] | None = None,
+        kv: bool = True,
+    ) -> None:
+        from tracestore.formats import get_format
+
+        self.fmt = get_format(fmt)
+        self.fake_quant = fake_quant
+        self.recorders = list(recorders)
+        self.records: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self._active = False
+        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv)
+        hooked = {s.name for s in self.hooks.sites}
+        for rec in self.recorders:
+            missing = [s.name for s in rec.run_spec.sites if s.name not in hooked]
+            if missing:
+                self.hooks.remove()
+                raise ConfigError(
+                    f"run {rec.run_spec.run} declares sites this model has no hook for: {missing[:4]}; "
+                    f"hooked sites are named like {sorted(hooked)[:3]}"
+                )
+
+    def _site(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor | None:
+        from tracestore.fp4 import dequantize, quantize
+
+        b, t, w = x.shape
+        q = quantize(x.detach().reshape(b * t, w), self.fmt)
+        if self._active:
+            self.records[site.name] = (q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1), float(q.global_scale))
+        return dequantize(q).reshape(b, t, w).to(x.dtype) if self.fake_quant else None
+
+    @contextlib.contextmanager
+    def forward(self, segments: Sequence[tuple[str, int, int]]) -> Iterator[dict[str, Any]]:
+        """Around one model forward over ``segments``; records it when the block exits cleanly.
+        Yields this forward's ``{site: (codes, scales, g)}`` (filled once the forward ran)."""
+        self.records = {}
+        self._active = True
+        try:
+            yield self.records
+        finally:
+            self._active = False
+        for rec in self.recorders:
+            rec.record_forward(list(segments), site_outputs(self.records, rec.run_spec))
+
+    def remove(self) -> None:
+        self.hooks.remove()
+
+    def __enter__(self) -> FP4SiteRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -150,3 +150,80 @@ def test_bad_inputs_raise_clear_errors() -> None:
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ConfigError, match="decoder layers"):
         HFSiteHooks(torch.nn.Linear(2, 2), lambda s, t: None)
+
+
+def test_fp4_site_recorder_records_a_generation_through_a_real_sidecar(tmp_path) -> None:  # noqa: ANN001
+    """Prefill + decode on a tiny model with FP4SiteRecorder → RolloutRecorder → `tracestore serve`
+    subprocess → file:// storage → GuidanceReader: the bytes read back are the ones quantized."""
+    pytest.importorskip("grpc", reason="the sidecar needs the server extra")
+    from tracestore.client import GuidanceReader, RolloutRecorder
+    from tracestore.client.hf_hooks import FP4SiteRecorder
+    from tracestore.server.testing import ServeProcess
+
+    from tracestore.formats import NVFP4
+    from tracestore.fp4 import Quantized, dequantize
+    from tracestore.packing import pack_bits
+    from tracestore.plan import MicrobatchPlan
+    from tracestore.records import RunSpec, SiteSpec
+
+    model = tiny()
+    spec = RunSpec(
+        "hooks-test",
+        (
+            SiteSpec("layers.1.mlp.input", "moe_input", 1, 32, bits=1),
+            SiteSpec("layers.1.attn.v", "value", 1, 16, bits=4),
+        ),
+    )
+    x = ids(2, 6)
+    kept: list[dict] = []
+    consumed: list[torch.Tensor] = []
+    with ServeProcess(tmp_path / "sidecar") as sp:
+        rec = RolloutRecorder(sp.address, spec, writer="w0")
+        with FP4SiteRecorder(model, [rec]) as fp4, torch.no_grad():
+            # registered after FP4SiteRecorder's hook, so it sees what the MoE block consumes
+            grab = model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: consumed.append(a[0].clone()))
+            cache = fp4.hooks.new_cache()
+            for start, end in [(0, 4), (4, 5)]:  # the 6th token never enters a forward
+                with fp4.forward([("t0", start, end), ("t1", start, end)]) as got:
+                    model(input_ids=x[:, start:end], cache=cache, use_cache=True)
+                kept.append(dict(got))
+        for t in ("t0", "t1"):
+            rec.finish(t, 6)
+        assert rec.flush(timeout=60)
+        rec.close()
+        storage = sp.storage
+    grab.remove()
+    # the MoE block consumed exactly the dequantized record
+    codes0, scales0, g0 = kept[0]["layers.1.mlp.input"]
+    assert torch.equal(dequantize(Quantized(codes0, scales0, g0, NVFP4)), consumed[0].float())
+    guidance = GuidanceReader(storage, "hooks-test", prefetch=False).read(MicrobatchPlan([("t0", 0, 6), ("t1", 0, 6)]))
+    for name, bits in (("layers.1.mlp.input", 1), ("layers.1.attn.v", 4)):
+        g = guidance[name]
+        expect_codes = torch.cat([kept[0][name][0], kept[1][name][0]], dim=1)  # [2, 5, w]
+        expect_scales = torch.cat([kept[0][name][1], kept[1][name][1]], dim=1)
+        rows = g.codes.reshape(2, 6, -1)
+        assert torch.equal(rows[:, :5], pack_bits(expect_codes, bits)), name
+        assert torch.equal(g.scales.reshape(2, 6, -1)[:, :5], expect_scales), name
+        gs = torch.as_tensor(g.global_scale).reshape(2, 6)
+        assert torch.all(gs[:, :4] == kept[0][name][2]) and torch.all(gs[:, 4] == kept[1][name][2])
+        valid = g.valid.reshape(2, 6)
+        assert valid[:, :5].all() and not valid[:, 5].any()  # last position: unrecorded by design
+
+
+def test_fp4_site_recorder_refuses_sites_the_model_does_not_have() -> None:
+    from tracestore.client.hf_hooks import FP4SiteRecorder
+
+    from tracestore.records import RunSpec, SiteSpec
+
+    pytest.importorskip("grpc", reason="RolloutRecorder needs the server extra")
+    from tracestore.client import RolloutRecorder
+
+    # a real recorder; nothing listens on its address and nothing is recorded: refused up front
+    rec = RolloutRecorder("127.0.0.1:9", RunSpec("r", (SiteSpec("layers.9.mlp.input", "moe_input", 9, 32),)), "w")
+    model = tiny()
+    try:
+        with pytest.raises(ConfigError, match="no hook for"):
+            FP4SiteRecorder(model, [rec])
+    finally:
+        rec.close(timeout=5)
+    assert model.config._attn_implementation == "sdpa"

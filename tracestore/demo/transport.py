@@ -22,7 +22,6 @@ import torch
 from tracestore.demo.rollout import ForwardRecord, Rollout
 from tracestore.demo.train import Mode, SiteGuidance
 from tracestore.errors import ConfigError, StorageError
-from tracestore.packing import pack_bits
 
 KINDS = {"mlp.input": "moe_input", "attn.k": "key", "attn.v": "value"}
 
@@ -113,20 +112,14 @@ class ServiceTransport:
 
     def on_forward(self, start: int, end: int, records: dict[str, ForwardRecord]) -> None:
         """Record one rollout forward (rows [B, end-start]) into every mode's run."""
-        from tracestore.client import SiteOutput
+        from tracestore.client.hf_hooks import site_outputs
 
+        full = {name: (r.codes, r.scales, r.global_scale) for name, r in records.items()}
         for name, rec in self.recorders.items():
-            spec = self.runs[name]
-            outputs = {}
-            for site in spec.sites:
-                r = records[site.name]
-                b, t, w = r.codes.shape
-                codes = pack_bits(r.codes.reshape(b * t, w), site.bits)
-                scales = r.scales.reshape(b * t, -1)
-                self.sent_bytes += codes.numel() + scales.numel()
-                outputs[site.name] = SiteOutput(codes, scales, r.global_scale)
-            segments = [(trajectory_id(i), start, end) for i in range(b)]
-            rec.record_forward(segments, outputs)
+            outputs = site_outputs(full, self.runs[name])
+            self.sent_bytes += sum(o.codes.numel() + o.scales.numel() for o in outputs.values())
+            batch = next(iter(records.values())).codes.shape[0]
+            rec.record_forward([(trajectory_id(i), start, end) for i in range(batch)], outputs)
 
     def finish(self, batch: int, n_tokens: int, timeout: float = 60.0) -> None:
         """Seal every trajectory and wait until everything sent is durable."""
