@@ -227,7 +227,15 @@ class StoreReader:
 
     def _link(self, trajectory: str, vs: set[int]) -> PrefixLink | None:
         links = [x for x in self._links.get(trajectory, []) if x.policy_version in vs]
-        return max(links, key=lambda x: (x.policy_version, x.n_tokens), default=None)
+        best = max(links, key=lambda x: (x.policy_version, x.n_tokens), default=None)
+        if best is not None:
+            sources = {x.source for x in links if x.policy_version == best.policy_version}
+            if len(sources) > 1:
+                raise ConflictError(
+                    f"run {self.run} v{best.policy_version}: trajectory {trajectory} has prefix links to "
+                    f"different sources {sorted(sources)}"
+                )
+        return best
 
     # ------------------------------------------------------------------ read
 

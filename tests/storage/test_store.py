@@ -8,6 +8,7 @@ import pytest
 from tracestore import (
     ConfigError,
     ConflictError,
+    CorruptionError,
     MissingRecordsError,
     NotFoundError,
     PrefixLink,
@@ -146,6 +147,18 @@ def test_prefix_links_resolve(store: Store):
     np.testing.assert_array_equal(got[6:9], c[0].codes)
     np.testing.assert_array_equal(got[9:13], np.concatenate([a[0].codes[2:4], b[0].codes[0:2]]))
     assert res[S0.name].valid.all()
+
+
+def test_conflicting_links_and_cycles(store: Store):
+    rng = np.random.default_rng(14)
+    store.write_shard(RUN, 0, "w0", 0, [make_chunk(S0, t, 0, 4, rng=rng) for t in ("a", "b", "c")])
+    store.write_shard(RUN, 0, "w0", 1, [], links=[PrefixLink(RUN, 0, "c", "a", 2)])
+    store.write_shard(RUN, 0, "w1", 0, [], links=[PrefixLink(RUN, 0, "c", "b", 2)])
+    with pytest.raises(ConflictError, match="different sources"):
+        StoreReader(store, RUN).read([("c", 0, 4)], sites=[S0.name])
+    store.write_shard(RUN, 1, "w0", 0, [], links=[PrefixLink(RUN, 1, "x", "y", 2), PrefixLink(RUN, 1, "y", "x", 2)])
+    with pytest.raises(CorruptionError, match="cycle"):
+        StoreReader(store, RUN).read([("x", 0, 4)], versions=1, sites=[S0.name])
 
 
 def test_versions_newest_wins_and_staleness(store: Store):
