@@ -222,15 +222,17 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
     K.record_from_activations(x, site1, out_nofp4, global_scale=g)
     gd = Guidance(out.codes, out.scales, out.global_scale, 1, NVFP4)
     g_bytes = 2 * n * d * 2 + n * d // 8 + n * d // 16 + 4 * n
-    for fast in (True, False):
-        KG._FAST_DIV = fast
-        label = "fast-div" if fast else "exact-div"
+    for arith in (True, False):
+        KG._ARITH_B1 = arith
+        label = "arith" if arith else "table"
         ours(lambda: K.guided_fp4(xt, gd), f"guided_fp4 fwd nvfp4 b=1 ({label})", g_bytes)
-    KG._FAST_DIV = True
+    KG._ARITH_B1 = True
+    gd2 = Guidance(out.codes, out.scales, out.global_scale, 1, NVFP4, "paper")
+    ours(lambda: K.guided_fp4(xt, gd2), "guided_fp4 fwd nvfp4 b=1 paper (table)", g_bytes)
     ours(lambda: K.rtn_fp4(xt, "nvfp4", g), "rtn_fp4 fwd nvfp4", 2 * n * d * 2)
     mgd = Guidance(mout.codes, mout.scales, 1.0, 1, MXFP4)
     K.record_from_activations(x, msite1, mout)
-    ours(lambda: K.guided_fp4(xt, mgd), "guided_fp4 fwd mxfp4 b=1 (fast-div)", 2 * n * d * 2 + n * d // 8 + n * d // 32)
+    ours(lambda: K.guided_fp4(xt, mgd), "guided_fp4 fwd mxfp4 b=1", 2 * n * d * 2 + n * d // 8 + n * d // 32)
 
     # peers
     if not args.no_compile:

@@ -29,9 +29,9 @@ from . import _launch as L
 from ._common import DTYPE_CODE, check_aligned, check_float, fmt_code, fmt_name
 from ._lut import lut_tensor
 
-# Per-element z = x/s: "1" = a per-block correctly rounded reciprocal, redoing the exact division
-# only where 4|z| is within 1e-4 of an integer (bit-exact either way; the choice is speed only).
-_FAST_DIV = os.environ.get("TRACESTORE_GUIDED_FAST_DIV", "1") != "0"
+# b = 1 with rule "bracket" (the default and the paper's configuration) decides in arithmetic; every
+# other (bits, rule) reads the decision table. False forces the table everywhere (tests compare both).
+_ARITH_B1 = os.environ.get("TRACESTORE_GUIDED_ARITH", "1") != "0"
 _luts: dict[tuple[int, str, torch.device], torch.Tensor] = {}
 
 
@@ -120,7 +120,8 @@ def _guided_fp4_cuda(
     # record rows are read as 2-byte (NVFP4) / 4-byte (MX) words: make them contiguous and aligned
     codes, scales = _aligned(codes, 4), scales.contiguous()
     token_scales = None if token_scales is None else token_scales.contiguous()
-    name = f"guided_fwd<{DTYPE_CODE[x.dtype]},{fmt_code(f)},{bits},0,{int(_FAST_DIV)}>"
+    arith = int(_ARITH_B1 and bits == 1 and rule == "bracket")
+    name = f"guided_fwd<{DTYPE_CODE[x.dtype]},{fmt_code(f)},{bits},0,{arith}>"
     L.launch(
         name,
         x.device,
@@ -140,7 +141,7 @@ def _guided_fp4_cuda(
             L.ptr(valid),
             L.ptr(rows),
             L.ptr(mask),
-            L.ptr(_lut(bits, rule, x.device)),
+            L.ptr(None if arith else _lut(bits, rule, x.device)),
             L.ptr(y),
             L.i64(y.stride(0) * y.element_size()),
         ),

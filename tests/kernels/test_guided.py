@@ -167,22 +167,23 @@ def gpu_vs_cpu(x, gd, rows=None, mask=None, what=""):
     assert_bits_equal(y.cpu(), guided_fp4(x, gd, rows, mask), what)
 
 
-@pytest.fixture(params=[True, False], ids=["fastdiv", "exactdiv"])
-def fast_div(request, monkeypatch):
-    monkeypatch.setattr(kg, "_FAST_DIV", request.param)
+@pytest.fixture(params=[True, False], ids=["arith", "table"])
+def decide(request, monkeypatch):
+    """b = 1 bracket decides in arithmetic by default; the table path must agree."""
+    monkeypatch.setattr(kg, "_ARITH_B1", request.param)
     return request.param
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, dtype, bits", list(itertools.product(FORMATS, DTYPES, [1, 2, 3, 4])))
-def test_gpu_guided_exact(fmt, dtype, bits, fast_div, gen):
+def test_gpu_guided_exact(fmt, dtype, bits, decide, gen):
     for rule, (n, blocks) in itertools.product(["bracket", "paper"], [(1, 1), (7, 13), (129, 31)]):
         x, gd = make_case(n, blocks, fmt, bits, dtype, gen, rule, per_row_g=n % 2 == 1)
         gpu_vs_cpu(x, gd, what=f"{rule} {n}x{blocks}")
 
 
 @pytest.mark.gpu
-def test_gpu_guided_rows_mask_token_scales(fast_div, gen):
+def test_gpu_guided_rows_mask_token_scales(decide, gen):
     for fmt in FORMATS:
         x, gd = make_case(64, 5, fmt, 1, torch.bfloat16, gen)
         gd = Guidance(
@@ -201,21 +202,25 @@ def test_gpu_guided_rows_mask_token_scales(fast_div, gen):
 
 
 @pytest.mark.gpu
-def test_gpu_guided_region_boundaries(fast_div, gen):
-    """MX scales are powers of two, so z = x / s hits every multiple of 0.25 (and its float
-    neighbours) exactly: every tie and bracket edge of numerics.md §2/§7, every recorded code."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_guided_region_boundaries(fmt, decide, gen):
+    """x = z·s exactly for z on every multiple of 0.25 (MX: s = 4; NVFP4: scale byte 1.5, g = 1),
+    plus the float neighbours of those x: every tie and bracket edge of numerics.md §2/§7, every
+    recorded code, and the kernel's near-grid exact-division path."""
+    f = FORMATS[fmt]
     grid = torch.arange(0, 28, dtype=torch.float32) * 0.25
-    zs = torch.cat(
-        [grid, torch.nextafter(grid, torch.full_like(grid, 9.0)), torch.nextafter(grid, torch.zeros_like(grid))]
-    )
-    zs = torch.cat([zs, -zs])
-    n = zs.numel()
+    s, byte = (4.0, 129) if fmt == "mxfp4" else (1.5, 0x3C)
+    xs = grid * s
+    up, down = torch.nextafter(xs, torch.full_like(xs, 99.0)), torch.nextafter(xs, torch.zeros_like(xs))
+    xs = torch.cat([xs, up, down, torch.tensor([1e-45, 1e-40, 1e-30])])
+    xs = torch.cat([xs, -xs])
+    n, blocks = xs.numel(), 3
+    width = f.block * blocks
+    x = xs.repeat_interleave(width).reshape(n, width)
     for bits, rule in itertools.product([1, 2, 3, 4], ["bracket", "paper"]):
-        blocks = 3
-        x = zs.repeat_interleave(32 * blocks).reshape(n, 32 * blocks) * 4.0  # scale byte 129 = 2^2
-        codes = torch.randint(0, 16 if bits == 4 else 1 << bits, (n, 32 * blocks), generator=gen, dtype=torch.uint8)
-        gd = Guidance(pack_bits(codes, bits), torch.full((n, blocks), 129, dtype=torch.uint8), 1.0, bits, MXFP4, rule)
-        gpu_vs_cpu(x, gd, what=f"b={bits} {rule}")
+        codes = torch.randint(0, 16 if bits == 4 else 1 << bits, (n, width), generator=gen, dtype=torch.uint8)
+        gd = Guidance(pack_bits(codes, bits), torch.full((n, blocks), byte, dtype=torch.uint8), 1.0, bits, f, rule)
+        gpu_vs_cpu(x, gd, what=f"{fmt} b={bits} {rule}")
 
 
 @pytest.mark.gpu
