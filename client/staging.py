@@ -46,7 +46,14 @@ class StagingPool:
                 os.close(fd)
         else:
             self.mm = mmap.mmap(-1, self.capacity)
+        # Touch every page now (start-up), not on the engine's first copies: first-touch page faults
+        # halved the staging copy rate (0.95 vs ~2+ GB/s measured on the bench machine).
         self.view = memoryview(self.mm)
+        step = 1 << 20
+        zeros = bytes(step)
+        for off in range(0, self.capacity, step):
+            n = min(step, self.capacity - off)
+            self.view[off : off + n] = zeros[:n]
         self._lock = threading.Lock()
         self._ring: deque[list[int]] = deque()  # [offset, size, released]
         self._live: dict[int, list[int]] = {}

@@ -97,6 +97,8 @@ class TraceStoreService:
         if isinstance(exc, OverBudgetError):
             meta["retry-after-ms"] = str(int(exc.retry_after_s * 1000))
         self.metrics.rejected.labels(code.name).inc()
+        if isinstance(exc, CorruptionError):
+            self.metrics.checksum_failures.inc()
         self.metrics.requests.labels(method, code.name).inc()
         if meta:
             context.set_trailing_metadata(tuple(meta.items()))
@@ -340,7 +342,7 @@ class Sidecar:
             )
         self.engine = Engine(cfg, self._store, self.metrics)
         self.engine.start(wal_parser(self.engine.run_spec))
-        self.shm = ShmPools(cfg.shm_dir)
+        self.shm = ShmPools(cfg.shm_dir, on_change=self.metrics.shm_capacity.set)
         service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tracestore-rpc"),

@@ -31,10 +31,19 @@ POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_.-]{1,100}")
 class ShmPools:
     """Read-only maps of writers' staging pools (files under ``shm_dir``), opened on first use."""
 
-    def __init__(self, shm_dir: str) -> None:
+    MAX_POOLS = 64
+
+    def __init__(self, shm_dir: str, on_change: Callable[[int], None] | None = None) -> None:
         self.dir = Path(shm_dir)
         self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
+        self._on_change = on_change
+
+    def _forget_gone(self) -> None:
+        # A recorder unlinks its pool when it closes; drop our map of it so its memory is freed.
+        for name in [n for n in self._maps if not (self.dir / n).exists()]:
+            with contextlib.suppress(BufferError):
+                self._maps.pop(name).close()
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         if POOL_NAME.fullmatch(name) is None or ".." in name:
@@ -42,6 +51,9 @@ class ShmPools:
         with self._lock:
             mm = self._maps.get(name)
             if mm is None:
+                self._forget_gone()
+                if len(self._maps) >= self.MAX_POOLS:
+                    raise ValidationError(f"{self.MAX_POOLS} shared-memory pools mapped already; close idle recorders")
                 try:
                     fd = os.open(self.dir / name, os.O_RDONLY)
                 except OSError as exc:
@@ -53,6 +65,8 @@ class ShmPools:
                 finally:
                     os.close(fd)
                 self._maps[name] = mm
+                if self._on_change is not None:
+                    self._on_change(sum(len(m) for m in self._maps.values()))
         if offset < 0 or length < 0 or offset + length > len(mm):
             raise ValidationError(
                 f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {len(mm)} bytes"

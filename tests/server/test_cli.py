@@ -1,0 +1,76 @@
+"""`tracestore serve`: every flag has a TRACESTORE_ twin; with no configuration it serves the defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tracestore.server.cli import config_from_args
+
+from tracestore.cli import build_parser
+
+
+def test_help_documents_env_twins() -> None:
+    out = subprocess.run([sys.executable, "-m", "tracestore.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout  # fmt: skip
+    assert "TRACESTORE_" in out
+    for flag in ("--storage", "--port", "--unix-socket", "--metrics-port", "--wal-dir", "--memory-budget-mib"):
+        assert flag in out
+
+
+def test_defaults_and_env_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("TRACESTORE_"):
+            monkeypatch.delenv(k)
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    assert (cfg.storage, cfg.host, cfg.port, cfg.metrics_port) == ("file://./tracestore-data", "127.0.0.1", 7433, 9433)
+    monkeypatch.setenv("TRACESTORE_PORT", "7999")
+    monkeypatch.setenv("TRACESTORE_STORAGE", "memory://x")
+    monkeypatch.setenv("TRACESTORE_WAL_DIR", "off")
+    monkeypatch.setenv("TRACESTORE_MEMORY_BUDGET_MIB", "256")
+    monkeypatch.setenv("TRACESTORE_METRICS_PORT", "off")
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    got = (cfg.port, cfg.storage, cfg.wal_dir, cfg.memory_budget_bytes, cfg.metrics_port)
+    assert got == (7999, "memory://x", None, 256 << 20, None)
+    cfg = config_from_args(build_parser().parse_args(["serve", "--port", "0"]))  # the flag beats the variable
+    assert cfg.port == 0
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_serves_with_no_configuration(tmp_path: Path) -> None:
+    if not (_free(7433) and _free(9433)):
+        pytest.skip("the default ports 7433/9433 are taken on this machine by another process")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}
+    env["TRACESTORE_READY_FILE"] = str(tmp_path / "ready.json")  # only to learn when it is up
+    proc = subprocess.Popen([sys.executable, "-m", "tracestore.cli", "serve"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        info = json.loads((tmp_path / "ready.json").read_text())
+        assert (info["port"], info["metrics_port"]) == (7433, 9433)
+        with grpc.insecure_channel("127.0.0.1:7433") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        assert (tmp_path / "tracestore-wal").is_dir()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
