@@ -61,11 +61,18 @@ def _large_binary(parts: Sequence[np.ndarray | None]) -> pa.Array:
     )
 
 
-def chunks_to_table(chunks: Sequence[RecordChunk]) -> pa.Table:
-    """Record chunks -> a ``pa.Table`` with :data:`CHUNK_SCHEMA` (one row per chunk, order kept)."""
+def chunks_to_table(chunks: Sequence[RecordChunk], checksums: Sequence[int] | None = None) -> pa.Table:
+    """Record chunks -> a ``pa.Table`` with :data:`CHUNK_SCHEMA` (one row per chunk, order kept).
+
+    ``checksums``: the chunks' :attr:`RecordChunk.checksum` values when the caller already has them.
+    """
     for c in chunks:
         if not isinstance(c, RecordChunk):
             raise ValidationError(f"chunks_to_table expects RecordChunk objects, got {type(c).__name__}")
+    if checksums is None:
+        checksums = [c.checksum for c in chunks]
+    elif len(checksums) != len(chunks):
+        raise ValidationError(f"{len(checksums)} checksums given for {len(chunks)} chunks")
     cols = [
         pa.array([c.run for c in chunks], pa.string()),
         pa.array([c.policy_version for c in chunks], pa.int64()),
@@ -75,7 +82,7 @@ def chunks_to_table(chunks: Sequence[RecordChunk]) -> pa.Table:
         pa.array([c.n_tokens for c in chunks], pa.int64()),
         pa.array([c.n_rows for c in chunks], pa.int64()),
         pa.array(np.array([c.global_scale for c in chunks], dtype=np.float32), pa.float32()),
-        pa.array(np.array([c.checksum for c in chunks], dtype=np.uint32), pa.uint32()),
+        pa.array(np.array(checksums, dtype=np.uint32), pa.uint32()),
         _large_binary([c.codes for c in chunks]),
         _large_binary([c.scales for c in chunks]),
         _large_binary([None if c.token_scales is None else c.token_scales.astype("<f4") for c in chunks]),

@@ -194,7 +194,7 @@ class Storage:
 
     # ------------------------------------------------------------------ writes
 
-    def publish(self, rel: str, data: bytes) -> bool:
+    def publish(self, rel: str, data: bytes | memoryview) -> bool:
         """Write ``data`` at ``rel`` create-only and atomically; True if written, False if already there.
 
         An existing object with identical bytes is a harmless repeat (False); different bytes raise
@@ -205,10 +205,10 @@ class Storage:
             if self.local:
                 self.call(f"write {rel}", self._publish_local, self.full(rel), data)
             else:
-                self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), data, mode="create")
+                self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), bytes(data), mode="create")
         except FileExistsError:
             existing = self.cat(rel)
-            if existing != data:
+            if existing != bytes(data):
                 raise ConflictError(
                     f"{self.full(rel)} already exists with different bytes ({len(existing)} B vs {len(data)} B): "
                     "the same shard key was written twice with different contents"
@@ -218,7 +218,7 @@ class Storage:
         return True
 
     @staticmethod
-    def _publish_local(path: str, data: bytes) -> None:
+    def _publish_local(path: str, data: bytes | memoryview) -> None:
         directory = os.path.dirname(path)
         created = []
         d = directory

@@ -168,7 +168,7 @@ def encode_shard(
     *,
     row_group_bytes: int = ROW_GROUP_BYTES,
     min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
-) -> tuple[bytes | None, Manifest]:
+) -> tuple[memoryview | None, Manifest]:
     """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest."""
     for c in chunks:
         if c.run != run or c.policy_version != policy_version:
@@ -200,7 +200,8 @@ def encode_shard(
         sort_keys=True,
     ).encode()
     schema = CHUNK_SCHEMA.with_metadata({**(CHUNK_SCHEMA.metadata or {}), SHARD_META_KEY: shard_meta})
-    table = chunks_to_table(ordered).replace_schema_metadata(schema.metadata)
+    crcs = [c.checksum for c in ordered]
+    table = chunks_to_table(ordered, crcs).replace_schema_metadata(schema.metadata)
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(
         sink,
@@ -214,14 +215,14 @@ def encode_shard(
     ) as w:
         for a, n in groups:
             w.write_table(table.slice(a, n), row_group_size=n)
-    data = sink.getvalue().to_pybytes()
+    data = memoryview(sink.getvalue()).cast("B")  # no copy: a shard is published straight from Arrow's buffer
 
     entries = []
     for g, (a, n) in enumerate(groups):
         for r in range(n):
             c = ordered[a + r]
             entries.append(
-                ChunkEntry(c.trajectory, c.site, c.token_start, c.n_tokens, c.n_rows, g, r, c.checksum, c.nbytes)
+                ChunkEntry(c.trajectory, c.site, c.token_start, c.n_tokens, c.n_rows, g, r, crcs[a + r], c.nbytes)
             )
     manifest = Manifest(
         run,
