@@ -342,11 +342,6 @@ def test_labels_are_bounded(h, workload, live_metrics):
     assert series_per_family and max(series_per_family.values()) <= 64, series_per_family
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the sidecar never sets tracestore_shm_capacity_bytes / tracestore_shm_in_use_bytes "
-    "(server/ has no writer of them), so the shm panel and TraceStoreShmNearlyFull see 0",
-)
 def test_shm_staging_is_reported(stack, workload):
     """The shm writer registered an 8 MiB staging pool over the unix socket: its capacity shows."""
     q = api(stack["prom"], "/api/v1/query", query="sum(tracestore_shm_capacity_bytes)")
