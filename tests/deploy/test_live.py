@@ -429,8 +429,9 @@ def test_readiness_does_not_depend_on_storage(outage):
     assert "tracestore_storage_errors_total{" in outage["metrics"]
 
 
+# Not strict: the sidecar is being fixed concurrently; once this XPASSes, drop the marker.
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="server/service.py labels storage retries/errors with op=<operation + object path> "
     "(e.g. 'write ci-deploy/run.json'): the run id leaks into a label; op must be a bounded operation name",
 )
