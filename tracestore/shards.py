@@ -15,8 +15,10 @@ truncated files.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracestore.arrow import CHUNK_SCHEMA, SCHEMA_VERSION, binary_views, chunk_from_parts, chunks_to_table
+from tracestore.arrow import CHUNK_SCHEMA, KEY_COLUMNS, SCHEMA_VERSION, binary_views, chunk_from_parts, chunks_to_table
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
 
@@ -267,7 +269,7 @@ def read_entries(
             f"{len(manifest.row_groups)} (file replaced or truncated)"
         )
     try:
-        table = pf.read_row_groups(groups, use_threads=False)
+        table = pf.read_row_groups(groups, use_threads=True)
     except (OSError, pa.ArrowException, ValueError) as exc:
         desc = "; ".join(
             f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
@@ -283,20 +285,16 @@ def read_entries(
     if table.num_rows != row:
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
     wanted = [base[e.row_group] + e.row for e in entries]
-    if len(wanted) == table.num_rows:  # every row of these groups is wanted: no copy
-        take, order = table, wanted
-    else:
-        take, order = table.take(pa.array(wanted, pa.int64())), list(range(len(entries)))
-    keys = {n: take.column(n).to_pylist() for n in ("run", "policy_version", "trajectory", "site")}
-    nums = {n: take.column(n).to_numpy() for n in ("token_start", "n_tokens", "n_rows")}
-    g_col = take.column("global_scale").to_numpy()
-    crc = take.column("checksum").to_numpy()
-    codes = binary_views(take.column("codes"))
-    scales = binary_views(take.column("scales"))
-    tscales = binary_views(take.column("token_scales"))
+    keys = {n: table.column(n).to_pylist() for n in ("run", "policy_version", "trajectory", "site")}
+    nums = {n: table.column(n).to_numpy() for n in ("token_start", "n_tokens", "n_rows")}
+    g_col = table.column("global_scale").to_numpy()
+    crc = table.column("checksum").to_numpy()
+    codes = binary_views(table.column("codes"))
+    scales = binary_views(table.column("scales"))
+    tscales = binary_views(table.column("token_scales"))
     out: dict[ChunkEntry, RecordChunk] = {}
-    for i, e in enumerate(entries):
-        j = order[i]
+    descs: dict[ChunkEntry, str] = {}
+    for e, j in zip(entries, wanted, strict=True):
         key = {
             "run": keys["run"][j],
             "policy_version": int(keys["policy_version"][j]),
@@ -307,23 +305,36 @@ def read_entries(
             "n_rows": int(nums["n_rows"][j]),
         }
         expect = (manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
-        got = tuple(
-            key[k] for k in ("run", "policy_version", "trajectory", "site", "token_start", "n_tokens", "n_rows")
-        )
+        got = tuple(key[k] for k in KEY_COLUMNS)
         chunk_desc = f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
         if got != expect or int(crc[j]) != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {chunk_desc} in row group {e.row_group} row {e.row} holds "
                 f"{got[2:5]} (checksum {int(crc[j]):#010x}, manifest {e.checksum:#010x}): wrong file in place?"
             )
+        descs[e] = f"shard {where}: {chunk_desc}"
         out[e] = chunk_from_parts(
-            key,
-            float(g_col[j]),
-            int(crc[j]),
-            codes[j],
-            scales[j],
-            tscales[j],
-            verify=True,
-            where=f"shard {where}: {chunk_desc}",
+            key, float(g_col[j]), int(crc[j]), codes[j], scales[j], tscales[j], verify=False, where=descs[e]
         )
+    # Verify every chunk's own checksum. zlib.crc32 releases the GIL on large buffers, so big reads
+    # spread the work over the cores.
+    items = list(out.items())
+    nbytes = sum(c.nbytes for _, c in items)
+    sums = list(_verify_pool().map(lambda ec: ec[1].checksum, items)) if nbytes > (8 << 20) else None
+    for i, (e, c) in enumerate(items):
+        actual = sums[i] if sums is not None else c.checksum
+        if actual != e.checksum:
+            raise CorruptionError(f"{descs[e]}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})")
     return out
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _verify_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tracestore-crc"
+        )
+    return _POOL

@@ -1,0 +1,316 @@
+"""Storage throughput and footprint against baselines measured in the same run, on one disk (CPU).
+
+Data: the paper configuration (width 2048, 20 sites, b = 1, NVFP4: 384 B per token per site,
+7,680 B per token). Code bits and scale bytes come from real quantization (``tracestore.quantize``
+of heavy-tailed activations, a pool of token rows sampled per site), so scale compression is
+what real records would see; a second footprint row uses uniformly random scale bytes (the
+incompressible worst case).
+
+Rows (all ratios are baseline time / our time on the same bytes, so higher is better):
+
+- ``write``: ``Store.write_shard`` (validation, checksums, sort, Parquet with codes uncompressed
+  and scales zstd, page checksums, temp file + fsync + create-only link + directory fsync, manifest)
+  vs raw ``pyarrow.parquet.write_table`` of the same Arrow table (default options, no fsync), and vs
+  ``torch.save`` of one file per trajectory (what a user would write without tracestore);
+- ``read-plan``: ``StoreReader.read`` of a microbatch plan (2 of the step's trajectories, all sites,
+  checksums verified, aligned arrays) vs a raw pyarrow read of the same row groups, vs ``torch.load``
+  of those trajectories' files; plus a pipeline-stage + tensor-parallel read (half the sites, half the
+  columns) with the bytes it fetched;
+- ``footprint``: bytes on storage per token (shard + manifest) vs the 7,680 B target (+1%);
+- ``compression``: per-column codec alternatives (size ratio, encode and decode throughput).
+
+Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5]``; prints
+tables and appends rows to ``bench/results/bench_storage.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, print_table  # noqa: E402
+
+from tracestore.arrow import chunks_to_table  # noqa: E402
+from tracestore.plan import MicrobatchPlan  # noqa: E402
+from tracestore.reader import StoreReader  # noqa: E402
+from tracestore.records import RecordChunk, RunSpec, SiteSpec  # noqa: E402
+from tracestore.store import Store  # noqa: E402
+
+WIDTH, N_SITES, BITS = 2048, 20, 1
+TARGET_BYTES_PER_TOKEN = 7680
+SPEC = RunSpec(
+    "bench", tuple(SiteSpec(f"layers.{20 + i}.mlp.input", "moe_input", 20 + i, WIDTH) for i in range(N_SITES))
+)
+
+
+def token_pool(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Real records of ``n`` token rows: packed b=1 codes, E4M3 scale bytes, global scale."""
+    import torch
+
+    from tracestore import pack_bits, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, WIDTH, generator=g)
+    x *= torch.exp(0.5 * torch.randn(n, 1, generator=g))  # per-token magnitude spread
+    x[:, torch.randperm(WIDTH, generator=g)[:16]] *= 20.0  # a few outlier channels, as in LLM activations
+    q = quantize(x, "nvfp4")
+    return pack_bits(q.codes, BITS).numpy(), q.scales.numpy(), float(q.global_scale)
+
+
+def make_step(n_traj: int, n_tokens: int, chunk_tokens: int, random_scales: bool, seed: int = 0) -> list[RecordChunk]:
+    codes_pool, scales_pool, g = token_pool(4096, seed)
+    rng = np.random.default_rng(seed)
+    chunks = []
+    for t in range(n_traj):
+        for s in SPEC.sites:
+            for a in range(0, n_tokens, chunk_tokens):
+                n = min(chunk_tokens, n_tokens - a)
+                rows = rng.integers(0, len(codes_pool), n)
+                scales = (
+                    rng.integers(0, 256, (n, s.scale_bytes), dtype=np.uint8) if random_scales else scales_pool[rows]
+                )
+                chunks.append(RecordChunk(SPEC.run, 0, f"traj-{t:04d}", s.name, a, n, codes_pool[rows], scales, g))
+    return chunks
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f} ms"
+
+
+def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    import torch
+
+    chunks = make_step(args.trajectories, args.tokens, args.chunk_tokens, random_scales=False)
+    payload = sum(c.nbytes for c in chunks)
+    table = chunks_to_table(chunks)
+    rows: list[dict[str, Any]] = []
+    t_ours, t_raw, t_torch = [], [], []
+    url = f"file://{workdir}/store"
+    store = Store(url)
+    store.put_run(SPEC)
+    by_traj: dict[str, list[RecordChunk]] = {}
+    for c in chunks:
+        by_traj.setdefault(c.trajectory, []).append(c)
+    torch_dir = workdir / "torch"
+    info = None
+    for i in range(args.repeat):
+        # interleaved so drift from other load on the machine hits all providers alike
+        raw_path = workdir / f"raw-{i}.parquet"
+        t0 = time.perf_counter()
+        pq.write_table(table, raw_path)
+        t_raw.append(time.perf_counter() - t0)
+        raw_path.unlink()
+
+        t0 = time.perf_counter()
+        info = store.write_shard(SPEC.run, 0, f"w{i}", 0, chunks)
+        t_ours.append(time.perf_counter() - t0)
+        if i < args.repeat - 1:
+            store.storage.rm(f"{SPEC.run}/v0/w{i}", recursive=True)
+
+        shutil.rmtree(torch_dir, ignore_errors=True)
+        torch_dir.mkdir()
+        t0 = time.perf_counter()
+        for traj, cs in by_traj.items():
+            obj = {
+                f"{c.site}@{c.token_start}": {
+                    "codes": torch.from_numpy(c.codes),
+                    "scales": torch.from_numpy(c.scales),
+                    "global_scale": c.global_scale,
+                }
+                for c in cs
+            }
+            torch.save(obj, torch_dir / f"{traj}.pt")
+        t_torch.append(time.perf_counter() - t0)
+    assert info is not None
+    mib = payload / 2**20
+    for name, ts in (("ours write_shard", t_ours), ("raw pq.write_table", t_raw), ("torch.save per traj", t_torch)):
+        rows.append(
+            {
+                "case": "write",
+                "provider": name,
+                "payload_MiB": round(mib, 1),
+                "median_ms": round(_median(ts) * 1e3, 1),
+                "spread": _spread(ts),
+                "MiB_per_s": round(mib / _median(ts), 1),
+                "ratio_vs_ours": round(_median(ts) / _median(t_ours), 3),
+            }
+        )
+
+    # ---- reads: a microbatch of two trajectories, all sites
+    trajs = sorted(by_traj)
+    pick = [trajs[len(trajs) // 3], trajs[(2 * len(trajs)) // 3]]
+    plan = MicrobatchPlan([(t, 0, args.tokens) for t in pick])
+    m = store.read_manifest(info.manifest_path)
+    groups = sorted({e.row_group for e in m.chunks if e.trajectory in pick})
+    shard_file = workdir / "store" / info.path
+    r_ours, r_raw, r_torch, r_full = [], [], [], []
+    res = None
+    for _ in range(args.repeat):
+        reader = StoreReader(store, SPEC.run)  # a fresh reader each time: footer and manifest reads count
+        t0 = time.perf_counter()
+        res = reader.read(plan)
+        r_ours.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        raw_tbl = pq.ParquetFile(shard_file).read_row_groups(groups)
+        r_raw.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        loaded = [torch.load(torch_dir / f"{t}.pt") for t in pick]
+        r_torch.append(time.perf_counter() - t0)
+        del loaded
+
+        t0 = time.perf_counter()
+        pq.read_table(shard_file)
+        r_full.append(time.perf_counter() - t0)
+    assert res is not None
+    read_bytes = sum(r.codes.nbytes + r.scales.nbytes for r in res.values())
+    rmib = read_bytes / 2**20
+    for name, ts, fetched in (
+        ("ours StoreReader.read", r_ours, res.stats.bytes_read),
+        ("raw pq read_row_groups (same groups)", r_raw, raw_tbl.nbytes),
+        ("torch.load per traj", r_torch, sum(os.path.getsize(torch_dir / f"{t}.pt") for t in pick)),
+        ("raw pq.read_table (whole step)", r_full, shard_file.stat().st_size),
+    ):
+        rows.append(
+            {
+                "case": "read-plan",
+                "provider": name,
+                "payload_MiB": round(rmib, 1),
+                "fetched_MiB": round(fetched / 2**20, 1),
+                "median_ms": round(_median(ts) * 1e3, 1),
+                "spread": _spread(ts),
+                "MiB_per_s": round(rmib / _median(ts), 1),
+                "ratio_vs_ours": round(_median(ts) / _median(r_ours), 3),
+            }
+        )
+
+    # ---- a pipeline stage (half the sites) of a tensor-parallel rank (half the columns)
+    stage = [s.name for s in SPEC.sites[: N_SITES // 2]]
+    r_stage = []
+    for _ in range(args.repeat):
+        reader = StoreReader(store, SPEC.run)
+        t0 = time.perf_counter()
+        sres = reader.read(plan, sites=stage, columns=(0, WIDTH // 2))
+        r_stage.append(time.perf_counter() - t0)
+    rows.append(
+        {
+            "case": "read-plan",
+            "provider": "ours PP half sites + TP half columns",
+            "payload_MiB": round(sum(r.codes.nbytes + r.scales.nbytes for r in sres.values()) / 2**20, 1),
+            "fetched_MiB": round(sres.stats.bytes_read / 2**20, 1),
+            "median_ms": round(_median(r_stage) * 1e3, 1),
+            "spread": _spread(r_stage),
+            "shard_MiB": round(info.nbytes / 2**20, 1),
+        }
+    )
+
+    # ---- footprint at the paper configuration
+    tokens = args.trajectories * args.tokens
+    manifest_bytes = len(store.storage.cat(info.manifest_path))
+    torch_bytes = sum(os.path.getsize(torch_dir / f"{t}.pt") for t in trajs)
+    rows.append(_footprint("ours (real scales)", info.nbytes + manifest_bytes, tokens))
+    rows.append(_footprint("torch.save per traj (real scales)", torch_bytes, tokens))
+    rnd = make_step(args.trajectories, args.tokens, args.chunk_tokens, random_scales=True, seed=1)
+    rinfo = store.write_shard(SPEC.run, 0, "rand", 0, rnd)
+    rman = len(store.storage.cat(rinfo.manifest_path))
+    rows.append(_footprint("ours (random scales, worst case)", rinfo.nbytes + rman, tokens))
+    return rows
+
+
+def _footprint(name: str, nbytes: int, tokens: int) -> dict[str, Any]:
+    per = nbytes / tokens
+    return {
+        "case": "footprint",
+        "provider": name,
+        "bytes": nbytes,
+        "tokens": tokens,
+        "bytes_per_token": round(per, 1),
+        "target": f"<= {TARGET_BYTES_PER_TOKEN * 1.01:.0f}",
+        "ok": per <= TARGET_BYTES_PER_TOKEN * 1.01,
+    }
+
+
+def bench_compression(args: argparse.Namespace) -> list[dict[str, Any]]:
+    chunks = make_step(2, args.tokens, args.chunk_tokens, random_scales=False, seed=2)
+    table = chunks_to_table(chunks)
+    rows = []
+    for column in ("codes", "scales"):
+        sub = table.select([column])
+        raw = sum(len(v) for v in sub.column(0).to_pylist())
+        for codec, level in (("NONE", None), ("SNAPPY", None), ("LZ4", None), ("ZSTD", 1), ("ZSTD", 3), ("ZSTD", 9)):
+            enc, dec = [], []
+            size = 0
+            for _ in range(max(2, args.repeat // 2)):
+                buf = io.BytesIO()
+                t0 = time.perf_counter()
+                pq.write_table(sub, buf, compression=codec, compression_level=level, use_dictionary=False)
+                enc.append(time.perf_counter() - t0)
+                size = buf.tell()
+                data = pa.py_buffer(buf.getvalue())
+                t0 = time.perf_counter()
+                pq.read_table(pa.BufferReader(data))
+                dec.append(time.perf_counter() - t0)
+            rows.append(
+                {
+                    "case": "compression",
+                    "column": column,
+                    "codec": codec + (f"-{level}" if level else ""),
+                    "raw_MiB": round(raw / 2**20, 1),
+                    "size_ratio": round(size / raw, 4),
+                    "encode_MiB_per_s": round(raw / 2**20 / _median(enc), 0),
+                    "decode_MiB_per_s": round(raw / 2**20 / _median(dec), 0),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trajectories", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
+    ap.add_argument("--chunk-tokens", type=int, default=512, help="tokens per record chunk")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--no-save", action="store_true", help="do not append to bench/results")
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-storage-", dir=args.dir))
+    try:
+        rows = bench_write_read(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    comp = bench_compression(args)
+    config = {"trajectories": args.trajectories, "tokens": args.tokens, "chunk_tokens": args.chunk_tokens}
+    for case, cols in (
+        ("write", ["provider", "payload_MiB", "median_ms", "spread", "MiB_per_s", "ratio_vs_ours"]),
+        ("read-plan", ["provider", "payload_MiB", "fetched_MiB", "median_ms", "spread", "MiB_per_s", "ratio_vs_ours"]),
+        ("footprint", ["provider", "bytes", "tokens", "bytes_per_token", "target", "ok"]),
+    ):
+        print(f"\n== {case} ({config})")
+        print_table([r for r in rows if r["case"] == case], cols)
+    print("\n== compression alternatives per column")
+    print_table(comp, ["column", "codec", "raw_MiB", "size_ratio", "encode_MiB_per_s", "decode_MiB_per_s"])
+    if not args.no_save:
+        path = append_results("bench_storage", [{**r, **config} for r in rows + comp])
+        print(f"\nappended {len(rows) + len(comp)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()
