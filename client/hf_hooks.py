@@ -20,7 +20,7 @@ Example::
 
     hooks = HFSiteHooks(model, lambda site, x: rtn_fake_quant(x, NVFP4))
     cache = hooks.new_cache()
-    out = model(input_ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids, **hooks.cache_kwargs(cache), use_cache=True)
     hooks.remove()
 """
 
@@ -63,6 +63,14 @@ def site_name(layer: int, kind: SiteKind) -> str:
     """The canonical site name for ``layer`` and ``kind``."""
     suffix = {"moe_input": "mlp.input", "key": "attn.k", "value": "attn.v"}[kind]
     return f"layers.{layer}.{suffix}"
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword under which ``model``'s forward takes its KV cache, bound to ``cache``."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -228,6 +236,11 @@ class HFSiteHooks:
         """A fresh KV cache for generation whose new K/V pass through the hooks as they enter it."""
         return _hooked_cache_class()(self, config=self.model.config)
 
+    def cache_kwargs(self, cache: Any) -> dict[str, Any]:
+        """``{name: cache}`` for the model's forward: ``cache`` (transformers >= 5.24 renames it) or
+        ``past_key_values`` (older 5.x, where an unknown ``cache=`` is silently ignored)."""
+        return cache_kwargs(self.model, cache)
+
     def _apply(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor:
         y = self.fn(site, x)
         if y is None:
@@ -312,7 +325,7 @@ class FP4SiteRecorder:
         with FP4SiteRecorder(model, [recorder]) as fp4:
             cache = fp4.hooks.new_cache()
             with fp4.forward([("traj-0", 0, 12), ("traj-1", 0, 12)]):
-                model(input_ids=prompt, cache=cache, use_cache=True)
+                model(input_ids=prompt, **fp4.hooks.cache_kwargs(cache), use_cache=True)
     """
 
     def __init__(

@@ -91,9 +91,9 @@ def test_cache_path_transforms_each_new_kv_exactly_once(arch: str) -> None:
 
     with HFSiteHooks(model, counted) as hooks, torch.no_grad():
         cache = hooks.new_cache()
-        steps = [model(input_ids=x[:, :5], cache=cache, use_cache=True).logits]
+        steps = [model(input_ids=x[:, :5], **hooks.cache_kwargs(cache), use_cache=True).logits]
         for i in range(5, 9):
-            steps.append(model(input_ids=x[:, i : i + 1], cache=cache, use_cache=True).logits)
+            steps.append(model(input_ids=x[:, i : i + 1], **hooks.cache_kwargs(cache), use_cache=True).logits)
         stored = cache.layers[0].values
     inc = torch.cat(steps, dim=1)
     assert torch.allclose(inc, full, atol=1e-5), (inc - full).abs().max()
@@ -102,7 +102,7 @@ def test_cache_path_transforms_each_new_kv_exactly_once(arch: str) -> None:
     # the cache holds the transformed values
     with HFSiteHooks(model, lambda s, t: None) as plain, torch.no_grad():
         c2 = plain.new_cache()
-        model(input_ids=x, cache=c2, use_cache=True)
+        model(input_ids=x, **plain.cache_kwargs(c2), use_cache=True)
     assert torch.allclose(stored, 0.5 * c2.layers[0].values, atol=1e-6)
 
 
@@ -185,7 +185,7 @@ def test_fp4_site_recorder_records_a_generation_through_a_real_sidecar(tmp_path)
             cache = fp4.hooks.new_cache()
             for start, end in [(0, 4), (4, 5)]:  # the 6th token never enters a forward
                 with fp4.forward([("t0", start, end), ("t1", start, end)]) as got:
-                    model(input_ids=x[:, start:end], cache=cache, use_cache=True)
+                    model(input_ids=x[:, start:end], **fp4.hooks.cache_kwargs(cache), use_cache=True)
                 kept.append(dict(got))
         for t in ("t0", "t1"):
             rec.finish(t, 6)

@@ -129,7 +129,9 @@ def run_rollout(
         start, end = 0, plen
         while True:
             state.pos, state.forward = start, {}
-            logits = model(input_ids=out[:, start:end], cache=cache, use_cache=True).logits[:, -1].float()
+            logits = (
+                model(input_ids=out[:, start:end], **hooks.cache_kwargs(cache), use_cache=True).logits[:, -1].float()
+            )
             forwards.append((start, end))
             if on_forward is not None and state.forward:
                 on_forward(start, end, state.forward)

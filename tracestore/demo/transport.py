@@ -35,6 +35,8 @@ def service_available() -> str | None:
         import tracestore.server.service  # noqa: F401
     except ImportError as exc:
         return f"{exc.name or exc} is not importable"
+    except Exception as exc:  # e.g. generated gRPC code refusing an older grpcio at import
+        return f"the service does not import: {type(exc).__name__}: {exc}"
     missing = [n for n in ("RolloutRecorder", "GuidanceReader", "SiteOutput") if not hasattr(client, n)]
     return f"tracestore.client lacks {', '.join(missing)}" if missing else None
 
@@ -140,7 +142,7 @@ class ServiceTransport:
 
         b, n = roll.tokens.shape
         plan = MicrobatchPlan([(trajectory_id(i), 0, n) for i in range(b)])
-        reader = GuidanceReader(self.storage, run_id(mode), prefetch=False)
+        reader = GuidanceReader(self.storage, run_id(mode), device=str(roll.tokens.device), prefetch=False)
         try:
             got = reader.read(plan)
         finally:
@@ -148,8 +150,8 @@ class ServiceTransport:
                 reader.close()
         out = {}
         for name, g in got.items():
-            valid = g.valid if g.valid is not None else torch.ones(b * n, dtype=torch.bool)
-            gs = torch.as_tensor(g.global_scale, dtype=torch.float32)
+            valid = g.valid if g.valid is not None else torch.ones(b * n, dtype=torch.bool, device=g.codes.device)
+            gs = torch.as_tensor(g.global_scale, dtype=torch.float32, device=g.codes.device)
             gs = gs.expand(b * n) if gs.dim() == 0 else gs
             out[name] = SiteGuidance(
                 packed=g.codes.reshape(b, n, -1),
