@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
+from tracestore.errors import ConfigError
 from tracestore.formats import FP4Format
 from tracestore.fp4 import dequantize, quantize
 
@@ -132,6 +133,11 @@ def run_rollout(
             logits = (
                 model(input_ids=out[:, start:end], **hooks.cache_kwargs(cache), use_cache=True).logits[:, -1].float()
             )
+            if cache.get_seq_length() != end:  # e.g. a transformers that ignores the cache keyword
+                raise ConfigError(
+                    f"the model did not use the KV cache: it holds {cache.get_seq_length()} positions after "
+                    f"a forward up to position {end}; check the transformers version's cache keyword"
+                )
             forwards.append((start, end))
             if on_forward is not None and state.forward:
                 on_forward(start, end, state.forward)
