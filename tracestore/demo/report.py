@@ -54,6 +54,14 @@ def format_table(results: dict[str, Any]) -> str:
         "Record bytes per token (codes + scale bytes, all recorded sites): "
         + ", ".join(f"{labels[k]} {v} B" for k, v in results["record_bytes_per_token"].items()),
     ]
+    kv = [r for rows in results["kv"].values() for r in rows]
+    if kv:
+        lines += ["", "K/V entering the cache (all layers): worst train-rollout MSE ratio to vanilla QAT"]
+        lines.append("  " + ", ".join(f"{SHORT[m]} {max(r['ratio_' + m] for r in kv):.4f}" for m in FP4_MODES[1:]))
+        recorded = [r for r in kv if r["recorded_trace_compact"]]
+        if recorded:
+            worst = max(r["ratio_trace_compact"] for r in recorded)
+            lines[-1] += f" (compact at its recorded layers: {worst:.4f})"
     lines += ["", "Expectations (issue 6)"]
     for e in results["expectations"]:
         lines.append(f"  [{'ok' if e['ok'] else 'FAILED'}] {e['check']}: {e['measured']}")
@@ -66,9 +74,20 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _finite(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
 def write_json(results: dict[str, Any], out: pathlib.Path) -> pathlib.Path:
     path = out / "results.json"
-    path.write_text(json.dumps(results, indent=2, default=str, allow_nan=True) + "\n")
+    # strict JSON: a ratio over a zero BF16 discrepancy (inf) or of 0/0 (nan) is written as null
+    path.write_text(json.dumps(_finite(results), indent=2, default=str, allow_nan=False) + "\n")
     return path
 
 
@@ -92,7 +111,7 @@ def write_plots(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path
     ax.axhline(1.0, color="gray", ls="--", lw=1, label="BF16 reference (D_FP4 = D_BF16)")
     ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel("D_FP4 / D_BF16 (floored at 1e-3)")
+    ax.set_ylabel("D_FP4 / D_BF16 = 1 + relative excess\n(0 drawn at the 1e-3 floor)")
     ax.set_title("Train-rollout MSE of MoE-block inputs, relative to BF16")
     ax.legend(fontsize=7)
     fig.tight_layout()
