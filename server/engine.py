@@ -24,6 +24,7 @@ import logging
 import struct
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -128,6 +129,7 @@ class Engine:
         self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
         self._open: set[tuple[str, int, str]] = set()
         self.in_use = 0
+        self._reserved = 0  # bytes streams reserved for messages they are reading
         self._acks: deque[tuple[int, WriterState, int, int, float]] = deque()  # ticket, state, epoch, seq, t0
         self._seg_outstanding: dict[int, int] = {}
         self._force = 0  # flush requests outstanding
@@ -139,6 +141,10 @@ class Engine:
         self._flusher: threading.Thread | None = None
         self.parse_wal_data: Callable[[bytes], Message] | None = None
         metrics.memory_budget.set(config.memory_budget_bytes)
+        # Encoding a shard briefly needs about twice its size again (Arrow columns + Parquet
+        # output): capping shards at a quarter of the budget keeps that transient inside
+        # budget + 64 MiB (measured in tests/server/test_memory_bound.py).
+        self.shard_bytes = max(1, min(config.shard_target_bytes, config.memory_budget_bytes // 4))
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -236,8 +242,45 @@ class Engine:
 
     # -- submit -----------------------------------------------------------------------------------
 
-    def submit(self, msg: Message, wal_parts: Sequence[Buffer]) -> tuple[WriterState, bool]:
-        """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room."""
+    def reserve(self, estimate: int) -> int:
+        """Room for a message a stream is about to read (``estimate`` bytes), so a stream waits for
+        room *before* taking a message off the wire: waiting streams then hold nothing but their
+        HTTP/2 window, and memory stays within the budget however many streams there are.
+        Returns the bytes reserved (pass them to :meth:`submit`); raises OverBudgetError."""
+        budget = self.config.memory_budget_bytes
+        estimate = max(1, min(estimate, budget))
+        deadline = time.monotonic() + self.config.backpressure_timeout_s
+        with self._lock:
+            waited = False
+            while self.in_use + self._reserved + estimate > budget and (self.in_use + self._reserved) > 0:
+                if self._draining:
+                    raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
+                if not waited:
+                    self.metrics.backpressure.inc()
+                    waited = True
+                self._force = max(self._force, 1)
+                self._kick.notify_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OverBudgetError(
+                        f"memory budget of {budget} bytes is full ({self.in_use} held, storage is behind); "
+                        "slow down and resend",
+                        retry_after_s=min(5.0, self.config.flush_interval_s),
+                    )
+                self._room.wait(left)
+            self._reserved += estimate
+            return estimate
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+            self._room.notify_all()
+
+    def submit(self, msg: Message, wal_parts: Sequence[Buffer], reserved: int = 0) -> tuple[WriterState, bool]:
+        """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
+        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here)."""
+        if reserved:
+            self.unreserve(reserved)
         deadline = time.monotonic() + self.config.backpressure_timeout_s
         if msg.nbytes > self.config.memory_budget_bytes:
             raise OverBudgetError(
@@ -255,7 +298,9 @@ class Engine:
                 if dup:
                     self.metrics.ingest_duplicates.inc()
                     return st, True
-                if self.in_use + msg.nbytes <= self.config.memory_budget_bytes:
+                if self.in_use + self._reserved + msg.nbytes <= self.config.memory_budget_bytes or (
+                    self.in_use + self._reserved == 0
+                ):
                     break
                 if not waited:
                     self.metrics.backpressure.inc()
@@ -286,7 +331,7 @@ class Engine:
             self.metrics.ingest_chunks.labels(msg.path).inc(len(msg.chunks))
             self.metrics.ingest_bytes.labels(msg.path).inc(msg.nbytes)
             self._update_gauges()
-            if st.pending_bytes >= self.config.shard_target_bytes:
+            if st.pending_bytes >= self.shard_bytes:
                 self._kick.notify_all()
             return st, False
 
@@ -435,7 +480,7 @@ class Engine:
     def _due(self, st: WriterState, now: float) -> bool:
         if not st.pending:
             return False
-        if self._force or self._draining or st.pending_bytes >= self.config.shard_target_bytes:
+        if self._force or self._draining or st.pending_bytes >= self.shard_bytes:
             return True
         if self.in_use * 2 >= self.config.memory_budget_bytes:
             return True
@@ -449,7 +494,7 @@ class Engine:
         group: list[Message] = []
         size = 0
         for m in st.pending:
-            if m.shard_seq is not None or (group and size + m.nbytes > self.config.shard_target_bytes):
+            if m.shard_seq is not None or (group and size + m.nbytes > self.shard_bytes):
                 break
             group.append(m)
             size += m.nbytes
@@ -498,6 +543,9 @@ class Engine:
             for version, (chunks, seals, links) in sorted(by_version.items()):
                 self.store.write_shard(st.run, version, st.writer, shard, chunks, seals=seals, links=links)
         except Exception as exc:  # storage down / slow: keep everything, retry later
+            # The failure's traceback frames hold the encoded shard (and form reference cycles the
+            # GC collects late): clear them now, or each retry adds a shard's worth of memory.
+            traceback.clear_frames(exc.__traceback__)
             self.metrics.storage_errors.labels("write_shard").inc()
             self.metrics.storage_retries.labels("write_shard").inc()
             log.warning("shard %s/%s/%d not committed yet (%s); will retry", st.run, st.writer, shard, exc)

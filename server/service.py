@@ -118,18 +118,33 @@ class TraceStoreService:
             self.engine.declare_run(run_spec_from_pb(spec))
 
         def consume() -> None:
+            estimate = 1 << 20  # the next message's size: the last one's (shared memory: descriptors)
+            it = iter(requests)
             try:
-                for raw in requests:
+                while True:
                     seq = None
+                    reserved = 0
                     try:
+                        reserved = self.engine.reserve(estimate)
+                        try:
+                            raw = next(it)
+                        except StopIteration:
+                            self.engine.unreserve(reserved)
+                            break
                         req, msg, blobs = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )
                         seq = req.sequence
+                        estimate = max(msg.nbytes, 4096)
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
-                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs))
+                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved)
+                        reserved = 0
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                        if reserved:
+                            self.engine.unreserve(reserved)
+                        if isinstance(exc, grpc.RpcError):  # the client went away mid-stream
+                            return
                         box["error"], box["failed_seq"] = exc, seq
                         return
                     if box["state"] is not st:
