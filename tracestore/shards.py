@@ -27,7 +27,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracestore.arrow import CHUNK_SCHEMA, KEY_COLUMNS, SCHEMA_VERSION, binary_views, chunk_from_parts, chunks_to_table
+from tracestore.arrow import (
+    CHUNK_SCHEMA,
+    KEY_COLUMNS,
+    SCHEMA_VERSION,
+    binary_views,
+    chunk_from_parts,
+    chunks_to_table,
+    schema_version_of,
+)
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
 
@@ -272,6 +280,9 @@ def read_entries(
     for e in entries:
         by_group.setdefault(e.row_group, []).append(e)
     groups = sorted(by_group)
+    version = schema_version_of(pf.schema_arrow)
+    if version != SCHEMA_VERSION:
+        raise CorruptionError(f"shard {where}: schema version {version}, this tracestore reads {SCHEMA_VERSION}")
     if pf.metadata.num_row_groups != len(manifest.row_groups):
         raise CorruptionError(
             f"shard {where}: has {pf.metadata.num_row_groups} row groups, its manifest lists "

@@ -283,3 +283,23 @@ def test_retention_and_listing(store: Store):
         reader.read([("t1", 0, 3)], sites=[S0.name])
     assert reader.read([("t3", 0, 3)], sites=[S0.name])[S0.name].valid.all()
     assert store.delete_versions_older_than(RUN, 2) == []
+
+
+def test_shard_file_layout(store: Store):
+    import io
+
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(15)
+    chunks = [make_chunk(s, t, 0, 4, rng=rng) for t in ("b", "a") for s in SITES]
+    info = store.write_shard(RUN, 0, "w0", 0, chunks)
+    assert info.path == f"{RUN}/v0/w0/part-00000000.parquet"
+    pf = pq.ParquetFile(io.BytesIO(store.storage.cat(info.path)))
+    assert pf.metadata.metadata[b"tracestore.schema_version"] == b"1"
+    rg = pf.metadata.row_group(0)
+    comp = {rg.column(i).path_in_schema: rg.column(i).compression for i in range(rg.num_columns)}
+    assert comp["codes"] == "UNCOMPRESSED" and comp["scales"] == "ZSTD" and comp["token_scales"] == "ZSTD"
+    table = pf.read()
+    cols = [table[n].to_pylist() for n in ("trajectory", "site", "token_start")]
+    keys = list(zip(*cols, strict=True))
+    assert keys == sorted(keys)  # rows sorted by (trajectory, site, token_start)
