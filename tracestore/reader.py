@@ -459,8 +459,9 @@ class StoreReader:
         n = plan.n_tokens * k
         cb0, cb1 = cols[0] * s.bits // 8, cols[1] * s.bits // 8
         sb0, sb1 = cols[0] // s.fmt.block, cols[1] // s.fmt.block
-        codes = np.zeros((n, cb1 - cb0), np.uint8)
-        scales = np.zeros((n, sb1 - sb0), np.uint8)
+        # empty, not zeros: every row is written exactly once, by a record or by the zero fill below
+        codes = np.empty((n, cb1 - cb0), np.uint8)
+        scales = np.empty((n, sb1 - sb0), np.uint8)
         g = np.ones(n, np.float32)
         pv = np.full(n, -1, np.int64)
         valid = np.zeros(n, bool)
@@ -493,6 +494,9 @@ class StoreReader:
                 if ts is None:
                     ts = np.ones(n, np.float32)
                 ts[o0:o1] = c.token_scales[r0:r1]
+        if not valid.all():
+            codes[~valid] = 0
+            scales[~valid] = 0
         stale_rows = valid & (pv < stale_below)
         return SiteRows(s, cols, codes, scales, g, ts, valid, pv, stale_rows)
 
