@@ -148,7 +148,11 @@ class GuidanceReader:
             return self._fetch_sidecar(plan)
         assert self._store_reader is not None
         result = self._store_reader.read(
-            plan, versions=self.versions, sites=self.sites, columns=self.columns, on_missing=self.on_missing
+            plan,
+            versions=self.versions,
+            sites=self.sites,
+            columns=self.columns,
+            on_missing="mask" if self.on_missing == "mask" else "error",
         )
         out = {}
         for name in result:
