@@ -367,7 +367,7 @@ class RolloutRecorder:
             ts = None if p.ts_off < 0 else self._np[p.ts_off : p.ts_off + rows * 4].view("<f4")
             g = float(self._np[p.g_off : p.g_off + 4].view("<f4")[0])
             crc = chunk_checksum(run, p.version, p.trajectory, p.site, p.token_start, p.n_tokens, codes, scales, g, ts)
-            head = dict(
+            head = pb.Chunk(
                 policy_version=p.version,
                 trajectory=p.trajectory,
                 site=p.site,
@@ -378,14 +378,15 @@ class RolloutRecorder:
                 checksum=crc,
             )
             if shm:
-                c = req.chunks.add(**head)
+                c = req.chunks.add()
+                c.CopyFrom(head)
                 c.shm.codes_offset = p.codes_off
                 c.shm.scales_offset = p.scales_off
                 c.shm.token_scales_offset = max(p.ts_off, 0)
             else:  # payload straight from staging into the wire bytes (one copy, at send time)
                 view = self.pool.view
                 payload += inline_chunk_parts(
-                    pb.Chunk(**head),
+                    head,
                     view[p.codes_off : p.codes_off + nc],
                     view[p.scales_off : p.scales_off + ns],
                     None if ts is None else view[p.ts_off : p.ts_off + rows * 4],
