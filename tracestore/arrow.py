@@ -45,6 +45,28 @@ KEY_COLUMNS: tuple[str, ...] = ("run", "policy_version", "trajectory", "site", "
 BYTE_COLUMNS: tuple[str, ...] = ("codes", "scales", "token_scales")
 
 
+_ZERO_OFFSETS = np.zeros(1, dtype=np.int64)
+
+
+def _large_binary_views(parts: Sequence[np.ndarray | None]) -> pa.ChunkedArray:
+    """A large_binary column whose values point at the arrays' own memory (no copy): one chunk per value.
+
+    Saves a full copy of the payload when a shard is encoded (the Parquet writer reads the values
+    where they are).
+    """
+    arrays = []
+    for p in parts:
+        if p is None:
+            arrays.append(pa.nulls(1, pa.large_binary()))
+            continue
+        data = np.ascontiguousarray(p).view(np.uint8).reshape(-1)
+        offsets = np.array([0, data.size], dtype=np.int64)
+        arrays.append(
+            pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+        )
+    return pa.chunked_array(arrays, pa.large_binary())
+
+
 def _large_binary(parts: Sequence[np.ndarray | None]) -> pa.Array:
     """One large_binary array from byte arrays (None -> null) with a single concatenation."""
     sizes = np.array([0 if p is None else p.nbytes for p in parts], dtype=np.int64)
@@ -61,10 +83,14 @@ def _large_binary(parts: Sequence[np.ndarray | None]) -> pa.Array:
     )
 
 
-def chunks_to_table(chunks: Sequence[RecordChunk], checksums: Sequence[int] | None = None) -> pa.Table:
+def chunks_to_table(
+    chunks: Sequence[RecordChunk], checksums: Sequence[int] | None = None, *, zero_copy: bool = False
+) -> pa.Table:
     """Record chunks -> a ``pa.Table`` with :data:`CHUNK_SCHEMA` (one row per chunk, order kept).
 
     ``checksums``: the chunks' :attr:`RecordChunk.checksum` values when the caller already has them.
+    ``zero_copy``: byte columns reference the chunks' arrays (one Arrow chunk per row) instead of
+    one contiguous copy; the table then keeps those arrays alive.
     """
     for c in chunks:
         if not isinstance(c, RecordChunk):
@@ -83,9 +109,12 @@ def chunks_to_table(chunks: Sequence[RecordChunk], checksums: Sequence[int] | No
         pa.array([c.n_rows for c in chunks], pa.int64()),
         pa.array(np.array([c.global_scale for c in chunks], dtype=np.float32), pa.float32()),
         pa.array(np.array(checksums, dtype=np.uint32), pa.uint32()),
-        _large_binary([c.codes for c in chunks]),
-        _large_binary([c.scales for c in chunks]),
-        _large_binary([None if c.token_scales is None else c.token_scales.astype("<f4") for c in chunks]),
+    ]
+    binary = _large_binary_views if zero_copy else _large_binary
+    cols += [
+        binary([c.codes for c in chunks]),
+        binary([c.scales for c in chunks]),
+        binary([None if c.token_scales is None else c.token_scales.astype("<f4") for c in chunks]),
     ]
     return pa.Table.from_arrays(cols, schema=CHUNK_SCHEMA)
 

@@ -232,7 +232,8 @@ def encode_shard(
         for (a, n), fut in zip(groups, futures, strict=True):
             group_crcs = fut.result()
             crcs.extend(group_crcs)
-            table = chunks_to_table(ordered[a : a + n], group_crcs).replace_schema_metadata(schema.metadata)
+            table = chunks_to_table(ordered[a : a + n], group_crcs, zero_copy=True)
+            table = table.replace_schema_metadata(schema.metadata)
             w.write_table(table, row_group_size=n)
     data = memoryview(sink.getvalue()).cast("B")  # no copy: a shard is published straight from Arrow's buffer
 
@@ -288,6 +289,37 @@ def read_entries(
             f"shard {where}: has {pf.metadata.num_row_groups} row groups, its manifest lists "
             f"{len(manifest.row_groups)} (file replaced or truncated)"
         )
+    # Read in batches of row groups and verify each batch's chunk checksums on the worker pool while
+    # the next batch decodes (both release the GIL), instead of one read followed by one verify pass.
+    batches: list[list[int]] = [[]]
+    acc = 0
+    for g in groups:
+        if batches[-1] and acc >= READ_BATCH_BYTES:
+            batches.append([])
+            acc = 0
+        batches[-1].append(g)
+        acc += sum(e.nbytes for e in by_group[g])
+    out: dict[ChunkEntry, RecordChunk] = {}
+    pending: list[tuple[concurrent.futures.Future[list[int]], list[tuple[ChunkEntry, RecordChunk, str]]]] = []
+    for batch in batches:
+        batch_entries = [e for g in batch for e in by_group[g]]
+        decoded = _decode_groups(pf, manifest, batch, batch_entries, where)
+        pending.append((_verify_pool().submit(_checksums, [c for _, c, _ in decoded]), decoded))
+    for fut, decoded in pending:
+        for actual, (e, c, desc) in zip(fut.result(), decoded, strict=True):
+            if actual != e.checksum:
+                raise CorruptionError(f"{desc}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})")
+            out[e] = c
+    return out
+
+
+READ_BATCH_BYTES = 8 << 20
+
+
+def _decode_groups(
+    pf: pq.ParquetFile, manifest: Manifest, groups: list[int], entries: list[ChunkEntry], where: str
+) -> list[tuple[ChunkEntry, RecordChunk, str]]:
+    """Decode some row groups; check each wanted row's key against the manifest (not yet its checksum)."""
     try:
         table = pf.read_row_groups(groups, use_threads=True)
     except (OSError, pa.ArrowException, ValueError) as exc:
@@ -304,7 +336,6 @@ def read_entries(
         row += manifest.row_groups[g]
     if table.num_rows != row:
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
-    wanted = [base[e.row_group] + e.row for e in entries]
     keys = {n: table.column(n).to_pylist() for n in ("run", "policy_version", "trajectory", "site")}
     nums = {n: table.column(n).to_numpy() for n in ("token_start", "n_tokens", "n_rows")}
     g_col = table.column("global_scale").to_numpy()
@@ -312,9 +343,9 @@ def read_entries(
     codes = binary_views(table.column("codes"))
     scales = binary_views(table.column("scales"))
     tscales = binary_views(table.column("token_scales"))
-    out: dict[ChunkEntry, RecordChunk] = {}
-    descs: dict[ChunkEntry, str] = {}
-    for e, j in zip(entries, wanted, strict=True):
+    out = []
+    for e in entries:
+        j = base[e.row_group] + e.row
         key = {
             "run": keys["run"][j],
             "policy_version": int(keys["policy_version"][j]),
@@ -332,19 +363,11 @@ def read_entries(
                 f"shard {where}: {chunk_desc} in row group {e.row_group} row {e.row} holds "
                 f"{got[2:5]} (checksum {int(crc[j]):#010x}, manifest {e.checksum:#010x}): wrong file in place?"
             )
-        descs[e] = f"shard {where}: {chunk_desc}"
-        out[e] = chunk_from_parts(
-            key, float(g_col[j]), int(crc[j]), codes[j], scales[j], tscales[j], verify=False, where=descs[e]
+        desc = f"shard {where}: {chunk_desc}"
+        chunk = chunk_from_parts(
+            key, float(g_col[j]), int(crc[j]), codes[j], scales[j], tscales[j], verify=False, where=desc
         )
-    # Verify every chunk's own checksum. zlib.crc32 releases the GIL on large buffers, so big reads
-    # spread the work over the cores.
-    items = list(out.items())
-    nbytes = sum(c.nbytes for _, c in items)
-    sums = list(_verify_pool().map(lambda ec: ec[1].checksum, items)) if nbytes > (8 << 20) else None
-    for i, (e, c) in enumerate(items):
-        actual = sums[i] if sums is not None else c.checksum
-        if actual != e.checksum:
-            raise CorruptionError(f"{descs[e]}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})")
+        out.append((e, chunk, desc))
     return out
 
 
