@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -117,36 +118,57 @@ class TraceStoreService:
         def declare(spec: pb.RunSpec) -> None:
             self.engine.declare_run(run_spec_from_pb(spec))
 
-        def consume() -> None:
-            estimate = 1 << 20  # the next message's size: the last one's (shared memory: descriptors)
+        # Two threads per stream: one takes messages off the wire (after reserving budget for them),
+        # one parses and admits them, so receiving message n+1 overlaps processing message n.
+        handoff: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=1)
+        size = {"estimate": 1 << 20}  # the next message's size: the last one's
+
+        def receive() -> None:
             it = iter(requests)
             try:
-                while True:
-                    seq = None
-                    reserved = 0
+                while box["error"] is None:
+                    reserved = self.engine.reserve(size["estimate"])
                     try:
-                        reserved = self.engine.reserve(estimate)
-                        try:
-                            raw = next(it)
-                        except StopIteration:
-                            self.engine.unreserve(reserved)
-                            break
+                        raw = next(it)
+                    except BaseException:
+                        self.engine.unreserve(reserved)
+                        raise
+                    handoff.put((raw, reserved))
+            except StopIteration:
+                pass
+            except grpc.RpcError:
+                pass  # the client went away mid-stream
+            except Exception as exc:  # noqa: BLE001 - over budget / draining before reading
+                if box["error"] is None:
+                    box["error"] = exc
+            finally:
+                handoff.put(None)
+
+        def consume() -> None:
+            try:
+                while True:
+                    item = handoff.get()
+                    if item is None:
+                        break
+                    raw, reserved = item
+                    if box["error"] is not None:
+                        self.engine.unreserve(reserved)
+                        continue
+                    seq = None
+                    try:
                         req, msg, blobs = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )
                         seq = req.sequence
-                        estimate = max(msg.nbytes, 4096)
+                        size["estimate"] = max(msg.nbytes, 4096)
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
                         st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved)
-                        reserved = 0
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                        if reserved:
-                            self.engine.unreserve(reserved)
-                        if isinstance(exc, grpc.RpcError):  # the client went away mid-stream
-                            return
-                        box["error"], box["failed_seq"] = exc, seq
-                        return
+                        if box["error"] is None:
+                            box["error"], box["failed_seq"] = exc, seq
+                        waker.wake()
+                        continue  # drain the handoff (releasing reservations) until the receiver stops
                     if box["state"] is not st:
                         if box["state"] is not None:
                             self.engine.unlisten(box["state"], waker)
@@ -154,12 +176,11 @@ class TraceStoreService:
                         self.engine.listen(st, waker)
                     box["epoch"] = msg.epoch
                     waker.wake()
-            except Exception:  # noqa: BLE001 - the client went away mid-stream
-                pass
             finally:
                 box["done"] = True
                 waker.wake()
 
+        threading.Thread(target=receive, name="tracestore-write-receiver", daemon=True).start()
         reader = threading.Thread(target=consume, name="tracestore-write-reader", daemon=True)
         reader.start()
         sent = (0, 0)
