@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import filecmp
 import io
 import os
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -217,14 +219,60 @@ class Storage:
         self._count("bytes_written", len(data))
         return True
 
+    def publish_stream(self, rel: str, produce: Callable[[SyncingWriter], T]) -> tuple[bool, T]:
+        """Local disk only: ``produce(writer)`` streams a file's bytes, published like :meth:`publish`.
+
+        The bytes go straight to a temp file in the target directory while background
+        ``fdatasync`` calls push them to disk as they come, so disk writes overlap encoding and no
+        second copy of the shard is held in memory. Returns (written, produce's result); an
+        existing file with identical bytes gives written=False, different bytes ConflictError.
+        """
+        if not self.local:
+            raise StorageError(f"publish_stream needs local storage, {self.url} is not")
+        result = self.call(f"write {rel}", self._publish_local_stream, self.full(rel), produce)
+        written, size, value = result
+        if written:
+            self._count("bytes_written", size)
+        return written, value
+
+    @staticmethod
+    def _publish_local_stream(path: str, produce: Callable[[SyncingWriter], T]) -> tuple[bool, int, T]:
+        directory = os.path.dirname(path)
+        created = _missing_dirs(directory)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            writer = SyncingWriter(fd)
+            try:
+                value = produce(writer)
+            finally:
+                writer.finish()
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.link(tmp, path)  # the create-only rename
+            written = True
+        except FileExistsError:
+            if not filecmp.cmp(tmp, path, shallow=False):
+                raise ConflictError(
+                    f"{path} already exists with different bytes: the same shard key was written twice "
+                    "with different contents"
+                ) from None
+            written = False
+        finally:
+            os.unlink(tmp)
+        _fsync_dirs([directory, *[os.path.dirname(c) for c in created]])
+        return written, writer.size, value
+
     @staticmethod
     def _publish_local(path: str, data: bytes | memoryview) -> None:
         directory = os.path.dirname(path)
-        created = []
-        d = directory
-        while d and not os.path.isdir(d):
-            created.append(d)
-            d = os.path.dirname(d)
+        created = _missing_dirs(directory)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -240,12 +288,7 @@ class Storage:
             os.link(tmp, path)
         finally:
             os.unlink(tmp)
-        for dpath in [directory, *[os.path.dirname(c) for c in created]]:
-            dfd = os.open(dpath, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        _fsync_dirs([directory, *[os.path.dirname(c) for c in created]])
 
     def rm(self, rel: str, recursive: bool = False) -> None:
         def _rm() -> None:
@@ -253,6 +296,70 @@ class Storage:
                 self.fs.rm(self.full(rel), recursive=recursive)
 
         self.call(f"delete {rel}", _rm)
+
+
+def _missing_dirs(directory: str) -> list[str]:
+    created = []
+    d = directory
+    while d and not os.path.isdir(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    return created
+
+
+def _fsync_dirs(dirs: list[str]) -> None:
+    for dpath in dirs:
+        dfd = os.open(dpath, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class SyncingWriter(io.RawIOBase):
+    """A write-only file over ``fd`` that tracks size and crc32 and starts ``fdatasync`` in the
+    background every ``sync_every`` bytes, so the final fsync has little left to flush."""
+
+    def __init__(self, fd: int, sync_every: int = 32 << 20) -> None:
+        super().__init__()
+        self._fd = fd
+        self.size = 0
+        self.crc32 = 0
+        self._since_sync = 0
+        self._sync_every = sync_every
+        self._sync: concurrent.futures.Future[None] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracestore-sync")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        self.crc32 = zlib.crc32(view, self.crc32)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.size += n
+        self._since_sync += n
+        if self._since_sync >= self._sync_every and (self._sync is None or self._sync.done()):
+            if self._sync is not None:
+                self._sync.result()  # surface an fdatasync error now
+            self._sync = self._pool.submit(os.fdatasync, self._fd)
+            self._since_sync = 0
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def close(self) -> None:  # the Parquet writer may close its sink; the fd is closed by the owner
+        pass
+
+    def finish(self) -> None:
+        try:
+            if self._sync is not None:
+                self._sync.result()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 class CountingFile(io.RawIOBase):

@@ -170,6 +170,24 @@ def _dedupe_sorted(chunks: Sequence[RecordChunk]) -> list[RecordChunk]:
     return out
 
 
+def check_shard_inputs(
+    run: str,
+    policy_version: int,
+    chunks: Sequence[RecordChunk],
+    seals: Sequence[TrajectorySeal] = (),
+    links: Sequence[PrefixLink] = (),
+) -> list[RecordChunk]:
+    """Check that everything belongs to (run, version); return the chunks sorted and de-duplicated."""
+    for c in chunks:
+        if c.run != run or c.policy_version != policy_version:
+            raise ValidationError(f"{c.key_str}: does not belong to shard run {run} v{policy_version}")
+    owners: list[TrajectorySeal | PrefixLink] = [*seals, *links]
+    for item in owners:
+        if item.run != run or item.policy_version != policy_version:
+            raise ValidationError(f"{item!r} does not belong to shard run {run} v{policy_version}")
+    return _dedupe_sorted(chunks)
+
+
 def encode_shard(
     run: str,
     policy_version: int,
@@ -182,16 +200,15 @@ def encode_shard(
     *,
     row_group_bytes: int = ROW_GROUP_BYTES,
     min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
+    sink: Any = None,
 ) -> tuple[memoryview | None, Manifest]:
-    """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest."""
-    for c in chunks:
-        if c.run != run or c.policy_version != policy_version:
-            raise ValidationError(f"{c.key_str}: does not belong to shard run {run} v{policy_version}")
-    owners: list[TrajectorySeal | PrefixLink] = [*seals, *links]
-    for item in owners:
-        if item.run != run or item.policy_version != policy_version:
-            raise ValidationError(f"{item!r} does not belong to shard run {run} v{policy_version}")
-    ordered = _dedupe_sorted(chunks)
+    """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest.
+
+    With ``sink`` (a writable binary file object with ``size`` and ``crc32`` attributes, such as
+    :class:`tracestore.fsutil.SyncingWriter`) the Parquet bytes stream into it instead and the
+    returned bytes are None.
+    """
+    ordered = check_shard_inputs(run, policy_version, chunks, seals, links)
     if not ordered:
         manifest = Manifest(run, policy_version, writer, seq, None, 0, 0, (), (), tuple(seals), tuple(links))
         return None, manifest
@@ -218,9 +235,9 @@ def encode_shard(
     # which also releases it, encodes the row groups whose checksums are already known.
     futures = [_verify_pool().submit(_checksums, ordered[a : a + n]) for a, n in groups]
     crcs: list[int] = []
-    sink = pa.BufferOutputStream()
+    out = pa.BufferOutputStream() if sink is None else sink
     with pq.ParquetWriter(
-        sink,
+        out,
         schema,
         compression=COMPRESSION,
         compression_level={n: ZSTD_LEVEL for n, c in COMPRESSION.items() if c == "ZSTD"},
@@ -235,7 +252,12 @@ def encode_shard(
             table = chunks_to_table(ordered[a : a + n], group_crcs, zero_copy=True)
             table = table.replace_schema_metadata(schema.metadata)
             w.write_table(table, row_group_size=n)
-    data = memoryview(sink.getvalue()).cast("B")  # no copy: a shard is published straight from Arrow's buffer
+    data: memoryview | None = None
+    if sink is None:
+        buf = memoryview(out.getvalue()).cast("B")  # no copy: published straight from Arrow's buffer
+        data, size, crc = buf, len(buf), zlib.crc32(buf)
+    else:
+        size, crc = int(sink.size), int(sink.crc32)
 
     entries = []
     for g, (a, n) in enumerate(groups):
@@ -250,8 +272,8 @@ def encode_shard(
         writer,
         seq,
         shard_path,
-        len(data),
-        zlib.crc32(data),
+        size,
+        crc,
         tuple(n for _, n in groups),
         tuple(entries),
         tuple(seals),

@@ -29,7 +29,14 @@ from typing import Any
 from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
 from tracestore.fsutil import EventHook, Storage
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
-from tracestore.shards import MIN_ROW_GROUP_BYTES, ROW_GROUP_BYTES, Manifest, encode_shard, shard_name
+from tracestore.shards import (
+    MIN_ROW_GROUP_BYTES,
+    ROW_GROUP_BYTES,
+    Manifest,
+    check_shard_inputs,
+    encode_shard,
+    shard_name,
+)
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
@@ -166,22 +173,32 @@ class Store:
         for x in links:
             if not isinstance(x, PrefixLink):
                 raise ValidationError(f"links must be PrefixLink objects, got {type(x).__name__}")
+        check_shard_inputs(run, policy_version, chunks, seals, links)  # fail before anything is written
         shard_path, manifest_path = self.shard_paths(run, policy_version, writer, seq)
-        data, manifest = encode_shard(
-            run,
-            policy_version,
-            writer,
-            seq,
-            shard_path,
-            chunks,
-            seals,
-            links,
-            row_group_bytes=self.row_group_bytes,
-            min_row_group_bytes=self.min_row_group_bytes,
-        )
+
+        def encode(sink: Any = None) -> tuple[memoryview | None, Manifest]:
+            return encode_shard(
+                run,
+                policy_version,
+                writer,
+                seq,
+                shard_path,
+                chunks,
+                seals,
+                links,
+                row_group_bytes=self.row_group_bytes,
+                min_row_group_bytes=self.min_row_group_bytes,
+                sink=sink,
+            )
+
         written = False
-        if data is not None:
-            written = self.storage.publish(shard_path, data)
+        if chunks and self.storage.local:
+            # stream to disk while encoding (no in-memory copy of the shard; writeback overlaps encoding)
+            written, (_, manifest) = self.storage.publish_stream(shard_path, encode)
+        else:
+            data, manifest = encode()
+            if data is not None:
+                written = self.storage.publish(shard_path, data)
         written = self.storage.publish(manifest_path, manifest.to_json()) or written
         with self._lock:
             self._manifests[manifest_path] = manifest
@@ -190,7 +207,7 @@ class Store:
             policy_version,
             writer,
             seq,
-            shard_path if data is not None else None,
+            manifest.shard,
             manifest_path,
             len(manifest.chunks),
             manifest.shard_bytes,
