@@ -48,20 +48,48 @@ def have_cupy() -> bool:
     return True
 
 
+def _compile(name_expr: str, device_index: int) -> Any:
+    """NVRTC -> cubin for this device -> a loaded CuPy ``Function``.
+
+    Not ``cupy.RawModule(code=...)``: CuPy appends ``-ftz=true`` after the caller's options, and a
+    flushed subnormal (an E8M0 scale of 2^-127, a tiny activation) breaks bit-exactness with the
+    reference (seen on the H200: MX guided outputs -0.0 instead of -3.5e-38)."""
+    cupy = cupy_module()
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+
+    dev = cupy.cuda.Device(device_index)
+    with dev:
+        cc = dev.compute_capability
+        has_cubin = hasattr(nvrtc, "getCUBIN")
+        arch = f"--gpu-architecture={'sm' if has_cubin else 'compute'}_{cc}"
+        prog = nvrtc.createProgram(SOURCE, "tracestore_kernels.cu", (), ())
+        try:
+            nvrtc.addNameExpression(prog, name_expr)
+            try:
+                nvrtc.compileProgram(prog, (*_OPTIONS, arch))
+            except Exception as exc:
+                raise RuntimeError(f"NVRTC failed on {name_expr}: {nvrtc.getProgramLog(prog)}") from exc
+            lowered = nvrtc.getLoweredName(prog, name_expr)
+            image = nvrtc.getCUBIN(prog) if has_cubin else nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        mod = function.Module()
+        mod.load(image)
+        return mod, mod.get_function(lowered)
+
+
 def get_kernel(name_expr: str, device_index: int) -> Any:
     """The compiled kernel for e.g. ``"record_act<1,0,1,0>"`` on a device (compiled once)."""
     key = (name_expr, device_index)
     fn = _modules.get(key)
     if fn is None:
-        cupy = cupy_module()
         with _lock:
             fn = _modules.get(key)
             if fn is None:
-                with cupy.cuda.Device(device_index):
-                    mod = cupy.RawModule(code=SOURCE, options=_OPTIONS, name_expressions=[name_expr])
-                    fn = mod.get_function(name_expr)
-                _modules[key] = fn
-    return fn
+                _modules[key] = _compile(name_expr, device_index)  # (module, function): keep both alive
+                fn = _modules[key]
+    return fn[1]
 
 
 def _stream(device_index: int, ptr: int) -> Any:

@@ -558,4 +558,197 @@ __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     }
     store_block<DT, BLK>(y + (i64)row * y_stride + (i64)blk * (BLK * ESZ), out);
 }
+
+/* ------------------------------------------------- 16-bit activations: one 16-byte chunk per thread
+   bf16/fp16 rows read and written fully coalesced (lane i owns bytes 16i..16i+15 of the warp's
+   span); the LPB = BLK/8 lanes of a scale block combine their amax with shuffles. The one-thread-
+   per-block kernels above (two 16-byte accesses 32 bytes apart per lane) reached only 57% of the
+   copy bandwidth on an H200; float32 input still uses them. */
+template <int LPB>
+__device__ __forceinline__ float group_absmax(float m) {
+    const u32 lane = threadIdx.x & 31u;
+    const u32 gmask = ((LPB == 32) ? 0xFFFFFFFFu : ((1u << LPB) - 1u)) << (lane & ~(u32)(LPB - 1));
+#pragma unroll
+    for (int o = 1; o < LPB; o <<= 1) {
+        float other = __shfl_xor_sync(gmask, m, o);
+        asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(m), "f"(other));
+    }
+    return m;
+}
+
+template <int FMT>
+__device__ __forceinline__ u32 scale_from_amax(float amax, float g, float* mul, float* scale_value) {
+    if (FMT == F_NVFP4) {
+        float s_enc = __fdiv_rn(1.f, g);
+        u32 sf = e4m3_encode_pos(__fmul_rn(amax, __fmul_rn(s_enc, ONE_SIXTH)));
+        float sv = e4m3_decode(sf);
+        float enc = __fdiv_rn(s_enc, sv);
+        if (enc > FLT_MAX_F) enc = FLT_MAX_F;
+        *mul = enc;
+        *scale_value = sv;
+        return sf;
+    } else {
+        u32 sb = mx_scale_byte(amax, FMT == F_MXRCEIL);
+        *mul = sb == 0xFFu ? __uint_as_float(0x7FC00000u) : pow2i(127 - (int)sb);
+        *scale_value = e8m0_decode(sb);
+        return sb;
+    }
+}
+
+__device__ __forceinline__ void store_bytes(u8* __restrict__ p, u32 v, int nbytes) {
+    if (nbytes == 1) *p = (u8)v;
+    else if (nbytes == 2) *reinterpret_cast<u16*>(p) = (u16)v;
+    else if (nbytes == 4) *reinterpret_cast<u32*>(p) = v;
+    else { p[0] = (u8)v; p[1] = (u8)(v >> 8); p[2] = (u8)(v >> 16); }
+}
+
+__device__ __forceinline__ u32 load_bytes(const u8* __restrict__ p, int nbytes) {
+    if (nbytes == 1) return *p;
+    if (nbytes == 2) return *reinterpret_cast<const u16*>(p);
+    if (nbytes == 4) return *reinterpret_cast<const u32*>(p);
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16);
+}
+
+template <int DT>
+__device__ __forceinline__ void load8(const u8* __restrict__ p, float* v) {
+    uint4 w = *reinterpret_cast<const uint4*>(p);
+    u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (DT == DT_BF16) {
+            v[2 * j] = __uint_as_float(ws[j] << 16);
+            v[2 * j + 1] = __uint_as_float(ws[j] & 0xFFFF0000u);
+        } else {
+            v[2 * j] = f16_to_f((u16)(ws[j] & 0xFFFFu));
+            v[2 * j + 1] = f16_to_f((u16)(ws[j] >> 16));
+        }
+    }
+}
+
+template <int DT, int FMT, int BITS, int FP4OUT>
+__global__ void record_act16(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 nb,
+                             const float* __restrict__ g_ptr,
+                             u8* __restrict__ codes_out, i64 c_stride, u8* __restrict__ scales_out, i64 s_stride,
+                             float* __restrict__ g_out, u8* __restrict__ fp4_out, i64 f_stride) {
+    const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    const int LPB = BLK / 8;
+    u32 tid = blockIdx.x * blockDim.x + threadIdx.x;
+    u32 bid = tid / LPB, part = tid % LPB;
+    if (bid >= n_rows * nb) return;   /* whole groups exit together: n_rows*nb*LPB threads */
+    u32 row = bid / nb, blk = bid - row * nb;
+    float v[8];
+    load8<DT>(x + (i64)row * x_stride + (i64)blk * (BLK * 2) + part * 16, v);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = absmax_nan(amax, v[i]);
+    amax = group_absmax<LPB>(amax);
+    float g = FMT == F_NVFP4 ? sane_g(*g_ptr) : 1.f;
+    float mul, sv;
+    u32 sf = scale_from_amax<FMT>(amax, g, &mul, &sv);
+    const u32 mask = BITS == 4 ? 15u : ((1u << BITS) - 1u);
+    u32 acc = 0u, f = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float z = __fmul_rn(v[i], mul);
+        u32 c;
+        if (BITS == 1 && !FP4OUT) c = rtn_bit0(fabsf(z));
+        else if (BITS < 4 && !FP4OUT) c = rtn_mag(fabsf(z));
+        else c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
+        acc |= (c & mask) << (i * BITS);
+        if (FP4OUT) f |= c << (4 * i);
+    }
+    store_bytes(codes_out + (i64)row * c_stride + (i64)blk * (BLK * BITS / 8) + part * BITS, acc, BITS);
+    if (part == 0) scales_out[(i64)row * s_stride + blk] = (u8)sf;
+    if (FP4OUT) *reinterpret_cast<u32*>(fp4_out + (i64)row * f_stride + (i64)blk * (BLK / 2) + part * 4) = f;
+    if (blk == 0 && part == 0 && g_out) g_out[row] = g;
+}
+
+template <int DT, int FMT, int BITS, int MODE>
+__global__ void guided16(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 nb,
+                         const u8* __restrict__ codes, i64 c_stride, const u8* __restrict__ scales, i64 s_stride,
+                         const float* __restrict__ g, int g_per_row, const float* __restrict__ ts,
+                         const u8* __restrict__ valid, const i64* __restrict__ rows, const u8* __restrict__ mask,
+                         const float* __restrict__ lut, u8* __restrict__ y, i64 y_stride) {
+    const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    const int LPB = BLK / 8;
+    const int NC = BITS == 4 ? 16 : (1 << BITS);
+    __shared__ float slut[MODE == 0 ? NC * LUT_REGIONS : 1];
+    if (MODE == 0)
+        for (int i = threadIdx.x; i < NC * LUT_REGIONS; i += blockDim.x) slut[i] = lut[i];
+    __syncthreads();
+    u32 tid = blockIdx.x * blockDim.x + threadIdx.x;
+    u32 bid = tid / LPB, part = tid % LPB;
+    if (bid >= n_rows * nb) return;
+    u32 row = bid / nb, blk = bid - row * nb;
+    float v[8], out[8];
+    load8<DT>(x + (i64)row * x_stride + (i64)blk * (BLK * 2) + part * 16, v);
+    i64 grow = rows ? rows[row] : (i64)row;
+    float gr = FMT == F_NVFP4 ? g[g_per_row ? grow : 0] : 1.f;
+    bool fallback = MODE == 1;
+    float sfv = 0.f;
+    u32 cw = 0u;
+    if (MODE == 0) {
+        u32 sb = scales[grow * s_stride + blk];
+        sfv = FMT == F_NVFP4 ? e4m3_decode(sb) : e8m0_decode(sb);
+        bool ok = (!valid || valid[grow]) && (!mask || mask[row]);
+        fallback = !ok || sfv != sfv;   /* uniform over the block's lanes */
+        cw = load_bytes(codes + grow * c_stride + (i64)blk * (BLK * BITS / 8) + part * BITS, BITS);
+    }
+    if (!fallback) {
+        float s = __fmul_rn(sfv, gr);
+        float tsv = ts ? ts[grow] : 1.f;
+        if (ts) s = __fmul_rn(s, tsv);
+        float as = fabsf(s);
+        const bool newton = as >= 7.88860905e-31f && as <= 1.26765060e30f;
+        const float r = __frcp_rn(s);
+        const bool szero = s == 0.f;
+        const u32 cmask = BITS == 4 ? 15u : ((1u << BITS) - 1u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            u32 cbits = (cw >> (i * BITS)) & cmask;
+            float xf = v[i];
+            float z;
+            if (newton) {
+                float q0 = __fmul_rn(xf, r);
+                z = __fmaf_rn(__fmaf_rn(-q0, s, xf), r, q0);
+                float a4 = __fmul_rn(fabsf(z), 4.f);
+                float d = __fadd_rn(a4, -__fadd_rn(__fadd_rn(a4, RND_MAGIC), -RND_MAGIC));
+                if (!(fabsf(d) > 3.81469727e-06f) && !(a4 > 24.5f)) z = __fdiv_rn(xf, s);
+            } else {
+                z = __fdiv_rn(xf, s);
+            }
+            float a = fabsf(z);
+            u32 sig = (z == z) ? (__float_as_uint(z) & 0x80000000u) : 0u;
+            float q = fminf(__fmul_rn(a, 4.f), 24.f);
+            u32 reg = (__float_as_uint(__fadd_rd(q, FLOOR_MAGIC)) & 63u) +
+                      (__float_as_uint(__fadd_ru(q, FLOOR_MAGIC)) & 63u);
+            u32 ci = BITS == 4 ? (cbits ^ (sig >> 28)) : cbits;
+            float m = slut[ci * LUT_REGIONS + reg];
+            float yv = __fmul_rn(__fmul_rn(__uint_as_float(__float_as_uint(m) | sig), sfv), gr);
+            if (ts) yv = __fmul_rn(yv, tsv);
+            if (szero) yv = __uint_as_float(__float_as_uint(xf) & 0x80000000u);
+            if (xf != xf) yv = xf;
+            out[i] = yv;
+        }
+    } else {
+        float gf = FMT == F_NVFP4 ? sane_g(gr) : 1.f;
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = absmax_nan(amax, v[i]);
+        amax = group_absmax<LPB>(amax);
+        float mul, sv;
+        scale_from_amax<FMT>(amax, gf, &mul, &sv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float val = rtn_value(__fmul_rn(v[i], mul));
+            out[i] = FMT == F_NVFP4 ? __fmul_rn(__fmul_rn(val, sv), gf) : __fmul_rn(val, sv);
+        }
+    }
+    u32 ws[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        ws[j] = DT == DT_BF16 ? pack_bf16x2(out[2 * j], out[2 * j + 1]) : pack_f16x2(out[2 * j], out[2 * j + 1]);
+    *reinterpret_cast<uint4*>(y + (i64)row * y_stride + (i64)blk * (BLK * 2) + part * 16) =
+        make_uint4(ws[0], ws[1], ws[2], ws[3]);
+}
 """

@@ -220,11 +220,14 @@ def record_from_activations(
     check_aligned(x, "x", 16)
     dt, fc = DTYPE_CODE[x.dtype], fmt_code(fmt)
     fp4 = rows.fp4
-    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)}>"
+    if dt == 0:  # float32: one thread per block
+        name, threads = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)}>", n * (width // fmt.block)
+    else:  # bf16/fp16: one 16-byte chunk per thread, fully coalesced
+        name, threads = f"record_act16<{dt},{fc},{bits},{int(fp4 is not None)}>", n * (width // 8)
     L.launch(
         name,
         x.device,
-        n * (width // fmt.block),
+        threads,
         (
             L.ptr(x),
             L.i64(x.stride(0) * x.element_size()),
