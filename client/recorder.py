@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError
-from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, chunk_checksum, validate_id
+from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.checksum import chunk_checksum
 from tracestore.v1.convert import inline_chunk_parts, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import StagingPool

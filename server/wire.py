@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 from tracestore.errors import CorruptionError, ValidationError
 from tracestore.records import RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.checksum import record_checksum
 from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
 
 from .engine import Message, unpack_wal_data
@@ -233,7 +234,7 @@ def _parse(
             scales = inline[1] if inline[1] is not None else empty
             ts = (inline[2] if inline[2] is not None else empty) if c.has_token_scales else None
         chunk = chunk_from_parts(req.run, c, site, codes, scales, ts)
-        crc = chunk.checksum
+        crc = record_checksum(chunk)
         if verify and c.checksum and c.checksum != crc:
             raise CorruptionError(
                 f"{chunk.key_str}: checksum {c.checksum:#010x} sent, {crc:#010x} computed over the bytes received "
