@@ -93,9 +93,11 @@ class ServiceTransport:
         cmd = [
             sys.executable, "-m", "tracestore.cli", "serve",
             "--storage", self.storage, "--port", "0", "--metrics-port", "off",
-            "--wal-dir", str(self.workdir / "wal"), "--flush-interval", "0.2",
+            "--wal-dir", "off", "--flush-interval", "0.2",
             "--ready-file", str(ready), "--grace", "10",
         ]  # fmt: skip
+        # --wal-dir off: an ack then means "the shard is committed to storage", so the trainer's
+        # direct storage reads right after flush() see every record (a WAL ack may precede the shard).
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         deadline = time.monotonic() + 60
@@ -129,8 +131,10 @@ class ServiceTransport:
             for i in range(batch):
                 rec.finish(trajectory_id(i), n_tokens)
             if not rec.flush(timeout=timeout):
+                tail = (self.workdir / "serve.log").read_text(errors="replace")[-1500:]
                 raise StorageError(
-                    f"run {run_id_of(self.runs[name])}: records were not durably acked in {timeout:.0f}s"
+                    f"run {run_id_of(self.runs[name])}: records were not durably acked in {timeout:.0f}s "
+                    f"(recorder stats {_plain(rec.stats)}); serve.log tail:\n{tail}"
                 )
             self.stats[name] = _plain(rec.stats)
             rec.close()
