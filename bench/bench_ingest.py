@@ -212,6 +212,22 @@ def run_recorder(address: str, n_fwd: int, tag: str, outputs: dict[str, Any]) ->
     return n_fwd * fwd_bytes() / dt, stats
 
 
+def settle(address: str, timeout: float = 300.0) -> None:
+    """Wait until a sidecar has committed its backlog, so its shard writing does not steal the CPU
+    from the next measurement (2 cores here)."""
+    import grpc
+
+    from tracestore.v1 import tracestore_pb2 as pb
+
+    with grpc.insecure_channel(address) as ch:
+        stat = ch.unary_unary("/tracestore.v1.TraceStore/Stat")
+        deadline = time.monotonic() + timeout
+        while pb.StatResponse.FromString(stat(pb.StatRequest().SerializeToString())).backlog_bytes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} did not commit its backlog in {timeout} s")
+            time.sleep(0.05)
+
+
 def bench_read(storage: str, tag: str, n_fwd: int) -> tuple[float, float, int]:
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
@@ -269,15 +285,17 @@ def main() -> int:
         try:
             for r in range(ns.repeat):
 
-                def ours(name: str, address: str, tag: str, r: int = r) -> float:
-                    return keep(name, run_recorder(address, n_fwd, f"{tag}{r}", outputs)[0])
+                def ours(name: str, address: str, tag: str, r: int = r, settle_at: str | None = None) -> float:
+                    value = keep(name, run_recorder(address, n_fwd, f"{tag}{r}", outputs)[0])
+                    settle(settle_at or address)
+                    return value
 
                 raw = keep("raw-grpc", raw_grpc(total))
                 disk = keep("disk write+fsync", bench_disk(total, d))
                 wal = ours("ours-grpc-durable (WAL fsync ack)", durable.address, "d")
                 com = ours("ours-grpc-durable (shard-commit ack)", commit.address, "c")
                 g = ours("ours-grpc memory:// (commit ack)", mem.address, "g")
-                sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s")
+                sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
                 # transport-bound: acks at a WAL on tmpfs, shard flushing deferred past the measurement
                 walx = Path(f"/dev/shm/tracestore-bench-wal-{os.getpid()}-{r}")
                 tb_flags = ["--wal-dir", str(walx), "--flush-interval", "3600", "--memory-budget-mib", "2048",
@@ -285,8 +303,10 @@ def main() -> int:
                 tb = ServeProcess(d / f"tb{r}", storage=f"memory://bench-tb-{os.getpid()}-{r}", unix_socket=True,
                                   flags=[*quiet, *tb_flags]).start()  # fmt: skip
                 try:
-                    tg = ours("ours-grpc, tmpfs WAL ack (transport-bound)", tb.address, "tg")
-                    ts = ours("ours-shm, tmpfs WAL ack (transport-bound)", tb.unix_address, "ts")
+                    tg = keep("ours-grpc, tmpfs WAL ack (transport-bound)",
+                              run_recorder(tb.address, n_fwd, f"tg{r}", outputs)[0])  # fmt: skip
+                    ts = keep("ours-shm, tmpfs WAL ack (transport-bound)",
+                              run_recorder(tb.unix_address, n_fwd, f"ts{r}", outputs)[0])  # fmt: skip
                 finally:
                     tb.kill()
                     shutil.rmtree(walx, ignore_errors=True)

@@ -60,7 +60,10 @@ class ShmPools:
                 except OSError as exc:
                     raise ValidationError(f"shared-memory pool {name!r} cannot be opened in {self.dir}: {exc}") from exc
                 try:
-                    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    # Populate the whole mapping now (once per recorder pool): faulting its pages in
+                    # one by one on first use cost ~4.8 ms per 4 MiB message in the bench.
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
                 except (OSError, ValueError) as exc:
                     raise ValidationError(f"shared-memory pool {name!r} cannot be mapped: {exc}") from exc
                 finally:
