@@ -52,7 +52,7 @@ from tracestore.arrow import chunks_to_table  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
 from tracestore.reader import StoreReader  # noqa: E402
 from tracestore.records import RecordChunk, RunSpec, SiteSpec  # noqa: E402
-from tracestore.shards import encode_shard  # noqa: E402
+from tracestore.shards import COMPRESSION, DICTIONARY_COLUMNS, ZSTD_LEVEL, encode_shard  # noqa: E402
 from tracestore.store import Store  # noqa: E402
 
 WIDTH, N_SITES, BITS = 2048, 20, 1
@@ -138,7 +138,7 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     payload = sum(c.nbytes for c in chunks)
     table = chunks_to_table(chunks)
     rows: list[dict[str, Any]] = []
-    t_ours, t_encode, t_raw, t_raw_sync, t_torch = [], [], [], [], []
+    t_ours, t_encode, t_raw, t_raw_fmt, t_raw_sync, t_torch = [], [], [], [], [], []
     url = f"file://{workdir}/store"
     store = Store(url)
     store.put_run(SPEC)
@@ -154,6 +154,20 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         pq.write_table(table, raw_path)
         t_raw.append(time.perf_counter() - t0)
         raw_path.unlink()
+
+        fmt_path = workdir / f"raw-fmt-{i}.parquet"
+        t0 = time.perf_counter()
+        pq.write_table(
+            table,
+            fmt_path,
+            compression=COMPRESSION,
+            compression_level={n: ZSTD_LEVEL for n, c in COMPRESSION.items() if c == "ZSTD"},
+            use_dictionary=DICTIONARY_COLUMNS,
+            write_page_checksum=True,
+            data_page_size=1 << 20,
+        )
+        t_raw_fmt.append(time.perf_counter() - t0)
+        fmt_path.unlink()
 
         sync_path = workdir / f"raw-sync-{i}.parquet"
         t0 = time.perf_counter()
@@ -194,6 +208,7 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         ("ours write_shard (durable)", t_ours),
         ("ours encode_shard only (no I/O)", t_encode),
         ("raw pq.write_table (page cache only)", t_raw),
+        ("raw pq.write_table, our codecs + page crc", t_raw_fmt),
         ("raw pq.write_table + fsync", t_raw_sync),
         ("torch.save per traj (no fsync)", t_torch),
     ):

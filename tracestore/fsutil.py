@@ -340,7 +340,9 @@ class SyncingWriter(io.RawIOBase):
 
     @property
     def crc32(self) -> int:
-        """crc32 of everything written; valid after :meth:`finish`."""
+        """crc32 of everything written so far (waits for the crc thread to catch up)."""
+        while self._crc_jobs:
+            self._crc_jobs.pop(0).result()
         return self._crc_value
 
     def write(self, b: Any) -> int:

@@ -287,6 +287,7 @@ def test_retention_and_listing(store: Store):
 
 def test_shard_file_layout(store: Store):
     import io
+    import zlib
 
     import pyarrow.parquet as pq
 
@@ -294,7 +295,10 @@ def test_shard_file_layout(store: Store):
     chunks = [make_chunk(s, t, 0, 4, rng=rng) for t in ("b", "a") for s in SITES]
     info = store.write_shard(RUN, 0, "w0", 0, chunks)
     assert info.path == f"{RUN}/v0/w0/part-00000000.parquet"
-    pf = pq.ParquetFile(io.BytesIO(store.storage.cat(info.path)))
+    data = store.storage.cat(info.path)
+    m = store.read_manifest(info.manifest_path)
+    assert (m.shard_bytes, m.shard_crc32) == (len(data), zlib.crc32(data)) == (info.nbytes, m.shard_crc32)
+    pf = pq.ParquetFile(io.BytesIO(data))
     assert pf.metadata.metadata[b"tracestore.schema_version"] == b"1"
     rg = pf.metadata.row_group(0)
     comp = {rg.column(i).path_in_schema: rg.column(i).compression for i in range(rg.num_columns)}
