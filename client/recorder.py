@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -104,7 +105,8 @@ class RolloutRecorder:
 
     ``address``: ``"host:port"`` or ``"unix:///path/sock"`` (then shared-memory staging is used);
     ``writer``: this engine instance's id (unique per run); ``epoch``: defaults to the current
-    time in ns, so a restarted engine fences its predecessor.
+    time in ns, so a restarted engine fences its predecessor. ``pin``: register the staging pool
+    with CUDA now (default: when torch is already imported and sees a GPU).
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class RolloutRecorder:
         give_up_s: float = 30.0,
         epoch: int | None = None,
         connect: bool = True,
+        pin: bool | None = None,
     ) -> None:
         if not isinstance(run_spec, RunSpec):
             raise ConfigError(f"run_spec must be a tracestore.records.RunSpec, got {type(run_spec).__name__}")
@@ -135,6 +138,16 @@ class RolloutRecorder:
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
         self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir)
         self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)
+        # Pin at start-up, not at the first forward (pinning GBs takes seconds, users.md #7); by
+        # default only when the engine already uses torch, so CPU-only engines never import it.
+        self.pinned = False
+        if pin or (pin is None and "torch" in sys.modules):
+            try:
+                self.pinned = self.pool.pin()
+            except ConfigError:
+                if pin:
+                    raise
+                log.warning("could not pin the %d-byte staging pool; device copies will be synchronous", staging_bytes)
         self._sites = {s.name: s for s in run_spec.sites}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

@@ -99,7 +99,13 @@ def run(ns: argparse.Namespace) -> int:
         print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sidecar = Sidecar(config_from_args(ns)).start()
+    from tracestore.errors import TraceStoreError
+
+    try:
+        sidecar = Sidecar(config_from_args(ns)).start()
+    except TraceStoreError as exc:
+        print(f"tracestore serve: {exc}", file=sys.stderr)
+        return 2
     log = logging.getLogger("tracestore.server")
     log.info(
         "serving on %s:%d%s, metrics %s",

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tracestore import __version__
 from tracestore.errors import (
+    ConfigError,
     ConflictError,
     CorruptionError,
     MissingRecordsError,
@@ -339,6 +340,23 @@ class TraceStoreService:
         ).SerializeToString()
 
 
+def _claim_unix_socket(path: str) -> None:
+    """Remove a stale socket file; refuse one a live server still answers on."""
+    import socket
+
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left over from a crash
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"unix socket {path} is in use by a running server; choose another --unix-socket")
+
+
 class Sidecar:
     """A running sidecar: engine, gRPC server (TCP + optional unix socket), health, reflection, metrics.
 
@@ -369,6 +387,8 @@ class Sidecar:
             self.metrics.storage_errors.labels(op).inc()
 
     def start(self) -> Sidecar:
+        """Bind every listener first (a port in use fails here, before the WAL is touched), then
+        replay the WAL, then serve."""
         cfg = self.config
         if self._store is None:
             from tracestore.store import Store
@@ -377,7 +397,6 @@ class Sidecar:
                 cfg.storage, cfg.storage_options, timeout=cfg.storage_timeout_s, on_event=self._storage_event
             )
         self.engine = Engine(cfg, self._store, self.metrics)
-        self.engine.start(wal_parser(self.engine.run_spec))
         self.shm = ShmPools(cfg.shm_dir, on_change=self.metrics.shm_capacity.set)
         service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
         server = grpc.server(
@@ -391,22 +410,34 @@ class Sidecar:
             (pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
             server,
         )
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.port == 0:
-            raise StorageError(f"could not bind gRPC on {cfg.host}:{cfg.port} (in use?)")
+        try:
+            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
+            ) from exc
         if cfg.unix_socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.unix_socket)
-            server.add_insecure_port(f"unix:{cfg.unix_socket}")
+            _claim_unix_socket(cfg.unix_socket)
+            try:
+                server.add_insecure_port(f"unix:{cfg.unix_socket}")
+            except RuntimeError as exc:
+                raise ConfigError(f"cannot listen on unix socket {cfg.unix_socket}") from exc
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            try:
+                self._http, _ = start_http_server(cfg.metrics_port, cfg.metrics_host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port} ({exc}); "
+                    "choose another --metrics-port or 'off'"
+                ) from exc
+            self.metrics_port = self._http.server_port
+        self.engine.start(wal_parser(self.engine.run_spec))
         server.start()
         self._server = server
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._http, _ = start_http_server(cfg.metrics_port, cfg.metrics_host, registry=self.metrics.registry)
-            self.metrics_port = self._http.server_port
         return self
 
     def stop(self, grace: float | None = None) -> bool:

@@ -74,3 +74,22 @@ def test_serves_with_no_configuration(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_second_server_on_the_same_port_or_socket_is_refused(tmp_path: Path) -> None:
+    from tracestore.server.config import ServerConfig
+    from tracestore.server.service import Sidecar
+
+    from tracestore.errors import ConfigError
+
+    sock = str(tmp_path / "s.sock")
+    Path(sock).write_text("")  # a stale socket file from a crash is taken over
+    a = Sidecar(ServerConfig(storage="memory://dup", wal_dir=None, port=0, metrics_port=None, unix_socket=sock)).start()
+    try:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            Sidecar(ServerConfig(storage="memory://dup", wal_dir=None, port=a.port, metrics_port=None)).start()
+        with pytest.raises(ConfigError, match="in use by a running server"):
+            Sidecar(ServerConfig(storage="memory://dup", wal_dir=None, port=0, metrics_port=None,
+                                 unix_socket=sock)).start()  # fmt: skip
+    finally:
+        a.stop(1)
