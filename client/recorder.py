@@ -350,7 +350,8 @@ class RolloutRecorder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for x, o, n in srcs:
-                self._cuda[o : o + n].copy_(x.reshape(-1).view(torch.uint8), non_blocking=True)
+                t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+                self._cuda[o : o + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
             if isinstance(g, torch.Tensor):
                 self._cuda[g_off : g_off + 4].copy_(g.reshape(-1)[:1].float().view(torch.uint8), non_blocking=True)
             else:
