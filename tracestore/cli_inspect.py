@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import zlib
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any, TextIO
@@ -77,6 +76,7 @@ def validate_version(store: object, run: str, version: int, out: TextIO) -> int:
     from tracestore.fsutil import CountingFile
     from tracestore.plan import MicrobatchPlan
     from tracestore.reader import StoreReader
+    from tracestore.records import crc32
     from tracestore.shards import open_parquet, read_entries
     from tracestore.store import Store
 
@@ -95,9 +95,9 @@ def validate_version(store: object, run: str, version: int, out: TextIO) -> int:
         where = f"{store.url}/{m.shard}"
         try:
             data = store.storage.cat(m.shard)
-            if len(data) != m.shard_bytes or zlib.crc32(data) != m.shard_crc32:
+            if len(data) != m.shard_bytes or crc32(data) != m.shard_crc32:
                 print(
-                    f"CORRUPT shard {where}: {len(data)} B crc32 {zlib.crc32(data):#010x}, manifest says "
+                    f"CORRUPT shard {where}: {len(data)} B crc32 {crc32(data):#010x}, manifest says "
                     f"{m.shard_bytes} B crc32 {m.shard_crc32:#010x}",
                     file=out,
                 )

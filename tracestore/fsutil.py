@@ -20,7 +20,6 @@ import os
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,6 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tracestore.errors import ConflictError, NotFoundError, StorageError, TraceStoreError
+from tracestore.records import crc32
 
 T = TypeVar("T")
 EventHook = Callable[[str, str, str], None]
@@ -324,9 +324,7 @@ class SyncingWriter(io.RawIOBase):
         super().__init__()
         self._fd = fd
         self.size = 0
-        self._crc_value = 0
-        self._crc_jobs: list[concurrent.futures.Future[None]] = []
-        self._crc_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracestore-crc32")
+        self.crc32 = 0
         self._since_sync = 0
         self._sync_every = sync_every
         self._sync: concurrent.futures.Future[None] | None = None
@@ -335,23 +333,10 @@ class SyncingWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def _crc(self, data: Any) -> None:
-        self._crc_value = zlib.crc32(data, self._crc_value)
-
-    @property
-    def crc32(self) -> int:
-        """crc32 of everything written so far (waits for the crc thread to catch up)."""
-        while self._crc_jobs:
-            self._crc_jobs.pop(0).result()
-        return self._crc_value
-
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = len(view)
-        # the running crc32 is computed in order on a second thread, overlapping the encoder
-        self._crc_jobs.append(self._crc_pool.submit(self._crc, bytes(view) if not isinstance(b, bytes) else b))
-        if len(self._crc_jobs) > 64:
-            self._crc_jobs.pop(0).result()
+        self.crc32 = crc32(view, self.crc32)
         while view:
             view = view[os.write(self._fd, view) :]
         self.size += n
@@ -371,13 +356,10 @@ class SyncingWriter(io.RawIOBase):
 
     def finish(self) -> None:
         try:
-            for job in self._crc_jobs:
-                job.result()
             if self._sync is not None:
                 self._sync.result()
         finally:
             self._pool.shutdown(wait=True)
-            self._crc_pool.shutdown(wait=True)
 
 
 class CountingFile(io.RawIOBase):

@@ -20,7 +20,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ from tracestore.arrow import (
     schema_version_of,
 )
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
-from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
+from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal, crc32
 
 MANIFEST_FORMAT = "tracestore.manifest"
 MANIFEST_VERSION = 1
@@ -255,7 +254,7 @@ def encode_shard(
     data: memoryview | None = None
     if sink is None:
         buf = memoryview(out.getvalue()).cast("B")  # no copy: published straight from Arrow's buffer
-        data, size, crc = buf, len(buf), zlib.crc32(buf)
+        data, size, crc = buf, len(buf), crc32(buf)
     else:
         size, crc = int(sink.size), int(sink.crc32)
 

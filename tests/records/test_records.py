@@ -281,3 +281,17 @@ def test_arrow_round_trip(items):
         assert (a.token_scales is None) == (b.token_scales is None)
         if a.token_scales is not None:
             assert a.token_scales.tobytes() == b.token_scales.tobytes()
+
+
+def test_fast_crc32_matches_zlib():
+    import zlib
+
+    from tracestore.records import crc32
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 4096, 100_003):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert crc32(data.data) == zlib.crc32(data.data)
+        assert crc32(data.data, 12345) == zlib.crc32(data.data, 12345)
+    ts = rng.standard_normal(9).astype(np.float32)
+    assert crc32(ts.data) == zlib.crc32(ts.data)  # a non-byte buffer format
