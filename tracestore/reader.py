@@ -65,6 +65,7 @@ class SiteRows:
     ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool ``[n_rows]``,
     ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool ``[n_rows]`` (older
     than ``max_staleness`` with ``stale="flag"``). ``n_rows = plan.n_tokens * site.rows_per_token``.
+    The ``codes`` and ``scales`` of all sites of one read are views into one buffer.
     """
 
     site: SiteSpec
@@ -379,8 +380,21 @@ class StoreReader:
         # 3. assemble
         rows: dict[str, SiteRows] = {}
         missing: list[str] = []
+        # One allocation for every site's codes and scales: numpy asks for transparent huge pages
+        # on large arrays, and first-touch page faults of 40 separate per-site arrays cost 20 ms per
+        # 30 MB read here, against 4.5 ms for one buffer (measured, see bench_storage).
+        shapes = []
         for s in site_specs:
-            rows[s.name] = self._assemble(plan, s, col[s.name], tasks[s.name], loaded, stale_below)
+            n = plan.n_tokens * s.rows_per_token
+            a, b = col[s.name]
+            shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block)]
+        sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
+        buf = np.empty(sum(sizes), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
+        for i, s in enumerate(site_specs):
+            out = (views[2 * i], views[2 * i + 1])
+            rows[s.name] = self._assemble(plan, s, col[s.name], tasks[s.name], loaded, stale_below, out)
             self._check_missing(plan, s, rows[s.name], vs, stats, missing)
         if missing and on_missing == "error":
             more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
@@ -454,14 +468,14 @@ class StoreReader:
         tasks: list[_Task],
         loaded: dict[tuple[str, ChunkEntry], RecordChunk],
         stale_below: int,
+        out: tuple[np.ndarray, np.ndarray],
     ) -> SiteRows:
         k = s.rows_per_token
         n = plan.n_tokens * k
         cb0, cb1 = cols[0] * s.bits // 8, cols[1] * s.bits // 8
         sb0, sb1 = cols[0] // s.fmt.block, cols[1] // s.fmt.block
-        # empty, not zeros: every row is written exactly once, by a record or by the zero fill below
-        codes = np.empty((n, cb1 - cb0), np.uint8)
-        scales = np.empty((n, sb1 - sb0), np.uint8)
+        # uninitialised: every row is written exactly once, by a record or by the zero fill below
+        codes, scales = out
         g = np.ones(n, np.float32)
         pv = np.full(n, -1, np.int64)
         valid = np.zeros(n, bool)
