@@ -90,7 +90,8 @@ class _SiteState:
         y = dequantize(q).reshape(b, t, w).to(x.dtype)
         codes, scales = q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1)
         tr.y[:, sl] = y.float()
-        assert tr.codes is not None and tr.scales is not None and tr.g is not None  # set with fmt
+        if tr.codes is None or tr.scales is None or tr.g is None:  # _trace allocates them whenever fmt is set
+            raise ConfigError(f"{site.name}: quantized trace without code/scale buffers")
         tr.codes[:, sl], tr.scales[:, sl] = codes, scales
         tr.g[:, sl] = float(q.global_scale)
         self.forward[site.name] = ForwardRecord(codes, scales, float(q.global_scale))
