@@ -24,15 +24,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", default=e("--arch", "qwen3_moe"), help="transformers MoE model type: qwen3_moe "
                    "(default), qwen2_moe, mixtral, olmoe")  # fmt: skip
     p.add_argument("--layers", type=int, default=int(e("--layers", 8)), help="decoder layers (default 8)")
-    p.add_argument("--hidden", type=int, default=int(e("--hidden", 256)), help="hidden size (default 256)")
-    p.add_argument("--heads", type=int, default=int(e("--heads", 4)), help="attention heads (default 4)")
+    p.add_argument("--hidden", type=int, default=int(e("--hidden", 512)), help="hidden size (default 512)")
+    p.add_argument("--heads", type=int, default=int(e("--heads", 8)), help="attention heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=int(e("--kv-heads", 2)), help="K/V heads (default 2)")
     p.add_argument("--experts", type=int, default=int(e("--experts", 8)), help="routed experts (default 8)")
     p.add_argument("--top-k", type=int, default=int(e("--top-k", 2)), help="experts per token (default 2)")
     p.add_argument("--vocab", type=int, default=int(e("--vocab", 1024)), help="vocabulary size (default 1024)")
-    p.add_argument("--trajectories", type=int, default=int(e("--trajectories", 4)), help="batch of rollouts (4)")
-    p.add_argument("--prompt", type=int, default=int(e("--prompt", 16)), help="prompt tokens (default 16)")
-    p.add_argument("--tokens", type=int, default=int(e("--tokens", 48)), help="generated tokens per trajectory (48)")
+    p.add_argument("--trajectories", type=int, default=int(e("--trajectories", 8)), help="batch of rollouts (8)")
+    p.add_argument("--prompt", type=int, default=int(e("--prompt", 32)), help="prompt tokens (default 32)")
+    p.add_argument("--tokens", type=int, default=int(e("--tokens", 64)), help="generated tokens per trajectory (64)")
     p.add_argument("--bits", type=int, default=int(e("--bits", 1)), help="b of the compact/all-layers modes (1)")
     p.add_argument("--rule", default=e("--rule", "bracket"), choices=("bracket", "paper"), help="guided rounding rule")
     p.add_argument(

@@ -26,8 +26,8 @@ class ModelSpec:
 
     arch: str = "qwen3_moe"
     layers: int = 8
-    hidden: int = 256
-    heads: int = 4
+    hidden: int = 512
+    heads: int = 8
     kv_heads: int = 2
     experts: int = 8
     top_k: int = 2

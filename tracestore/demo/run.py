@@ -26,9 +26,9 @@ class DemoConfig:
     """Everything ``tracestore demo`` takes (see ``tracestore demo --help``)."""
 
     model: ModelSpec = ModelSpec()
-    trajectories: int = 4
-    prompt: int = 16
-    tokens: int = 48  # generated tokens per trajectory
+    trajectories: int = 8
+    prompt: int = 32
+    tokens: int = 64  # generated tokens per trajectory
     bits: int = 1
     rule: str = "bracket"
     device: str = "cpu"
