@@ -85,6 +85,17 @@ class _Piece:
 
 
 @dataclasses.dataclass
+class _Forward:
+    """One forward as record_forward queued it; the sender thread splits it into pieces (keeping
+    per-segment Python work off the engine thread: 2.3 ms per 256-sequence decode step before)."""
+
+    segs: list[tuple[str, int, int]]
+    version: int
+    sites: list[tuple[str, Any, _Region, int, int, int, int]]  # name, site, region, nc, ns, nt, g_off
+    queued: float
+
+
+@dataclasses.dataclass
 class _Out:
     """A numbered message in flight."""
 
@@ -151,7 +162,8 @@ class RolloutRecorder:
         self._sites = {s.name: s for s in run_spec.sites}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: deque[_Piece | TrajectorySeal | PrefixLink] = deque()
+        self._queue: deque[_Piece | _Forward | TrajectorySeal | PrefixLink] = deque()
+        self._valid_ids: set[str] = set()
         self._unacked: deque[_Out] = deque()
         self._next_seq = 1
         self._acked = 0
@@ -192,8 +204,14 @@ class RolloutRecorder:
         (x ``rows_per_token``). Returns False when the forward was refused (staging full or
         recorder closed): its trajectories are then unguided. Bad arguments raise."""
         version = self.policy_version if policy_version is None else int(policy_version)
-        segs = [(validate_id("trajectory", t), int(a), int(b)) for t, a, b in segments]
+        segs = [(t, int(a), int(b)) for t, a, b in segments]
+        known = self._valid_ids
         for t, a, b in segs:
+            if t not in known:
+                validate_id("trajectory", t)
+                if len(known) > 1 << 20:
+                    known.clear()
+                known.add(t)
             if a < 0 or b <= a:
                 raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
         n_tok = sum(b - a for _, a, b in segs)
@@ -225,39 +243,22 @@ class RolloutRecorder:
                 self._mark_unguided([t for t, _, _ in segs], "staging_full")
                 return False
             regions.append((off, size))
-        event = None
-        now = time.monotonic()
+        sites = []
         for (name, site, out, _rows, nc, ns, nt), (off, size) in zip(plans, regions, strict=True):
             g_off = off + nc + ns + nt
             event = self._copy(out, off, nc, ns, nt, g_off)
-            region = _Region(off, size, refs=0, event=event)
-            row = 0
-            pieces = []
-            for t, a, b in segs:
-                r = (b - a) * site.rows_per_token
-                if t not in self._unguided:
-                    pieces.append(
-                        _Piece(
-                            t,
-                            name,
-                            version,
-                            a,
-                            b - a,
-                            region,
-                            codes_off=off + row * site.code_bytes,
-                            scales_off=off + nc + row * site.scale_bytes,
-                            ts_off=off + nc + ns + row * 4 if nt else -1,
-                            g_off=g_off,
-                            nbytes=r * (site.code_bytes + site.scale_bytes) + (r * 4 if nt else 0),
-                            queued=now,
-                        )
-                    )
-                    self._sites_of.setdefault(t, set()).add(name)
-                    self._version_of[t] = version
-                row += r
-            region.refs = len(pieces)
-            with self._lock:
-                self._queue.extend(pieces)
+            sites.append((name, site, _Region(off, size, refs=0, event=event), nc, ns, nt, g_off))
+        names = [p[0] for p in plans]
+        sites_of, version_of = self._sites_of, self._version_of
+        for t, _, _ in segs:
+            seen = sites_of.get(t)
+            if seen is None:
+                sites_of[t] = set(names)
+            else:
+                seen.update(names)
+            version_of[t] = version
+        with self._lock:
+            self._queue.append(_Forward(segs, version, sites, time.monotonic()))
         with self._lock:
             self._wake.notify_all()
         return True
@@ -425,12 +426,41 @@ class RolloutRecorder:
             if p.region.refs == 0:
                 self.pool.release(p.region.offset)
 
+    def _expand(self, fwd: _Forward) -> list[_Piece]:
+        pieces: list[_Piece] = []
+        unguided = self._unguided
+        for name, site, region, nc, ns, nt, g_off in fwd.sites:
+            off = region.offset
+            cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
+            row = 0
+            n = 0
+            for t, a, b in fwd.segs:
+                r = (b - a) * rpt
+                if t not in unguided:
+                    pieces.append(
+                        _Piece(
+                            t, name, fwd.version, a, b - a, region,
+                            codes_off=off + row * cb, scales_off=off + nc + row * sb,
+                            ts_off=off + nc + ns + row * 4 if nt else -1, g_off=g_off,
+                            nbytes=r * (cb + sb) + (r * 4 if nt else 0), queued=fwd.queued,
+                        )
+                    )  # fmt: skip
+                    n += 1
+                row += r
+            region.refs = n
+            if n == 0:
+                self.pool.release(off)
+        return pieces
+
     def _take_batch(self) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
         pieces: list[_Piece] = []
         extras: list[TrajectorySeal | PrefixLink] = []
         size = 0
         while self._queue and size < self.batch_bytes:
             item = self._queue.popleft()
+            if isinstance(item, _Forward):
+                self._queue.extendleft(reversed(self._expand(item)))
+                continue
             if isinstance(item, _Piece):
                 if item.trajectory in self._unguided:
                     item.region.refs -= 1
@@ -486,7 +516,7 @@ class RolloutRecorder:
                 return
             # Only records that waited the whole give-up time are dropped; fresh ones get their chance.
             ages = [p.queued for o in self._unacked for p in o.pieces]
-            ages += [p.queued for p in self._queue if isinstance(p, _Piece)]
+            ages += [p.queued for p in self._queue if isinstance(p, _Piece | _Forward)]
             if ages and time.monotonic() - min(ages) < self.give_up_s:
                 return
             lost: set[str] = set()
@@ -495,6 +525,11 @@ class RolloutRecorder:
                 self._release(out)
             self._unacked.clear()
             for item in self._queue:
+                if isinstance(item, _Forward):
+                    lost.update(t for t, _, _ in item.segs)
+                    for _, _, region, *_rest in item.sites:
+                        self.pool.release(region.offset)
+                    continue
                 lost.add(item.trajectory)
                 if isinstance(item, _Piece):
                     item.region.refs -= 1
