@@ -81,7 +81,8 @@ class Storage:
         self.on_event = on_event
         self.stats: dict[str, int] = {"retries": 0, "timeouts": 0, "errors": 0, "bytes_written": 0, "bytes_read": 0}
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-io")
+        self._workers = workers
+        self._pool = self._new_pool()
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
         except ImportError as exc:
@@ -97,6 +98,15 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+    def close(self) -> None:
+        """Shut the worker pool down (a later call starts a new one)."""
+        with self._lock:
+            pool, self._pool = self._pool, self._new_pool()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="tracestore-io")
 
     def full(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

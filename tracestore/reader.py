@@ -180,6 +180,16 @@ class StoreReader:
         self._footers: dict[str, pq.FileMetaData] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-read")
 
+    def close(self) -> None:
+        """Release the reader's worker threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ index
 
     def versions(self) -> list[int]:

@@ -279,6 +279,44 @@ class Store:
             out |= m.trajectories
         return sorted(out)
 
+    # ------------------------------------------------------------------ maintenance
+
+    def remove_stale_temp_files(self, older_than_s: float = 3600.0) -> list[str]:
+        """Delete temp files that a crashed local writer left behind; returns their paths.
+
+        Local disk only (S3 and memory publish with one call and never leave any): a writer that
+        died between writing its temp file and the create-only link leaves ``.part-*.tmp-*``;
+        readers never see those files, this reclaims their space.
+        """
+        if not self.storage.local:
+            return []
+        import os
+        import time
+
+        cutoff = time.time() - older_than_s
+        removed = []
+        for rel in self.storage.find(""):
+            name = rel.rsplit("/", 1)[-1]
+            if name.startswith(".") and ".tmp-" in name:
+                path = self.storage.full(rel)
+                try:
+                    if os.path.getmtime(path) < cutoff:
+                        os.unlink(path)
+                        removed.append(rel)
+                except FileNotFoundError:
+                    continue
+        return removed
+
+    def close(self) -> None:
+        """Release the worker threads (the store stays usable: new calls start new ones)."""
+        self.storage.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ retention
 
     def delete_versions_older_than(self, run: str, keep: int) -> list[int]:

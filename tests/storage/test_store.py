@@ -307,3 +307,28 @@ def test_shard_file_layout(store: Store):
     cols = [table[n].to_pylist() for n in ("trajectory", "site", "token_start")]
     keys = list(zip(*cols, strict=True))
     assert keys == sorted(keys)  # rows sorted by (trajectory, site, token_start)
+
+
+def test_stale_temp_files_are_removed(store: Store):
+    import os
+    import time
+
+    rng = np.random.default_rng(16)
+    info = store.write_shard(RUN, 0, "w0", 0, [make_chunk(S0, "t0", 0, 4, rng=rng)])
+    if not store.storage.local:
+        assert store.remove_stale_temp_files(0) == []  # one-call publishes never leave temp files
+        return
+    shard_dir = os.path.dirname(store.storage.full(info.path))
+    crashed = os.path.join(shard_dir, ".part-00000001.parquet.tmp-dead")
+    fresh = os.path.join(shard_dir, ".part-00000002.parquet.tmp-live")
+    for p in (crashed, fresh):
+        with open(p, "wb") as f:
+            f.write(b"partial")
+    old = time.time() - 7200
+    os.utime(crashed, (old, old))
+    assert store.remove_stale_temp_files(3600) == [f"{RUN}/v0/w0/.part-00000001.parquet.tmp-dead"]
+    assert os.path.exists(fresh) and not os.path.exists(crashed)
+    assert StoreReader(store, RUN).read([("t0", 0, 4)], sites=[S0.name])[S0.name].valid.all()
+    with StoreReader(store, RUN) as r, store:
+        r.read([("t0", 0, 4)], sites=[S0.name])
+    assert store.list_versions(RUN) == [0]  # usable after close
