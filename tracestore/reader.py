@@ -173,7 +173,7 @@ class StoreReader:
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._listed: dict[int, list[str]] = {}  # version -> manifest paths seen at the last refresh
-        self._by_traj: dict[str, list[tuple[Manifest, ChunkEntry]]] = {}
+        self._by_traj: dict[tuple[str, str], list[tuple[Manifest, ChunkEntry]]] = {}  # (trajectory, site)
         self._seals: dict[str, list[TrajectorySeal]] = {}
         self._links: dict[str, list[PrefixLink]] = {}
         self._indexed: set[str] = set()
@@ -224,7 +224,7 @@ class StoreReader:
         if m.run != self.run:
             raise CorruptionError(f"manifest {path} belongs to run {m.run}, not {self.run}")
         for e in m.chunks:
-            self._by_traj.setdefault(e.trajectory, []).append((m, e))
+            self._by_traj.setdefault((e.trajectory, e.site), []).append((m, e))
         for s in m.seals:
             self._seals.setdefault(s.trajectory, []).append(s)
         for x in m.links:
@@ -360,19 +360,23 @@ class StoreReader:
                 for owner, lo, hi in pieces_of[i]:
                     cands = [
                         (m, e)
-                        for m, e in self._by_traj.get(owner, ())
-                        if e.site == s.name and m.policy_version in vs and e.token_start < hi and e.token_end > lo
+                        for m, e in self._by_traj.get((owner, s.name), ())
+                        if m.policy_version in vs and e.token_start < hi and e.token_end > lo
                     ]
                     cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
                     filled = np.full(hi - lo, -1, dtype=np.int64)
                     for m, e in cands:
                         a, b = max(lo, e.token_start), min(hi, e.token_end)
                         window = filled[a - lo : b - lo]
-                        for kind, mask in ((False, window == -1), (True, window == m.policy_version)):
-                            idx = np.nonzero(mask)[0]
-                            for ra, rb in _ranges(idx):
+                        free = window == -1
+                        if free.all():  # the common case: nothing of this range is filled yet
+                            tasks[s.name].append(_Task(e, m, a, b, base + a, False))
+                            window[:] = m.policy_version
+                            continue
+                        for kind, mask in ((False, free), (True, window == m.policy_version)):
+                            for ra, rb in _ranges(np.nonzero(mask)[0]):
                                 tasks[s.name].append(_Task(e, m, a + ra, a + rb, base + a + ra, kind))
-                        window[window == -1] = m.policy_version
+                        window[free] = m.policy_version
         # 2. fetch the chunks
         needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}
         for tl in tasks.values():
