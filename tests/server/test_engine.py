@@ -152,6 +152,13 @@ def test_validation_errors_name_what_was_expected(memory_url: str) -> None:
         req.chunks[0].codes = req.chunks[0].codes[:-1]
         with pytest.raises(ValidationError, match="expected codes/scales/token_scales of 32/"):
             _submit(eng, req)
+        big = write_request(1, [make_chunk("t1", 0, 4096)])  # > 16 KiB: the zero-copy scanner path
+        big.chunks[0].scales = big.chunks[0].scales[:-3]
+        with pytest.raises(ValidationError, match="expected codes/scales/token_scales of 32768/16384/0"):
+            _submit(eng, big)
+        raw = write_request(1, [make_chunk("t1", 0, 4096)]).SerializeToString()
+        with pytest.raises(ValidationError, match="not a valid"):
+            parse_write(raw[:-7], eng.run_spec, None)  # truncated inside a large payload field
         req = write_request(1, [make_chunk("t1", 0, 4)])
         req.chunks[0].site = "layers.9.nope"
         with pytest.raises(ValidationError, match="declares no site"):
