@@ -247,3 +247,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_policy_version_per_chunk_and_large_reads(served: ServeProcess) -> None:
+    """A trajectory spanning two policy versions (partial rollout), and a read larger than one
+    Read message (the sidecar splits per site into 4 MiB slices; the reader reassembles)."""
+    site = SPEC.site("layers.20.mlp.input")
+    rec = RolloutRecorder(served.address, SPEC, "versions", staging_bytes=64 << 20)
+    rng = np.random.default_rng(21)
+    n = 120000  # the experts site: 240k rows x 37 B on the wire = 3 Read slices of <= 4 MiB
+    parts = []
+    for version, (a, b) in ((0, (0, n // 2)), (1, (n // 2, n))):
+        out = {}
+        for s in SPEC.sites:
+            rows = (b - a) * s.rows_per_token
+            codes = rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+            scales = rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8)
+            out[s.name] = SiteOutput(codes, scales, 0.5 if s.fmt.has_global_scale else 1.0)
+        parts.append(out[site.name])
+        assert rec.record_forward([("long", a, b)], out, policy_version=version)
+    rec.finish("long", n + 1)
+    assert rec.flush(60), rec.stats
+    rec.close()
+    for source in (served.address, served.storage):
+        with GuidanceReader(source, SPEC.run, prefetch=False) as reader:
+            host = reader.read_host([("long", 0, n)])
+        rows = host[site.name]
+        assert rows.codes.tobytes() == parts[0].codes.tobytes() + parts[1].codes.tobytes()
+        assert rows.policy_version.tolist() == [0] * (n // 2) + [1] * (n // 2)
+        experts = host["layers.20.mlp.experts"]
+        assert experts.codes.shape == (2 * n, 16) and experts.valid.all()
