@@ -381,10 +381,13 @@ class Sidecar:
         self._stopped = threading.Event()
 
     def _storage_event(self, kind: str, op: str, detail: str) -> None:
+        # The store names the object ("write run-a/v0/..."): keep the operation word only, so the
+        # label stays bounded and never carries run/writer/trajectory ids (metrics.py contract).
+        name = op.split(" ", 1)[0][:32] or "unknown"
         if kind == "retry":
-            self.metrics.storage_retries.labels(op).inc()
+            self.metrics.storage_retries.labels(name).inc()
         else:
-            self.metrics.storage_errors.labels(op).inc()
+            self.metrics.storage_errors.labels(name).inc()
 
     def start(self) -> Sidecar:
         """Bind every listener first (a port in use fails here, before the WAL is touched), then

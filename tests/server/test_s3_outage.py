@@ -89,6 +89,13 @@ def test_s3_outage_delays_commits_only(tmp_path: Any) -> None:
             if sample.name.endswith("_total")
         )
         assert failures >= 1, "the outage left no trace in the storage metrics"
+        ops = {
+            sample.labels["op"]
+            for metric in (sc.metrics.storage_errors, sc.metrics.storage_retries)
+            for family in metric.collect()
+            for sample in family.samples
+        }
+        assert all(" " not in op and SPEC.run not in op for op in ops), ops  # bounded labels, no ids
         server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()  # moto keeps its state across restarts in one process
         assert sc.engine.flush(60), sc.engine.stat()
