@@ -161,7 +161,8 @@ class StoreReader:
     """Reads one run of a :class:`~tracestore.store.Store` aligned to microbatch plans.
 
     Manifests and Parquet footers are cached (they are immutable); new manifests are picked up
-    on each read (``refresh=True``). ``workers`` shards are fetched concurrently.
+    on each read (``refresh=True``). ``workers`` shards are fetched concurrently. Thread-safe:
+    index refreshes are serialized, reads from several threads run concurrently.
     """
 
     def __init__(self, store: Store, run: str, *, workers: int = 4) -> None:
@@ -170,7 +171,7 @@ class StoreReader:
         self.store = store
         self.run = validate_id("run", run)
         self.spec = store.get_run(run)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._stats_lock = threading.Lock()
         self._listed: dict[int, list[str]] = {}  # version -> manifest paths seen at the last refresh
         self._by_traj: dict[tuple[str, str], list[tuple[Manifest, ChunkEntry]]] = {}  # (trajectory, site)
@@ -197,6 +198,10 @@ class StoreReader:
 
     def refresh(self, versions: Iterable[int]) -> None:
         """List the manifests of ``versions`` and index any new ones."""
+        with self._lock:
+            self._refresh(versions)
+
+    def _refresh(self, versions: Iterable[int]) -> None:
         for v in versions:
             paths = self.store.manifest_paths(self.run, v)
             old = set(self._listed.get(v, []))
@@ -209,10 +214,11 @@ class StoreReader:
                     self._index(p, self.store.read_manifest(p))
 
     def _reset(self) -> None:
-        self._by_traj.clear()
-        self._seals.clear()
-        self._links.clear()
-        self._indexed.clear()
+        # new objects rather than clear(): reads running concurrently keep their consistent view
+        self._by_traj = {}
+        self._seals = {}
+        self._links = {}
+        self._indexed = set()
         listed = dict(self._listed)
         self._listed.clear()
         for paths in listed.values():
@@ -299,10 +305,10 @@ class StoreReader:
             if stale == "drop":
                 vs = {v for v in vs if v >= stale_below}
         present = sorted(v for v in vs if v in set(all_versions))
-        with self._lock:
+        with self._lock:  # index updates are serialized; the reads themselves run concurrently
             if refresh or any(v not in self._listed for v in present):
                 self.refresh(present)
-            return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed)
+        return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed)
 
     def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
         if sites is None:

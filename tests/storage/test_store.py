@@ -332,3 +332,31 @@ def test_stale_temp_files_are_removed(store: Store):
     with StoreReader(store, RUN) as r, store:
         r.read([("t0", 0, 4)], sites=[S0.name])
     assert store.list_versions(RUN) == [0]  # usable after close
+
+
+def test_concurrent_reads_while_writing(store: Store):
+    import threading
+
+    rng = np.random.default_rng(17)
+    base = [make_chunk(S0, f"t{i}", 0, 16, rng=rng) for i in range(6)]
+    store.write_shard(RUN, 0, "w0", 0, base)
+    reader = StoreReader(store, RUN)
+    errors: list[BaseException] = []
+
+    def read_loop(i: int) -> None:
+        try:
+            for _ in range(5):
+                res = reader.read([(f"t{i}", 0, 16), (f"t{(i + 1) % 6}", 4, 12)], sites=[S0.name])
+                _check(res, base, S0, [(f"t{i}", 0, 16), (f"t{(i + 1) % 6}", 4, 12)])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read_loop, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for seq in range(1, 4):  # new shards land while the reads run
+        store.write_shard(RUN, 0, f"w{seq}", 0, [make_chunk(S0, f"new{seq}", 0, 4, rng=rng)])
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert reader.read([("new3", 0, 4)], sites=[S0.name])[S0.name].valid.all()
