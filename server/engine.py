@@ -223,6 +223,10 @@ class Engine:
             if (msg.epoch, msg.seq) <= (st.epoch, st.received_seq):
                 return 0  # covered by a state snapshot (already committed)
             msg.segment = segment
+            # Chunks dropped as identical resends when this message was accepted are in the raw
+            # request again: drop them again, or the flush would store them twice.
+            with contextlib.suppress(ConflictError):
+                self._check_conflicts(msg)
             self._remember(msg)
             st.epoch, st.received_seq, st.durable_seq = msg.epoch, msg.seq, msg.seq
             self._enqueue(st, msg)

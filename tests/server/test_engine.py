@@ -189,3 +189,20 @@ def test_concurrent_writers(memory_url: str, tmp_path: Path) -> None:
         assert sorted(got) == sorted(f"w{k}-t{i}" for k in range(4) for i in range(1, 21))
     finally:
         eng.close()
+
+
+def test_replay_does_not_store_deduplicated_chunks_twice(memory_url: str, tmp_path: Path) -> None:
+    eng = _engine(memory_url, tmp_path / "wal", flush_interval_s=3600)
+    st, _ = _submit(eng, write_request(1, [make_chunk("t1", 0, 4, seed=1)]))
+    # the same chunk again inside a later message (a resend after an epoch change): dropped
+    st, _ = _submit(eng, write_request(1, [make_chunk("t1", 0, 4, seed=1), make_chunk("t2", 0, 4)], epoch=2))
+    _wait_durable(eng, st, 1)
+    eng._stopped = True  # crash before any shard is written
+    eng.wal.close()  # type: ignore[union-attr]
+    eng2 = _engine(memory_url, tmp_path / "wal", flush_interval_s=3600)
+    try:
+        assert eng2.flush(10)
+        entries = sorted(e.trajectory for m in eng2.store.manifests(SPEC.run, 0) for e in m.chunks)
+        assert entries == ["t1", "t2"]
+    finally:
+        eng2.close()
