@@ -194,10 +194,11 @@ def test_concurrent_writers(memory_url: str, tmp_path: Path) -> None:
 def test_replay_does_not_store_deduplicated_chunks_twice(memory_url: str, tmp_path: Path) -> None:
     eng = _engine(memory_url, tmp_path / "wal", flush_interval_s=3600)
     st, _ = _submit(eng, write_request(1, [make_chunk("t1", 0, 4, seed=1)]))
+    assert eng.flush(10)  # t1 committed in its own shard; its WAL segment is still the active one
     # the same chunk again inside a later message (a resend after an epoch change): dropped
     st, _ = _submit(eng, write_request(1, [make_chunk("t1", 0, 4, seed=1), make_chunk("t2", 0, 4)], epoch=2))
     _wait_durable(eng, st, 1)
-    eng._stopped = True  # crash before any shard is written
+    eng._stopped = True  # crash before the second shard is written
     eng.wal.close()  # type: ignore[union-attr]
     eng2 = _engine(memory_url, tmp_path / "wal", flush_interval_s=3600)
     try:
