@@ -16,8 +16,9 @@ class ServerConfig:
 
     ``wal_dir=None`` acknowledges a write only when its shard is committed (right for ``memory://``
     and for tests); with a WAL directory a write is acknowledged once appended there and fsynced.
-    ``port=0`` binds an ephemeral port (reported by :attr:`Sidecar.port`); ``metrics_port=None``
-    disables the Prometheus endpoint.
+    ``dedupe_versions``: how many of a run's newest policy versions keep per-chunk dedupe and
+    conflict state in memory. ``port=0`` binds an ephemeral port (reported by :attr:`Sidecar.port`);
+    ``metrics_port=None`` disables the Prometheus endpoint.
     """
 
     storage: str = "file://./tracestore-data"
@@ -39,6 +40,7 @@ class ServerConfig:
     grace_s: float = 30.0
     storage_timeout_s: float = 60.0
     shm_dir: str = "/dev/shm"
+    dedupe_versions: int = 4
 
     def __post_init__(self) -> None:
         for name in ("wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes"):
@@ -52,6 +54,8 @@ class ServerConfig:
         for name in ("flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.dedupe_versions < 1:
+            raise ConfigError(f"dedupe_versions must be >= 1, got {self.dedupe_versions}")
         if self.workers < 4 or self.max_streams < 1:
             raise ConfigError(f"workers must be >= 4 and max_streams >= 1, got {self.workers}, {self.max_streams}")
         if self.max_message_bytes > self.memory_budget_bytes:

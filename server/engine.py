@@ -127,7 +127,9 @@ class Engine:
         self._index: dict[tuple[str, int, str, str], list[tuple[int, int, int]]] = {}
         self._seals: dict[tuple[str, int, str], tuple[int, tuple[str, ...]]] = {}
         self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
-        self._open: set[tuple[str, int, str]] = set()
+        self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
+        self._sealed: set[tuple[str, str]] = set()
+        self._newest: dict[str, int] = {}  # newest policy version seen per run
         self.in_use = 0
         self._reserved = 0  # bytes streams reserved for messages they are reading
         self._acks: deque[tuple[int, WriterState, int, int, float]] = deque()  # ticket, state, epoch, seq, t0
@@ -403,18 +405,40 @@ class Engine:
 
     def _remember(self, msg: Message) -> None:
         for c, crc in zip(msg.chunks, msg.crcs, strict=True):
+            self._see_version(c.run, c.policy_version)
             bisect.insort(
                 self._index.setdefault((c.run, c.policy_version, c.trajectory, c.site), []),
                 (c.token_start, c.token_end, crc),
             )
-            self._open.add((c.run, c.policy_version, c.trajectory))
+            if (c.run, c.trajectory) not in self._sealed:
+                self._open.add((c.run, c.trajectory))
         for s in msg.seals:
+            self._see_version(s.run, s.policy_version)
             self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
-            if (s.run, s.policy_version, s.trajectory) in self._open:
-                self._open.discard((s.run, s.policy_version, s.trajectory))
+            if (s.run, s.trajectory) not in self._sealed:
+                self._sealed.add((s.run, s.trajectory))
                 self.metrics.sealed_trajectories.inc()
+            self._open.discard((s.run, s.trajectory))
         for link in msg.links:
+            self._see_version(link.run, link.policy_version)
             self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
+
+    def _see_version(self, run: str, version: int) -> None:
+        """Keep dedupe/conflict state for the newest ``dedupe_versions`` policy versions of a run only
+        (memory stays bounded on a long-running sidecar; older versions are no longer written)."""
+        newest = self._newest.get(run, -1)
+        if version <= newest:
+            return
+        self._newest[run] = version
+        floor = version - self.config.dedupe_versions + 1
+        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links)
+        for d in stores:
+            for key in [k for k in d if k[0] == run and k[1] < floor]:
+                del d[key]
+        if floor > 0:  # trajectories of dropped versions are neither open nor remembered as sealed
+            live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
+            self._open = {k for k in self._open if k[0] != run or k[1] in live}
+            self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
 
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)

@@ -207,3 +207,19 @@ def test_replay_does_not_store_deduplicated_chunks_twice(memory_url: str, tmp_pa
         assert entries == ["t1", "t2"]
     finally:
         eng2.close()
+
+
+def test_dedupe_state_is_bounded_to_the_newest_versions(memory_url: str) -> None:
+    eng = _engine(memory_url, None, flush_interval_s=0.05, dedupe_versions=2)
+    try:
+        for v in range(6):
+            seal = TrajectorySeal(SPEC.run, v, f"t{v}", 5, ("layers.1.mlp.input",))
+            _submit(eng, write_request(v + 1, [make_chunk(f"t{v}", 0, 4, version=v)], seals=[seal]))
+        assert {k[1] for k in eng._index} == {4, 5}
+        assert {k[1] for k in eng._seals} == {4, 5}
+        assert eng.stat()["open_trajectories"] == 0
+        # within the window a conflicting chunk is still refused
+        with pytest.raises(ConflictError):
+            _submit(eng, write_request(7, [make_chunk("t5", 0, 4, seed=9, version=5)]))
+    finally:
+        eng.close()
