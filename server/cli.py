@@ -55,8 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=float, default=float(e("--grace", 30.0)), help="seconds to drain on SIGTERM")
     p.add_argument("--storage-timeout", type=float, default=float(e("--storage-timeout", 60.0)))
     p.add_argument("--shm-dir", default=e("--shm-dir", "/dev/shm"), help="where writers' staging pools live")
-    p.add_argument("--dedupe-versions", type=int, default=int(e("--dedupe-versions", 4)),
-                   help="newest policy versions per run whose chunk keys are kept for dedupe/conflicts")
+    p.add_argument(
+        "--dedupe-versions",
+        type=int,
+        default=int(e("--dedupe-versions", 4)),
+        help="newest policy versions per run whose chunk keys are kept for dedupe/conflicts",
+    )
     p.add_argument(
         "--ready-file",
         type=_opt_str,
@@ -90,7 +94,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         workers=ns.workers,
         grace_s=ns.grace,
         storage_timeout_s=ns.storage_timeout,
-        shm_dir=ns.shm_dir, dedupe_versions=ns.dedupe_versions,
+        shm_dir=ns.shm_dir,
+        dedupe_versions=ns.dedupe_versions,
     )
 
 
