@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -66,8 +67,11 @@ def test_small_demo_in_memory_meets_the_issue_expectations() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(service_available() is not None, reason=f"service parts not installed: {service_available()}")
-def test_small_demo_through_the_service_meets_the_issue_expectations(tmp_path) -> None:  # noqa: ANN001
-    results = run_demo(small_config(transport="service"), out=tmp_path)
+def test_small_demo_through_the_service_meets_the_issue_expectations(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # A relative --out, as the README's `tracestore demo` uses (./tracestore-demo): the server
+    # subprocess runs in another directory, so every path handed to it must be absolute.
+    monkeypatch.chdir(tmp_path)
+    results = run_demo(small_config(transport="service"), out=pathlib.Path("."))
     t = results["transport"]
     assert t["path"] == "service" and t["storage"].startswith("file://")
     assert t["read_back_identical"] == {"trace_compact": True, "trace_all": True, "trace_full": True}

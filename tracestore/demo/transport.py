@@ -64,7 +64,7 @@ class ServiceTransport:
     def __init__(self, modes: tuple[Mode, ...], widths: dict[str, int], workdir: pathlib.Path, storage: str | None):
         from tracestore.records import RunSpec, SiteSpec
 
-        self.workdir = workdir
+        self.workdir = workdir.resolve()  # the server runs with cwd=workdir: paths must be absolute
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.storage = storage or "file://" + str((workdir / "store").resolve())
         if not self.storage.startswith("file://"):
