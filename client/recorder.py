@@ -34,7 +34,7 @@ import numpy as np
 from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.checksum import chunk_checksum
+from tracestore.v1.checksum import chunk_checksum_parts
 from tracestore.v1.convert import inline_chunk_parts, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import StagingPool
@@ -82,6 +82,7 @@ class _Piece:
     g_off: int
     nbytes: int
     queued: float = 0.0
+    g: bytes = b""  # the global scale's float32 bytes (known once the copy landed)
 
 
 @dataclasses.dataclass
@@ -93,6 +94,7 @@ class _Forward:
     version: int
     sites: list[tuple[str, Any, _Region, int, int, int, int]]  # name, site, region, nc, ns, nt, g_off
     queued: float
+    nbytes: int = 0
 
 
 @dataclasses.dataclass
@@ -135,6 +137,7 @@ class RolloutRecorder:
         epoch: int | None = None,
         connect: bool = True,
         pin: bool | None = None,
+        linger_s: float = 0.2,
     ) -> None:
         if not isinstance(run_spec, RunSpec):
             raise ConfigError(f"run_spec must be a tracestore.records.RunSpec, got {type(run_spec).__name__}")
@@ -144,6 +147,10 @@ class RolloutRecorder:
         self.writer = writer
         self.policy_version = int(policy_version)
         self.batch_bytes = int(batch_bytes)
+        self.window_bytes = 4 * self.batch_bytes  # taken at once and coalesced, then cut into messages
+        self.linger_s = float(linger_s)
+        self._queued_bytes = 0
+        self._urgent = False
         self.give_up_s = float(give_up_s)
         self.epoch = int(epoch) if epoch is not None else time.time_ns()
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
@@ -257,8 +264,10 @@ class RolloutRecorder:
             else:
                 seen.update(names)
             version_of[t] = version
+        nbytes = sum(nc + ns + nt for _, _, _, _, nc, ns, nt in plans)
         with self._lock:
-            self._queue.append(_Forward(segs, version, sites, time.monotonic()))
+            self._queue.append(_Forward(segs, version, sites, time.monotonic(), nbytes))
+            self._queued_bytes += nbytes
         with self._lock:
             self._wake.notify_all()
         return True
@@ -296,11 +305,14 @@ class RolloutRecorder:
         """Wait until everything queued is durably acknowledged; True on success within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
+            self._urgent = True  # send now, do not linger
+            self._wake.notify_all()
             while self._queue or self._unacked:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._wake.wait(0.1 if left is None else min(left, 0.1))
+            self._urgent = False
         return True
 
     def close(self, timeout: float | None = 30.0) -> bool:
@@ -364,51 +376,77 @@ class RolloutRecorder:
                 x.record_stream(side)
         return ev
 
-    def _build(self, pieces: list[_Piece], extras: list[TrajectorySeal | PrefixLink], shm: bool) -> _Out:
-        run = self.run_spec.run
-        req = pb.WriteRequest(run=run, writer=self.writer, epoch=self.epoch)
+    def _runs(self, pieces: list[_Piece]) -> list[list[_Piece]]:
+        """Coalesce pieces of one (trajectory, site, version) with adjacent tokens and the same
+        global scale into runs, one chunk each: decode steps record one token per sequence, and a
+        chunk per token costs ~75 us of sidecar CPU and a Parquet row (measured), so one chunk per
+        run is what makes decode-heavy rollouts affordable. Order of first appearance is kept."""
+        runs: list[list[_Piece]] = []
+        last: dict[tuple[str, str, int], list[_Piece]] = {}
+        for p in pieces:
+            key = (p.trajectory, p.site, p.version)
+            run = last.get(key)
+            if run is not None:
+                q = run[-1]
+                if q.token_start + q.n_tokens == p.token_start and (q.ts_off < 0) == (p.ts_off < 0) and q.g == p.g:
+                    run.append(p)
+                    continue
+            run = [p]
+            runs.append(run)
+            last[key] = run
+        return runs
+
+    def _build(self, runs: list[list[_Piece]], extras: list[TrajectorySeal | PrefixLink], shm: bool) -> _Out:
+        run_id = self.run_spec.run
+        req = pb.WriteRequest(run=run_id, writer=self.writer, epoch=self.epoch)
         if shm:
             req.shm_pool = self.pool.name or ""
         trajs: set[str] = set()
         nbytes = 0
         payload: list[Any] = []
-        for p in pieces:
-            if p.region.event is not None:
-                p.region.event.synchronize()
+        view = self.pool.view
+        pieces: list[_Piece] = []
+        for run in runs:
+            p = run[0]
             site = self._sites[p.site]
-            rows = p.n_tokens * site.rows_per_token
-            nc, ns = rows * site.code_bytes, rows * site.scale_bytes
-            codes = self._np[p.codes_off : p.codes_off + nc].reshape(rows, site.code_bytes)
-            scales = self._np[p.scales_off : p.scales_off + ns].reshape(rows, site.scale_bytes)
-            ts = None if p.ts_off < 0 else self._np[p.ts_off : p.ts_off + rows * 4].view("<f4")
-            g = float(self._np[p.g_off : p.g_off + 4].view("<f4")[0])
-            crc = chunk_checksum(run, p.version, p.trajectory, p.site, p.token_start, p.n_tokens, codes, scales, g, ts)
+            cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
+            g = float(np.frombuffer(p.g, "<f4")[0])
+            has_ts = p.ts_off >= 0
+            codes, scales, ts = [], [], []
+            n_tokens = 0
+            for q in run:
+                rows = q.n_tokens * rpt
+                codes.append(view[q.codes_off : q.codes_off + rows * cb])
+                scales.append(view[q.scales_off : q.scales_off + rows * sb])
+                if has_ts:
+                    ts.append(view[q.ts_off : q.ts_off + rows * 4])
+                n_tokens += q.n_tokens
+                nbytes += q.nbytes
+            n_rows = n_tokens * rpt
+            crc = chunk_checksum_parts(
+                run_id, p.version, p.trajectory, p.site, p.token_start, n_tokens, n_rows, cb, sb,
+                codes, scales, g, ts if has_ts else None,
+            )  # fmt: skip
             head = pb.Chunk(
                 policy_version=p.version,
                 trajectory=p.trajectory,
                 site=p.site,
                 token_start=p.token_start,
-                n_tokens=p.n_tokens,
+                n_tokens=n_tokens,
                 global_scale=g,
-                has_token_scales=ts is not None,
+                has_token_scales=has_ts,
                 checksum=crc,
             )
-            if shm:
+            if shm and len(run) == 1:  # descriptors only; a coalesced run is not contiguous: inline
                 c = req.chunks.add()
                 c.CopyFrom(head)
                 c.shm.codes_offset = p.codes_off
                 c.shm.scales_offset = p.scales_off
                 c.shm.token_scales_offset = max(p.ts_off, 0)
             else:  # payload straight from staging into the wire bytes (one copy, at send time)
-                view = self.pool.view
-                payload += inline_chunk_parts(
-                    head,
-                    view[p.codes_off : p.codes_off + nc],
-                    view[p.scales_off : p.scales_off + ns],
-                    None if ts is None else view[p.ts_off : p.ts_off + rows * 4],
-                )
+                payload += inline_chunk_parts(head, codes, scales, ts if has_ts else None)
             trajs.add(p.trajectory)
-            nbytes += p.nbytes
+            pieces.extend(run)
         for e in extras:
             if isinstance(e, TrajectorySeal):
                 req.seals.append(seal_to_pb(e))
@@ -419,6 +457,24 @@ class RolloutRecorder:
             req.unguided.add(reason=reason, count=n)
         self._unguided_unreported = {}
         return _Out(0, req, pieces, trajs, nbytes, payload)
+
+    def _messages(
+        self, pieces: list[_Piece], extras: list[TrajectorySeal | PrefixLink], shm: bool
+    ) -> list[tuple[list[list[_Piece]], list[TrajectorySeal | PrefixLink]]]:
+        """Coalesce, then cut into messages of about ``batch_bytes``; seals and links ride in the
+        last one (after the records they close)."""
+        groups: list[list[list[_Piece]]] = [[]]
+        size = 0
+        for run in self._runs(pieces):
+            n = sum(p.nbytes for p in run)
+            if groups[-1] and size + n > self.batch_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(run)
+            size += n
+        out: list[tuple[list[list[_Piece]], list[TrajectorySeal | PrefixLink]]] = [(g, []) for g in groups]
+        out[-1] = (groups[-1], list(extras))
+        return [(g, e) for g, e in out if g or e]
 
     def _release(self, out: _Out) -> None:
         for p in out.pieces:
@@ -431,6 +487,10 @@ class RolloutRecorder:
         unguided = self._unguided
         for name, site, region, nc, ns, nt, g_off in fwd.sites:
             off = region.offset
+            if region.event is not None:
+                region.event.synchronize()
+                region.event = None
+            g = bytes(self.pool.view[g_off : g_off + 4])
             cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
             row = 0
             n = 0
@@ -442,7 +502,7 @@ class RolloutRecorder:
                             t, name, fwd.version, a, b - a, region,
                             codes_off=off + row * cb, scales_off=off + nc + row * sb,
                             ts_off=off + nc + ns + row * 4 if nt else -1, g_off=g_off,
-                            nbytes=r * (cb + sb) + (r * 4 if nt else 0), queued=fwd.queued,
+                            nbytes=r * (cb + sb) + (r * 4 if nt else 0), queued=fwd.queued, g=g,
                         )
                     )  # fmt: skip
                     n += 1
@@ -452,13 +512,23 @@ class RolloutRecorder:
                 self.pool.release(off)
         return pieces
 
-    def _take_batch(self) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
+    def _lingering(self) -> bool:
+        """Hold a small, young queue back a little so consecutive decode steps coalesce."""
+        if self._urgent or self._closed or self._queued_bytes >= self.batch_bytes or not self._queue:
+            return False
+        first = self._queue[0]
+        born = first.queued if isinstance(first, _Piece | _Forward) else 0.0
+        return time.monotonic() - born < self.linger_s
+
+    def _take_batch(self, limit: int | None = None) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
+        limit = self.batch_bytes if limit is None else limit
         pieces: list[_Piece] = []
         extras: list[TrajectorySeal | PrefixLink] = []
         size = 0
-        while self._queue and size < self.batch_bytes:
+        while self._queue and size < limit:
             item = self._queue.popleft()
             if isinstance(item, _Forward):
+                self._queued_bytes -= item.nbytes
                 self._queue.extendleft(reversed(self._expand(item)))
                 continue
             if isinstance(item, _Piece):
@@ -536,6 +606,7 @@ class RolloutRecorder:
                     if item.region.refs == 0:
                         self.pool.release(item.region.offset)
             self._queue.clear()
+            self._queued_bytes = 0
             # a fresh epoch: sequence restarts at 1, no gap with what the sidecar has
             self.epoch = max(self.epoch + 1, time.time_ns())
             self._next_seq = 1
@@ -603,23 +674,24 @@ class RolloutRecorder:
                     if self._closed and not self._queue and not self._unacked:
                         break
                     inflight = sum(o.nbytes for o in self._unacked)
-                    if not self._queue or inflight > 8 * self.batch_bytes:
-                        self._wake.wait(0.05)
+                    if not self._queue or inflight > 8 * self.batch_bytes or self._lingering():
+                        self._wake.wait(0.02)
                         continue
-                    pieces, extras = self._take_batch()
+                    pieces, extras = self._take_batch(self.window_bytes)
                 if not pieces and not extras:
                     continue
-                out = self._build(pieces, extras, shm)
-                with self._lock:
-                    out.seq = self._next_seq
-                    out.req.epoch = self.epoch
-                    out.req.sequence = out.seq
-                    self._next_seq += 1
-                    self._unacked.append(out)
-                self.stats["messages"] += 1
-                self.stats["chunks"] += len(pieces)
-                self.stats["bytes"] += out.nbytes
-                push(out)
+                for runs, ex in self._messages(pieces, extras, shm):
+                    out = self._build(runs, ex, shm)
+                    with self._lock:
+                        out.seq = self._next_seq
+                        out.req.epoch = self.epoch
+                        out.req.sequence = out.seq
+                        self._next_seq += 1
+                        self._unacked.append(out)
+                    self.stats["messages"] += 1
+                    self.stats["chunks"] += len(runs)
+                    self.stats["bytes"] += out.nbytes
+                    push(out)
         finally:
             with send_cv:
                 sendq.append(None)

@@ -277,3 +277,44 @@ def test_policy_version_per_chunk_and_large_reads(served: ServeProcess) -> None:
         assert rows.policy_version.tolist() == [0] * (n // 2) + [1] * (n // 2)
         experts = host["layers.20.mlp.experts"]
         assert experts.codes.shape == (2 * n, 16) and experts.valid.all()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix-shm"])
+def test_decode_steps_coalesce_into_one_chunk_per_run(served: ServeProcess, transport: str) -> None:
+    """Decode forwards (one token per sequence) with a static global scale: consecutive tokens of a
+    (trajectory, site) travel and are stored as one chunk; a change of global scale starts a new one.
+    The bytes read back are those recorded, token for token."""
+    address = served.address if transport == "tcp" else served.unix_address
+    rec = RolloutRecorder(address, SPEC, f"decode-{transport}", linger_s=30.0)  # only flush() sends
+    rng = np.random.default_rng(5)
+    trajs = [f"dec-{transport}-{i}" for i in range(8)]
+    steps = 24
+    sent: dict[tuple[str, str], list[bytes]] = {}
+    for step in range(steps):
+        out = {}
+        for s in SPEC.sites:
+            rows = len(trajs) * s.rows_per_token
+            codes = rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+            scales = rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8)
+            g = (0.5 if step < 16 else 0.25) if s.fmt.has_global_scale else 1.0  # scale changes at step 16
+            ts = np.full(rows, 1.5, np.float32) if s.name.endswith("experts") else None
+            out[s.name] = SiteOutput(codes, scales, g, ts)
+            r = s.rows_per_token
+            for i, t in enumerate(trajs):
+                sent.setdefault((t, s.name), []).append(codes[i * r : (i + 1) * r].tobytes())
+        assert rec.record_forward([(t, step, step + 1) for t in trajs], out)
+    for t in trajs:
+        rec.finish(t, steps + 1)
+    assert rec.flush(60), rec.stats
+    pieces = steps * len(trajs) * len(SPEC.sites)
+    # NVFP4 sites split once at the scale change, the MX site not at all
+    assert rec.stats["chunks"] == len(trajs) * (2 + 2 + 1), rec.stats
+    assert rec.stats["chunks"] < pieces
+    rec.close()
+    for source in (served.address, served.storage):  # the sidecar's Read commits what it holds first
+        with GuidanceReader(source, SPEC.run) as reader:
+            host = reader.read_host([(t, 0, steps) for t in trajs])
+        for s in SPEC.sites:
+            want = b"".join(b"".join(sent[(t, s.name)]) for t in trajs)
+            assert host[s.name].codes.tobytes() == want, (source, s.name)
+            assert host[s.name].valid.all()

@@ -62,3 +62,35 @@ def record_checksum(chunk: Any) -> int:
         chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
         chunk.codes, chunk.scales, chunk.global_scale, chunk.token_scales,
     )  # fmt: skip
+
+
+def chunk_checksum_parts(
+    run: str,
+    policy_version: int,
+    trajectory: str,
+    site: str,
+    token_start: int,
+    n_tokens: int,
+    n_rows: int,
+    code_bytes: int,
+    scale_bytes: int,
+    codes: list[Any],
+    scales: list[Any],
+    global_scale: float,
+    token_scales: list[Any] | None,
+) -> int:
+    """:func:`chunk_checksum` of a chunk whose rows lie in several buffers (a coalesced run):
+    ``codes``/``scales``/``token_scales`` are lists of byte buffers, concatenated in order."""
+    head = _TAG + f"{run}\0{trajectory}\0{site}\0".encode()
+    head += _HEAD.pack(policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, np.float32(global_scale))
+    crc = crc32(head)
+    for part in codes:
+        crc = crc32(part, crc)
+    for part in scales:
+        crc = crc32(part, crc)
+    if token_scales is None:
+        return crc32(b"\0", crc)
+    crc = crc32(b"\1", crc)
+    for part in token_scales:
+        crc = crc32(part, crc)
+    return crc

@@ -167,7 +167,8 @@ _CODES, _SCALES, _TOKEN_SCALES = (
 
 
 def inline_chunk_parts(head: pb.Chunk, codes: Any, scales: Any, token_scales: Any | None) -> list[Any]:
-    """Wire bytes of one ``WriteRequest.chunks`` entry as buffers, payloads not copied.
+    """Wire bytes of one ``WriteRequest.chunks`` entry as buffers, payloads not copied. Each
+    payload is a buffer or a list of buffers that together form the field (a coalesced run).
 
     Appending these to a serialized WriteRequest (protobuf concatenation merges repeated fields)
     lets a sender join header and payload straight from its staging memory in one copy, instead of
@@ -177,7 +178,9 @@ def inline_chunk_parts(head: pb.Chunk, codes: Any, scales: Any, token_scales: An
     h = head.SerializeToString()
     parts: list[Any] = [h]
     for number, buf in ((_CODES, codes), (_SCALES, scales), (_TOKEN_SCALES, token_scales)):
-        if buf is not None and len(buf):
-            parts += [len_field(number, len(buf)), buf]
+        bufs = buf if isinstance(buf, list) else [] if buf is None else [buf]  # a list: one field in pieces
+        n = sum(len(b) for b in bufs)
+        if n:
+            parts += [len_field(number, n), *bufs]
     body = sum(len(x) for x in parts)
     return [len_field(_WRITE_CHUNKS, body), *parts]
