@@ -183,6 +183,8 @@ def parse_write(
     req, chunks = scan_write(data)
     if declare is not None and req.HasField("run_spec"):
         declare(req.run_spec)  # the run spec may ride along with any message
+    if shm is not None and req.shm_pool:
+        shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
     return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
 
 

@@ -139,6 +139,8 @@ def test_end_to_end_bytes_identical(served: ServeProcess, transport: str) -> Non
         text = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).read().decode()
         line = next(x for x in text.splitlines() if x.startswith('tracestore_ingest_bytes_total{path="shm"}'))
         assert float(line.split()[-1]) > 0
+        cap = next(x for x in text.splitlines() if x.startswith("tracestore_shm_capacity_bytes"))
+        assert float(cap.split()[-1]) >= 8 << 20  # the recorder's pool is mapped and reported
 
 
 def test_reader_missing_records(served: ServeProcess) -> None:
