@@ -528,10 +528,13 @@ class RolloutRecorder:
         while self._queue and size < limit:
             item = self._queue.popleft()
             if isinstance(item, _Forward):
-                self._queued_bytes -= item.nbytes
-                self._queue.extendleft(reversed(self._expand(item)))
+                expanded = self._expand(item)
+                # the pieces carry the bytes from here on (segments dropped as unguided do not)
+                self._queued_bytes -= item.nbytes - sum(p.nbytes for p in expanded)
+                self._queue.extendleft(reversed(expanded))
                 continue
             if isinstance(item, _Piece):
+                self._queued_bytes -= item.nbytes
                 if item.trajectory in self._unguided:
                     item.region.refs -= 1
                     if item.region.refs == 0:
