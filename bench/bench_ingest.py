@@ -280,6 +280,13 @@ def main() -> int:
         raw_grpc, flight = RawGrpc(), Flight()
         durable = ServeProcess(d / "durable", flags=quiet).start()
         commit = ServeProcess(d / "commit", wal=False, flags=[*quiet, "--flush-interval", "0.05"]).start()
+        walx = Path(f"/dev/shm/tracestore-bench-wal-{os.getpid()}")
+        # budget above everything the transport-bound runs send, so no shard is flushed meanwhile
+        tb_budget = str(max(4096, (2 * ns.repeat * n_fwd * fwd_bytes() >> 20) * 2))
+        tb_flags = ["--wal-dir", str(walx), "--flush-interval", "3600", "--memory-budget-mib", tb_budget,
+                    "--shard-target-mib", tb_budget]  # fmt: skip
+        tb = ServeProcess(d / "tb", storage=f"memory://bench-tb-{os.getpid()}", unix_socket=True,
+                          flags=[*quiet, *tb_flags]).start()  # fmt: skip
         mem = ServeProcess(d / "mem", storage=f"memory://bench-{os.getpid()}", wal=False, unix_socket=True,
                            flags=[*quiet, "--flush-interval", "0.05"]).start()  # fmt: skip
         try:
@@ -297,19 +304,10 @@ def main() -> int:
                 g = ours("ours-grpc memory:// (commit ack)", mem.address, "g")
                 sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
                 # transport-bound: acks at a WAL on tmpfs, shard flushing deferred past the measurement
-                walx = Path(f"/dev/shm/tracestore-bench-wal-{os.getpid()}-{r}")
-                tb_flags = ["--wal-dir", str(walx), "--flush-interval", "3600", "--memory-budget-mib", "2048",
-                            "--shard-target-mib", "2048"]  # fmt: skip
-                tb = ServeProcess(d / f"tb{r}", storage=f"memory://bench-tb-{os.getpid()}-{r}", unix_socket=True,
-                                  flags=[*quiet, *tb_flags]).start()  # fmt: skip
-                try:
-                    tg = keep("ours-grpc, tmpfs WAL ack (transport-bound)",
-                              run_recorder(tb.address, n_fwd, f"tg{r}", outputs)[0])  # fmt: skip
-                    ts = keep("ours-shm, tmpfs WAL ack (transport-bound)",
-                              run_recorder(tb.unix_address, n_fwd, f"ts{r}", outputs)[0])  # fmt: skip
-                finally:
-                    tb.kill()
-                    shutil.rmtree(walx, ignore_errors=True)
+                tg = keep("ours-grpc, tmpfs WAL ack (transport-bound)",
+                          run_recorder(tb.address, n_fwd, f"tg{r}", outputs)[0])  # fmt: skip
+                ts = keep("ours-shm, tmpfs WAL ack (transport-bound)",
+                          run_recorder(tb.unix_address, n_fwd, f"ts{r}", outputs)[0])  # fmt: skip
                 fl = keep("flight-do_put", flight(chunks))
                 rr, ro, _ = bench_read(durable.storage, f"d{r}", n_fwd)
                 keep("raw-parquet-read", rr)
@@ -325,8 +323,9 @@ def main() -> int:
                     ratios.setdefault(name, []).append(v)
                 print(f"repetition {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:
-            for sp in (durable, commit, mem):
+            for sp in (durable, commit, mem, tb):
                 sp.kill()
+            shutil.rmtree(walx, ignore_errors=True)
             raw_grpc.close()
             flight.close()
 
