@@ -12,6 +12,7 @@ importing prometheus.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import filecmp
@@ -326,37 +327,106 @@ def _fsync_dirs(dirs: list[str]) -> None:
             os.close(dfd)
 
 
-class SyncingWriter(io.RawIOBase):
-    """A write-only file over ``fd`` that tracks size and crc32 and starts ``fdatasync`` in the
-    background every ``sync_every`` bytes, so the final fsync has little left to flush."""
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """Linux ``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)``: start writeback, do not wait."""
+    try:
+        import ctypes
+        import ctypes.util
 
-    def __init__(self, fd: int, sync_every: int = 32 << 20) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+        if fn(fd, offset, nbytes, 2) != 0:  # 2 = SYNC_FILE_RANGE_WRITE
+            err = ctypes.get_errno()
+            raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+    return start_writeback
+
+
+_START_WRITEBACK = _sync_file_range()
+
+
+class SyncingWriter(io.RawIOBase):
+    """A write-only file over ``fd`` whose writes land on a background thread.
+
+    ``write`` only queues the bytes; the writer thread adds them to the running crc32, writes them
+    to ``fd`` and starts writeback every ``sync_every`` bytes (``sync_file_range``, or a blocking
+    ``fdatasync`` where that is missing), so the caller keeps encoding while the kernel copies and
+    the disk writes, and the owner's final ``fsync`` has little left to flush. At most
+    ``max_pending`` bytes wait in the queue (``write`` blocks beyond). :meth:`finish` drains the
+    queue and raises the first write error. The caller still owns ``fd`` (and its final fsync).
+    """
+
+    def __init__(self, fd: int, sync_every: int = 8 << 20, max_pending: int = 64 << 20) -> None:
         super().__init__()
         self._fd = fd
         self.size = 0
         self.crc32 = 0
-        self._since_sync = 0
         self._sync_every = sync_every
-        self._sync: concurrent.futures.Future[None] | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracestore-sync")
+        self._max_pending = max_pending
+        self._pending = 0
+        self._queue: collections.deque[bytes | None] = collections.deque()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._thread = threading.Thread(target=self._drain, name="tracestore-writer", daemon=True)
+        self._thread.start()
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = len(view)
-        self.crc32 = crc32(view, self.crc32)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        data = b if isinstance(b, bytes) else bytes(memoryview(b).cast("B"))  # queued: must not change
+        n = len(data)
+        with self._cv:
+            while self._pending >= self._max_pending and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise StorageError(f"writing the shard failed: {self._error!r}") from self._error
+            self._queue.append(data)
+            self._pending += n
+            self._cv.notify_all()
         self.size += n
-        self._since_sync += n
-        if self._since_sync >= self._sync_every and (self._sync is None or self._sync.done()):
-            if self._sync is not None:
-                self._sync.result()  # surface an fdatasync error now
-            self._sync = self._pool.submit(os.fdatasync, self._fd)
-            self._since_sync = 0
         return n
+
+    def _drain(self) -> None:
+        written = synced = 0
+        crc = 0
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                data = self._queue.popleft()
+            if data is None:
+                self.crc32 = crc
+                return
+            try:
+                crc = crc32(data, crc)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view) :]
+                written += len(data)
+                if written - synced >= self._sync_every:
+                    if _START_WRITEBACK is not None:
+                        _START_WRITEBACK(self._fd, synced, written - synced)
+                    else:  # pragma: no cover - not Linux
+                        os.fdatasync(self._fd)
+                    synced = written
+            except BaseException as exc:  # surfaced by write() / finish()
+                with self._cv:
+                    self._error = exc
+                    self._queue.clear()
+                    self._cv.notify_all()
+                return
+            finally:
+                with self._cv:
+                    self._pending -= len(data)
+                    self._cv.notify_all()
 
     def tell(self) -> int:
         return self.size
@@ -365,11 +435,15 @@ class SyncingWriter(io.RawIOBase):
         pass
 
     def finish(self) -> None:
-        try:
-            if self._sync is not None:
-                self._sync.result()
-        finally:
-            self._pool.shutdown(wait=True)
+        """Wait until every queued byte is written; raise the first write error."""
+        with self._cv:
+            if self._error is None and not self._finished:
+                self._queue.append(None)
+                self._cv.notify_all()
+            self._finished = True
+        self._thread.join()
+        if self._error is not None:
+            raise StorageError(f"writing the shard failed: {self._error!r}") from self._error
 
 
 class CountingFile(io.RawIOBase):

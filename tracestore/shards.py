@@ -20,23 +20,25 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracestore.arrow import (
+    BYTE_COLUMNS,
     CHUNK_SCHEMA,
     KEY_COLUMNS,
     SCHEMA_VERSION,
-    binary_views,
     chunk_from_parts,
     chunks_to_table,
     schema_version_of,
 )
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
-from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal, crc32
+from tracestore.pagecrc import verify_pages
+from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal, chunk_checksum, crc32
 
 MANIFEST_FORMAT = "tracestore.manifest"
 MANIFEST_VERSION = 1
@@ -203,9 +205,9 @@ def encode_shard(
 ) -> tuple[memoryview | None, Manifest]:
     """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest.
 
-    With ``sink`` (a writable binary file object with ``size`` and ``crc32`` attributes, such as
-    :class:`tracestore.fsutil.SyncingWriter`) the Parquet bytes stream into it instead and the
-    returned bytes are None.
+    With ``sink`` (a writable binary file object with ``size`` and ``crc32`` attributes and a
+    ``finish()`` that completes pending writes, such as :class:`tracestore.fsutil.SyncingWriter`)
+    the Parquet bytes stream into it instead and the returned bytes are None.
     """
     ordered = check_shard_inputs(run, policy_version, chunks, seals, links)
     if not ordered:
@@ -234,7 +236,9 @@ def encode_shard(
     # which also releases it, encodes the row groups whose checksums are already known.
     futures = [_verify_pool().submit(_checksums, ordered[a : a + n]) for a, n in groups]
     crcs: list[int] = []
-    out = pa.BufferOutputStream() if sink is None else sink
+    # A Python sink gets the bytes through Arrow's buffered stream: the Parquet writer's many small
+    # writes (page headers, 4-byte lengths) reach Python as ~1 MiB blocks, not one call each.
+    out: Any = pa.BufferOutputStream() if sink is None else pa.BufferedOutputStream(pa.PythonFile(sink, "w"), 1 << 20)
     with pq.ParquetWriter(
         out,
         schema,
@@ -252,10 +256,13 @@ def encode_shard(
             table = table.replace_schema_metadata(schema.metadata)
             w.write_table(table, row_group_size=n)
     data: memoryview | None = None
+    if sink is not None:
+        out.close()  # flushes the buffered tail into the sink (whose own close is a no-op)
     if sink is None:
         buf = memoryview(out.getvalue()).cast("B")  # no copy: published straight from Arrow's buffer
         data, size, crc = buf, len(buf), crc32(buf)
     else:
+        sink.finish()  # the running crc is final once every queued byte is written
         size, crc = int(sink.size), int(sink.crc32)
 
     entries = []
@@ -281,75 +288,219 @@ def encode_shard(
     return data, manifest
 
 
-def open_parquet(f: Any, where: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
-    """ParquetFile over a file handle with page-checksum verification; CorruptionError if unreadable."""
+def open_parquet(
+    f: Any, where: str, metadata: pq.FileMetaData | None = None, *, verify_pages: bool = True
+) -> pq.ParquetFile:
+    """ParquetFile over a file handle with page-checksum verification; CorruptionError if unreadable.
+
+    ``verify_pages=False`` only for a reader that verifies the pages itself
+    (:func:`read_chunks` with ``pages=``, over the same bytes).
+    """
     try:
-        return pq.ParquetFile(f, metadata=metadata, page_checksum_verification=True, pre_buffer=True)
+        return pq.ParquetFile(f, metadata=metadata, page_checksum_verification=verify_pages, pre_buffer=verify_pages)
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise CorruptionError(f"shard {where}: not a readable Parquet file ({exc})") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredChunk:
+    """One verified chunk of a shard as read: read-only views into the decoded Arrow buffers.
+
+    ``codes`` uint8 ``[n_rows, code_bytes]``, ``scales`` uint8 ``[n_rows, scale_bytes]``,
+    ``token_scales`` float32 ``[n_rows]`` or None; the key is ``entry`` (checked, see
+    :func:`read_chunks`).
+    """
+
+    entry: ChunkEntry
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scale: float
+    token_scales: np.ndarray | None
+
+
+# Columns a read decodes: the key columns are not needed because every chunk's checksum is
+# recomputed over the manifest's key together with the stored bytes (a row holding another key
+# cannot match), and skipping them saves 7 column chunks per row group (bench_storage).
+DATA_COLUMNS = ["checksum", "global_scale", "codes", "scales", "token_scales"]
+READ_BATCH_BYTES = 8 << 20  # row groups decode in batches on the worker pool, verified as they land
+DECODE_THREADS = False
+
+
+def read_chunks(
+    source: pq.ParquetFile | Callable[[pq.FileMetaData | None], pq.ParquetFile],
+    manifest: Manifest,
+    entries: Sequence[ChunkEntry],
+    where: str,
+    *,
+    on_batch: Callable[[list[StoredChunk]], None] | None = None,
+    keys: bool = False,
+    pages: memoryview | None = None,
+) -> dict[ChunkEntry, StoredChunk]:
+    """Read the row groups holding ``entries``; return their chunks, each verified.
+
+    Every chunk's checksum is recomputed (:func:`tracestore.records.chunk_checksum`) over the
+    manifest's key and the stored bytes and must equal the manifest's value, and the stored
+    checksum must equal it too, so a flipped byte, a truncated file or another shard's file in
+    this place raises :class:`CorruptionError` naming the shard and the chunk. Parquet page
+    checksums are verified by the decoder (:func:`open_parquet`). ``keys=True`` also decodes the
+    key columns and compares them with the manifest (full validation, ``tracestore inspect``).
+
+    ``source`` is a ParquetFile (batches decode one after another on it) or a function
+    ``open(footer_or_None)`` that opens one over a thread-safe file such as a memory map (batches
+    of ~:data:`READ_BATCH_BYTES` then decode concurrently on the worker pool). ``on_batch(chunks)``
+    is called with each verified batch from the thread that decoded it, so a caller can place
+    rows while the next batch decodes.
+
+    ``pages``: the whole file's bytes (a memory map). Every page of the column chunks decoded is
+    then verified here with ISA-L crc32 (:mod:`tracestore.pagecrc`) before decoding, and ``source``
+    opens the file with ``verify_pages=False`` over those same bytes (Arrow's own check costs
+    ~5x more CPU).
+    """
+    by_group: dict[int, list[ChunkEntry]] = {}
+    for e in entries:
+        by_group.setdefault(e.row_group, []).append(e)
+    pf = source if isinstance(source, pq.ParquetFile) else source(None)
+    version = schema_version_of(pf.schema_arrow)
+    if version != SCHEMA_VERSION:
+        raise CorruptionError(f"shard {where}: schema version {version}, this tracestore reads {SCHEMA_VERSION}")
+    md = pf.metadata
+    if md.num_row_groups != len(manifest.row_groups):
+        raise CorruptionError(
+            f"shard {where}: has {md.num_row_groups} row groups, its manifest lists "
+            f"{len(manifest.row_groups)} (file replaced or truncated)"
+        )
+    for g in by_group:
+        if md.row_group(g).num_rows != manifest.row_groups[g]:
+            raise CorruptionError(
+                f"shard {where}: row group {g} holds {md.row_group(g).num_rows} rows, manifest says "
+                f"{manifest.row_groups[g]} (file replaced?)"
+            )
+    # batches of about READ_BATCH_BYTES, balanced (the last one is not a small leftover)
+    sizes = [(g, sum(e.nbytes for e in by_group[g])) for g in sorted(by_group)]
+    total = sum(n for _, n in sizes)
+    target = total / max(1, min(len(sizes), round(total / READ_BATCH_BYTES)))
+    batches: list[list[int]] = [[]]
+    acc = 0
+    for g, n in sizes:
+        if batches[-1] and acc >= target * len(batches) - n / 2:
+            batches.append([])
+        batches[-1].append(g)
+        acc += n
+
+    def run(batch: list[int], bpf: pq.ParquetFile) -> list[StoredChunk]:
+        if pages is not None:
+            _verify_pages(bpf.metadata, batch, _columns(keys), pages, where, by_group)
+        chunks = _read_batch(bpf, manifest, batch, [e for g in batch for e in by_group[g]], where, keys)
+        if on_batch is not None:
+            on_batch(chunks)
+        return chunks
+
+    results: list[list[StoredChunk]] = []
+    if isinstance(source, pq.ParquetFile) or len(batches) == 1:
+        results = [run(batch, pf) for batch in batches]
+    else:
+        meta = pf.metadata
+        opener = source
+
+        def run_own(batch: list[int]) -> list[StoredChunk]:
+            return run(batch, opener(meta))
+
+        futures = [_verify_pool().submit(run_own, batch) for batch in batches]
+        try:
+            results = [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+    return {c.entry: c for batch in results for c in batch}
 
 
 def read_entries(
     pf: pq.ParquetFile, manifest: Manifest, entries: Sequence[ChunkEntry], where: str
 ) -> dict[ChunkEntry, RecordChunk]:
-    """Read the row groups holding ``entries`` and return their verified chunks.
-
-    Every chunk is checked against the manifest (key, checksum) and its own stored checksum, so
-    a flipped byte, a truncated file or another shard's file in this place raises
-    :class:`CorruptionError` naming the shard and the chunk.
-    """
-    by_group: dict[int, list[ChunkEntry]] = {}
-    for e in entries:
-        by_group.setdefault(e.row_group, []).append(e)
-    groups = sorted(by_group)
-    version = schema_version_of(pf.schema_arrow)
-    if version != SCHEMA_VERSION:
-        raise CorruptionError(f"shard {where}: schema version {version}, this tracestore reads {SCHEMA_VERSION}")
-    if pf.metadata.num_row_groups != len(manifest.row_groups):
-        raise CorruptionError(
-            f"shard {where}: has {pf.metadata.num_row_groups} row groups, its manifest lists "
-            f"{len(manifest.row_groups)} (file replaced or truncated)"
+    """Read and fully validate ``entries`` (key columns too) as :class:`RecordChunk` objects."""
+    out = {}
+    for e, c in read_chunks(pf, manifest, entries, where, keys=True).items():
+        key = {
+            "run": manifest.run,
+            "policy_version": manifest.policy_version,
+            "trajectory": e.trajectory,
+            "site": e.site,
+            "token_start": e.token_start,
+            "n_tokens": e.n_tokens,
+            "n_rows": e.n_rows,
+        }
+        ts = None if c.token_scales is None else c.token_scales.view(np.uint8)
+        out[e] = chunk_from_parts(
+            key, c.global_scale, e.checksum, c.codes.reshape(-1), c.scales.reshape(-1), ts, verify=False, where=where
         )
-    # Read in batches of row groups and verify each batch's chunk checksums on the worker pool while
-    # the next batch decodes (both release the GIL), instead of one read followed by one verify pass.
-    batches: list[list[int]] = [[]]
-    acc = 0
-    for g in groups:
-        if batches[-1] and acc >= READ_BATCH_BYTES:
-            batches.append([])
-            acc = 0
-        batches[-1].append(g)
-        acc += sum(e.nbytes for e in by_group[g])
-    out: dict[ChunkEntry, RecordChunk] = {}
-    pending: list[tuple[concurrent.futures.Future[list[int]], list[tuple[ChunkEntry, RecordChunk, str]]]] = []
-    for batch in batches:
-        batch_entries = [e for g in batch for e in by_group[g]]
-        decoded = _decode_groups(pf, manifest, batch, batch_entries, where)
-        pending.append((_verify_pool().submit(_checksums, [c for _, c, _ in decoded]), decoded))
-    for fut, decoded in pending:
-        for actual, (e, c, desc) in zip(fut.result(), decoded, strict=True):
-            if actual != e.checksum:
-                raise CorruptionError(f"{desc}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})")
-            out[e] = c
     return out
 
 
-READ_BATCH_BYTES = 64 << 20  # with ISA-L crc32 verification is cheap; fewer, larger reads win
+def _byte_views(col: pa.ChunkedArray) -> list[np.ndarray | None]:
+    """Zero-copy uint8 views of every value of a (large_)binary column; None for nulls."""
+    out: list[np.ndarray | None] = []
+    for arr in col.chunks:
+        if arr.type == pa.binary():
+            arr = arr.cast(pa.large_binary())
+        _, off_buf, data_buf = arr.buffers()
+        offsets = np.frombuffer(off_buf, dtype=np.int64)[arr.offset : arr.offset + len(arr) + 1].tolist()
+        data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+        if arr.null_count:
+            valid = arr.is_valid().to_numpy(zero_copy_only=False).tolist()
+            out += [data[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(arr))]
+        else:
+            out += [data[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
+    return out
 
 
-def _decode_groups(
-    pf: pq.ParquetFile, manifest: Manifest, groups: list[int], entries: list[ChunkEntry], where: str
-) -> list[tuple[ChunkEntry, RecordChunk, str]]:
-    """Decode some row groups; check each wanted row's key against the manifest (not yet its checksum)."""
+def _columns(keys: bool) -> list[str]:
+    return list(CHUNK_SCHEMA.names) if keys else DATA_COLUMNS
+
+
+def _describe(entries: Sequence[ChunkEntry]) -> str:
+    desc = "; ".join(
+        f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
+        for e in entries[:3]
+    )
+    return desc + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+
+
+def _verify_pages(
+    md: pq.FileMetaData,
+    groups: list[int],
+    columns: list[str],
+    pages: memoryview,
+    where: str,
+    by_group: dict[int, list[ChunkEntry]],
+) -> None:
+    names = md.schema.to_arrow_schema().names
+    for g in groups:
+        rg = md.row_group(g)
+        for name in columns:
+            cc = rg.column(names.index(name))
+            start = cc.data_page_offset
+            if cc.has_dictionary_page and cc.dictionary_page_offset:
+                start = cc.dictionary_page_offset
+            end = start + cc.total_compressed_size
+            if start < 4 or end > len(pages):
+                raise CorruptionError(f"shard {where}: row group {g} column {name} lies outside the file")
+            try:
+                verify_pages(pages[start:end], f"column {name}")
+            except CorruptionError as exc:
+                raise CorruptionError(f"shard {where}: row group {g} holding {_describe(by_group[g])}: {exc}") from None
+
+
+def _read_batch(
+    pf: pq.ParquetFile, manifest: Manifest, groups: list[int], entries: list[ChunkEntry], where: str, keys: bool
+) -> list[StoredChunk]:
+    """Decode some row groups and verify every wanted chunk (see :func:`read_chunks`)."""
+    columns = _columns(keys)
     try:
-        table = pf.read_row_groups(groups, use_threads=True)
+        table = pf.read_row_groups(groups, columns=columns, use_threads=DECODE_THREADS)
     except (OSError, pa.ArrowException, ValueError) as exc:
-        desc = "; ".join(
-            f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
-            for e in entries[:3]
-        )
-        more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
-        raise CorruptionError(f"shard {where}: row groups {groups} holding {desc}{more} fail to decode: {exc}") from exc
+        raise CorruptionError(
+            f"shard {where}: row groups {groups} holding {_describe(entries)} fail to decode: {exc}"
+        ) from exc
     base = {}
     row = 0
     for g in groups:
@@ -357,38 +508,37 @@ def _decode_groups(
         row += manifest.row_groups[g]
     if table.num_rows != row:
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
-    keys = {n: table.column(n).to_pylist() for n in ("run", "policy_version", "trajectory", "site")}
-    nums = {n: table.column(n).to_numpy() for n in ("token_start", "n_tokens", "n_rows")}
     g_col = table.column("global_scale").to_numpy()
     crc = table.column("checksum").to_numpy()
-    codes = binary_views(table.column("codes"))
-    scales = binary_views(table.column("scales"))
-    tscales = binary_views(table.column("token_scales"))
+    codes, scales, tscales = (_byte_views(table.column(n)) for n in BYTE_COLUMNS)
+    key_cols = {n: table.column(n).to_pylist() for n in KEY_COLUMNS} if keys else {}
     out = []
     for e in entries:
         j = base[e.row_group] + e.row
-        key = {
-            "run": keys["run"][j],
-            "policy_version": int(keys["policy_version"][j]),
-            "trajectory": keys["trajectory"][j],
-            "site": keys["site"][j],
-            "token_start": int(nums["token_start"][j]),
-            "n_tokens": int(nums["n_tokens"][j]),
-            "n_rows": int(nums["n_rows"][j]),
-        }
-        expect = (manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
-        got = tuple(key[k] for k in KEY_COLUMNS)
         chunk_desc = f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
+        expect = (manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
+        got = tuple(key_cols[k][j] for k in KEY_COLUMNS) if keys else expect
         if got != expect or int(crc[j]) != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {chunk_desc} in row group {e.row_group} row {e.row} holds "
-                f"{got[2:5]} (checksum {int(crc[j]):#010x}, manifest {e.checksum:#010x}): wrong file in place?"
+                f"{got[2:5] if keys else 'another chunk'} (checksum {int(crc[j]):#010x}, manifest "
+                f"{e.checksum:#010x}): wrong file in place?"
             )
-        desc = f"shard {where}: {chunk_desc}"
-        chunk = chunk_from_parts(
-            key, float(g_col[j]), int(crc[j]), codes[j], scales[j], tscales[j], verify=False, where=desc
+        c, s, ts = codes[j], scales[j], tscales[j]
+        n = e.n_rows
+        if c is None or s is None or c.size % n or s.size % n or (ts is not None and ts.size != 4 * n):
+            raise CorruptionError(f"shard {where}: {chunk_desc}: stored byte lengths do not divide into {n} rows")
+        c2, s2 = c.reshape(n, -1), s.reshape(n, -1)
+        t4 = None if ts is None else ts.view("<f4")
+        gs = float(g_col[j])
+        actual = chunk_checksum(
+            manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, c2, s2, gs, t4
         )
-        out.append((e, chunk, desc))
+        if actual != e.checksum:
+            raise CorruptionError(
+                f"shard {where}: {chunk_desc}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})"
+            )
+        out.append(StoredChunk(e, c2, s2, gs, t4))
     return out
 
 

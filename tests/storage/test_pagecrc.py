@@ -1,0 +1,134 @@
+"""Parquet page checksums verified with ISA-L (tracestore.pagecrc) agree with Arrow's own check,
+and the background shard writer (fsutil.SyncingWriter) writes what it is given."""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tracestore import CorruptionError
+from tracestore.arrow import chunks_to_table
+from tracestore.errors import StorageError
+from tracestore.fsutil import SyncingWriter
+from tracestore.pagecrc import _header, verify_pages
+from tracestore.shards import encode_shard
+
+from .conftest import RUN, SITES, make_chunk
+
+
+def _shard(page_checksums: bool = True) -> bytes:
+    rng = np.random.default_rng(3)
+    chunks = [make_chunk(s, t, 0, 200, rng=rng) for s in SITES for t in ("a", "b", "c")]
+    if page_checksums:
+        data, _ = encode_shard(RUN, 0, "w", 0, "x", chunks, min_row_group_bytes=0)
+        assert data is not None
+        return bytes(data)
+    buf = io.BytesIO()
+    pq.write_table(chunks_to_table(chunks), buf, row_group_size=2, data_page_size=1 << 12)
+    return buf.getvalue()
+
+
+def _column_chunks(data: bytes) -> list[tuple[int, int, str]]:
+    md = pq.ParquetFile(io.BytesIO(data)).metadata
+    out = []
+    for g in range(md.num_row_groups):
+        for c in range(md.num_columns):
+            cc = md.row_group(g).column(c)
+            start = (
+                cc.dictionary_page_offset
+                if cc.has_dictionary_page and cc.dictionary_page_offset
+                else cc.data_page_offset
+            )
+            out.append((start, cc.total_compressed_size, cc.path_in_schema))
+    return out
+
+
+def test_every_page_of_a_shard_verifies():
+    data = _shard()
+    chunks = _column_chunks(data)
+    pages = sum(verify_pages(memoryview(data)[a : a + n], name) for a, n, name in chunks)
+    assert pages >= len(chunks)  # one or more pages per column chunk (dictionary pages too)
+
+
+def _bodies(chunk: memoryview) -> list[tuple[int, int]]:
+    """(offset, size) of every page body of a column chunk (headers parsed by pagecrc)."""
+    out, pos = [], 0
+    while pos < len(chunk):
+        fields, body = _header(chunk, pos)
+        out.append((body, fields[3]))
+        pos = body + fields[3]
+    return out
+
+
+def test_flipped_byte_in_every_page_is_caught_by_us_and_by_arrow():
+    data = _shard()
+    checked = 0
+    for a, n, name in _column_chunks(data)[:12]:  # every column of the first row group
+        for off, size in _bodies(memoryview(data)[a : a + n]):
+            for at in {off, off + size // 2, off + size - 1}:
+                bad = bytearray(data)
+                bad[a + at] ^= 0x04
+                with pytest.raises(CorruptionError, match=f"{name}: page at byte .* fails its checksum"):
+                    verify_pages(memoryview(bytes(bad))[a : a + n], name)
+                with pytest.raises((OSError, pa.ArrowException)):  # Arrow agrees the file is damaged
+                    pq.ParquetFile(io.BytesIO(bytes(bad)), page_checksum_verification=True).read_row_group(0)
+                checked += 1
+    assert checked >= 12
+
+
+def test_truncated_and_unparseable_chunks():
+    data = _shard()
+    a, n, _ = _column_chunks(data)[9]  # codes of row group 0
+    with pytest.raises(CorruptionError, match="claims|does not parse"):
+        verify_pages(memoryview(data)[a : a + n - 1], "codes")
+    with pytest.raises(CorruptionError, match="does not parse"):
+        verify_pages(memoryview(b"\x15"), "codes")  # a field header and nothing after it
+    with pytest.raises(CorruptionError, match="does not parse|claims"):
+        verify_pages(memoryview(b"\xff" * 64), "codes")
+
+
+def test_page_without_checksum_is_an_error():
+    data = _shard(page_checksums=False)
+    a, n, name = _column_chunks(data)[0]
+    with pytest.raises(CorruptionError, match="has no checksum"):
+        verify_pages(memoryview(data)[a : a + n], name)
+
+
+def test_syncing_writer_writes_size_and_crc(tmp_path):
+    rng = np.random.default_rng(5)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 7, 1 << 20, 3 << 20, 0, 12345)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        w = SyncingWriter(fd, sync_every=1 << 20, max_pending=2 << 20)  # small: exercises writeback and backpressure
+        for p in parts:
+            assert w.write(p) == len(p)
+        w.write(bytearray(b"mutable"))  # copied when queued
+        w.finish()
+        w.finish()  # idempotent
+    finally:
+        os.close(fd)
+    expect = b"".join(parts) + b"mutable"
+    assert path.read_bytes() == expect
+    assert w.size == len(expect) and w.crc32 == zlib.crc32(expect)
+
+
+def test_syncing_writer_surfaces_write_errors(tmp_path):
+    path = tmp_path / "ro"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF on the writer thread
+    try:
+        w = SyncingWriter(fd)
+        w.write(b"x" * 100)
+        with pytest.raises(StorageError, match="writing the shard failed"):
+            w.finish()
+        with pytest.raises(StorageError, match="writing the shard failed"):
+            w.write(b"more")
+    finally:
+        os.close(fd)

@@ -1,0 +1,159 @@
+"""Parquet page checksums verified with ISA-L crc32, for column chunks whose bytes are in memory.
+
+Parquet stores an optional CRC-32 in every page header (``PageHeader.crc``, field 4): the
+standard zlib CRC-32 of the page's compressed bytes, which follow the header (parquet-format
+``PageHeader``; Arrow writes it with ``write_page_checksum=True``). Arrow can verify it while
+decoding (``page_checksum_verification=True``), but with a table-driven CRC: ~8 ms of a 30 MB plan
+read here (27 MB of pages, ~3.5 GB/s), against ~1.5 ms with ISA-L's crc32 (19 GB/s, zlib-identical
+values). So the local read path verifies every page of the column chunks it decodes here, over
+the same memory-mapped bytes the decoder then reads, and decodes without Arrow's check.
+
+Page headers are Thrift compact-protocol structs (Apache Thrift ``TCompactProtocol``: field
+headers carry an id delta and a type; integers are zigzag varints); this module reads fields 1-4
+and skips the rest. Every tracestore shard is written with page checksums, so a page without one
+is an error here.
+"""
+
+from __future__ import annotations
+
+from tracestore.errors import CorruptionError
+from tracestore.records import crc32
+
+# Thrift compact-protocol type ids
+_BOOL_TRUE, _BOOL_FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT, _UUID = range(1, 14)
+_MAX_DEPTH = 16
+
+
+class _Bad(Exception):
+    pass
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        b = buf[pos]  # IndexError past the end: caught by the caller
+        pos += 1
+        out |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return out, pos
+        shift += 7
+        if shift > 63:
+            raise _Bad("varint longer than 64 bits")
+
+
+def _skip(buf: bytes, pos: int, ttype: int, depth: int) -> int:
+    if ttype in (_I16, _I32, _I64):
+        while buf[pos] & 0x80:
+            pos += 1
+        return pos + 1
+    if ttype in (_BOOL_TRUE, _BOOL_FALSE):
+        return pos
+    if ttype == _BYTE:
+        return pos + 1
+    if ttype == _DOUBLE:
+        return pos + 8
+    if ttype == _UUID:
+        return pos + 16
+    if ttype == _BINARY:
+        n, pos = _varint(buf, pos)
+        return pos + n
+    if depth > _MAX_DEPTH:
+        raise _Bad("nesting too deep")
+    if ttype in (_LIST, _SET):
+        head = buf[pos]
+        pos += 1
+        size, etype = head >> 4, head & 0x0F
+        if size == 15:
+            size, pos = _varint(buf, pos)
+        for _ in range(size):
+            pos = pos + 1 if etype in (_BOOL_TRUE, _BOOL_FALSE) else _skip(buf, pos, etype, depth + 1)
+        return pos
+    if ttype == _MAP:
+        size, pos = _varint(buf, pos)
+        if size:
+            kt, vt = buf[pos] >> 4, buf[pos] & 0x0F
+            pos += 1
+            for _ in range(size):
+                pos = _skip(buf, pos, kt, depth + 1)
+                pos = _skip(buf, pos, vt, depth + 1)
+        return pos
+    if ttype == _STRUCT:
+        return _struct(buf, pos, depth + 1, None)
+    raise _Bad(f"unknown thrift type {ttype}")
+
+
+def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int] | None) -> int:
+    """Walk one struct from ``pos``; record i32 fields 1-4 into ``fields``; return the end offset."""
+    fid = 0
+    while True:
+        head = buf[pos]
+        pos += 1
+        if head == 0:
+            return pos
+        ttype, delta = head & 0x0F, head >> 4
+        if delta:
+            fid += delta
+        else:
+            raw, pos = _varint(buf, pos)
+            fid = (raw >> 1) ^ -(raw & 1)
+        if fields is not None and ttype == _I32 and fid <= 4:
+            raw, pos = _varint(buf, pos)
+            fields[fid] = (raw >> 1) ^ -(raw & 1)
+        else:
+            pos = _skip(buf, pos, ttype, depth)
+
+
+_HEADER_WINDOW = 4096  # page headers are tens of bytes; a longer one is re-read whole
+
+
+def _header(chunk: memoryview, pos: int) -> tuple[dict[int, int], int]:
+    """Parse the page header at ``pos``: (fields 1-4, offset of the page body)."""
+    window = _HEADER_WINDOW
+    while True:
+        buf = bytes(chunk[pos : pos + window])  # bytes index faster than a memoryview
+        fields: dict[int, int] = {}
+        try:
+            end = _struct(buf, 0, 0, fields)
+        except IndexError:
+            if pos + window >= len(chunk):
+                raise _Bad("header runs past the end of the column chunk") from None
+            window *= 16
+            continue
+        if end > len(buf):
+            raise _Bad("header runs past the end of the column chunk")
+        return fields, pos + end
+
+
+def verify_pages(chunk: memoryview, where: str) -> int:
+    """Verify the CRC of every page in one column chunk's bytes; return the number of pages.
+
+    ``chunk`` is the column chunk exactly (from its first page header, dictionary page included,
+    ``total_compressed_size`` bytes). Raises :class:`CorruptionError` naming ``where`` on a
+    checksum mismatch, a page without a checksum, or headers that do not parse or tile the chunk.
+    """
+    pos = pages = 0
+    n = len(chunk)
+    while pos < n:
+        try:
+            fields, body = _header(chunk, pos)
+        except _Bad as exc:
+            raise CorruptionError(
+                f"{where}: page header at byte {pos} of the column chunk does not parse ({exc})"
+            ) from None
+        size = fields.get(3)
+        if size is None or size < 0 or body + size > n:
+            raise CorruptionError(
+                f"{where}: page at byte {pos} of the column chunk claims {size} bytes, {n - body} remain"
+            )
+        if 4 not in fields:
+            raise CorruptionError(f"{where}: page at byte {pos} has no checksum (tracestore always writes them)")
+        expect = fields[4] & 0xFFFFFFFF
+        actual = crc32(chunk[body : body + size])
+        if actual != expect:
+            raise CorruptionError(
+                f"{where}: page at byte {pos} of the column chunk fails its checksum "
+                f"(stored {expect:#010x}, computed {actual:#010x})"
+            )
+        pos = body + size
+        pages += 1
+    return pages
