@@ -251,12 +251,95 @@ def bench_read(storage: str, tag: str, n_fwd: int) -> tuple[float, float, int]:
     return raw / t_raw, nbytes / t_ours, raw
 
 
+DEC_ROWS, DEC_SITES = 256, 20  # a decode step: 256 sequences x 20 sites (paper: latter 20 of 40 layers)
+DEC_SPEC = RunSpec(
+    "bench-dec", tuple(SiteSpec(f"layers.{20 + i}.mlp.input", "moe_input", 20 + i, WIDTH) for i in range(DEC_SITES))
+)
+
+
+def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> list[float]:
+    """Seconds ``record_forward`` spends on the caller's (engine's) thread per decode step, with the
+    sender streaming to ``address`` meanwhile (``None``: no sender thread at all, the idle floor).
+    Between steps the caller sleeps ``step_s`` (the GPU forward: the engine thread lets go of the GIL)."""
+    from tracestore.client import RolloutRecorder, SiteOutput
+
+    rng = np.random.default_rng(1)
+    outs = {
+        s.name: SiteOutput(
+            rng.integers(0, 256, (DEC_ROWS, s.code_bytes), dtype=np.uint8),
+            rng.integers(0, 256, (DEC_ROWS, s.scale_bytes), dtype=np.uint8),
+            0.02,
+        )
+        for s in DEC_SPEC.sites
+    }
+    rec = RolloutRecorder(address or "127.0.0.1:1", DEC_SPEC, f"bench-{tag}", staging_bytes=256 << 20,
+                          connect=address is not None)  # fmt: skip
+    trajs = [f"{tag}-{k}" for k in range(DEC_ROWS)]
+    times = []
+    try:
+        for i in range(steps):
+            segs = [(t, i, i + 1) for t in trajs]
+            t0 = time.perf_counter()
+            ok = rec.record_forward(segs, outs)
+            times.append(time.perf_counter() - t0)
+            if not ok:
+                raise RuntimeError(f"decode step refused: {rec.stats}")
+            if address is None and rec.pool.in_use > rec.pool.capacity // 2:
+                rec.pool.release(0)  # no sender: recycle staging (the oldest region starts at 0)
+                rec.pool._ring.clear()  # noqa: SLF001 - bench only: reset the idle ring
+                rec.pool.in_use = 0
+            time.sleep(step_s)
+        if address is not None and not rec.flush(300):
+            raise RuntimeError(f"decode steps not acked: {rec.stats}")
+    finally:
+        rec.close(timeout=60 if address is not None else 0.1)
+    return times
+
+
+def bench_decode(ns: Any) -> int:
+    """Caller-thread time of record_forward per decode step, idle sender vs a sidecar on the unix
+    socket (shm) and on TCP, interleaved."""
+    from tracestore.server.testing import ServeProcess
+
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-decode-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        mem = ServeProcess(Path(tmp) / "mem", storage=f"memory://bench-dec-{os.getpid()}", wal=False,
+                           unix_socket=True, flags=["--metrics-port", "off", "--flush-interval", "0.05"]).start()  # fmt: skip
+        try:
+            for r in range(ns.repeat):
+                for j, (name, addr) in enumerate((("no sender (idle floor)", None), ("sender -> shm sidecar",
+                                                  mem.unix_address), ("sender -> TCP sidecar", mem.address))):  # fmt: skip
+                    t = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
+                    samples.setdefault(name, []).extend(t[5:])  # first steps: connection set-up
+        finally:
+            mem.kill()
+    for name, v in samples.items():
+        q = statistics.quantiles(v, n=100)
+        rows.append(dict(provider=f"record_forward caller time, {name}", median_ms=statistics.median(v) * 1e3,
+                         p90_ms=q[89] * 1e3, p99_ms=q[98] * 1e3, max_ms=max(v) * 1e3, n=len(v),
+                         step=f"{DEC_ROWS} rows x {DEC_SITES} sites"))  # fmt: skip
+    m = machine()
+    print(f"# decode-step caller time on {m.get('cpu')} ({m.get('cores')} cores), {ns.repeat} interleaved "
+          f"repetitions of {ns.steps} steps, {ns.step_ms} ms per step between calls; load average at the end "
+          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+    print_table(rows, ["provider", "median_ms", "p90_ms", "p99_ms", "max_ms", "n", "step"])
+    if not ns.no_save:
+        print(f"\nappended to {append_results('bench_ingest', rows)}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=192, help="record bytes per measured ingest")
     ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (ratios per repetition)")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="only the decode-step caller-time measurement")
+    ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement (--decode)")
+    ap.add_argument("--step-ms", type=float, default=25.0, help="sleep between decode steps (--decode)")
     ns = ap.parse_args()
+    if ns.decode:
+        return bench_decode(ns)
     from tracestore.server.testing import ServeProcess
 
     total = ns.mib << 20
