@@ -9,18 +9,23 @@ with the torch reference.
 
 Rows (ratio = baseline time / our time on the same bytes, higher is better; ``ratio_vs_ours`` from
 the medians, ``ratio_min`` from the fastest runs, which suffer least from other load on a shared
-machine; providers run interleaved in every repeat):
+machine; providers run interleaved in every repeat, in an order rotated each repeat; ``cpu_ms`` is
+the process CPU time (all threads), so work moved to background threads still shows; every row
+carries the machine's 1-minute load average and CPU pressure measured before its case):
 
 - ``write``: ``Store.write_shard`` (validation, checksums, sort, Parquet with codes uncompressed
-  and scales zstd, page checksums, temp file + fsync + create-only link + directory fsync, manifest)
-  vs raw ``pyarrow.parquet.write_table`` of the same Arrow table (default options, no fsync), and vs
-  ``torch.save`` of one file per trajectory (what a user would write without tracestore);
+  and scales zstd, page checksums, temp file + background writeback + fsync + create-only link +
+  directory fsync, manifest likewise) vs the issue's baseline, raw ``pyarrow.parquet.write_table``
+  of the same Arrow table (default options, no fsync); also raw with our codecs and page
+  checksums, raw + fsync, our encoder into a null sink, and ``torch.save`` of one file per
+  trajectory (what a user would write without tracestore);
 - ``read-plan``: ``StoreReader.read`` of a microbatch plan (2 of the step's trajectories, all sites,
   page and chunk checksums verified, aligned arrays; a fresh reader and a long-lived one with cached
-  manifests and footers) vs a raw pyarrow read of the same row groups (without and with page
-  checksum verification), vs ``torch.load``
-  of those trajectories' files; plus a pipeline-stage + tensor-parallel read (half the sites, half the
-  columns) with the bytes it fetched;
+  manifests and footers) vs the issue's baseline, a raw pyarrow ``read_row_groups`` of the same row
+  groups (defaults); also raw with Arrow's page checksum verification, raw tuned like our reader
+  (memory map, data columns, page checksums; no chunk checksums, no aligned output), ``torch.load``
+  of those trajectories' files; plus a pipeline-stage + tensor-parallel read (half the sites, half
+  the columns) with the bytes it fetched;
 - ``footprint``: bytes on storage per token (shard + manifest) vs the 7,680 B target (+1%);
 - ``compression``: per-column codec alternatives (size ratio, encode and decode throughput).
 
@@ -52,7 +57,7 @@ from tracestore.arrow import chunks_to_table  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
 from tracestore.reader import StoreReader  # noqa: E402
 from tracestore.records import RecordChunk, RunSpec, SiteSpec  # noqa: E402
-from tracestore.shards import COMPRESSION, DICTIONARY_COLUMNS, ZSTD_LEVEL, encode_shard  # noqa: E402
+from tracestore.shards import COMPRESSION, DATA_COLUMNS, DICTIONARY_COLUMNS, ZSTD_LEVEL, encode_shard  # noqa: E402
 from tracestore.store import Store  # noqa: E402
 
 WIDTH, N_SITES, BITS = 2048, 20, 1
@@ -131,6 +136,75 @@ def _spread(xs: list[float]) -> str:
     return f"{min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f} ms"
 
 
+def machine_load() -> dict[str, Any]:
+    """What else the machine was doing: 1-minute load average and Linux CPU pressure (avg10, %)."""
+    out: dict[str, Any] = {"loadavg_1m": round(os.getloadavg()[0], 2)}
+    try:
+        with open("/proc/pressure/cpu") as f:
+            out["cpu_pressure_avg10"] = float(f.readline().split()[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def interleaved(
+    providers: dict[str, Any], repeat: int, cleanup: Any = None
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Run every provider once per repetition, in an order rotated each repetition (so drift in
+    other load on the machine and position effects hit all providers alike); returns
+    {name: (wall seconds, process CPU seconds)}. ``cleanup()`` runs untimed after each repetition."""
+    names = list(providers)
+    out: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    for i in range(repeat):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            c0, t0 = time.process_time(), time.perf_counter()
+            providers[name]()
+            out[name][0].append(time.perf_counter() - t0)
+            out[name][1].append(time.process_time() - c0)
+        if cleanup is not None:
+            cleanup()
+    return out
+
+
+class NullSink(io.RawIOBase):
+    """A sink for :func:`encode_shard` that drops the bytes (encoding cost without any I/O)."""
+
+    size = 0
+    crc32 = 0
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        self.size += n
+        return n
+
+    def writable(self) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+
+def _rows(case: str, times: dict[str, tuple[list[float], list[float]]], ours: str, mib: float) -> list[dict[str, Any]]:
+    ref_w = times[ours][0]
+    rows = []
+    for name, (ws, cs) in times.items():
+        rows.append(
+            {
+                "case": case,
+                "provider": name,
+                "payload_MiB": round(mib, 1),
+                "median_ms": round(_median(ws) * 1e3, 1),
+                "min_ms": round(min(ws) * 1e3, 1),
+                "spread": _spread(ws),
+                "cpu_ms": round(_median(cs) * 1e3, 1),
+                "MiB_per_s": round(mib / _median(ws), 1),
+                "ratio_vs_ours": round(_median(ws) / _median(ref_w), 3),
+                "ratio_min": round(min(ws) / min(ref_w), 3),
+            }
+        )
+    return rows
+
+
 def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     import torch
 
@@ -138,7 +212,6 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     payload = sum(c.nbytes for c in chunks)
     table = chunks_to_table(chunks)
     rows: list[dict[str, Any]] = []
-    t_ours, t_encode, t_raw, t_raw_fmt, t_raw_sync, t_torch = [], [], [], [], [], []
     url = f"file://{workdir}/store"
     store = Store(url)
     store.put_run(SPEC)
@@ -146,51 +219,44 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     for c in chunks:
         by_traj.setdefault(c.trajectory, []).append(c)
     torch_dir = workdir / "torch"
-    info = None
-    for i in range(args.repeat):
-        # interleaved so drift from other load on the machine hits all providers alike
-        raw_path = workdir / f"raw-{i}.parquet"
-        t0 = time.perf_counter()
-        pq.write_table(table, raw_path)
-        t_raw.append(time.perf_counter() - t0)
-        raw_path.unlink()
+    torch_dir.mkdir()
+    seq = iter(range(1 << 30))
+    written: list[Any] = []
+    last: dict[str, Any] = {}
 
-        fmt_path = workdir / f"raw-fmt-{i}.parquet"
-        t0 = time.perf_counter()
+    def raw() -> None:  # the issue's baseline: pyarrow defaults, page cache only
+        path = workdir / f"raw-{next(seq)}.parquet"
+        pq.write_table(table, path)
+        written.append(path)
+
+    def raw_fmt() -> None:
+        path = workdir / f"raw-fmt-{next(seq)}.parquet"
         pq.write_table(
             table,
-            fmt_path,
+            path,
             compression=COMPRESSION,
             compression_level={n: ZSTD_LEVEL for n, c in COMPRESSION.items() if c == "ZSTD"},
             use_dictionary=DICTIONARY_COLUMNS,
             write_page_checksum=True,
             data_page_size=1 << 20,
         )
-        t_raw_fmt.append(time.perf_counter() - t0)
-        fmt_path.unlink()
+        written.append(path)
 
-        sync_path = workdir / f"raw-sync-{i}.parquet"
-        t0 = time.perf_counter()
-        with open(sync_path, "wb") as fh:
+    def raw_sync() -> None:
+        path = workdir / f"raw-sync-{next(seq)}.parquet"
+        with open(path, "wb") as fh:
             pq.write_table(table, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        t_raw_sync.append(time.perf_counter() - t0)
-        sync_path.unlink()
+        written.append(path)
 
-        t0 = time.perf_counter()
-        info = store.write_shard(SPEC.run, 0, f"w{i}", 0, chunks)
-        t_ours.append(time.perf_counter() - t0)
+    def ours() -> None:
+        last["info"] = store.write_shard(SPEC.run, 0, f"w{next(seq)}", 0, chunks)
 
-        t0 = time.perf_counter()
-        encode_shard(SPEC.run, 0, "enc", i, "unused", chunks)
-        t_encode.append(time.perf_counter() - t0)
-        if i < args.repeat - 1:
-            store.storage.rm(f"{SPEC.run}/v0/w{i}", recursive=True)
+    def encode_only() -> None:
+        encode_shard(SPEC.run, 0, "enc", 0, "unused", chunks, sink=NullSink())
 
-        shutil.rmtree(torch_dir, ignore_errors=True)
-        torch_dir.mkdir()
-        t0 = time.perf_counter()
+    def torch_save() -> None:
         for traj, cs in by_traj.items():
             obj = {
                 f"{c.site}@{c.token_start}": {
@@ -201,29 +267,30 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
                 for c in cs
             }
             torch.save(obj, torch_dir / f"{traj}.pt")
-        t_torch.append(time.perf_counter() - t0)
-    assert info is not None
-    mib = payload / 2**20
-    for name, ts in (
-        ("ours write_shard (durable)", t_ours),
-        ("ours encode_shard only (no I/O)", t_encode),
-        ("raw pq.write_table (page cache only)", t_raw),
-        ("raw pq.write_table, our codecs + page crc", t_raw_fmt),
-        ("raw pq.write_table + fsync", t_raw_sync),
-        ("torch.save per traj (no fsync)", t_torch),
-    ):
-        rows.append(
-            {
-                "case": "write",
-                "provider": name,
-                "payload_MiB": round(mib, 1),
-                "median_ms": round(_median(ts) * 1e3, 1),
-                "spread": _spread(ts),
-                "MiB_per_s": round(mib / _median(ts), 1),
-                "ratio_vs_ours": round(_median(ts) / _median(t_ours), 3),
-                "ratio_min": round(min(ts) / min(t_ours), 3),
-            }
-        )
+
+    def cleanup() -> None:  # untimed: deleting 100 MB files (with discard) stalls the disk for a while
+        for path in written:
+            path.unlink()
+        written.clear()
+        for w in store.list_writers(SPEC.run, 0):
+            store.storage.rm(f"{SPEC.run}/v0/{w}", recursive=True)
+
+    load_before = machine_load()
+    times = interleaved(
+        {
+            "raw pq.write_table (page cache only)": raw,
+            "raw pq.write_table, our codecs + page crc": raw_fmt,
+            "raw pq.write_table + fsync": raw_sync,
+            "ours write_shard (durable)": ours,
+            "ours encode_shard to a null sink (no I/O)": encode_only,
+            "torch.save per traj (no fsync)": torch_save,
+        },
+        args.repeat,
+        cleanup,
+    )
+    ours()  # the shard the reads below use
+    info = last["info"]
+    rows += [{**r, **load_before} for r in _rows("write", times, "ours write_shard (durable)", payload / 2**20)]
 
     # ---- reads: a microbatch of two trajectories, all sites
     trajs = sorted(by_traj)
@@ -232,60 +299,49 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     m = store.read_manifest(info.manifest_path)
     groups = sorted({e.row_group for e in m.chunks if e.trajectory in pick})
     shard_file = workdir / "store" / info.path
-    r_ours, r_warm, r_raw, r_raw_crc, r_torch, r_full = [], [], [], [], [], []
-    res = None
     warm = StoreReader(store, SPEC.run)
     warm.read(plan)
-    for _ in range(args.repeat):
-        reader = StoreReader(store, SPEC.run)  # a fresh reader each time: footer and manifest reads count
-        t0 = time.perf_counter()
-        res = reader.read(plan)
-        r_ours.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {}
 
-        t0 = time.perf_counter()  # a trainer's long-lived reader: manifests and footers cached
-        warm.read(plan)
-        r_warm.append(time.perf_counter() - t0)
+    def cold() -> None:
+        out["res"] = StoreReader(store, SPEC.run).read(plan)  # a fresh reader: footer and manifest reads count
 
-        t0 = time.perf_counter()
-        raw_tbl = pq.ParquetFile(shard_file).read_row_groups(groups)
-        r_raw.append(time.perf_counter() - t0)
+    def raw_read() -> None:  # the issue's baseline: pyarrow defaults
+        out["raw"] = pq.ParquetFile(shard_file).read_row_groups(groups)
 
-        t0 = time.perf_counter()
-        pq.ParquetFile(shard_file, page_checksum_verification=True).read_row_groups(groups)
-        r_raw_crc.append(time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        loaded = [torch.load(torch_dir / f"{t}.pt") for t in pick]
-        r_torch.append(time.perf_counter() - t0)
-        del loaded
-
-        t0 = time.perf_counter()
-        pq.read_table(shard_file)
-        r_full.append(time.perf_counter() - t0)
-    assert res is not None
-    read_bytes = sum(r.codes.nbytes + r.scales.nbytes for r in res.values())
-    rmib = read_bytes / 2**20
-    for name, ts, fetched in (
-        ("ours StoreReader.read (cold reader)", r_ours, res.stats.bytes_read),
-        ("ours StoreReader.read (warm reader)", r_warm, warm.read(plan).stats.bytes_read),
-        ("raw pq read_row_groups (same groups)", r_raw, raw_tbl.nbytes),
-        ("raw pq read_row_groups + page crc", r_raw_crc, raw_tbl.nbytes),
-        ("torch.load per traj", r_torch, sum(os.path.getsize(torch_dir / f"{t}.pt") for t in pick)),
-        ("raw pq.read_table (whole step)", r_full, shard_file.stat().st_size),
-    ):
-        rows.append(
-            {
-                "case": "read-plan",
-                "provider": name,
-                "payload_MiB": round(rmib, 1),
-                "fetched_MiB": round(fetched / 2**20, 1),
-                "median_ms": round(_median(ts) * 1e3, 1),
-                "spread": _spread(ts),
-                "MiB_per_s": round(rmib / _median(ts), 1),
-                "ratio_vs_ours": round(_median(ts) / _median(r_ours), 3),
-                "ratio_min": round(min(ts) / min(r_ours), 3),
-            }
+    def raw_mmap() -> None:  # pyarrow tuned the way our reader reads (but no chunk checksums, no aligned arrays)
+        pq.ParquetFile(pa.memory_map(str(shard_file)), page_checksum_verification=True).read_row_groups(
+            groups, columns=DATA_COLUMNS
         )
+
+    load_before = machine_load()
+    times = interleaved(
+        {
+            "ours StoreReader.read (cold reader)": cold,
+            "ours StoreReader.read (warm reader)": lambda: warm.read(plan),
+            "raw pq read_row_groups (same groups)": raw_read,
+            "raw pq read_row_groups + page crc": lambda: pq.ParquetFile(
+                shard_file, page_checksum_verification=True
+            ).read_row_groups(groups),
+            "raw pq mmap + page crc, data columns": raw_mmap,
+            "torch.load per traj": lambda: [torch.load(torch_dir / f"{t}.pt") for t in pick],
+            "raw pq.read_table (whole step)": lambda: pq.read_table(shard_file),
+        },
+        args.repeat,
+    )
+    res = out["res"]
+    read_bytes = sum(r.codes.nbytes + r.scales.nbytes for r in res.values())
+    fetched = {
+        "ours StoreReader.read (cold reader)": res.stats.bytes_read,
+        "ours StoreReader.read (warm reader)": warm.read(plan).stats.bytes_read,
+        "raw pq read_row_groups (same groups)": out["raw"].nbytes,
+        "raw pq read_row_groups + page crc": out["raw"].nbytes,
+        "raw pq mmap + page crc, data columns": out["raw"].select(DATA_COLUMNS).nbytes,
+        "torch.load per traj": sum(os.path.getsize(torch_dir / f"{t}.pt") for t in pick),
+        "raw pq.read_table (whole step)": shard_file.stat().st_size,
+    }
+    for r in _rows("read-plan", times, "ours StoreReader.read (cold reader)", read_bytes / 2**20):
+        rows.append({**r, "fetched_MiB": round(fetched[r["provider"]] / 2**20, 1), **load_before})
 
     # ---- a pipeline stage (half the sites) of a tensor-parallel rank (half the columns)
     stage = [s.name for s in SPEC.sites[: N_SITES // 2]]
@@ -302,6 +358,7 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             "payload_MiB": round(sum(r.codes.nbytes + r.scales.nbytes for r in sres.values()) / 2**20, 1),
             "fetched_MiB": round(sres.stats.bytes_read / 2**20, 1),
             "median_ms": round(_median(r_stage) * 1e3, 1),
+            "min_ms": round(min(r_stage) * 1e3, 1),
             "spread": _spread(r_stage),
             "shard_MiB": round(info.nbytes / 2**20, 1),
         }
@@ -380,7 +437,7 @@ def main() -> None:
     ap.add_argument("--trajectories", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
     ap.add_argument("--chunk-tokens", type=int, default=512, help="tokens per record chunk")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--pool-tokens", type=int, default=8192, help="real quantized tokens for the compression table")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results")
@@ -393,10 +450,13 @@ def main() -> None:
     comp = bench_compression(args)
     config = {"trajectories": args.trajectories, "tokens": args.tokens, "chunk_tokens": args.chunk_tokens}
     for case, cols in (
-        ("write", ["provider", "payload_MiB", "median_ms", "spread", "MiB_per_s", "ratio_vs_ours", "ratio_min"]),
+        (
+            "write",
+            ["provider", "payload_MiB", "median_ms", "min_ms", "cpu_ms", "MiB_per_s", "ratio_vs_ours", "ratio_min"],
+        ),
         (
             "read-plan",
-            ["provider", "payload_MiB", "fetched_MiB", "median_ms", "spread", "MiB_per_s"]
+            ["provider", "payload_MiB", "fetched_MiB", "median_ms", "min_ms", "cpu_ms", "MiB_per_s"]
             + ["ratio_vs_ours", "ratio_min"],
         ),
         ("footprint", ["provider", "bytes", "tokens", "bytes_per_token", "target", "ok"]),

@@ -7,7 +7,9 @@ sites of a trajectory fetches only their row groups. Column compression: code bi
 uncompressed (packed low FP4 bits are incompressible: bench/bench_storage.py measured every codec
 at 1.00x on them), scales, token scales and key columns zstd level 1 (real E4M3 scales: 0.65x).
 Page checksums are written and verified (reliability.md: a flipped byte in a compressed page
-otherwise came back as wrong data).
+otherwise came back as wrong data): by Arrow's decoder, or, on local disk, by
+:mod:`tracestore.pagecrc` with ISA-L over the memory-mapped bytes the decoder then reads. Every
+chunk's own checksum is verified on every read (:func:`read_chunks`).
 
 The manifest (small JSON, written after the shard) lists every chunk's key, row group and
 checksum; readers use it to fetch only the row groups they need and to detect swapped or
@@ -360,6 +362,8 @@ def read_chunks(
     by_group: dict[int, list[ChunkEntry]] = {}
     for e in entries:
         by_group.setdefault(e.row_group, []).append(e)
+    if not by_group:
+        return {}
     pf = source if isinstance(source, pq.ParquetFile) else source(None)
     version = schema_version_of(pf.schema_arrow)
     if version != SCHEMA_VERSION:
