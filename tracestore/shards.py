@@ -5,7 +5,9 @@ token_start). Row groups break at a (trajectory, site) boundary once they hold
 ``min_row_group_bytes`` and always before ``row_group_bytes``, so a pipeline stage reading a few
 sites of a trajectory fetches only their row groups. Column compression: code bits are stored
 uncompressed (packed low FP4 bits are incompressible: bench/bench_storage.py measured every codec
-at 1.00x on them), scales, token scales and key columns zstd level 1 (real E4M3 scales: 0.65x).
+at 1.00x on them), scales and token scales zstd level 1 (real E4M3 scales: 0.65x), the small
+per-chunk key columns uncompressed (zstd saved ~54 bytes per row group and cost 10 ms of 120 ms
+encoder CPU per 120 MiB shard: bench_storage configuration, 15 repeats).
 Page checksums are written and verified (reliability.md: a flipped byte in a compressed page
 otherwise came back as wrong data): by Arrow's decoder, or, on local disk, by
 :mod:`tracestore.pagecrc` with ISA-L over the memory-mapped bytes the decoder then reads. Every
@@ -52,7 +54,10 @@ MIN_ROW_GROUP_BYTES = 1 << 20  # 4 MiB wrote ~4% faster but a half-sites read fe
 # Column compression (see module docstring); dictionary only for the repeated strings.
 # bench_storage on real quantized tokens: codes 1.00x under every codec; E4M3 scales 0.646x with
 # zstd-1, 0.649x with zstd-3, 0.638x with zstd-9 (snappy/lz4 ~1.00x), and zstd-1 encodes fastest.
-COMPRESSION: dict[str, str] = {name: ("NONE" if name == "codes" else "ZSTD") for name in CHUNK_SCHEMA.names}
+# Key columns (a few bytes per chunk): one zstd call per column chunk cost more than it saved
+# (encoder thread 121 -> 111 ms per 120 MiB shard without it; the shard grew 4.3 KB, 0.004%).
+ZSTD_COLUMNS = ("scales", "token_scales")
+COMPRESSION: dict[str, str] = {name: ("ZSTD" if name in ZSTD_COLUMNS else "NONE") for name in CHUNK_SCHEMA.names}
 ZSTD_LEVEL = 1
 DICTIONARY_COLUMNS = ["run", "trajectory", "site"]
 STATISTICS_COLUMNS = ["run", "policy_version", "trajectory", "site", "token_start", "n_tokens"]
