@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import sys
 import threading
 import time
@@ -87,14 +88,24 @@ class _Piece:
 
 @dataclasses.dataclass
 class _Forward:
-    """One forward as record_forward queued it; the sender thread splits it into pieces (keeping
-    per-segment Python work off the engine thread: 2.3 ms per 256-sequence decode step before)."""
+    """One forward as record_forward queued it (one staging region for all its sites); the sender
+    thread splits it into pieces, keeping per-segment Python work off the engine thread."""
 
     segs: list[tuple[str, int, int]]
     version: int
-    sites: list[tuple[str, Any, _Region, int, int, int, int]]  # name, site, region, nc, ns, nt, g_off
+    sites: list[tuple[str, Any, int, int, int, int, int]]  # name, site, offset, nc, ns, nt, g_off
+    region: _Region
     queued: float
     nbytes: int = 0
+
+
+@dataclasses.dataclass
+class _Finish:
+    """A seal as finish() queued it; the sender resolves its sites and version in queue order."""
+
+    trajectory: str
+    n_tokens: int  # -1: the trajectory is unguided, only forget its bookkeeping
+    sites: tuple[str, ...] | None
 
 
 @dataclasses.dataclass
@@ -149,7 +160,8 @@ class RolloutRecorder:
         self.batch_bytes = int(batch_bytes)
         self.window_bytes = 4 * self.batch_bytes  # taken at once and coalesced, then cut into messages
         self.linger_s = float(linger_s)
-        self._queued_bytes = 0
+        self._in_bytes = 0  # bytes record_forward queued (written by the caller only)
+        self._out_bytes = 0  # bytes the sender took off the queue (written by the sender only)
         self._urgent = False
         self.give_up_s = float(give_up_s)
         self.epoch = int(epoch) if epoch is not None else time.time_ns()
@@ -169,16 +181,20 @@ class RolloutRecorder:
         self._sites = {s.name: s for s in run_spec.sites}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: deque[_Piece | _Forward | TrajectorySeal | PrefixLink] = deque()
+        # Callers append (deque.append is atomic), the sender pops: the engine thread never waits
+        # for a lock the sender holds while it expands and serializes.
+        self._queue: deque[_Piece | _Forward | _Finish | TrajectorySeal | PrefixLink] = deque()
         self._valid_ids: set[str] = set()
         self._unacked: deque[_Out] = deque()
         self._next_seq = 1
         self._acked = 0
         self._unguided: set[str] = set()
         self._unguided_unreported: dict[str, int] = {}
-        self._sites_of: dict[str, set[str]] = {}
-        self._version_of: dict[str, int] = {}
+        self._sites_of: dict[str, frozenset[str]] = {}  # sender thread only
+        self._version_of: dict[str, int] = {}  # sender thread only
+        self._names: dict[tuple[str, ...], frozenset[str]] = {}
         self._closed = False
+        self._busy = False  # the sender holds items it took off the queue and has not numbered yet
         self._connected = False
         self._down_since: float | None = time.monotonic()
         self.stats: dict[str, int] = dict(
@@ -209,20 +225,38 @@ class RolloutRecorder:
         """Queue one forward's records. ``segments`` are the forward's rows in order,
         ``(trajectory, token_start, token_end)``; each site's tensors hold those rows
         (x ``rows_per_token``). Returns False when the forward was refused (staging full or
-        recorder closed): its trajectories are then unguided. Bad arguments raise."""
+        recorder closed): its trajectories are then unguided. Bad arguments raise.
+
+        Cost on the caller's thread does not grow with the sender's work: no lock the sender holds,
+        no per-segment Python loop (checks run in C over the segment list), one staging
+        reservation, copies that keep the GIL (a copy that let it go waited up to the 5 ms switch
+        interval to get it back while the sender ran: 2-5 ms per decode step measured) and one
+        queue append. Splitting into chunks, coalescing and serialization run on the sender thread.
+        """
         version = self.policy_version if policy_version is None else int(policy_version)
-        segs = [(t, int(a), int(b)) for t, a, b in segments]
-        known = self._valid_ids
-        for t, a, b in segs:
-            if t not in known:
-                validate_id("trajectory", t)
-                if len(known) > 1 << 20:
-                    known.clear()
-                known.add(t)
-            if a < 0 or b <= a:
+        segs = segments if isinstance(segments, list) else list(segments)
+        if segs:
+            try:
+                trajs, starts, ends = zip(*segs, strict=True)
+            except (TypeError, ValueError) as exc:
+                raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
+            known = self._valid_ids
+            if not known.issuperset(trajs):
+                for t in trajs:
+                    if t not in known:
+                        validate_id("trajectory", t)
+                        if len(known) > 1 << 20:
+                            known.clear()
+                        known.add(t)
+            lens = list(map(operator.sub, ends, starts))
+            if min(starts) < 0 or min(lens) <= 0:
+                t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
                 raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
-        n_tok = sum(b - a for _, a, b in segs)
+            n_tok = int(sum(lens))
+        else:
+            trajs, n_tok = (), 0
         plans = []
+        total = 0
         for name, out in outputs.items():
             site = self._sites.get(name)
             if site is None:
@@ -234,68 +268,50 @@ class RolloutRecorder:
                 _check(out.token_scales, (rows,), f"{name}.token_scales", dtype="float32")
             nc, ns = rows * site.code_bytes, rows * site.scale_bytes
             nt = rows * 4 if out.token_scales is not None else 0
-            plans.append((name, site, out, rows, nc, ns, nt))
-        live = [t for t, _, _ in segs if t not in self._unguided]
-        if self._closed or not live:
+            plans.append((name, site, out, total, nc, ns, nt))
+            total += -(-(nc + ns + nt + 4) // 64) * 64
+        if self._closed or not segs or (self._unguided and self._unguided.issuperset(trajs)):
             return False
-        # reserve every region first so a forward is staged whole or not at all
-        regions: list[tuple[int, int]] = []
-        for _, _, _, _, nc, ns, nt in plans:
-            size = nc + ns + nt + 64
-            off = self.pool.reserve(size)
-            if off is None:
-                for o, _ in regions:
-                    self.pool.release(o)
-                self.stats["refused_forwards"] += 1
-                self._mark_unguided([t for t, _, _ in segs], "staging_full")
-                return False
-            regions.append((off, size))
+        # one reservation for the whole forward: it is staged whole or not at all
+        off = self.pool.reserve(max(total, 1))
+        if off is None:
+            self.stats["refused_forwards"] += 1
+            self._mark_unguided(list(trajs), "staging_full")
+            return False
+        region = _Region(off, total, refs=0)
         sites = []
-        for (name, site, out, _rows, nc, ns, nt), (off, size) in zip(plans, regions, strict=True):
-            g_off = off + nc + ns + nt
-            event = self._copy(out, off, nc, ns, nt, g_off)
-            sites.append((name, site, _Region(off, size, refs=0, event=event), nc, ns, nt, g_off))
-        names = [p[0] for p in plans]
-        sites_of, version_of = self._sites_of, self._version_of
-        for t, _, _ in segs:
-            seen = sites_of.get(t)
-            if seen is None:
-                sites_of[t] = set(names)
-            else:
-                seen.update(names)
-            version_of[t] = version
-        nbytes = sum(nc + ns + nt for _, _, _, _, nc, ns, nt in plans)
-        with self._lock:
-            self._queue.append(_Forward(segs, version, sites, time.monotonic(), nbytes))
-            self._queued_bytes += nbytes
-        with self._lock:
-            self._wake.notify_all()
+        events = []
+        for name, site, out, rel, nc, ns, nt in plans:
+            o = off + rel
+            g_off = o + nc + ns + nt
+            events.append(self._copy(out, o, nc, ns, nt, g_off))
+            sites.append((name, site, o, nc, ns, nt, g_off))
+        region.event = next((e for e in reversed(events) if e is not None), None)
+        nbytes = sum(p[4] + p[5] + p[6] for p in plans)
+        self._queue.append(_Forward(segs, version, sites, region, time.monotonic(), nbytes))  # atomic
+        self._in_bytes += nbytes  # written by callers only; the sender owns _out_bytes
         return True
 
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
         v = self.policy_version if policy_version is None else int(policy_version)
-        link = PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens)
-        self._sites_of.setdefault(trajectory, set())
-        with self._lock:
-            self._queue.append(link)
-            self._wake.notify_all()
+        self._queue.append(PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens))
 
     def finish(self, trajectory: str, n_tokens: int, sites: Sequence[str] | None = None) -> bool:
         """Seal ``trajectory`` (``n_tokens`` = its full length; the last position is unrecorded by
-        design). Returns False if it is unguided (then it is not sealed)."""
+        design). Returns False if it is unguided (then it is not sealed). The seal's sites (default:
+        every site this recorder queued for it) and policy version are resolved by the sender, after
+        the forwards queued before it."""
         validate_id("trajectory", trajectory)
         if trajectory in self._unguided:
-            self._sites_of.pop(trajectory, None)
+            self._queue.append(_Finish(trajectory, -1, None))  # forget its bookkeeping, in order
             return False
-        names = tuple(sorted(sites if sites is not None else self._sites_of.get(trajectory, ()) or self._sites))
-        v = self._version_of.get(trajectory, self.policy_version)
-        seal = TrajectorySeal(self.run_spec.run, v, trajectory, n_tokens, names)
-        self._sites_of.pop(trajectory, None)
-        self._version_of.pop(trajectory, None)
-        with self._lock:
-            self._queue.append(seal)
-            self._wake.notify_all()
+        names = None if sites is None else tuple(sorted(sites))
+        if names is not None:
+            unknown = [s for s in names if s not in self._sites]
+            if unknown:
+                raise ValidationError(f"run {self.run_spec.run} declares no sites {unknown}: {list(self._sites)}")
+        self._queue.append(_Finish(trajectory, int(n_tokens), names))
         return True
 
     def set_policy_version(self, version: int) -> None:
@@ -307,7 +323,7 @@ class RolloutRecorder:
         with self._lock:
             self._urgent = True  # send now, do not linger
             self._wake.notify_all()
-            while self._queue or self._unacked:
+            while self._queue or self._unacked or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -347,9 +363,12 @@ class RolloutRecorder:
         g = out.global_scale
         if any(_is_cuda(x) for x, _, _ in srcs) or _is_cuda(g):
             return self._copy_cuda(srcs, g, g_off)
+        view = self.pool.view
         for x, o, n in srcs:
-            self._np[o : o + n] = _as_bytes(x)
-        self._np[g_off : g_off + 4] = np.frombuffer(np.float32(_scalar(g)).tobytes(), np.uint8)
+            # memoryview assignment copies holding the GIL (numpy's copy releases it above 500
+            # elements, then waits up to the switch interval for it while the sender runs)
+            view[o : o + n] = _as_bytes(x).data
+        view[g_off : g_off + 4] = np.float32(_scalar(g)).tobytes()
         return None
 
     def _copy_cuda(self, srcs: list[tuple[Any, int, int]], g: Any, g_off: int) -> Any:
@@ -483,58 +502,81 @@ class RolloutRecorder:
                 self.pool.release(p.region.offset)
 
     def _expand(self, fwd: _Forward) -> list[_Piece]:
+        region = fwd.region
+        if region.event is not None:
+            region.event.synchronize()
+            region.event = None
+        trajs = [t for t, _, _ in fwd.segs]
+        names = tuple(name for name, *_ in fwd.sites)
+        fs = self._names.get(names)
+        if fs is None:
+            fs = self._names[names] = frozenset(names)
+        sites_of = self._sites_of
+        prev = {t: sites_of[t] for t in trajs if sites_of.get(t, fs) is not fs}
+        sites_of.update(dict.fromkeys(trajs, fs))
+        for t, old in prev.items():
+            sites_of[t] = old | fs
+        self._version_of.update(dict.fromkeys(trajs, fwd.version))
         pieces: list[_Piece] = []
         unguided = self._unguided
-        for name, site, region, nc, ns, nt, g_off in fwd.sites:
-            off = region.offset
-            if region.event is not None:
-                region.event.synchronize()
-                region.event = None
-            g = bytes(self.pool.view[g_off : g_off + 4])
+        view = self.pool.view
+        segs = [(t, int(a), int(b) - int(a)) for t, a, b in fwd.segs]
+        for name, site, off, nc, ns, nt, g_off in fwd.sites:
+            g = bytes(view[g_off : g_off + 4])
             cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
+            per = cb + sb + (4 if nt else 0)
             row = 0
-            n = 0
-            for t, a, b in fwd.segs:
-                r = (b - a) * rpt
+            for t, a, n in segs:
+                r = n * rpt
                 if t not in unguided:
                     pieces.append(
                         _Piece(
-                            t, name, fwd.version, a, b - a, region,
+                            t, name, fwd.version, a, n, region,
                             codes_off=off + row * cb, scales_off=off + nc + row * sb,
                             ts_off=off + nc + ns + row * 4 if nt else -1, g_off=g_off,
-                            nbytes=r * (cb + sb) + (r * 4 if nt else 0), queued=fwd.queued, g=g,
+                            nbytes=r * per, queued=fwd.queued, g=g,
                         )
                     )  # fmt: skip
-                    n += 1
                 row += r
-            region.refs = n
-            if n == 0:
-                self.pool.release(off)
+        region.refs = len(pieces)
+        if not pieces:
+            self.pool.release(region.offset)
         return pieces
+
+    def _seal(self, f: _Finish) -> TrajectorySeal | None:
+        known = self._sites_of.pop(f.trajectory, None)
+        version = self._version_of.pop(f.trajectory, self.policy_version)
+        if f.n_tokens < 0 or f.trajectory in self._unguided:
+            return None
+        names = f.sites if f.sites is not None else tuple(sorted(known or self._sites))
+        return TrajectorySeal(self.run_spec.run, version, f.trajectory, f.n_tokens, names)
 
     def _lingering(self) -> bool:
         """Hold a small, young queue back a little so consecutive decode steps coalesce."""
-        if self._urgent or self._closed or self._queued_bytes >= self.batch_bytes or not self._queue:
+        queued = self._in_bytes - self._out_bytes
+        if self._urgent or self._closed or queued >= self.batch_bytes or not self._queue:
             return False
         first = self._queue[0]
         born = first.queued if isinstance(first, _Piece | _Forward) else 0.0
         return time.monotonic() - born < self.linger_s
 
     def _take_batch(self, limit: int | None = None) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
+        """Take up to ``limit`` bytes off the queue (sender thread; callers keep appending meanwhile)."""
         limit = self.batch_bytes if limit is None else limit
         pieces: list[_Piece] = []
         extras: list[TrajectorySeal | PrefixLink] = []
         size = 0
-        while self._queue and size < limit:
-            item = self._queue.popleft()
+        queue = self._queue
+        while queue and size < limit:
+            item = queue.popleft()
             if isinstance(item, _Forward):
                 expanded = self._expand(item)
                 # the pieces carry the bytes from here on (segments dropped as unguided do not)
-                self._queued_bytes -= item.nbytes - sum(p.nbytes for p in expanded)
-                self._queue.extendleft(reversed(expanded))
+                self._out_bytes += item.nbytes - sum(p.nbytes for p in expanded)
+                queue.extendleft(reversed(expanded))
                 continue
             if isinstance(item, _Piece):
-                self._queued_bytes -= item.nbytes
+                self._out_bytes += item.nbytes
                 if item.trajectory in self._unguided:
                     item.region.refs -= 1
                     if item.region.refs == 0:
@@ -542,6 +584,11 @@ class RolloutRecorder:
                     continue
                 pieces.append(item)
                 size += item.nbytes
+            elif isinstance(item, _Finish):
+                seal = self._seal(item)
+                if seal is not None:
+                    extras.append(seal)
+                    size += 64
             else:
                 if item.trajectory in self._unguided:
                     continue
@@ -589,7 +636,8 @@ class RolloutRecorder:
                 return
             # Only records that waited the whole give-up time are dropped; fresh ones get their chance.
             ages = [p.queued for o in self._unacked for p in o.pieces]
-            ages += [p.queued for p in self._queue if isinstance(p, _Piece | _Forward)]
+            queued = list(self._queue)  # one C call: atomic against callers appending
+            ages += [p.queued for p in queued if isinstance(p, _Piece | _Forward)]
             if ages and time.monotonic() - min(ages) < self.give_up_s:
                 return
             lost: set[str] = set()
@@ -597,19 +645,22 @@ class RolloutRecorder:
                 lost |= out.trajectories
                 self._release(out)
             self._unacked.clear()
-            for item in self._queue:
+            while self._queue:
+                item = self._queue.popleft()
                 if isinstance(item, _Forward):
                     lost.update(t for t, _, _ in item.segs)
-                    for _, _, region, *_rest in item.sites:
-                        self.pool.release(region.offset)
+                    self.pool.release(item.region.offset)
+                    self._out_bytes += item.nbytes
                     continue
                 lost.add(item.trajectory)
+                if isinstance(item, _Finish):
+                    self._sites_of.pop(item.trajectory, None)
+                    self._version_of.pop(item.trajectory, None)
                 if isinstance(item, _Piece):
+                    self._out_bytes += item.nbytes
                     item.region.refs -= 1
                     if item.region.refs == 0:
                         self.pool.release(item.region.offset)
-            self._queue.clear()
-            self._queued_bytes = 0
             # a fresh epoch: sequence restarts at 1, no gap with what the sidecar has
             self.epoch = max(self.epoch + 1, time.time_ns())
             self._next_seq = 1
@@ -681,20 +732,26 @@ class RolloutRecorder:
                         self._wake.wait(0.02)
                         continue
                     pieces, extras = self._take_batch(self.window_bytes)
+                    self._busy = bool(pieces or extras)
                 if not pieces and not extras:
                     continue
-                for runs, ex in self._messages(pieces, extras, shm):
-                    out = self._build(runs, ex, shm)
+                try:
+                    for runs, ex in self._messages(pieces, extras, shm):
+                        out = self._build(runs, ex, shm)
+                        with self._lock:
+                            out.seq = self._next_seq
+                            out.req.epoch = self.epoch
+                            out.req.sequence = out.seq
+                            self._next_seq += 1
+                            self._unacked.append(out)
+                        self.stats["messages"] += 1
+                        self.stats["chunks"] += len(runs)
+                        self.stats["bytes"] += out.nbytes
+                        push(out)
+                finally:
                     with self._lock:
-                        out.seq = self._next_seq
-                        out.req.epoch = self.epoch
-                        out.req.sequence = out.seq
-                        self._next_seq += 1
-                        self._unacked.append(out)
-                    self.stats["messages"] += 1
-                    self.stats["chunks"] += len(runs)
-                    self.stats["bytes"] += out.nbytes
-                    push(out)
+                        self._busy = False
+                        self._wake.notify_all()
         finally:
             with send_cv:
                 sendq.append(None)

@@ -204,6 +204,41 @@ def test_staging_full_refuses_without_blocking(served: ServeProcess) -> None:
     rec.close(timeout=1)
 
 
+def test_record_forward_never_waits_for_the_sender(served: ServeProcess) -> None:
+    """users.md #2: the engine thread must not wait while the sender holds the recorder's lock (it
+    expands, coalesces and serializes under it); a decode step costs the same with the sender busy.
+    Before the fix record_forward took that lock: this call waited the full hold."""
+    import threading
+
+    rec = RolloutRecorder(served.address, SPEC, "never-waits", connect=False)
+    ro = Rollout(64, 1, 1, seed=3)
+    segs = [(ro.traj(i), 0, 1) for i in range(64)]
+    out = ro.forward(segs)
+    held, release = threading.Event(), threading.Event()
+
+    def busy_sender() -> None:
+        with rec._lock:  # noqa: SLF001 - stands in for the sender thread mid-batch
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=busy_sender)
+    t.start()
+    try:
+        assert held.wait(5)
+        t0 = time.monotonic()
+        for step in range(5):
+            assert rec.record_forward([(tr, step, step + 1) for tr, _, _ in segs], out)
+            assert rec.finish(f"done-{step}", 2) is True
+        assert time.monotonic() - t0 < 2.0, "record_forward waited for the sender's lock"
+    finally:
+        release.set()
+        t.join()
+    pieces, extras = rec._take_batch(1 << 30)  # noqa: SLF001 - the sender's view of the queue
+    assert len(pieces) == 5 * 64 * len(SPEC.sites) and len(extras) == 5
+    assert all(e.sites == tuple(sorted(s.name for s in SPEC.sites)) for e in extras)  # type: ignore[union-attr]
+    rec.close(timeout=1)
+
+
 def test_rejected_message_marks_only_its_trajectories(served: ServeProcess) -> None:
     a = RolloutRecorder(served.address, SPEC, "dup-a")
     b = RolloutRecorder(served.address, SPEC, "dup-b", batch_bytes=1)  # one forward per message
