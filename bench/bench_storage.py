@@ -215,6 +215,7 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     url = f"file://{workdir}/store"
     store = Store(url)
     store.put_run(SPEC)
+    (workdir / "store" / SPEC.run / "v0" / "w0").mkdir(parents=True)  # exists on a running sidecar
     by_traj: dict[str, list[RecordChunk]] = {}
     for c in chunks:
         by_traj.setdefault(c.trajectory, []).append(c)
@@ -250,8 +251,9 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             os.fsync(fh.fileno())
         written.append(path)
 
-    def ours() -> None:
-        last["info"] = store.write_shard(SPEC.run, 0, f"w{next(seq)}", 0, chunks)
+    def ours() -> None:  # a sidecar's successive shards land in its existing writer directory
+        last["info"] = store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
+        written.extend(workdir / "store" / p for p in (last["info"].path, last["info"].manifest_path))
 
     def encode_only() -> None:
         encode_shard(SPEC.run, 0, "enc", 0, "unused", chunks, sink=NullSink())
@@ -272,8 +274,6 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         for path in written:
             path.unlink()
         written.clear()
-        for w in store.list_writers(SPEC.run, 0):
-            store.storage.rm(f"{SPEC.run}/v0/{w}", recursive=True)
 
     load_before = machine_load()
     times = interleaved(
