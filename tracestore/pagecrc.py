@@ -82,8 +82,11 @@ def _skip(buf: bytes, pos: int, ttype: int, depth: int) -> int:
     raise _Bad(f"unknown thrift type {ttype}")
 
 
-def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int] | None) -> int:
-    """Walk one struct from ``pos``; record i32 fields 1-4 into ``fields``; return the end offset."""
+def _struct(
+    buf: bytes, pos: int, depth: int, fields: dict[int, int] | None, nested: dict[int, int] | None = None
+) -> int:
+    """Walk one struct from ``pos``; record i32 fields 1-4 into ``fields`` (and those of a struct
+    in field 5, the DataPageHeader, into ``nested``); return the end offset."""
     fid = 0
     while True:
         head = buf[pos]
@@ -99,6 +102,8 @@ def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int] | None) -> 
         if fields is not None and ttype == _I32 and fid <= 4:
             raw, pos = _varint(buf, pos)
             fields[fid] = (raw >> 1) ^ -(raw & 1)
+        elif nested is not None and ttype == _STRUCT and fid == 5:
+            pos = _struct(buf, pos, depth + 1, nested)
         else:
             pos = _skip(buf, pos, ttype, depth)
 
@@ -106,14 +111,16 @@ def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int] | None) -> 
 _HEADER_WINDOW = 4096  # page headers are tens of bytes; a longer one is re-read whole
 
 
-def _header(chunk: memoryview, pos: int) -> tuple[dict[int, int], int]:
+def _header(chunk: memoryview, pos: int, nested: dict[int, int] | None = None) -> tuple[dict[int, int], int]:
     """Parse the page header at ``pos``: (fields 1-4, offset of the page body)."""
     window = _HEADER_WINDOW
     while True:
         buf = bytes(chunk[pos : pos + window])  # bytes index faster than a memoryview
         fields: dict[int, int] = {}
+        if nested is not None:
+            nested.clear()
         try:
-            end = _struct(buf, 0, 0, fields)
+            end = _struct(buf, 0, 0, fields, nested)
         except IndexError:
             if pos + window >= len(chunk):
                 raise _Bad("header runs past the end of the column chunk") from None
@@ -124,18 +131,29 @@ def _header(chunk: memoryview, pos: int) -> tuple[dict[int, int], int]:
         return fields, pos + end
 
 
-def verify_pages(chunk: memoryview, where: str) -> int:
+_DATA_PAGE = 0  # parquet-format PageType.DATA_PAGE (v1)
+_PLAIN = 0  # parquet-format Encoding.PLAIN
+
+
+def verify_pages(chunk: memoryview, where: str, values: list[memoryview] | None = None) -> int:
     """Verify the CRC of every page in one column chunk's bytes; return the number of pages.
 
     ``chunk`` is the column chunk exactly (from its first page header, dictionary page included,
     ``total_compressed_size`` bytes). Raises :class:`CorruptionError` naming ``where`` on a
     checksum mismatch, a page without a checksum, or headers that do not parse or tile the chunk.
+
+    ``values``: for an uncompressed, required (no definition levels), flat BYTE_ARRAY column, a
+    list that receives a zero-copy view of every value, in row order, when every page is a v1
+    data page in PLAIN encoding (a value is a 4-byte little-endian length and its bytes); the
+    list is left empty when a page is anything else (the caller then decodes with Arrow).
     """
     pos = pages = 0
     n = len(chunk)
+    nested: dict[int, int] | None = {} if values is not None else None
+    plain = values is not None
     while pos < n:
         try:
-            fields, body = _header(chunk, pos)
+            fields, body = _header(chunk, pos, nested)
         except _Bad as exc:
             raise CorruptionError(
                 f"{where}: page header at byte {pos} of the column chunk does not parse ({exc})"
@@ -154,6 +172,26 @@ def verify_pages(chunk: memoryview, where: str) -> int:
                 f"{where}: page at byte {pos} of the column chunk fails its checksum "
                 f"(stored {expect:#010x}, computed {actual:#010x})"
             )
+        if plain and values is not None and nested is not None:
+            if fields.get(1) != _DATA_PAGE or nested.get(2) != _PLAIN or fields.get(2) != size or 1 not in nested:
+                plain = False
+                values.clear()
+            else:
+                _plain_values(chunk, body, body + size, nested[1], values, f"{where}: page at byte {pos}")
         pos = body + size
         pages += 1
     return pages
+
+
+def _plain_values(chunk: memoryview, pos: int, end: int, count: int, out: list[memoryview], where: str) -> None:
+    for _ in range(count):
+        if pos + 4 > end:
+            raise CorruptionError(f"{where}: PLAIN values run past the page")
+        size = int.from_bytes(chunk[pos : pos + 4], "little")
+        pos += 4
+        if pos + size > end:
+            raise CorruptionError(f"{where}: a PLAIN value of {size} bytes runs past the page")
+        out.append(chunk[pos : pos + size])
+        pos += size
+    if pos != end:
+        raise CorruptionError(f"{where}: {end - pos} bytes after the page's {count} PLAIN values")

@@ -32,7 +32,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracestore.arrow import (
-    BYTE_COLUMNS,
     CHUNK_SCHEMA,
     KEY_COLUMNS,
     SCHEMA_VERSION,
@@ -400,9 +399,10 @@ def read_chunks(
         acc += n
 
     def decode(batch: list[int], bpf: pq.ParquetFile) -> list[StoredChunk]:
+        codes = None
         if pages is not None:
-            _verify_pages(bpf.metadata, batch, _columns(keys), pages, where, by_group)
-        return _read_batch(bpf, manifest, batch, [e for g in batch for e in by_group[g]], where, keys)
+            codes = _verify_pages(bpf.metadata, batch, _columns(keys), pages, where, by_group)
+        return _read_batch(bpf, manifest, batch, [e for g in batch for e in by_group[g]], where, keys, codes)
 
     def done(chunks: list[StoredChunk]) -> list[StoredChunk]:
         if on_batch is not None:
@@ -490,29 +490,64 @@ def _verify_pages(
     pages: memoryview,
     where: str,
     by_group: dict[int, list[ChunkEntry]],
-) -> None:
+) -> list[np.ndarray] | None:
+    """Verify every page of ``columns`` in ``groups``; return the codes values of those groups
+    (zero-copy views of the pages, row order) when their pages allow it, else None.
+
+    Codes are stored uncompressed and PLAIN, so their values are used where they lie in the
+    memory map instead of being copied by Arrow's decoder and copied again into the output
+    (each value is covered by its page checksum here and by its chunk checksum later)."""
     names = md.schema.to_arrow_schema().names
+    codes: list[np.ndarray] | None = [] if "codes" in columns else None
     for g in groups:
         rg = md.row_group(g)
         for name in columns:
-            cc = rg.column(names.index(name))
+            i = names.index(name)
+            cc = rg.column(i)
             start = cc.data_page_offset
             if cc.has_dictionary_page and cc.dictionary_page_offset:
                 start = cc.dictionary_page_offset
             end = start + cc.total_compressed_size
             if start < 4 or end > len(pages):
                 raise CorruptionError(f"shard {where}: row group {g} column {name} lies outside the file")
+            values: list[memoryview] | None = None
+            if name == "codes" and codes is not None:
+                col = md.schema.column(i)
+                plain_ok = (
+                    cc.compression == "UNCOMPRESSED"
+                    and cc.physical_type == "BYTE_ARRAY"
+                    and col.max_definition_level == 0
+                    and col.max_repetition_level == 0
+                )
+                values = [] if plain_ok else None
             try:
-                verify_pages(pages[start:end], f"column {name}")
+                verify_pages(pages[start:end], f"column {name}", values)
             except CorruptionError as exc:
                 raise CorruptionError(f"shard {where}: row group {g} holding {_describe(by_group[g])}: {exc}") from None
+            if codes is not None and name == "codes":
+                if values is None or len(values) != rg.num_rows:
+                    codes = None
+                else:
+                    codes += [np.frombuffer(v, dtype=np.uint8) for v in values]
+    return codes
 
 
 def _read_batch(
-    pf: pq.ParquetFile, manifest: Manifest, groups: list[int], entries: list[ChunkEntry], where: str, keys: bool
+    pf: pq.ParquetFile,
+    manifest: Manifest,
+    groups: list[int],
+    entries: list[ChunkEntry],
+    where: str,
+    keys: bool,
+    codes_values: list[np.ndarray] | None = None,
 ) -> list[StoredChunk]:
-    """Decode some row groups and verify every wanted chunk (see :func:`read_chunks`)."""
+    """Decode some row groups and verify every wanted chunk (see :func:`read_chunks`).
+
+    ``codes_values``: the codes of every row of ``groups`` already located (page-verified) in
+    the file's bytes; the codes column is then not decoded."""
     columns = _columns(keys)
+    if codes_values is not None:
+        columns = [c for c in columns if c != "codes"]
     try:
         table = pf.read_row_groups(groups, columns=columns, use_threads=DECODE_THREADS)
     except (OSError, pa.ArrowException, ValueError) as exc:
@@ -528,7 +563,8 @@ def _read_batch(
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
     g_col = table.column("global_scale").to_numpy()
     crc = table.column("checksum").to_numpy()
-    codes, scales, tscales = (_byte_views(table.column(n)) for n in BYTE_COLUMNS)
+    codes: list[np.ndarray | None] = list(codes_values) if codes_values is not None else _byte_views(table["codes"])
+    scales, tscales = (_byte_views(table.column(n)) for n in ("scales", "token_scales"))
     key_cols = {n: table.column(n).to_pylist() for n in KEY_COLUMNS} if keys else {}
     out = []
     for e in entries:

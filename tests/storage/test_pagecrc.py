@@ -16,7 +16,7 @@ from tracestore import CorruptionError
 from tracestore.arrow import chunks_to_table
 from tracestore.errors import StorageError
 from tracestore.fsutil import SyncingWriter
-from tracestore.pagecrc import _header, verify_pages
+from tracestore.pagecrc import _header, _plain_values, verify_pages
 from tracestore.shards import encode_shard
 
 from .conftest import RUN, SITES, make_chunk
@@ -132,3 +132,51 @@ def test_syncing_writer_surfaces_write_errors(tmp_path):
             w.write(b"more")
     finally:
         os.close(fd)
+
+
+def test_plain_values_of_the_codes_column_are_the_stored_codes():
+    rng = np.random.default_rng(9)
+    chunks = [make_chunk(s, t, 0, 300, rng=rng) for s in SITES for t in ("a", "b")]
+    data, m = encode_shard(RUN, 0, "w", 0, "x", chunks, min_row_group_bytes=0)
+    assert data is not None
+    md = pq.ParquetFile(io.BytesIO(bytes(data))).metadata
+    col = md.schema.to_arrow_schema().get_field_index("codes")
+    by_key = {(c.trajectory, c.site, c.token_start): c for c in chunks}
+    got = []
+    for g in range(md.num_row_groups):
+        cc = md.row_group(g).column(col)
+        values: list[memoryview] = []
+        verify_pages(
+            memoryview(data)[cc.data_page_offset : cc.data_page_offset + cc.total_compressed_size], "codes", values
+        )
+        got += [bytes(v) for v in values]
+    expect = [by_key[(e.trajectory, e.site, e.token_start)].codes.tobytes() for e in m.chunks]
+    assert got == expect
+
+
+def test_plain_values_fall_back_for_compressed_and_dictionary_columns():
+    data = _shard()
+    md = pq.ParquetFile(io.BytesIO(data)).metadata
+    names = md.schema.to_arrow_schema().names
+    for name in ("scales", "trajectory"):  # zstd pages; a dictionary page first
+        cc = md.row_group(0).column(names.index(name))
+        start = (
+            cc.dictionary_page_offset if cc.has_dictionary_page and cc.dictionary_page_offset else cc.data_page_offset
+        )
+        values: list[memoryview] = []
+        assert verify_pages(memoryview(data)[start : start + cc.total_compressed_size], name, values) >= 1
+        assert values == []
+
+
+def test_plain_values_that_do_not_tile_the_page_are_corruption():
+    body = (3).to_bytes(4, "little") + b"abc" + (5).to_bytes(4, "little") + b"de"  # second value cut short
+    out: list[memoryview] = []
+    with pytest.raises(CorruptionError, match="runs past the page"):
+        _plain_values(memoryview(body), 0, len(body), 2, out, "p")
+    body = (3).to_bytes(4, "little") + b"abcXX"  # bytes left over
+    with pytest.raises(CorruptionError, match="bytes after"):
+        _plain_values(memoryview(body), 0, len(body), 1, [], "p")
+    ok = (2).to_bytes(4, "little") + b"hi" + (0).to_bytes(4, "little")
+    out = []
+    _plain_values(memoryview(ok), 0, len(ok), 2, out, "p")
+    assert [bytes(v) for v in out] == [b"hi", b""]
