@@ -95,6 +95,7 @@ class Message:
     segment: int = 0
     shard_seq: int | None = None
     path: str = "grpc"
+    shm_bytes: int = 0  # writer shared-memory staging referenced, held by the writer until durable
 
 
 @dataclasses.dataclass
@@ -131,8 +132,9 @@ class Engine:
         self._sealed: set[tuple[str, str]] = set()
         self._newest: dict[str, int] = {}  # newest policy version seen per run
         self.in_use = 0
+        self.shm_in_use = 0  # bytes of writers' staging named by messages not yet durable
         self._reserved = 0  # bytes streams reserved for messages they are reading
-        self._acks: deque[tuple[int, WriterState, int, int, float]] = deque()  # ticket, state, epoch, seq, t0
+        self._acks: deque[tuple[int, WriterState, Message]] = deque()  # WAL ticket, writer, message
         self._seg_outstanding: dict[int, int] = {}
         self._force = 0  # flush requests outstanding
         self._flush_generation = 0
@@ -325,9 +327,12 @@ class Engine:
             if self.wal is not None:
                 segment, ticket = self.wal.append(DATA, wal_parts)
                 msg.segment = segment
-                self._acks.append((ticket, st, msg.epoch, msg.seq, msg.received))
+                self._acks.append((ticket, st, msg))
                 self.metrics.wal_bytes.set(self.wal.nbytes)
             self._remember(msg)
+            if msg.shm_bytes:
+                self.shm_in_use += msg.shm_bytes
+                self.metrics.shm_in_use.set(self.shm_in_use)
             if msg.epoch != st.epoch:
                 st.epoch, st.durable_seq, st.committed_seq = msg.epoch, 0, 0
             st.received_seq = msg.seq
@@ -461,13 +466,21 @@ class Engine:
         with self._lock:
             touched: set[int] = set()
             while self._acks and self._acks[0][0] <= ticket:
-                _, st, epoch, seq, t0 = self._acks.popleft()
-                if epoch == st.epoch and seq > st.durable_seq:
-                    st.durable_seq = seq
-                self.metrics.durable_ack_latency.observe(now - t0)
+                _, st, msg = self._acks.popleft()
+                if msg.epoch == st.epoch and msg.seq > st.durable_seq:
+                    st.durable_seq = msg.seq
+                self._shm_durable(msg)
+                self.metrics.durable_ack_latency.observe(now - msg.received)
                 if id(st) not in touched:
                     touched.add(id(st))
                     self._notify(st)
+
+    def _shm_durable(self, msg: Message) -> None:
+        """The writer may now release the staging ``msg`` named (its ack is on its way); lock held."""
+        if msg.shm_bytes:
+            self.shm_in_use -= msg.shm_bytes
+            msg.shm_bytes = 0
+            self.metrics.shm_in_use.set(self.shm_in_use)
 
     def _notify(self, st: WriterState) -> None:
         for waker in list(st.listeners):
@@ -589,6 +602,8 @@ class Engine:
                 with contextlib.suppress(TraceStoreError):  # a lost DONE only repeats a no-op flush
                     self.wal.append(DONE, [json.dumps(done).encode()])
             self._release(st, group)
+            for m in group:
+                self._shm_durable(m)
             self.shards_committed += 1
             last = group[-1]
             if last.epoch == st.epoch:

@@ -217,6 +217,7 @@ def _parse(
     chunks, crcs = [], []
     blobs: list[Buffer] = []
     nbytes = 0
+    shm_bytes = 0  # writer staging this message pins until it is acknowledged durable
     for c, inline in chunks_in:
         codes: Buffer
         scales: Buffer
@@ -239,6 +240,8 @@ def _parse(
             scales = bytes(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
             ts = bytes(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
             blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
+            if path != "wal":
+                shm_bytes += nc + ns + nt
         else:
             empty = memoryview(b"")
             codes = inline[0] if inline[0] is not None else empty
@@ -262,6 +265,7 @@ def _parse(
             raise ValidationError(f"seal of {seal.trajectory} names undeclared sites {unknown}")
     nbytes += 64 * (len(seals) + len(links))
     msg = Message(req.run, req.writer, req.epoch, req.sequence, chunks, seals, links, nbytes, crcs, path=path)
+    msg.shm_bytes = shm_bytes
     return msg, blobs
 
 
