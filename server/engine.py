@@ -145,6 +145,7 @@ class Engine:
         self._flusher: threading.Thread | None = None
         self.parse_wal_data: Callable[[bytes], Message] | None = None
         metrics.memory_budget.set(config.memory_budget_bytes)
+        metrics.backlog_oldest_age.set_function(self.backlog_oldest_age)
         # Encoding a shard briefly needs about twice its size again (Arrow columns + Parquet
         # output): capping shards at a quarter of the budget keeps that transient inside
         # budget + 64 MiB (measured in tests/server/test_memory_bound.py).
@@ -456,8 +457,20 @@ class Engine:
         self.metrics.memory_in_use.set(self.in_use)
         self.metrics.backlog_bytes.set(self.in_use)
         self.metrics.open_trajectories.set(len(self._open))
-        oldest = min((w.pending[0].received for w in self.writers.values() if w.pending), default=None)
-        self.metrics.backlog_oldest_age.set(0.0 if oldest is None else time.monotonic() - oldest)
+
+    def backlog_oldest_age(self) -> float:
+        """Seconds the oldest uncommitted message has waited. Evaluated at every scrape (no lock: a
+        snapshot of the writers), so it keeps growing while the flusher is stuck in a storage
+        outage; refreshed only on ingest and commit it froze there and TraceStoreBacklogAgeHigh
+        never fired."""
+        oldest = None
+        for w in list(self.writers.values()):
+            try:
+                t = w.pending[0].received
+            except IndexError:
+                continue
+            oldest = t if oldest is None else min(oldest, t)
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
 
     # -- durability -------------------------------------------------------------------------------
 

@@ -3,15 +3,24 @@ storage outage) and a shutdown that keeps to its grace period while storage hang
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC
+
+from tracestore.plan import MicrobatchPlan
+from tracestore.reader import StoreReader
+from tracestore.store import Store
 
 SITE = SPEC.site("layers.1.mlp.input")
 
@@ -56,3 +65,122 @@ def test_shm_in_use_counts_descriptors_until_durable(tmp_path: Path, memory_url:
     finally:
         rec.close(timeout=5)
         sc.stop(5)
+
+
+class _Relay:
+    """A TCP relay to moto on loopback that can turn into a black hole: connections it holds are
+    cut, new ones are accepted and never answered (what a hung S3 endpoint looks like)."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.open = True
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            if not self.open:
+                continue  # held, never answered
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                c.close()
+                continue
+            self.conns.append(u)
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def blackhole(self) -> None:
+        self.open = False
+        for s in self.conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.conns:
+            s.close()
+
+
+@pytest.fixture
+def hung_s3(tmp_path: Path) -> Any:
+    """A sidecar (WAL on, grace 1.5 s, storage timeout 1 s) whose S3 hangs after a first commit,
+    holding one acknowledged, uncommitted trajectory. Afterwards storage comes back and a new
+    sidecar on the same WAL must commit everything that was acknowledged."""
+    moto = pytest.importorskip("moto.server", reason="needs moto[server]>=5.2.5")
+    s3fs = pytest.importorskip("s3fs", reason="needs the [s3] extra")
+    server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    relay = _Relay(server.get_host_and_port()[1])
+    options = {"endpoint_url": f"http://127.0.0.1:{relay.port}", "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "us-west-2"},
+               "config_kwargs": {"connect_timeout": 1.0, "read_timeout": 1.0,
+                                 "retries": {"max_attempts": 1}}}  # fmt: skip
+    bucket = f"ts-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(bucket)
+    url = f"s3://{bucket}/root"
+    cfg = ServerConfig(storage=url, storage_options=options, wal_dir=str(tmp_path / "wal"), port=0, metrics_port=None,
+                       flush_interval_s=0.2, storage_timeout_s=1.0, grace_s=1.5)  # fmt: skip
+    sc = Sidecar(cfg).start()
+    rng = np.random.default_rng(1)
+    sent: dict[str, np.ndarray] = {}
+    rec = RolloutRecorder(f"127.0.0.1:{sc.port}", SPEC, "outage-writer", give_up_s=120, linger_s=0.0)
+    try:
+
+        def forward(t: str) -> None:
+            codes, scales = _rows(rng, 8)
+            assert rec.record_forward([(t, 0, 8)], {SITE.name: SiteOutput(codes, scales, 0.5)})
+            rec.finish(t, 9)
+            sent[t] = np.concatenate([codes, scales], axis=1)
+
+        forward("before")
+        assert rec.flush(30) and sc.engine is not None and sc.engine.flush(30)
+        relay.blackhole()  # S3 hangs from here on
+        forward("during")
+        assert rec.flush(30), rec.stats  # acknowledged from the fsynced WAL
+        rec.close(timeout=5)
+        yield sc
+    finally:
+        rec.close(timeout=5)
+        sc.stop(1)
+    relay.open = True  # storage is back: a new sidecar replays the WAL and commits the rest
+    sc2 = Sidecar(cfg).start()
+    try:
+        assert sc2.engine is not None and sc2.engine.flush(60), sc2.engine.stat()
+        store = Store(url, options)
+        rows = StoreReader(store, SPEC.run).read(MicrobatchPlan([(t, 0, 8) for t in sorted(sent)]), sites=[SITE.name])
+        got = np.concatenate([rows[SITE.name].codes, rows[SITE.name].scales], axis=1)
+        assert np.array_equal(got, np.concatenate([sent[t] for t in sorted(sent)]))
+    finally:
+        sc2.stop(5)
+        relay.close()
+        server.stop()
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_backlog_age_grows_during_an_outage(hung_s3: Sidecar) -> None:
+    """The flusher sits in storage retries; the age gauge must still grow (TraceStoreBacklogAgeHigh)."""
+    sc = hung_s3
+    time.sleep(0.5)
+    age0 = _gauge(sc, "tracestore_backlog_oldest_age_seconds")
+    time.sleep(1.5)
+    age1 = _gauge(sc, "tracestore_backlog_oldest_age_seconds")
+    assert age1 >= age0 + 1.0, f"backlog age froze during the outage: {age0:.2f} -> {age1:.2f} s"
+    assert sc.engine is not None and sc.engine.stat()["backlog_bytes"] > 0
