@@ -572,14 +572,29 @@ class Engine:
                 if not due:
                     self._kick.wait(min(0.05, self.config.flush_interval_s / 4))
                     continue
-                groups = [(w, self._take(w)) for w in due]
+                try:
+                    groups = [(w, self._take(w)) for w in due]
+                except TraceStoreError:
+                    if self._stopped:  # the WAL was closed under us at shutdown
+                        return
+                    raise
             for st, group in groups:
                 ok = self._commit(st, group)
                 if not ok:
-                    time.sleep(backoff)
+                    self._pause(backoff)
                     backoff = min(backoff * 2, 5.0)
                     break
                 backoff = 0.05
+
+    def _pause(self, seconds: float) -> None:
+        """Back off after a failed commit; ends early when the engine closes (grace period)."""
+        end = time.monotonic() + seconds
+        with self._lock:
+            while not self._stopped:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._kick.wait(min(left, 0.25))
 
     def _commit(self, st: WriterState, group: list[Message]) -> bool:
         shard = group[0].shard_seq
@@ -659,15 +674,22 @@ class Engine:
             self._room.notify_all()
         return self.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the flusher, waiting at most ``timeout`` s for a shard write in progress (a storage
+        outage can hold one for retries x storage timeout); what is not committed by then stays in
+        the fsynced WAL and is replayed by the next start."""
         with self._lock:
             self._stopped = True
             self._kick.notify_all()
+        stuck = False
         if self._flusher is not None:
-            self._flusher.join(timeout=10)
+            self._flusher.join(timeout=max(0.0, timeout))
+            stuck = self._flusher.is_alive()
+            if stuck:
+                log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
         if self.wal is not None:
             with self._lock:
-                if not any(w.pending for w in self.writers.values()):
+                if not stuck and not any(w.pending for w in self.writers.values()):
                     # Everything is committed: keep only a fresh segment holding the writer
                     # sessions (so resends after the restart are still recognised).
                     self._seg_outstanding.clear()

@@ -460,7 +460,7 @@ class Sidecar:
             self._server.stop(max(0.1, t_end - time.monotonic())).wait()
         if self.engine is not None:
             ok = self.engine.flush(max(0.1, t_end - time.monotonic())) and ok
-            self.engine.close()
+            self.engine.close(timeout=max(0.0, t_end - time.monotonic()))
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
