@@ -18,7 +18,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from tracestore.errors import CorruptionError, ValidationError
-from tracestore.records import RunSpec, validate_id
+from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.checksum import record_checksum
 from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
@@ -27,6 +27,18 @@ from .engine import Message, unpack_wal_data
 from .wal import Buffer
 
 POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_.-]{1,100}")
+
+
+class VerifiedChunk(RecordChunk):
+    """A RecordChunk whose checksum the sidecar computed once, over the bytes it received (ISA-L),
+    and checked against the one the writer sent. ``checksum`` returns that value, so the dedupe
+    index and the shard writer (``shards._checksums`` reads ``chunk.checksum``) never recompute it."""
+
+    _crc: int
+
+    @property
+    def checksum(self) -> int:
+        return self._crc
 
 
 class ShmPools:
@@ -247,8 +259,9 @@ def _parse(
             codes = inline[0] if inline[0] is not None else empty
             scales = inline[1] if inline[1] is not None else empty
             ts = (inline[2] if inline[2] is not None else empty) if c.has_token_scales else None
-        chunk = chunk_from_parts(req.run, c, site, codes, scales, ts)
+        chunk = chunk_from_parts(req.run, c, site, codes, scales, ts, cls=VerifiedChunk)
         crc = record_checksum(chunk)
+        object.__setattr__(chunk, "_crc", crc)  # frozen dataclass: set once, here
         if verify and c.checksum and c.checksum != crc:
             raise CorruptionError(
                 f"{chunk.key_str}: checksum {c.checksum:#010x} sent, {crc:#010x} computed over the bytes received "

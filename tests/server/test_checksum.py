@@ -40,3 +40,21 @@ def test_equals_records_checksum(rows: int, cb: int, sb: int, start: int, versio
 def test_crc32_is_zlib_crc32(data: bytes, seed: int) -> None:
     assert crc32(data) == zlib.crc32(data)
     assert crc32(data, seed) == zlib.crc32(data, seed)
+
+
+def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
+    """The sidecar verifies the writer's checksum once over the received bytes and hands that value
+    on (the dedupe index, and the shard writer reads ``chunk.checksum``): never recomputed later.
+    Shown by changing the received buffer afterwards: the chunk still reports the verified value."""
+    from tracestore.server.testing import SPEC, make_chunk, write_request
+    from tracestore.server.wire import parse_write
+
+    c = make_chunk("t-once", 0, 2000)  # > 16 KiB: payload viewed in place, not copied
+    raw = bytearray(write_request(1, [c]).SerializeToString())
+    _, msg, _ = parse_write(raw, lambda run: SPEC, None)
+    (got,) = msg.chunks
+    assert got.checksum == c.checksum == msg.crcs[0]
+    raw[len(raw) // 2] ^= 0xFF  # lands in the codes payload the chunk views
+    assert chunk_checksum(got.run, got.policy_version, got.trajectory, got.site, got.token_start, got.n_tokens,
+                          got.codes, got.scales, got.global_scale, got.token_scales) != c.checksum  # fmt: skip
+    assert got.checksum == c.checksum  # cached at receipt, not recomputed over today's bytes

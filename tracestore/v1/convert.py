@@ -91,8 +91,9 @@ def chunk_from_parts(
     codes: bytes | memoryview,
     scales: bytes | memoryview,
     token_scales: bytes | memoryview | None,
+    cls: type[RecordChunk] = RecordChunk,
 ) -> RecordChunk:
-    """Build and validate a RecordChunk from wire fields and payload buffers (not copied)."""
+    """Build and validate a RecordChunk (or subclass ``cls``) from wire fields and payload buffers (not copied)."""
     if c.n_tokens < 1 or c.token_start < 0 or c.policy_version < 0:
         raise ValidationError(
             f"trajectory {c.trajectory!r} site {c.site!r}: expected token_start >= 0, n_tokens >= 1 and "
@@ -106,7 +107,7 @@ def chunk_from_parts(
             f"expected codes/scales/token_scales of {nc}/{ns}/{nt} bytes ({rows} rows of {site.code_bytes}/"
             f"{site.scale_bytes}/4 bytes), got {got[0]}/{got[1]}/{got[2]}"
         )
-    chunk = RecordChunk(
+    chunk = cls(
         run=run,
         policy_version=c.policy_version,
         trajectory=c.trajectory,
