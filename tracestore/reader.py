@@ -490,13 +490,16 @@ class StoreReader:
                     if not t.compare:
                         out.place(t, c)
 
-        futs = {
-            path: self._pool.submit(self._load, path, m, list(es), stats, place)
-            for path, (m, es) in sorted(needed.items())
-        }
-        for path, fut in futs.items():
-            for e, chunk in fut.result().items():
+        jobs = sorted(needed.items())
+        if len(jobs) == 1:  # one shard: no hand-off to the reader's pool (a fresh reader starts no thread)
+            path, (m, es) = jobs[0]
+            for e, chunk in self._load(path, m, list(es), stats, place).items():
                 loaded[(path, e)] = chunk
+        else:
+            futs = {path: self._pool.submit(self._load, path, m, list(es), stats, place) for path, (m, es) in jobs}
+            for path, fut in futs.items():
+                for e, chunk in fut.result().items():
+                    loaded[(path, e)] = chunk
         # 4. same-version overlaps are compared once everything is in place; then finish each site
         for name, tl in tasks.items():
             for t in tl:
