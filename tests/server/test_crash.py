@@ -86,8 +86,9 @@ def _verify(storage: str, sent: dict[str, dict[str, bytes]]) -> None:
 def test_sigkill_restart_loop_loses_nothing_acked(tmp_path: Path) -> None:
     rnd = random.Random(1234)
     sp = ServeProcess(tmp_path, flags=["--flush-interval", "0.3", "--shard-target-mib", "1"]).start()
+    # linger 0: every forward goes out at once, so kills land on messages in flight (resends)
     rec = RolloutRecorder(sp.address, SPEC, "crash-writer", staging_bytes=32 << 20, batch_bytes=32 << 10,
-                          give_up_s=120)  # fmt: skip
+                          give_up_s=120, linger_s=0.0)  # fmt: skip
     work = Workload(rec, seed=5)
     work.thread.start()
     try:
