@@ -304,12 +304,14 @@ def bench_decode(ns: Any) -> int:
     rows: list[dict[str, Any]] = []
     samples: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-decode-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        flags = ["--metrics-port", "off", "--flush-interval", "0.05"]
         mem = ServeProcess(Path(tmp) / "mem", storage=f"memory://bench-dec-{os.getpid()}", wal=False,
-                           unix_socket=True, flags=["--metrics-port", "off", "--flush-interval", "0.05"]).start()  # fmt: skip
+                           unix_socket=True, flags=flags).start()  # fmt: skip
         try:
             for r in range(ns.repeat):
-                for j, (name, addr) in enumerate((("no sender (idle floor)", None), ("sender -> shm sidecar",
-                                                  mem.unix_address), ("sender -> TCP sidecar", mem.address))):  # fmt: skip
+                providers = (("no sender (idle floor)", None), ("sender -> shm sidecar", mem.unix_address),
+                             ("sender -> TCP sidecar", mem.address))  # fmt: skip
+                for j, (name, addr) in enumerate(providers):
                     t = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
                     samples.setdefault(name, []).extend(t[5:])  # first steps: connection set-up
         finally:
