@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import struct
 import sys
 import threading
 import time
@@ -67,7 +68,7 @@ class _Region:
     event: Any = None  # CUDA event the copy into it completes on
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Piece:
     """One chunk waiting to be sent: rows of one segment in a staging region."""
 
@@ -84,6 +85,10 @@ class _Piece:
     nbytes: int
     queued: float = 0.0
     g: bytes = b""  # the global scale's float32 bytes (known once the copy landed)
+
+
+_NBYTES = operator.attrgetter("nbytes")
+_F32 = struct.Struct("<f")
 
 
 @dataclasses.dataclass
@@ -429,7 +434,7 @@ class RolloutRecorder:
             p = run[0]
             site = self._sites[p.site]
             cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
-            g = float(np.frombuffer(p.g, "<f4")[0])
+            g = _F32.unpack(p.g)[0]
             has_ts = p.ts_off >= 0
             codes, scales, ts = [], [], []
             n_tokens = 0
@@ -485,7 +490,7 @@ class RolloutRecorder:
         groups: list[list[list[_Piece]]] = [[]]
         size = 0
         for run in self._runs(pieces):
-            n = sum(p.nbytes for p in run)
+            n = sum(map(_NBYTES, run))
             if groups[-1] and size + n > self.batch_bytes:
                 groups.append([])
                 size = 0
@@ -526,17 +531,13 @@ class RolloutRecorder:
             cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
             per = cb + sb + (4 if nt else 0)
             row = 0
+            version, queued, add = fwd.version, fwd.queued, pieces.append
+            ts0 = off + nc + ns
             for t, a, n in segs:
                 r = n * rpt
                 if t not in unguided:
-                    pieces.append(
-                        _Piece(
-                            t, name, fwd.version, a, n, region,
-                            codes_off=off + row * cb, scales_off=off + nc + row * sb,
-                            ts_off=off + nc + ns + row * 4 if nt else -1, g_off=g_off,
-                            nbytes=r * per, queued=fwd.queued, g=g,
-                        )
-                    )  # fmt: skip
+                    add(_Piece(t, name, version, a, n, region, off + row * cb, off + nc + row * sb,
+                               ts0 + row * 4 if nt else -1, g_off, r * per, queued, g))  # fmt: skip
                 row += r
         region.refs = len(pieces)
         if not pieces:
@@ -571,8 +572,14 @@ class RolloutRecorder:
             item = queue.popleft()
             if isinstance(item, _Forward):
                 expanded = self._expand(item)
+                got = sum(map(_NBYTES, expanded))
+                if size + got <= limit:  # all of it fits: no round trip through the queue
+                    self._out_bytes += item.nbytes
+                    pieces += expanded
+                    size += got
+                    continue
                 # the pieces carry the bytes from here on (segments dropped as unguided do not)
-                self._out_bytes += item.nbytes - sum(p.nbytes for p in expanded)
+                self._out_bytes += item.nbytes - got
                 queue.extendleft(reversed(expanded))
                 continue
             if isinstance(item, _Piece):

@@ -180,8 +180,8 @@ def inline_chunk_parts(head: pb.Chunk, codes: Any, scales: Any, token_scales: An
     parts: list[Any] = [h]
     for number, buf in ((_CODES, codes), (_SCALES, scales), (_TOKEN_SCALES, token_scales)):
         bufs = buf if isinstance(buf, list) else [] if buf is None else [buf]  # a list: one field in pieces
-        n = sum(len(b) for b in bufs)
+        n = sum(map(len, bufs))
         if n:
             parts += [len_field(number, n), *bufs]
-    body = sum(len(x) for x in parts)
+    body = sum(map(len, parts))
     return [len_field(_WRITE_CHUNKS, body), *parts]
