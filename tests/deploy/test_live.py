@@ -429,13 +429,8 @@ def test_readiness_does_not_depend_on_storage(outage):
     assert "tracestore_storage_errors_total{" in outage["metrics"]
 
 
-# Not strict: the sidecar is being fixed concurrently; once this XPASSes, drop the marker.
-@pytest.mark.xfail(
-    strict=False,
-    reason="server/service.py labels storage retries/errors with op=<operation + object path> "
-    "(e.g. 'write ci-deploy/run.json'): the run id leaks into a label; op must be a bounded operation name",
-)
 def test_labels_stay_bounded_during_an_outage(h, outage):
+    """Storage retries/errors are labelled by operation only (once 'write <run>/run.json' leaked ids)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     for fam in text_string_to_metric_families(outage["metrics"]):
