@@ -20,7 +20,7 @@ import json
 import re
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -331,6 +331,52 @@ class RecordChunk:
         return bool(np.array_equal(self.codes, other.codes) and np.array_equal(self.scales, other.scales))
 
 
+def _checksum_head(
+    run: str, policy_version: int, trajectory: str, site: str, token_start: int, n_tokens: int,
+    n_rows: int, code_bytes: int, scale_bytes: int, global_scale: float,
+) -> bytes:  # fmt: skip
+    return (
+        _CHECKSUM_TAG
+        + f"{run}\0{trajectory}\0{site}\0".encode()
+        + struct.pack(
+            "<qqqqqqf", policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, np.float32(global_scale)
+        )
+    )
+
+
+def chunk_checksum_parts(
+    run: str,
+    policy_version: int,
+    trajectory: str,
+    site: str,
+    token_start: int,
+    n_tokens: int,
+    n_rows: int,
+    code_bytes: int,
+    scale_bytes: int,
+    codes: Sequence[Any],
+    scales: Sequence[Any],
+    global_scale: float,
+    token_scales: Sequence[Any] | None,
+) -> int:
+    """The canonical chunk checksum of a chunk whose rows lie in several buffers (a coalesced run):
+    ``codes``/``scales``/``token_scales`` are lists of byte buffers, concatenated in order."""
+    crc = crc32(
+        _checksum_head(run, policy_version, trajectory, site, token_start, n_tokens, n_rows, code_bytes,
+                       scale_bytes, global_scale)
+    )  # fmt: skip
+    for part in codes:
+        crc = crc32(part, crc)
+    for part in scales:
+        crc = crc32(part, crc)
+    if token_scales is None:
+        return crc32(b"\0", crc)
+    crc = crc32(b"\1", crc)
+    for part in token_scales:
+        crc = crc32(part, crc)
+    return crc
+
+
 def chunk_checksum(
     run: str,
     policy_version: int,
@@ -343,21 +389,14 @@ def chunk_checksum(
     global_scale: float,
     token_scales: np.ndarray | None,
 ) -> int:
-    """The canonical chunk checksum (see :attr:`RecordChunk.checksum`) from raw parts."""
-    head = _CHECKSUM_TAG + f"{run}\0{trajectory}\0{site}\0".encode()
+    """The canonical chunk checksum (see :attr:`RecordChunk.checksum`) from raw parts: 2-D
+    ``codes``/``scales`` (numpy arrays or memoryviews), ``token_scales`` float32 ``[rows]`` or None."""
     n_rows, cb = codes.shape
-    head += struct.pack(
-        "<qqqqqqf", policy_version, token_start, n_tokens, n_rows, cb, scales.shape[1], np.float32(global_scale)
-    )
-    crc = crc32(head)
-    crc = crc32(np.ascontiguousarray(codes).data, crc)
-    crc = crc32(np.ascontiguousarray(scales).data, crc)
-    if token_scales is None:
-        crc = crc32(b"\0", crc)
-    else:
-        crc = crc32(b"\1", crc)
-        crc = crc32(np.ascontiguousarray(token_scales, dtype="<f4").data, crc)
-    return crc
+    ts = None if token_scales is None else [np.ascontiguousarray(token_scales, dtype="<f4").data]
+    return chunk_checksum_parts(
+        run, policy_version, trajectory, site, token_start, n_tokens, n_rows, cb, scales.shape[1],
+        [np.ascontiguousarray(codes).data], [np.ascontiguousarray(scales).data], global_scale, ts,
+    )  # fmt: skip
 
 
 def _site_tuple(run: str, sites: object) -> tuple[str, ...]:
