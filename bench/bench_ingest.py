@@ -257,9 +257,18 @@ DEC_SPEC = RunSpec(
 )
 
 
-def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> list[float]:
+def _thread_cpu_s(native_id: int | None) -> float:
+    """CPU seconds (user + system) a thread of this process has used, from /proc (Linux)."""
+    if native_id is None:
+        return 0.0
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> tuple[list[float], float]:
     """Seconds ``record_forward`` spends on the caller's (engine's) thread per decode step, with the
-    sender streaming to ``address`` meanwhile (``None``: no sender thread at all, the idle floor).
+    sender streaming to ``address`` meanwhile (``None``: no sender thread at all, the idle floor),
+    and the sender thread's CPU seconds for all the steps (until they are acknowledged).
     Between steps the caller sleeps ``step_s`` (the GPU forward: the engine thread lets go of the GIL)."""
     from tracestore.client import RolloutRecorder, SiteOutput
 
@@ -291,9 +300,10 @@ def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str
             time.sleep(step_s)
         if address is not None and not rec.flush(300):
             raise RuntimeError(f"decode steps not acked: {rec.stats}")
+        sender_cpu = _thread_cpu_s(rec._thread.native_id) if address is not None else 0.0  # noqa: SLF001
     finally:
         rec.close(timeout=60 if address is not None else 0.1)
-    return times
+    return times, sender_cpu
 
 
 def bench_decode(ns: Any) -> int:
@@ -303,6 +313,7 @@ def bench_decode(ns: Any) -> int:
 
     rows: list[dict[str, Any]] = []
     samples: dict[str, list[float]] = {}
+    sender: dict[str, list[float]] = {}  # sender-thread CPU seconds per step, one per repetition
     with tempfile.TemporaryDirectory(prefix="bench-decode-", dir=os.environ.get("BENCH_DIR")) as tmp:
         flags = ["--metrics-port", "off", "--flush-interval", "0.05"]
         mem = ServeProcess(Path(tmp) / "mem", storage=f"memory://bench-dec-{os.getpid()}", wal=False,
@@ -312,20 +323,23 @@ def bench_decode(ns: Any) -> int:
                 providers = (("no sender (idle floor)", None), ("sender -> shm sidecar", mem.unix_address),
                              ("sender -> TCP sidecar", mem.address))  # fmt: skip
                 for j, (name, addr) in enumerate(providers):
-                    t = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
+                    t, cpu = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
                     samples.setdefault(name, []).extend(t[5:])  # first steps: connection set-up
+                    sender.setdefault(name, []).append(cpu / ns.steps)
         finally:
             mem.kill()
     for name, v in samples.items():
         q = statistics.quantiles(v, n=100)
         rows.append(dict(provider=f"record_forward caller time, {name}", median_ms=statistics.median(v) * 1e3,
                          p90_ms=q[89] * 1e3, p99_ms=q[98] * 1e3, max_ms=max(v) * 1e3, n=len(v),
+                         sender_cpu_ms=statistics.median(sender[name]) * 1e3 if "idle" not in name else None,
                          step=f"{DEC_ROWS} rows x {DEC_SITES} sites"))  # fmt: skip
     m = machine()
     print(f"# decode-step caller time on {m.get('cpu')} ({m.get('cores')} cores), {ns.repeat} interleaved "
           f"repetitions of {ns.steps} steps, {ns.step_ms} ms per step between calls; load average at the end "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-    print_table(rows, ["provider", "median_ms", "p90_ms", "p99_ms", "max_ms", "n", "step"])
+    print_table(rows, ["provider", "median_ms", "p90_ms", "p99_ms", "max_ms", "sender_cpu_ms", "n", "step"])
+    print("(sender_cpu_ms: the recorder's sender thread, CPU per step until acknowledged, median of repetitions)")
     if not ns.no_save:
         print(f"\nappended to {append_results('bench_ingest', rows)}")
     return 0

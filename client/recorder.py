@@ -37,12 +37,20 @@ from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationErr
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.checksum import chunk_checksum_parts
-from tracestore.v1.convert import inline_chunk_parts, link_to_pb, run_spec_to_pb, seal_to_pb
+from tracestore.v1.convert import inline_chunk_parts, len_field, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import StagingPool
 from .transport import channel, method
 
 log = logging.getLogger("tracestore.client")
+
+# protobuf field numbers of the inline payload (the wire protocol, see tracestore.proto)
+_WRITE_CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
+_CODES, _SCALES, _TOKEN_SCALES = (
+    pb.Chunk.CODES_FIELD_NUMBER,
+    pb.Chunk.SCALES_FIELD_NUMBER,
+    pb.Chunk.TOKEN_SCALES_FIELD_NUMBER,
+)
 
 # gRPC codes (by name, so this module does not need grpc at import time)
 _CONTENT_ERRORS = {"INVALID_ARGUMENT", "ALREADY_EXISTS", "DATA_LOSS", "NOT_FOUND", "PERMISSION_DENIED"}
@@ -123,6 +131,8 @@ class _Out:
     trajectories: set[str]
     nbytes: int
     payload: list[Any] = dataclasses.field(default_factory=list)  # inline chunk wire parts
+    born: float = float("inf")  # when its oldest record was queued (pieces carry their own)
+    chunks: int = 0
 
     def serialize(self) -> bytes:
         head = self.req.SerializeToString()
@@ -480,7 +490,131 @@ class RolloutRecorder:
         for reason, n in self._unguided_unreported.items():
             req.unguided.add(reason=reason, count=n)
         self._unguided_unreported = {}
-        return _Out(0, req, pieces, trajs, nbytes, payload)
+        return _Out(0, req, pieces, trajs, nbytes, payload, chunks=len(runs))
+
+    def _gather(self, fwds: list[_Forward]) -> list[_Out]:
+        """Messages for whole forwards taken in order (decode steps), with the chunks :meth:`_runs`
+        would make: rows of one (trajectory, version) with adjacent tokens and the same global
+        scale form one chunk, across forwards and changes of the batch.
+
+        The runs are found once per window over the segments, not per (segment, site); then per
+        site one numpy gather puts every run's rows next to each other, so a chunk is one slice of
+        it. Staging is released once the rows are gathered (the messages own copies).
+        Trajectories unguided by now are skipped."""
+        outs: list[_Out] = []
+        i = 0
+        while i < len(fwds):  # sub-windows of forwards with the same sites (and token-scale use)
+            sig = [(x[0], x[5] > 0) for x in fwds[i].sites]
+            j = i + 1
+            while j < len(fwds) and [(x[0], x[5] > 0) for x in fwds[j].sites] == sig:
+                j += 1
+            self._gather_window(fwds[i:j], outs)
+            i = j
+        return outs
+
+    def _gather_window(self, win: list[_Forward], outs: list[_Out]) -> None:
+        unguided = self._unguided
+        run_id = self.run_spec.run
+        npool = self._np
+        # runs: [trajectory, version, token_start, n_tokens, [(forward, window token offset, n)]]
+        runs: list[list[Any]] = []
+        last: dict[tuple[str, int], list[Any]] = {}
+        base = 0
+        for fi, f in enumerate(win):
+            v = f.version
+            for t, a, b in f.segs:
+                a, n = int(a), int(b) - int(a)
+                if t not in unguided:
+                    r = last.get((t, v))
+                    if r is not None and r[2] + r[3] == a:
+                        r[3] += n
+                        r[4].append((fi, base, n))
+                    else:
+                        r = last[(t, v)] = [t, v, a, n, [(fi, base, n)]]
+                        runs.append(r)
+                base += n
+        if runs:
+            los = np.fromiter((lo for r in runs for _, lo, _ in r[4]), np.int64)
+            lens = np.fromiter((n for r in runs for _, _, n in r[4]), np.int64)
+            ends = np.cumsum(lens)
+            perm = np.repeat(los - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)
+        chunks: list[list[Any]] = []
+        trajs_in: set[str] = set()
+        size = 0
+        heads: dict[int, bytes] = {}
+
+        def cut() -> None:
+            nonlocal chunks, trajs_in, size
+            req = pb.WriteRequest(run=run_id, writer=self.writer, epoch=self.epoch)
+            for reason, n in self._unguided_unreported.items():
+                req.unguided.add(reason=reason, count=n)
+            self._unguided_unreported = {}
+            payload = [x for c in chunks for x in c]
+            outs.append(_Out(0, req, [], trajs_in, size, payload, born=win[0].queued, chunks=len(chunks)))
+            chunks, trajs_in, size = [], set(), 0
+
+        for s_idx, (name, site, *_) in enumerate(win[0].sites if runs else ()):
+            cb, sb, rpt = site.code_bytes, site.scale_bytes, site.rows_per_token
+            has_ts = win[0].sites[s_idx][5] > 0
+            at = [f.sites[s_idx] for f in win]  # name, site, offset, nc, ns, nt, g_off
+            codes = _gather_rows(npool, [(o, nc) for _, _, o, nc, _, _, _ in at], base, perm)
+            scales = _gather_rows(npool, [(o + nc, ns) for _, _, o, nc, ns, _, _ in at], base, perm)
+            ts = (
+                _gather_rows(npool, [(o + nc + ns, nt) for _, _, o, nc, ns, nt, _ in at], base, perm)
+                if has_ts
+                else None
+            )
+            gb = [bytes(npool[x[6] : x[6] + 4]) for x in at]
+            one_g = gb.count(gb[0]) == len(gb)
+            tc, tsb, tt = rpt * cb, rpt * sb, rpt * 4  # bytes per token
+            fields: dict[int, tuple[bytes, bytes, bytes, int]] = {}
+            pos = 0
+            for t, v, start, n_run, parts in runs:
+                if one_g:
+                    pieces = [(start, n_run, gb[0])]
+                else:  # split where the global scale changes between forwards
+                    pieces = []
+                    for fi, _, n in parts:
+                        if pieces and pieces[-1][2] == gb[fi]:
+                            a0, n0, g0 = pieces[-1]
+                            pieces[-1] = (a0, n0 + n, g0)
+                        else:
+                            pieces.append((start + sum(p[1] for p in pieces), n, gb[fi]))
+                for a, n, g in pieces:
+                    c = codes[pos * tc : (pos + n) * tc]
+                    sc = scales[pos * tsb : (pos + n) * tsb]
+                    tb = ts[pos * tt : (pos + n) * tt] if ts is not None else None
+                    pos += n
+                    gf = _F32.unpack(g)[0]
+                    crc = chunk_checksum_parts(
+                        run_id, v, t, name, a, n, n * rpt, cb, sb, [c], [sc], gf, [tb] if tb is not None else None
+                    )
+                    h = pb.Chunk(
+                        policy_version=v, trajectory=t, site=name, token_start=a, n_tokens=n,
+                        global_scale=gf, has_token_scales=has_ts, checksum=crc,
+                    ).SerializeToString()  # fmt: skip
+                    fl = fields.get(n)
+                    if fl is None:
+                        fl = fields[n] = (
+                            len_field(_CODES, n * tc),
+                            len_field(_SCALES, n * tsb),
+                            len_field(_TOKEN_SCALES, n * tt) if has_ts else b"",
+                            n * (tc + tsb + (tt if has_ts else 0)),
+                        )
+                    lc, ls, lt, per = fl
+                    body = len(h) + len(lc) + len(ls) + len(lt) + per
+                    lead = heads.get(body)
+                    if lead is None:
+                        lead = heads[body] = len_field(_WRITE_CHUNKS, body)
+                    if size and size + per > self.batch_bytes:
+                        cut()
+                    chunks.append([lead, h, lc, c, ls, sc, lt, tb] if tb is not None else [lead, h, lc, c, ls, sc])
+                    trajs_in.add(t)
+                    size += per
+        for f in win:
+            self.pool.release(f.region.offset)
+        if chunks:
+            cut()
 
     def _messages(
         self, pieces: list[_Piece], extras: list[TrajectorySeal | PrefixLink], shm: bool
@@ -506,7 +640,8 @@ class RolloutRecorder:
             if p.region.refs == 0:
                 self.pool.release(p.region.offset)
 
-    def _expand(self, fwd: _Forward) -> list[_Piece]:
+    def _note(self, fwd: _Forward) -> None:
+        """Wait for a forward's copies and note its trajectories' sites and version (for seals)."""
         region = fwd.region
         if region.event is not None:
             region.event.synchronize()
@@ -522,6 +657,10 @@ class RolloutRecorder:
         for t, old in prev.items():
             sites_of[t] = old | fs
         self._version_of.update(dict.fromkeys(trajs, fwd.version))
+
+    def _expand(self, fwd: _Forward) -> list[_Piece]:
+        self._note(fwd)
+        region = fwd.region
         pieces: list[_Piece] = []
         unguided = self._unguided
         view = self.pool.view
@@ -561,8 +700,12 @@ class RolloutRecorder:
         born = first.queued if isinstance(first, _Piece | _Forward) else 0.0
         return time.monotonic() - born < self.linger_s
 
-    def _take_batch(self, limit: int | None = None) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
-        """Take up to ``limit`` bytes off the queue (sender thread; callers keep appending meanwhile)."""
+    def _take_batch(
+        self, limit: int | None = None, fwds: list[_Forward] | None = None
+    ) -> tuple[list[_Piece], list[TrajectorySeal | PrefixLink]]:
+        """Take up to ``limit`` bytes off the queue (sender thread; callers keep appending meanwhile).
+        With ``fwds``, forwards of at most ``batch_bytes`` (decode steps) go there whole, their
+        bookkeeping done, for :meth:`_gather`; larger ones are split into pieces."""
         limit = self.batch_bytes if limit is None else limit
         pieces: list[_Piece] = []
         extras: list[TrajectorySeal | PrefixLink] = []
@@ -570,6 +713,15 @@ class RolloutRecorder:
         queue = self._queue
         while queue and size < limit:
             item = queue.popleft()
+            if fwds is not None and isinstance(item, _Forward) and item.nbytes <= self.batch_bytes:
+                if size and size + item.nbytes > limit:
+                    queue.appendleft(item)
+                    break
+                self._note(item)
+                self._out_bytes += item.nbytes
+                fwds.append(item)
+                size += item.nbytes
+                continue
             if isinstance(item, _Forward):
                 expanded = self._expand(item)
                 got = sum(map(_NBYTES, expanded))
@@ -643,6 +795,7 @@ class RolloutRecorder:
                 return
             # Only records that waited the whole give-up time are dropped; fresh ones get their chance.
             ages = [p.queued for o in self._unacked for p in o.pieces]
+            ages += [o.born for o in self._unacked if o.pieces == []]
             queued = list(self._queue)  # one C call: atomic against callers appending
             ages += [p.queued for p in queued if isinstance(p, _Piece | _Forward)]
             if ages and time.monotonic() - min(ages) < self.give_up_s:
@@ -738,13 +891,17 @@ class RolloutRecorder:
                     if not self._queue or inflight > 8 * self.batch_bytes or self._lingering():
                         self._wake.wait(0.02)
                         continue
-                    pieces, extras = self._take_batch(self.window_bytes)
-                    self._busy = bool(pieces or extras)
-                if not pieces and not extras:
+                    fwds: list[_Forward] = []
+                    pieces, extras = self._take_batch(self.window_bytes, fwds)
+                    if shm and len(fwds) == 1:  # nothing to coalesce: its chunks travel as descriptors
+                        pieces[:0] = self._expand(fwds.pop())
+                    self._busy = bool(pieces or extras or fwds)
+                if not pieces and not extras and not fwds:
                     continue
                 try:
-                    for runs, ex in self._messages(pieces, extras, shm):
-                        out = self._build(runs, ex, shm)
+                    outs = self._gather(fwds) if fwds else []
+                    outs += (self._build(runs, ex, shm) for runs, ex in self._messages(pieces, extras, shm))
+                    for out in outs:
                         with self._lock:
                             out.seq = self._next_seq
                             out.req.epoch = self.epoch
@@ -752,7 +909,7 @@ class RolloutRecorder:
                             self._next_seq += 1
                             self._unacked.append(out)
                         self.stats["messages"] += 1
-                        self.stats["chunks"] += len(runs)
+                        self.stats["chunks"] += out.chunks
                         self.stats["bytes"] += out.nbytes
                         push(out)
                 finally:
@@ -832,6 +989,13 @@ class _StreamError(Exception):
     def __init__(self, code: str, details: str, failed_seq: int | None, retry_after: float) -> None:
         super().__init__(f"{code}: {details}")
         self.code, self.details, self.failed_seq, self.retry_after = code, details, failed_seq, retry_after
+
+
+def _gather_rows(pool: np.ndarray, spans: list[tuple[int, int]], n_tok: int, perm: np.ndarray) -> memoryview:
+    """The staged bytes ``pool[o : o + n]`` of each forward, joined (``n_tok`` tokens in all, equal
+    bytes per token) and reordered by token: ``perm`` lists the window tokens to keep, in order."""
+    joined = np.concatenate([pool[o : o + n] for o, n in spans]).reshape(n_tok, -1)
+    return np.take(joined, perm, axis=0).reshape(-1).data
 
 
 def _int(v: Any, default: int | None = None) -> Any:
