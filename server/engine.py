@@ -264,21 +264,26 @@ class Engine:
             while self.in_use + self._reserved + estimate > budget and (self.in_use + self._reserved) > 0:
                 if self._draining:
                     raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
-                if not waited:
-                    self.metrics.backpressure.inc()
-                    waited = True
-                self._force = max(self._force, 1)
-                self._kick.notify_all()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise OverBudgetError(
-                        f"memory budget of {budget} bytes is full ({self.in_use} held, storage is behind); "
-                        "slow down and resend",
-                        retry_after_s=min(5.0, self.config.flush_interval_s),
-                    )
-                self._room.wait(left)
+                self._await_room(deadline, first=not waited, detail="slow down and resend")
+                waited = True
             self._reserved += estimate
             return estimate
+
+    def _await_room(self, deadline: float, *, first: bool, detail: str) -> None:
+        """With ``self._lock`` held and no room: count the backpressure once per message, ask the
+        flusher to commit now, and wait for room until ``deadline`` (then OverBudgetError)."""
+        if first:
+            self.metrics.backpressure.inc()
+        self._force = max(self._force, 1)
+        self._kick.notify_all()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OverBudgetError(
+                f"memory budget of {self.config.memory_budget_bytes} bytes is full "
+                f"({self.in_use} held, storage is behind); {detail}",
+                retry_after_s=min(5.0, self.config.flush_interval_s),
+            )
+        self._room.wait(left)
 
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
@@ -311,19 +316,8 @@ class Engine:
                     self.in_use + self._reserved == 0
                 ):
                     break
-                if not waited:
-                    self.metrics.backpressure.inc()
-                    waited = True
-                self._force = max(self._force, 1)
-                self._kick.notify_all()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise OverBudgetError(
-                        f"memory budget of {self.config.memory_budget_bytes} bytes is full "
-                        f"({self.in_use} held, storage is behind); nothing of this message was accepted",
-                        retry_after_s=min(5.0, self.config.flush_interval_s),
-                    )
-                self._room.wait(left)
+                self._await_room(deadline, first=not waited, detail="nothing of this message was accepted")
+                waited = True
             self._check_conflicts(msg)
             if self.wal is not None:
                 segment, ticket = self.wal.append(DATA, wal_parts)
