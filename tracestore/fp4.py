@@ -171,6 +171,24 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
     return xb.abs().amax(dim=-1)
 
 
+def quantize_blocks(xb: torch.Tensor, fmt: FP4Format, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN of blocked float32 ``xb`` [..., nb, block] -> (codes uint8 [..., nb, block], scale bytes
+    uint8 [..., nb]). ``g``: NVFP4's decode-side global scale, a scalar or broadcastable to [..., nb]."""
+    amax = _block_amax(xb)
+    if fmt.name == "nvfp4":
+        if g is None:
+            raise ShapeError("NVFP4 needs a global scale")
+        s_enc = 1.0 / g
+        sf = e4m3_encode(amax * (s_enc * _f32(1.0 / 6.0).to(xb.device)))
+        enc = torch.clamp(s_enc / e4m3_decode(sf), max=FLT_MAX)  # all-zero block: sf 0 -> FLT_MAX
+        return rtn_codes(xb * enc.unsqueeze(-1)), sf
+    sf = mx_scale_bytes(amax, fmt.scale_rule)
+    # x * 2^-k is exact: scale by an exact power of two (NaN byte -> NaN -> code 7).
+    inv = torch.ldexp(torch.ones_like(amax), E8M0_BIAS - sf.to(torch.int32))
+    inv = torch.where(sf == E8M0_NAN_BYTE, torch.full_like(inv, float("nan")), inv)
+    return rtn_codes(xb * inv.unsqueeze(-1)), sf
+
+
 def quantize(x: torch.Tensor, fmt: FP4Format | str, global_scale: float | torch.Tensor | None = None) -> Quantized:
     """RTN-quantize ``x`` [..., D] (float32/bf16/fp16) to FP4 codes and block scales.
 
@@ -182,23 +200,14 @@ def quantize(x: torch.Tensor, fmt: FP4Format | str, global_scale: float | torch.
     x = check_float_tensor(x)
     nblocks = check_width(x.shape[-1], fmt)
     xb = x.float().reshape(*x.shape[:-1], nblocks, fmt.block)
-    amax = _block_amax(xb)
     if fmt.name == "nvfp4":
         g = resolve_global_scale(x, global_scale)
-        s_enc = 1.0 / g
-        sf = e4m3_encode(amax * (s_enc * _f32(1.0 / 6.0).to(x.device)))
-        enc = torch.clamp(s_enc / e4m3_decode(sf), max=FLT_MAX)  # all-zero block: sf 0 -> FLT_MAX
-        codes = rtn_codes(xb * enc.unsqueeze(-1))
         g_out = float(g)
     else:
         if global_scale is not None:
             raise ShapeError("MXFP4 has no global scale; pass global_scale=None")
-        sf = mx_scale_bytes(amax, fmt.scale_rule)
-        # x * 2^-k is exact: scale by an exact power of two (NaN byte -> NaN -> code 7).
-        inv = torch.ldexp(torch.ones_like(amax), E8M0_BIAS - sf.to(torch.int32))
-        inv = torch.where(sf == E8M0_NAN_BYTE, torch.full_like(inv, float("nan")), inv)
-        codes = rtn_codes(xb * inv.unsqueeze(-1))
-        g_out = 1.0
+        g, g_out = None, 1.0
+    codes, sf = quantize_blocks(xb, fmt, g)
     return Quantized(codes.reshape(x.shape), sf, g_out, fmt)
 
 

@@ -12,17 +12,13 @@ import torch
 from tracestore.errors import ConfigError, ShapeError
 from tracestore.formats import E2M1_MAGNITUDES, E2M1_MAX, NVFP4, FP4Format, check_bits, get_format
 from tracestore.fp4 import (
-    _f32,
     check_float_tensor,
     check_uint8,
     check_width,
     dequantize,
     e2m1_table,
-    e4m3_decode,
-    e4m3_encode,
-    e8m0_decode,
-    mx_scale_bytes,
     quantize,
+    quantize_blocks,
     rtn_codes,
     scale_values,
 )
@@ -155,17 +151,9 @@ def _row_global_scale(
 
 def _rtn_rows(xb: torch.Tensor, fmt: FP4Format, g: torch.Tensor) -> torch.Tensor:
     """RTN fake-quant of blocked float32 ``xb`` [..., nb, block] with a scalar or per-row g."""
-    amax = xb.abs().amax(-1)
-    if fmt.name == "nvfp4":
-        s_enc = 1.0 / g
-        sf = e4m3_encode(amax * (s_enc * _f32(1.0 / 6.0).to(xb.device)))
-        enc = torch.clamp(s_enc / e4m3_decode(sf), max=torch.finfo(torch.float32).max)
-        codes = rtn_codes(xb * enc.unsqueeze(-1))
-        return e2m1_table(xb.device)[codes.long()] * e4m3_decode(sf).unsqueeze(-1) * g.unsqueeze(-1)
-    sb = mx_scale_bytes(amax, fmt.scale_rule)
-    sv = e8m0_decode(sb)
-    codes = rtn_codes(xb / sv.unsqueeze(-1))
-    return e2m1_table(xb.device)[codes.long()] * sv.unsqueeze(-1)
+    codes, sf = quantize_blocks(xb, fmt, g if fmt.name == "nvfp4" else None)
+    y = e2m1_table(xb.device)[codes.long()] * scale_values(sf, fmt).unsqueeze(-1)
+    return y * g.unsqueeze(-1) if fmt.name == "nvfp4" else y
 
 
 def guided_round(
