@@ -11,11 +11,12 @@ Providers, all moving the same record bytes (paper configuration: width 2048, NV
   shard commit, over TCP with inline bytes vs the unix socket with shared-memory descriptors;
 - ``flight-do_put``: Arrow Flight ``do_put`` of the same chunks (Arrow table) to a server process
   that reads every batch (the peer a user would otherwise pick);
-- ``raw-parquet-read`` vs ``ours-read``: reading every stored record back (GuidanceReader on the
-  storage URL, plan-aligned and checksum-verified) vs ``pyarrow.parquet.read_table`` of the shards.
+- ``raw-parquet-read`` vs ``ours-read``: reading one repetition's records back (GuidanceReader on
+  the storage URL, plan-aligned and checksum-verified) vs ``pyarrow.parquet.read_table`` of the
+  shards that repetition created (the same records; both rates over the same record bytes).
 
-Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3]``; prints a table, appends to
-``bench/results/bench_ingest.jsonl``.
+Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode]``; prints a
+table, appends to ``bench/results/bench_ingest.jsonl``.
 """
 
 from __future__ import annotations
@@ -228,16 +229,25 @@ def settle(address: str, timeout: float = 300.0) -> None:
             time.sleep(0.05)
 
 
-def bench_read(storage: str, tag: str, n_fwd: int) -> tuple[float, float, int]:
+def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float, int]:
+    """Read one repetition's records back: ``raw-parquet-read`` reads the shards that repetition
+    created (``pq.read_table``, every column), ours reads the same trajectories (the repetition's
+    forwards plus its warm-up forward) through GuidanceReader, plan-aligned and checksum-verified.
+    Both rates are over the same record bytes (codes + scales of every token read), so the ratio
+    is the ratio of times. Returns (raw B/s, ours B/s, bytes)."""
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
 
     root = Path(storage.removeprefix("file://"))
-    files = sorted(root.rglob("*.parquet"))
-    plan = [(f"{tag}-{f}-{k}", 0, TOKENS) for f in range(n_fwd) for k in range(TRAJ_PER_FWD)]
+    files = sorted(set(root.rglob("*.parquet")) - before)
+    trajs = sorted({t for f in files for t in pq.read_table(f, columns=["trajectory"]).column(0).to_pylist()})
+    if not all(t.startswith(f"{tag}-") for t in trajs):
+        raise RuntimeError(f"shards of repetition {tag} hold other trajectories: {trajs[:4]}")
+    plan = [(t, 0, TOKENS) for t in trajs]
     nbytes = len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
     t0 = time.perf_counter()
-    raw = sum(pq.read_table(f).nbytes for f in files)
+    for f in files:
+        pq.read_table(f)
     t_raw = time.perf_counter() - t0
     reader = GuidanceReader(storage, SPEC.run, prefetch=False)
     t0 = time.perf_counter()
@@ -247,8 +257,11 @@ def bench_read(storage: str, tag: str, n_fwd: int) -> tuple[float, float, int]:
     got = sum(r.codes.nbytes + r.scales.nbytes for r in rows.values())
     if got != nbytes or not all(r.valid.all() for r in rows.values()):
         raise RuntimeError(f"read back {got} of {nbytes} bytes")
-    # raw reads every shard in full (all trajectories of every step); ours reads this plan's rows
-    return raw / t_raw, nbytes / t_ours, raw
+    return nbytes / t_raw, nbytes / t_ours, nbytes
+
+
+def shard_files(storage: str) -> set[Path]:
+    return set(Path(storage.removeprefix("file://")).rglob("*.parquet"))
 
 
 DEC_ROWS, DEC_SITES = 256, 20  # a decode step: 256 sequences x 20 sites (paper: latter 20 of 40 layers)
@@ -350,12 +363,16 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=192, help="record bytes per measured ingest")
     ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (ratios per repetition)")
     ap.add_argument("--no-save", action="store_true")
-    ap.add_argument("--decode", action="store_true", help="only the decode-step caller-time measurement")
+    ap.add_argument("--only", choices=("all", "ingest", "read", "decode"), default="all",
+                    help="ingest: the ingest providers; read: ingest untimed into one durable sidecar, then time "
+                    "the reads; decode: the decode-step caller time (default: ingest and read)")  # fmt: skip
+    ap.add_argument("--decode", action="store_true", help="alias of --only decode")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement (--decode)")
     ap.add_argument("--step-ms", type=float, default=25.0, help="sleep between decode steps (--decode)")
     ns = ap.parse_args()
-    if ns.decode:
+    if ns.decode or ns.only == "decode":
         return bench_decode(ns)
+    ingest, read = ns.only in ("all", "ingest"), ns.only in ("all", "read")
     from tracestore.server.testing import ServeProcess
 
     total = ns.mib << 20
@@ -376,18 +393,21 @@ def main() -> int:
     quiet = ["--metrics-port", "off"]
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as tmp:
         d = Path(tmp)
-        raw_grpc, flight = RawGrpc(), Flight()
+        raw_grpc, flight = (RawGrpc(), Flight()) if ingest else (None, None)
         durable = ServeProcess(d / "durable", flags=quiet).start()
-        commit = ServeProcess(d / "commit", wal=False, flags=[*quiet, "--flush-interval", "0.05"]).start()
         walx = Path(f"/dev/shm/tracestore-bench-wal-{os.getpid()}")
-        # budget above everything the transport-bound runs send, so no shard is flushed meanwhile
-        tb_budget = str(max(4096, (2 * ns.repeat * n_fwd * fwd_bytes() >> 20) * 2))
-        tb_flags = ["--wal-dir", str(walx), "--flush-interval", "3600", "--memory-budget-mib", tb_budget,
-                    "--shard-target-mib", tb_budget]  # fmt: skip
-        tb = ServeProcess(d / "tb", storage=f"memory://bench-tb-{os.getpid()}", unix_socket=True,
-                          flags=[*quiet, *tb_flags]).start()  # fmt: skip
-        mem = ServeProcess(d / "mem", storage=f"memory://bench-{os.getpid()}", wal=False, unix_socket=True,
-                           flags=[*quiet, "--flush-interval", "0.05"]).start()  # fmt: skip
+        servers = [durable]
+        if ingest:
+            commit = ServeProcess(d / "commit", wal=False, flags=[*quiet, "--flush-interval", "0.05"]).start()
+            # budget above everything the transport-bound runs send, so no shard is flushed meanwhile
+            tb_budget = str(max(4096, (2 * ns.repeat * n_fwd * fwd_bytes() >> 20) * 2))
+            tb_flags = ["--wal-dir", str(walx), "--flush-interval", "3600", "--memory-budget-mib", tb_budget,
+                        "--shard-target-mib", tb_budget]  # fmt: skip
+            tb = ServeProcess(d / "tb", storage=f"memory://bench-tb-{os.getpid()}", unix_socket=True,
+                              flags=[*quiet, *tb_flags]).start()  # fmt: skip
+            mem = ServeProcess(d / "mem", storage=f"memory://bench-{os.getpid()}", wal=False, unix_socket=True,
+                               flags=[*quiet, "--flush-interval", "0.05"]).start()  # fmt: skip
+            servers += [commit, tb, mem]
         try:
             for r in range(ns.repeat):
 
@@ -396,37 +416,45 @@ def main() -> int:
                     settle(settle_at or address)
                     return value
 
-                raw = keep("raw-grpc", raw_grpc(total))
-                disk = keep("disk write+fsync", bench_disk(total, d))
-                wal = ours("ours-grpc-durable (WAL fsync ack)", durable.address, "d")
-                com = ours("ours-grpc-durable (shard-commit ack)", commit.address, "c")
-                g = ours("ours-grpc memory:// (commit ack)", mem.address, "g")
-                sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
-                # transport-bound: acks at a WAL on tmpfs, shard flushing deferred past the measurement
-                tg = keep("ours-grpc, tmpfs WAL ack (transport-bound)",
-                          run_recorder(tb.address, n_fwd, f"tg{r}", outputs)[0])  # fmt: skip
-                ts = keep("ours-shm, tmpfs WAL ack (transport-bound)",
-                          run_recorder(tb.unix_address, n_fwd, f"ts{r}", outputs)[0])  # fmt: skip
-                fl = keep("flight-do_put", flight(chunks))
-                rr, ro, _ = bench_read(durable.storage, f"d{r}", n_fwd)
-                keep("raw-parquet-read", rr)
-                keep("ours-read (storage URL)", ro)
-                for name, v in (
-                    ("durable gRPC (WAL) / min(raw gRPC, disk)", wal / min(raw, disk)),
-                    ("durable gRPC (commit) / min(raw gRPC, disk)", com / min(raw, disk)),
-                    ("shm / gRPC, memory:// commit acks", sh / g),
-                    ("shm / gRPC, transport-bound", ts / tg),
-                    ("durable gRPC (WAL) / Flight do_put", wal / fl),
-                    ("ours read / raw Parquet read", ro / rr),
-                ):
-                    ratios.setdefault(name, []).append(v)
+                before = shard_files(durable.storage)
+                if not ingest:  # --only read: the durable sidecar's shards, ingested untimed
+                    run_recorder(durable.address, n_fwd, f"d{r}", outputs)
+                    settle(durable.address)
+                else:
+                    assert raw_grpc is not None and flight is not None
+                    raw = keep("raw-grpc", raw_grpc(total))
+                    disk = keep("disk write+fsync", bench_disk(total, d))
+                    wal = ours("ours-grpc-durable (WAL fsync ack)", durable.address, "d")
+                    com = ours("ours-grpc-durable (shard-commit ack)", commit.address, "c")
+                    g = ours("ours-grpc memory:// (commit ack)", mem.address, "g")
+                    sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
+                    # transport-bound: acks at a WAL on tmpfs, shard flushing deferred past the measurement
+                    tg = keep("ours-grpc, tmpfs WAL ack (transport-bound)",
+                              run_recorder(tb.address, n_fwd, f"tg{r}", outputs)[0])  # fmt: skip
+                    ts = keep("ours-shm, tmpfs WAL ack (transport-bound)",
+                              run_recorder(tb.unix_address, n_fwd, f"ts{r}", outputs)[0])  # fmt: skip
+                    fl = keep("flight-do_put", flight(chunks))
+                    for name, v in (
+                        ("durable gRPC (WAL) / min(raw gRPC, disk)", wal / min(raw, disk)),
+                        ("durable gRPC (commit) / min(raw gRPC, disk)", com / min(raw, disk)),
+                        ("shm / gRPC, memory:// commit acks", sh / g),
+                        ("shm / gRPC, transport-bound", ts / tg),
+                        ("durable gRPC (WAL) / Flight do_put", wal / fl),
+                    ):
+                        ratios.setdefault(name, []).append(v)
+                if read:
+                    rr, ro, _ = bench_read(durable.storage, f"d{r}", before)
+                    keep("raw-parquet-read (same shards)", rr)
+                    keep("ours-read (storage URL)", ro)
+                    ratios.setdefault("ours read / raw Parquet read", []).append(ro / rr)
                 print(f"repetition {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:
-            for sp in (durable, commit, mem, tb):
+            for sp in servers:
                 sp.kill()
             shutil.rmtree(walx, ignore_errors=True)
-            raw_grpc.close()
-            flight.close()
+            if raw_grpc is not None and flight is not None:
+                raw_grpc.close()
+                flight.close()
 
     mib = n_fwd * fwd_bytes() >> 20
     rows = [
