@@ -408,6 +408,10 @@ class RolloutRecorder:
         for x, _, _ in srcs:  # keep the slab alive until the copy ran
             if _is_cuda(x):
                 x.record_stream(side)
+        # The engine's next forward rewrites its static slab on this stream: order that after the
+        # copy (a device-side wait; the host does not block). Without it the next kernels raced the
+        # copy of this forward's rows (tests/client/test_recorder_gpu.py delays the side stream).
+        torch.cuda.current_stream().wait_event(ev)
         return ev
 
     def _runs(self, pieces: list[_Piece]) -> list[list[_Piece]]:
@@ -809,6 +813,8 @@ class RolloutRecorder:
                 item = self._queue.popleft()
                 if isinstance(item, _Forward):
                     lost.update(t for t, _, _ in item.segs)
+                    if item.region.event is not None:  # a device copy may still be landing there
+                        item.region.event.synchronize()
                     self.pool.release(item.region.offset)
                     self._out_bytes += item.nbytes
                     continue
