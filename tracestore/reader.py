@@ -211,6 +211,11 @@ def _column_range(site: SiteSpec, columns: object) -> ColumnRange:
     return (a, b)
 
 
+def _pool_bytes(n: int) -> np.ndarray:
+    """A writable uint8 array of ``n`` bytes in Arrow's memory pool (it owns the memory)."""
+    return np.frombuffer(pa.allocate_buffer(max(n, 1)), np.uint8)[:n]
+
+
 def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
     """Sorted token indices -> maximal [start, end) runs."""
     if tokens.size == 0:
@@ -224,7 +229,8 @@ def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
 class StoreReader:
     """Reads one run of a :class:`~tracestore.store.Store` aligned to microbatch plans.
 
-    Manifests and Parquet footers are cached (they are immutable); new manifests are picked up
+    Manifests and Parquet footers are cached in the Store (they are immutable, so readers of one
+    Store share them); new manifests are picked up
     on each read (``refresh=True``). ``workers`` shards are fetched concurrently. Thread-safe:
     index refreshes are serialized, reads from several threads run concurrently.
     """
@@ -242,7 +248,6 @@ class StoreReader:
         self._seals: dict[str, list[TrajectorySeal]] = {}
         self._links: dict[str, list[PrefixLink]] = {}
         self._indexed: set[str] = set()
-        self._footers: dict[str, pq.FileMetaData] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-read")
 
     def close(self) -> None:
@@ -442,6 +447,11 @@ class StoreReader:
                         for m, e in self._by_traj.get((owner, s.name), ())
                         if m.policy_version in vs and e.token_start < hi and e.token_end > lo
                     ]
+                    if len(cands) == 1:  # the common case: one chunk holds the whole range
+                        m, e = cands[0]
+                        a, b = max(lo, e.token_start), min(hi, e.token_end)
+                        tasks[s.name].append(_Task(e, m, a, b, base + a, False))
+                        continue
                     cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
                     filled = np.full(hi - lo, -1, dtype=np.int64)
                     for m, e in cands:
@@ -456,16 +466,17 @@ class StoreReader:
                             for ra, rb in _ranges(np.nonzero(mask)[0]):
                                 tasks[s.name].append(_Task(e, m, a + ra, a + rb, base + a + ra, kind))
                         window[free] = m.policy_version
-        # 2. output buffers. One allocation for every site's codes and scales: numpy asks for
-        # transparent huge pages on large arrays, and first-touch page faults of 40 separate per-site
-        # arrays cost 20 ms per 30 MB read here, against 4.5 ms for one buffer (measured, see bench_storage).
+        # 2. output buffers. One allocation for every site's codes and scales, from Arrow's memory
+        # pool: it keeps freed memory mapped and hands it to the next read, where a fresh numpy
+        # array is new memory to fault in (192 MiB here: 18-440 ms with numpy, 16-38 ms from the
+        # pool; 40 separate per-site arrays of a 30 MB read cost 20 ms against 4.5 ms for one).
         shapes = []
         for s in site_specs:
             n = plan.n_tokens * s.rows_per_token
             a, b = col[s.name]
             shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block)]
         sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
-        buf = np.empty(sum(sizes), np.uint8)
+        buf = _pool_bytes(sum(sizes))
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
         outs = {
@@ -532,7 +543,7 @@ class StoreReader:
             on_batch(path, chunks)
 
         def _op() -> tuple[dict[ChunkEntry, StoredChunk], int]:
-            footer = self._footers.get(path)
+            footer = self.store.cached_footer(m)
             if storage.local:
                 # A memory map: the decoder reads pages in place (no copy into read buffers; raw
                 # pyarrow with page checksums went from 25.8 to 23.7 ms per 30 MB here), and it is
@@ -573,7 +584,8 @@ class StoreReader:
                     if isinstance(f, CountingFile) and f.io_error is not None:  # the storage failed, not the bytes
                         raise f.io_error from None
                     raise
-                self._footers.setdefault(path, pf.metadata)
+                if footer is None:
+                    self.store.keep_footer(m, pf.metadata)
                 if isinstance(f, CountingFile):
                     return out, f.bytes_read
                 md = pf.metadata
@@ -607,7 +619,12 @@ class StoreReader:
     ) -> None:
         k = s.rows_per_token
         tok_valid = np.asarray(rows.valid.reshape(-1, k).all(axis=1), dtype=bool)
-        for i, seg in enumerate(plan.segments):
+        if tok_valid.all():
+            return
+        # only the segments holding an invalid token are looked at (a plan has hundreds)
+        bad_segments = np.unique(np.searchsorted(plan.offsets, np.nonzero(~tok_valid)[0], side="right") - 1)
+        for i in bad_segments.tolist():
+            seg = plan.segments[i]
             if seg.trajectory is None:
                 continue
             o = int(plan.offsets[i])

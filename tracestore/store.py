@@ -89,6 +89,9 @@ class Store:
         self.min_row_group_bytes = int(min_row_group_bytes)
         self._runs: dict[str, RunSpec] = {}
         self._manifests: dict[str, Manifest] = {}  # manifests are immutable once published
+        # Parquet footers of shards, shared by every reader of this store: keyed by the manifest's
+        # (path, size, crc32) of the shard, so a file replaced under the same path is not matched
+        self._footers: dict[tuple[str, int, int], Any] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -267,6 +270,20 @@ class Store:
             self._manifests[path] = m
         return m
 
+    _MAX_FOOTERS = 4096
+
+    def cached_footer(self, m: Manifest) -> Any:
+        """The parsed Parquet footer (``pq.FileMetaData``) of ``m``'s shard if a reader kept one."""
+        with self._lock:
+            return self._footers.get((m.shard or "", m.shard_bytes, m.shard_crc32))
+
+    def keep_footer(self, m: Manifest, footer: Any) -> None:
+        """Remember the footer of ``m``'s shard for later readers (bounded; oldest dropped first)."""
+        with self._lock:
+            self._footers[(m.shard or "", m.shard_bytes, m.shard_crc32)] = footer
+            while len(self._footers) > self._MAX_FOOTERS:
+                del self._footers[next(iter(self._footers))]
+
     def manifests(self, run: str, policy_version: int) -> list[Manifest]:
         return [self.read_manifest(p) for p in self.manifest_paths(run, policy_version)]
 
@@ -332,7 +349,9 @@ class Store:
             for p in self.manifest_paths(run, v):
                 self.storage.rm(p)
                 with self._lock:
-                    self._manifests.pop(p, None)
+                    m = self._manifests.pop(p, None)
+                    if m is not None:
+                        self._footers.pop((m.shard or "", m.shard_bytes, m.shard_crc32), None)
             self.storage.rm(f"{run}/v{v}", recursive=True)
             deleted.append(v)
         return deleted
