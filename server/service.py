@@ -158,8 +158,9 @@ class TraceStoreService:
                     seq = None
                     try:
                         req, msg, blobs = parse_write(
-                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
-                        )
+                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare,
+                            copy_shm=self.engine.wal is not None,
+                        )  # fmt: skip
                         seq = req.sequence
                         size["estimate"] = max(msg.nbytes, 4096)
                         for u in req.unguided:

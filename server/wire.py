@@ -186,18 +186,24 @@ def parse_write(
     verify: bool = True,
     path: str = "grpc",
     declare: Callable[[pb.RunSpec], None] | None = None,
+    copy_shm: bool = True,
 ) -> tuple[pb.WriteRequest, Message, list[Buffer]]:
     """Parse and validate one WriteRequest. Returns the wire message, the engine message and the
     shared-memory payloads (in chunk order) that must go into the WAL beside the raw request.
 
     ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
+    ``copy_shm=False`` keeps chunks as views into the writer's pool: right only when a message
+    is acknowledged at shard commit (no WAL), since the writer reuses the region after the ack.
+    The checksum stays the one computed here, at receipt, so a writer that scribbles on a region
+    it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
+    checksum on read (DATA_LOSS), never silently different records.
     """
     req, chunks = scan_write(data)
     if declare is not None and req.HasField("run_spec"):
         declare(req.run_spec)  # the run spec may ride along with any message
     if shm is not None and req.shm_pool:
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
-    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
+    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path, copy_shm=copy_shm))
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
@@ -220,6 +226,7 @@ def _parse(
     *,
     verify: bool,
     path: str,
+    copy_shm: bool = True,
 ) -> tuple[Message, list[Buffer]]:
     validate_id("run", req.run)
     validate_id("writer", req.writer)
@@ -247,10 +254,14 @@ def _parse(
             if not (0 < c.n_tokens <= 1 << 24):
                 raise ValidationError(f"chunk of {c.trajectory!r}: n_tokens must be 1..2^24, got {c.n_tokens}")
             _, nc, ns, nt = payload_sizes(site, c.n_tokens, c.has_token_scales)
-            # One copy out of the pool: the writer may reuse the region once this message is durable.
-            codes = bytes(shm(req.shm_pool, c.shm.codes_offset, nc))  # type: ignore[attr-defined]
-            scales = bytes(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
-            ts = bytes(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
+            codes = memoryview(shm(req.shm_pool, c.shm.codes_offset, nc))  # type: ignore[attr-defined]
+            scales = memoryview(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
+            ts = memoryview(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
+            if copy_shm:
+                # The writer may reuse the region once this message is durable, which with a WAL
+                # comes before its shard is written: one copy out of the pool.
+                codes, scales = bytes(codes), bytes(scales)
+                ts = None if ts is None else bytes(ts)
             blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
             if path != "wal":
                 shm_bytes += nc + ns + nt
