@@ -251,7 +251,9 @@ def test_rejected_message_marks_only_its_trajectories(served: ServeProcess) -> N
     b.record_forward(later, ro.forward(later))
     b.finish("after-clash", 5)
     assert b.flush(30), b.stats
-    assert b.unguided == {"clash"} and b.stats["rejected_messages"] == 1
+    # clash's three chunks travel as three messages; those already in flight when the first is
+    # refused are refused too (each alone), the rest are dropped as unguided before sending
+    assert b.unguided == {"clash"} and 1 <= b.stats["rejected_messages"] <= len(SPEC.sites)
     with GuidanceReader(served.address, SPEC.run) as reader:
         assert reader.read(later)["layers.20.mlp.input"].valid.all()
     a.close()
