@@ -278,10 +278,11 @@ def _thread_cpu_s(native_id: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
-def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> tuple[list[float], float]:
+def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> tuple[list[float], float, int]:
     """Seconds ``record_forward`` spends on the caller's (engine's) thread per decode step, with the
     sender streaming to ``address`` meanwhile (``None``: no sender thread at all, the idle floor),
-    and the sender thread's CPU seconds for all the steps (until they are acknowledged).
+    the sender thread's CPU seconds for all the steps (until they are acknowledged) and the number
+    of chunks it sent.
     Between steps the caller sleeps ``step_s`` (the GPU forward: the engine thread lets go of the GIL)."""
     from tracestore.client import RolloutRecorder, SiteOutput
 
@@ -314,9 +315,15 @@ def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str
         if address is not None and not rec.flush(300):
             raise RuntimeError(f"decode steps not acked: {rec.stats}")
         sender_cpu = _thread_cpu_s(rec._thread.native_id) if address is not None else 0.0  # noqa: SLF001
+        chunks = rec.stats["chunks"]
     finally:
         rec.close(timeout=60 if address is not None else 0.1)
-    return times, sender_cpu
+    return times, sender_cpu, chunks
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_decode(ns: Any) -> int:
@@ -327,6 +334,8 @@ def bench_decode(ns: Any) -> int:
     rows: list[dict[str, Any]] = []
     samples: dict[str, list[float]] = {}
     sender: dict[str, list[float]] = {}  # sender-thread CPU seconds per step, one per repetition
+    sidecar: dict[str, list[float]] = {}  # sidecar process CPU seconds per step (until committed)
+    per_chunk: dict[str, list[float]] = {}  # tokens per chunk sent
     with tempfile.TemporaryDirectory(prefix="bench-decode-", dir=os.environ.get("BENCH_DIR")) as tmp:
         flags = ["--metrics-port", "off", "--flush-interval", "0.05"]
         mem = ServeProcess(Path(tmp) / "mem", storage=f"memory://bench-dec-{os.getpid()}", wal=False,
@@ -336,9 +345,15 @@ def bench_decode(ns: Any) -> int:
                 providers = (("no sender (idle floor)", None), ("sender -> shm sidecar", mem.unix_address),
                              ("sender -> TCP sidecar", mem.address))  # fmt: skip
                 for j, (name, addr) in enumerate(providers):
-                    t, cpu = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
+                    assert mem.proc is not None
+                    c0 = _proc_cpu_s(mem.proc.pid)
+                    t, cpu, chunks = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
+                    if addr is not None:
+                        settle(mem.address)  # until its shards are committed
                     samples.setdefault(name, []).extend(t[5:])  # first steps: connection set-up
                     sender.setdefault(name, []).append(cpu / ns.steps)
+                    sidecar.setdefault(name, []).append((_proc_cpu_s(mem.proc.pid) - c0) / ns.steps)
+                    per_chunk.setdefault(name, []).append(ns.steps * DEC_ROWS * DEC_SITES / max(chunks, 1))
         finally:
             mem.kill()
     for name, v in samples.items():
@@ -346,13 +361,17 @@ def bench_decode(ns: Any) -> int:
         rows.append(dict(provider=f"record_forward caller time, {name}", median_ms=statistics.median(v) * 1e3,
                          p90_ms=q[89] * 1e3, p99_ms=q[98] * 1e3, max_ms=max(v) * 1e3, n=len(v),
                          sender_cpu_ms=statistics.median(sender[name]) * 1e3 if "idle" not in name else None,
+                         sidecar_cpu_ms=statistics.median(sidecar[name]) * 1e3 if "idle" not in name else None,
+                         tokens_per_chunk=statistics.median(per_chunk[name]) if "idle" not in name else None,
                          step=f"{DEC_ROWS} rows x {DEC_SITES} sites"))  # fmt: skip
     m = machine()
     print(f"# decode-step caller time on {m.get('cpu')} ({m.get('cores')} cores), {ns.repeat} interleaved "
           f"repetitions of {ns.steps} steps, {ns.step_ms} ms per step between calls; load average at the end "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-    print_table(rows, ["provider", "median_ms", "p90_ms", "p99_ms", "max_ms", "sender_cpu_ms", "n", "step"])
-    print("(sender_cpu_ms: the recorder's sender thread, CPU per step until acknowledged, median of repetitions)")
+    print_table(rows, ["provider", "median_ms", "p90_ms", "p99_ms", "max_ms", "sender_cpu_ms", "sidecar_cpu_ms",
+                       "tokens_per_chunk", "n"])  # fmt: skip
+    print("(sender_cpu_ms: the recorder's sender thread, CPU per step until acknowledged; sidecar_cpu_ms: the sidecar "
+          "process per step until its shards are committed; medians of repetitions)")  # fmt: skip
     if not ns.no_save:
         print(f"\nappended to {append_results('bench_ingest', rows)}")
     return 0
