@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import tracestore.kernels as K  # noqa: E402
 import tracestore.kernels.guided as KG  # noqa: E402
+import tracestore.kernels.record as KR  # noqa: E402
 
 from bench.common import append_results, print_table  # noqa: E402
 from tracestore.formats import MXFP4, NVFP4  # noqa: E402
@@ -188,6 +189,15 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
         "record_from_activations nvfp4 b=1",
         rec_bytes,
     )
+    default_rg, default_gg = KR.BLOCKS_PER_THREAD, KG.BLOCKS_PER_THREAD
+    for group in (1, 2, 4):  # scale blocks per thread
+        KR.BLOCKS_PER_THREAD = group
+        ours(
+            lambda: K.record_from_activations(x, site1, out_nofp4, global_scale=g),
+            f"record_from_activations nvfp4 b=1 [{group} blk/thr]",
+            rec_bytes,
+        )
+    KR.BLOCKS_PER_THREAD = default_rg
     ours(
         lambda: K.record_from_activations(x, site1, out, global_scale=g),
         "record_from_activations nvfp4 b=1 +fp4",
@@ -222,11 +232,15 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
     K.record_from_activations(x, site1, out_nofp4, global_scale=g)
     gd = Guidance(out.codes, out.scales, out.global_scale, 1, NVFP4)
     g_bytes = 2 * n * d * 2 + n * d // 8 + n * d // 16 + 4 * n
-    for arith in (True, False):
-        KG._ARITH_B1 = arith
-        label = "arith" if arith else "table"
+    for table in (False, True):
+        KG._TABLE_B1 = table
+        label = "table kernel" if table else "b1 kernel"
         ours(lambda: K.guided_fp4(xt, gd), f"guided_fp4 fwd nvfp4 b=1 ({label})", g_bytes)
-    KG._ARITH_B1 = True
+    KG._TABLE_B1 = False
+    for group in (1, 2, 4):
+        KG.BLOCKS_PER_THREAD = group
+        ours(lambda: K.guided_fp4(xt, gd), f"guided_fp4 fwd nvfp4 b=1 [{group} blk/thr]", g_bytes)
+    KG.BLOCKS_PER_THREAD = default_gg
     gd2 = Guidance(out.codes, out.scales, out.global_scale, 1, NVFP4, "paper")
     ours(lambda: K.guided_fp4(xt, gd2), "guided_fp4 fwd nvfp4 b=1 paper (table)", g_bytes)
     ours(lambda: K.rtn_fp4(xt, "nvfp4", g), "rtn_fp4 fwd nvfp4", 2 * n * d * 2)
@@ -303,6 +317,20 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
         rows.append({"kernel": "nvfp4 quantize", "provider": "torchao", "error": f"not importable: {exc}"})
 
 
+def kernel_resources() -> None:
+    """Registers and local memory (spills) per compiled kernel: occupancy and spills explain speed."""
+    from cupy.cuda import driver
+    from tracestore.kernels import _launch
+
+    for (name, _dev), (_mod, fn) in sorted(_launch._modules.items()):
+        try:
+            regs = driver.funcGetAttribute(4, fn.ptr)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+            local = driver.funcGetAttribute(3, fn.ptr)  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+            print(f"  {name:40s} {regs:4d} registers, {local:5d} B local", flush=True)
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            print(f"  {name}: attributes unavailable ({exc})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=65536)
@@ -321,6 +349,7 @@ def main() -> None:
 
     ceiling = copy_ceiling(reps, rows)
     run_kernels(args, ceiling, rows)
+    kernel_resources()
     torch.cuda.empty_cache()
     safe("moe_decode_step", lambda: moe_step_share(args, rows), rows)
 

@@ -103,6 +103,17 @@ def _stream(device_index: int, ptr: int) -> Any:
     return s
 
 
+def fastdiv(d: int) -> tuple[np.uint32, np.uint32]:
+    """(m, sh) for the kernels' ``fast_div``: ``idx // d == umulhi(idx, m) >> sh`` for idx < 2^31
+    (round-up multiplier, Granlund & Montgomery 1994); m = 0 stands for d = 1."""
+    if d < 1 or d >= 1 << 31:
+        raise ValueError(f"divisor must be in [1, 2^31), got {d}")
+    if d == 1:
+        return np.uint32(0), np.uint32(0)
+    shift = (d - 1).bit_length()
+    return np.uint32((1 << (31 + shift)) // d + 1), np.uint32(shift - 1)
+
+
 def ptr(t: Any) -> np.uint64:
     """Device pointer of a tensor (or 0 for None) as a kernel argument."""
     return np.uint64(0 if t is None else t.data_ptr())

@@ -78,24 +78,45 @@ __device__ __forceinline__ void store_block(u8* __restrict__ p, const float* v);
 #define RND_MAGIC 12582912.f
 #define FLOOR_MAGIC 8388608.f  /* 2^23: __fadd_rd / __fadd_ru with it give floor / ceil in the low bits */
 
-/* RTN magnitude code (0..7) of a = |z| without conversion instructions (they run at a quarter of
-   the FP32 rate on Hopper; F2I/I2F were the bottleneck of the first version: 0.21 vs 0.13 ms).
-   E2M1 spacing is 0.5 on [0,2], 1 on [2,4], 2 on [4,6]: round-half-even of a·2, a, a/2 on those
-   ranges lands on the even code at every tie of §2 (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
-   3.5->4, 5->4); h is capped so 6 saturates and the magic add stays exact; NaN -> 7. */
-__device__ __forceinline__ u32 rtn_mag(float a) {
-    float mult = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-    float cap = a < 4.f ? 4.f : 3.f;
-    u32 off = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
-    float h = fminf(__fmul_rn(a, mult), cap);
-    return (__float_as_uint(__fadd_rn(h, RND_MAGIC)) & 7u) + off;
+/* E2M1 rounding by one float32 add (no conversion instructions: they issue at a quarter of the
+   FP32 rate on Hopper, and compare/select chains load the half-rate integer/logic pipe).
+   The E2M1 grid is a float format with one fraction bit, exponents 0..2 and a subnormal step of
+   0.5: spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]. For a6 = min(a, 6) the magic number
+   M = 1.5·2^(E+22), E = max(exponent(a6), 0), has exactly that spacing as its ulp, and a6 + M stays
+   in M's binade, so one add rounds a6 onto the grid in the add's own rounding mode (RN: ties to
+   the even multiple = the even code, numerics.md §2; RD/RU: the bracket ends of §7). The low
+   mantissa bits of the sum count multiples n of the spacing, and code = n + 2E, so the parity of
+   the sum's last bit is the parity of the code. Verified against the torch reference on 8M values
+   including every tie and its neighbouring ulps (and by the GPU tests). */
+__device__ __forceinline__ float e2m1_magic(float a6) {
+    u32 m = max((__float_as_uint(a6) & 0x7F800000u) | 0x00400000u, 0x3FC00000u);   /* 1.5·2^E, E >= 0 */
+    return __uint_as_float(m + (22u << 23));
 }
 
-/* Only the low bit (b = 1) of the RTN code: off is even, so it is the parity of the rounded h. */
+/* RTN magnitude code (0..7) of a = |z| (NaN -> 7: fminf returns the number). */
+__device__ __forceinline__ u32 rtn_mag(float a) {
+    float a6 = fminf(a, 6.f);
+    float M = e2m1_magic(a6);
+    u32 t = __float_as_uint(__fadd_rn(a6, M));
+    return (t & 7u) + 2u * ((__float_as_uint(M) >> 23) - 149u);
+}
+
+/* Only the low bit (b = 1) of the RTN code: the parity of the rounded sum. */
 __device__ __forceinline__ u32 rtn_bit0(float a) {
-    float mult = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-    float cap = a < 4.f ? 4.f : 3.f;
-    return __float_as_uint(__fadd_rn(fminf(__fmul_rn(a, mult), cap), RND_MAGIC)) & 1u;
+    float a6 = fminf(a, 6.f);
+    return __float_as_uint(__fadd_rn(a6, e2m1_magic(a6))) & 1u;
+}
+
+/* TRACE's choice for b = 1, rule "bracket" (numerics.md §7): of the bracket ends
+   k- <= a <= k+ the one whose code has the recorded low bit; a on a codeword is that codeword
+   (then both directed sums agree), a >= 6 saturates. ``bitv``'s bit 0 is the record bit (the
+   rest is ignored). Returns the magnitude m. */
+__device__ __forceinline__ float guided_b1_mag(float a, u32 bitv) {
+    float a6 = fminf(a, 6.f);
+    float M = e2m1_magic(a6);
+    u32 lo = __float_as_uint(__fadd_rd(a6, M)), hi = __float_as_uint(__fadd_ru(a6, M));
+    u32 t = lo + ((lo ^ bitv) & (hi - lo));   /* hi - lo is 1 off the grid, 0 on it */
+    return __fadd_rn(__uint_as_float(t), -M);
 }
 
 /* NaN-propagating running max of |v| (PTX max.NaN, sm_80+): numerics.md §3 wants a NaN amax. */
@@ -184,23 +205,19 @@ __device__ __forceinline__ float sane_g(float g) {
 }
 
 
-/* RTN value m(code)·sign of z = x·mul without conversions: the rounded h over mult is m exactly. */
+/* RTN value m(code)·sign of z (NaN z -> +6, code 7). */
 __device__ __forceinline__ float rtn_value(float z) {
-    float a = fabsf(z);
-    float mult = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-    float inv = a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f);
-    float cap = a < 4.f ? 4.f : 3.f;
-    float r = __fadd_rn(__fadd_rn(fminf(__fmul_rn(a, mult), cap), RND_MAGIC), -RND_MAGIC);
-    u32 sig = (z == z) ? (__float_as_uint(z) & 0x80000000u) : 0u;   /* NaN -> code 7 = +6 */
-    return __uint_as_float(__float_as_uint(__fmul_rn(r, inv)) | sig);
+    float a6 = fminf(fabsf(z), 6.f);
+    float M = e2m1_magic(a6);
+    float m = __fadd_rn(__fadd_rn(a6, M), -M);
+    u32 sig = (z == z) ? (__float_as_uint(z) & 0x80000000u) : 0u;
+    return __uint_as_float(__float_as_uint(m) | sig);
 }
 
-/* Block scale byte and the multiplier mapping x onto the E2M1 grid (NVFP4 enc, MX 2^-k), §3/§4. */
-template <int FMT, int BLK>
-__device__ __forceinline__ u32 block_scale(const float* v, float g, float* mul, float* scale_value) {
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < BLK; ++i) amax = absmax_nan(amax, v[i]);
+/* Block scale byte and the multiplier mapping x onto the E2M1 grid (NVFP4 enc, MX 2^-k), §3/§4,
+   from the block's NaN-propagating amax. */
+template <int FMT>
+__device__ __forceinline__ u32 block_scale_of(float amax, float g, float* mul, float* scale_value) {
     if (FMT == F_NVFP4) {
         float s_enc = __fdiv_rn(1.f, g);
         u32 sf = e4m3_encode_pos(__fmul_rn(amax, __fmul_rn(s_enc, ONE_SIXTH)));
@@ -216,6 +233,19 @@ __device__ __forceinline__ u32 block_scale(const float* v, float g, float* mul, 
         *scale_value = e8m0_decode(sb);
         return sb;
     }
+}
+
+template <int BLK>
+__device__ __forceinline__ float block_amax(const float* v) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < BLK; ++i) amax = absmax_nan(amax, v[i]);
+    return amax;
+}
+
+template <int FMT, int BLK>
+__device__ __forceinline__ u32 block_scale(const float* v, float g, float* mul, float* scale_value) {
+    return block_scale_of<FMT>(block_amax<BLK>(v), g, mul, scale_value);
 }
 
 template <int BLK, int BITS>
@@ -302,22 +332,49 @@ __global__ void finalize_g(float* __restrict__ g) {
     *g = sane_g(__fdiv_rn(amax, 2688.f));
 }
 
+/* row = idx / d without a division instruction (Granlund & Montgomery, PLDI 1994, round-up
+   multiplier): for idx < 2^31, m = floor(2^(31+l)/d) + 1 with l = ceil(log2 d) fits 32 bits and
+   row = umulhi(idx, m) >> (l - 1). The host computes (m, sh) (kernels/_launch.py fastdiv); m = 0
+   means d = 1. A hardware-free u32 division costs ~20 instructions, conversions among them. */
+__device__ __forceinline__ u32 fast_div(u32 idx, u32 m, u32 sh) {
+    return m ? (__umulhi(idx, m) >> sh) : idx;
+}
+
+/* float32 -> E4M3 byte for v >= 0 or NaN in one instruction (sm_89+: RNE into subnormals,
+   saturation to 448 = 0x7E, NaN -> 0x7F with the sign dropped), the same as e4m3_encode_pos. */
+__device__ __forceinline__ u32 e4m3_cvt(float v) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
+    return (u32)r & 0x7Fu;
+}
+
+/* One block of record_from_activations: packed low-b bits, scale byte, engine FP4 codes.
+   NVFP4 takes the multiplier enc = s_enc/sf for the block's scale byte from ``enc_tab``
+   (one correctly rounded division per E4M3 value per CTA instead of one per block). */
 template <int DT, int FMT, int BITS, int FP4OUT>
-__global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 nb,
-                           const float* __restrict__ g_ptr,
-                           u8* __restrict__ codes_out, i64 c_stride, u8* __restrict__ scales_out, i64 s_stride,
-                           float* __restrict__ g_out, u8* __restrict__ fp4_out, i64 f_stride) {
+__device__ __forceinline__ void record_block(const float* v, float g, float s_enc, float s6,
+                                             const float* enc_tab, u8* __restrict__ codes_out,
+                                             u8* __restrict__ scale_out, u8* __restrict__ fp4_out) {
     const int BLK = FMT == F_NVFP4 ? 16 : 32;
-    const int ESZ = DT == DT_F32 ? 4 : 2;
-    u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n_rows * nb) return;
-    u32 row = idx / nb, blk = idx - row * nb;
-    float v[BLK];
-    load_block<DT, BLK>(x + (i64)row * x_stride + (i64)blk * (BLK * ESZ), v);
-    float g = FMT == F_NVFP4 ? sane_g(*g_ptr) : 1.f;
-    float mul, sv;
-    u32 sf = block_scale<FMT, BLK>(v, g, &mul, &sv);
+    float mul;
+    u32 sf;
+    if (FMT == F_NVFP4) {
+        float p = __fmul_rn(block_amax<BLK>(v), s6);
+        if (p >= 0.f || p != p) {
+            sf = e4m3_cvt(p);
+            mul = enc_tab[sf];
+        } else {   /* a negative decode-side g: the general path */
+            sf = e4m3_encode_pos(p);
+            mul = __fdiv_rn(s_enc, e4m3_decode(sf));
+            if (mul > FLT_MAX_F) mul = FLT_MAX_F;
+        }
+    } else {
+        float sv;
+        sf = block_scale<FMT, BLK>(v, g, &mul, &sv);
+    }
     const u32 mask = BITS == 4 ? 15u : ((1u << BITS) - 1u);
+    const bool NARROW = BLK * BITS <= 32;   /* NVFP4 b <= 2, MX b = 1: one 32-bit accumulator */
+    u32 acc32 = 0u;
     u64 acc0 = 0ull, acc1 = 0ull, f0 = 0ull, f1 = 0ull;
 #pragma unroll
     for (int i = 0; i < BLK; ++i) {
@@ -326,26 +383,68 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
         if (BITS == 1 && !FP4OUT) c = rtn_bit0(fabsf(z));            /* b = 1: the mantissa bit only */
         else if (BITS < 4 && !FP4OUT) c = rtn_mag(fabsf(z));        /* b <= 3: the sign bit is not kept */
         else c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
-        u64 cb = (u64)(c & mask);
         const int pos = i * BITS;
-        if (pos < 64) {
-            acc0 |= cb << pos;
-            if (pos + BITS > 64) acc1 |= cb >> (64 - pos);
+        if (NARROW) {
+            acc32 |= (c & mask) << pos;
         } else {
-            acc1 |= cb << (pos - 64);
+            u64 cb = (u64)(c & mask);
+            if (pos < 64) {
+                acc0 |= cb << pos;
+                if (pos + BITS > 64) acc1 |= cb >> (64 - pos);
+            } else {
+                acc1 |= cb << (pos - 64);
+            }
         }
         if (FP4OUT) {
             if (i < 16) f0 |= (u64)c << (4 * i); else f1 |= (u64)c << (4 * (i - 16));
         }
     }
-    store_acc<BLK, BITS>(codes_out + (i64)row * c_stride + (i64)blk * (BLK * BITS / 8), acc0, acc1);
-    scales_out[(i64)row * s_stride + blk] = (u8)sf;
+    if (NARROW) acc0 = acc32;
+    store_acc<BLK, BITS>(codes_out, acc0, acc1);
+    *scale_out = (u8)sf;
     if (FP4OUT) {
-        u8* fo = fp4_out + (i64)row * f_stride + (i64)blk * (BLK / 2);
-        if (BLK == 16) *reinterpret_cast<u64*>(fo) = f0;
-        else *reinterpret_cast<uint4*>(fo) = make_uint4((u32)f0, (u32)(f0 >> 32), (u32)f1, (u32)(f1 >> 32));
+        if (BLK == 16) *reinterpret_cast<u64*>(fp4_out) = f0;
+        else *reinterpret_cast<uint4*>(fp4_out) = make_uint4((u32)f0, (u32)(f0 >> 32), (u32)f1, (u32)(f1 >> 32));
     }
-    if (blk == 0 && g_out) g_out[row] = g;
+}
+
+/* G consecutive scale blocks of one row per thread (all loads issued first); ng = nb / G groups
+   per row, row = fast_div(idx, div_m, div_sh). */
+template <int DT, int FMT, int BITS, int FP4OUT, int G>
+__global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 ng, u32 div_m, u32 div_sh,
+                           const float* __restrict__ g_ptr,
+                           u8* __restrict__ codes_out, i64 c_stride, u8* __restrict__ scales_out, i64 s_stride,
+                           float* __restrict__ g_out, u8* __restrict__ fp4_out, i64 f_stride) {
+    const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    __shared__ float enc_tab[FMT == F_NVFP4 ? 128 : 1];
+    float g = FMT == F_NVFP4 ? sane_g(*g_ptr) : 1.f;
+    float s_enc = 0.f, s6 = 0.f;
+    if (FMT == F_NVFP4) {
+        s_enc = __fdiv_rn(1.f, g);
+        s6 = __fmul_rn(s_enc, ONE_SIXTH);
+        if (threadIdx.x < 128) {   /* enc for every scale byte 0..127 (127: NaN stays NaN) */
+            float e = __fdiv_rn(s_enc, e4m3_decode(threadIdx.x));
+            enc_tab[threadIdx.x] = e > FLT_MAX_F ? FLT_MAX_F : e;
+        }
+        __syncthreads();
+    }
+    u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * ng) return;
+    u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
+    float v[G][BLK];
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi)
+        load_block<DT, BLK>(x + (i64)row * x_stride + (i64)(blk0 + gi) * (BLK * ESZ), v[gi]);
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        u32 blk = blk0 + gi;
+        u8* fo = FP4OUT ? fp4_out + (i64)row * f_stride + (i64)blk * (BLK / 2) : fp4_out;
+        record_block<DT, FMT, BITS, FP4OUT>(v[gi], g, s_enc, s6, enc_tab,
+                                            codes_out + (i64)row * c_stride + (i64)blk * (BLK * BITS / 8),
+                                            scales_out + (i64)row * s_stride + blk, fo);
+    }
+    if (blk0 == 0 && g_out) g_out[row] = g;
 }
 
 __device__ __forceinline__ i64 swizzled_offset(u32 r, u32 c, u32 cols_padded) {
@@ -442,18 +541,126 @@ __global__ void record_kv(const u8* __restrict__ pool, i64 pool_page, i64 pool_s
 
 /* ---------------------------------------------------------------- training side */
 
-/* TRACE guided rounding (numerics.md §7) and RTN fake-quant (MODE 1), one thread per block.
+/* numerics.md §8: RTN fake-quant of one block with the training side's own block scale and the
+   (sane) record g — the fallback for rows without a record and blocks with a NaN scale byte. */
+template <int FMT, int BLK>
+__device__ __forceinline__ void rtn_block(const float* v, float gr, float* out) {
+    float gf = FMT == F_NVFP4 ? sane_g(gr) : 1.f;
+    float mul, sv;
+    block_scale<FMT, BLK>(v, gf, &mul, &sv);
+#pragma unroll
+    for (int i = 0; i < BLK; ++i) {
+        float val = rtn_value(__fmul_rn(v[i], mul));
+        out[i] = FMT == F_NVFP4 ? __fmul_rn(__fmul_rn(val, sv), gf) : __fmul_rn(val, sv);
+    }
+}
+
+/* y = (±m·sf)·g[·ts] for a decided magnitude m, the reference's evaluation order (§7). */
+template <int TS>
+__device__ __forceinline__ float guided_value(float m, u32 sig, float sfv, float gr, float tsv) {
+    float y = __fmul_rn(__fmul_rn(__uint_as_float(__float_as_uint(m) | sig), sfv), gr);
+    return TS ? __fmul_rn(y, tsv) : y;
+}
+
+/* TRACE guided rounding of one block, b = 1, rule "bracket" (the paper's configuration).
+
+   Fast path — s in [2^-20, 2^20] and every |x| in [2^-100, inf): z = x/s by one Newton step from
+   the block's correctly rounded reciprocal r: q0 = x·r, z = q0 + (x − q0·s)·r with the residual
+   exact in an FMA. By Markstein's theorem (IBM J. Res. Dev. 34(1), 1990; Muller et al., Handbook
+   of Floating-Point Arithmetic, ch. on division: r within ½ulp of 1/s and q0 within 1 ulp of x/s
+   give RN(q0 + (x − q0·s)·r) = RN(x/s)) that is the correctly rounded quotient whenever nothing
+   under- or overflows, which those bounds guarantee (z >= 2^-120 is normal, the residual's last
+   bit is >= 2^-147); a huge |x| overflows to z = ±inf or NaN, and min(NaN, 6) = 6 saturates as
+   the reference does. s > 0, so the output sign is x's. Blocks with a zero, tiny, infinite or NaN
+   element, or s outside the range, take the exact path: __fdiv_rn per element.
+   The decision is guided_b1_mag: two directed adds and a few integer ops, no table. */
+template <int DT, int FMT, int TS>
+__device__ __forceinline__ void guided_b1_block(const float* v, u32 sb, u32 cw, bool ok, float gr, float tsv,
+                                                float* out) {
+    const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    float sfv = FMT == F_NVFP4 ? e4m3_decode(sb) : e8m0_decode(sb);
+    if (!ok || sfv != sfv) {
+        rtn_block<FMT, BLK>(v, gr, out);
+        return;
+    }
+    float s = __fmul_rn(sfv, gr);
+    if (TS) s = __fmul_rn(s, tsv);
+    bool fast = s >= 9.5367431640625e-07f && s <= 1048576.f;   /* 2^-20 .. 2^20 (NaN: no) */
+    if (fast) {
+        const float r = __frcp_rn(s);
+        bool bad = false;
+#pragma unroll
+        for (int i = 0; i < BLK; ++i) {
+            float xf = v[i];
+            u32 xb = __float_as_uint(xf);
+            bad |= xb * 2u - 0x1B000000u >= 0xE4000000u;   /* |x| outside [2^-100, inf): 0, tiny, inf, NaN */
+            float q0 = __fmul_rn(xf, r);
+            float z = __fmaf_rn(__fmaf_rn(-q0, s, xf), r, q0);
+            out[i] = guided_value<TS>(guided_b1_mag(fabsf(z), cw >> i), xb & 0x80000000u, sfv, gr, tsv);
+        }
+        fast = !bad;
+    }
+    if (!fast) {
+        const bool szero = s == 0.f;
+#pragma unroll
+        for (int i = 0; i < BLK; ++i) {
+            float xf = v[i];
+            float z = __fdiv_rn(xf, s);
+            u32 sig = (z == z) ? (__float_as_uint(z) & 0x80000000u) : 0u;   /* NaN z -> code 7 (+6) */
+            float yv = guided_value<TS>(guided_b1_mag(fabsf(z), cw >> i), sig, sfv, gr, tsv);
+            if (szero) yv = __uint_as_float(__float_as_uint(xf) & 0x80000000u);
+            out[i] = xf != xf ? xf : yv;
+        }
+    }
+}
+
+/* G consecutive blocks of one row per thread (loads first); ng = nb / G. */
+template <int DT, int FMT, int TS, int G>
+__global__ void guided_b1(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 ng, u32 div_m, u32 div_sh,
+                          const u8* __restrict__ codes, i64 c_stride, const u8* __restrict__ scales, i64 s_stride,
+                          const float* __restrict__ g, int g_per_row, const float* __restrict__ ts,
+                          const u8* __restrict__ valid, const i64* __restrict__ rows, const u8* __restrict__ mask,
+                          u8* __restrict__ y, i64 y_stride) {
+    const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_rows * ng) return;
+    u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
+    float v[G][BLK];
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi)
+        load_block<DT, BLK>(x + (i64)row * x_stride + (i64)(blk0 + gi) * (BLK * ESZ), v[gi]);
+    i64 grow = rows ? rows[row] : (i64)row;
+    u32 sb[G], cw[G];
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        sb[gi] = scales[grow * s_stride + blk0 + gi];
+        const u8* cp = codes + grow * c_stride + (i64)(blk0 + gi) * (BLK / 8);
+        cw[gi] = BLK == 16 ? (u32)*reinterpret_cast<const u16*>(cp) : *reinterpret_cast<const u32*>(cp);
+    }
+    float gr = FMT == F_NVFP4 ? g[g_per_row ? grow : 0] : 1.f;
+    float tsv = TS ? ts[grow] : 1.f;
+    bool ok = (!valid || valid[grow]) && (!mask || mask[row]);
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        float out[BLK];
+        guided_b1_block<DT, FMT, TS>(v[gi], sb[gi], cw[gi], ok, gr, tsv, out);
+        store_block<DT, BLK>(y + (i64)row * y_stride + (i64)(blk0 + gi) * (BLK * ESZ), out);
+    }
+}
+
+/* TRACE guided rounding (numerics.md §7) for every b and rule, and RTN fake-quant (MODE 1), one
+   thread per block.
 
    z = x / s exactly as the reference rounds it, without a division per element: a per-block
    reciprocal r, q0 = x·r and one Newton step with the exact FMA residual e = x − q0·s give z
    within an ulp; every §7 decision changes only at multiples of 0.25, so where 4|z| is more than
    2^-18 from an integer the rounding of z cannot matter, and elsewhere (or for blocks whose s is
    outside [2^-100, 2^100]) the correctly rounded __fdiv_rn is used.
-   Decision: b = 1 with rule "bracket" (ARITH) in arithmetic — the bracket end whose bit 0 equals
-   the record — else a table lookup: region 2*floor(4|z|) + (4|z| not an integer) = floor + ceil,
+   Decision: a table lookup: region 2*floor(4|z|) + (4|z| not an integer) = floor + ceil,
    clamped at 48 (|z| >= 6), indexed by the recorded bits (b = 4: relative to z's sign); the table
    comes from the torch reference (kernels/_lut.py). No conversion instructions per element. */
-template <int DT, int FMT, int BITS, int MODE, int ARITH>
+template <int DT, int FMT, int BITS, int MODE>
 __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 nb,
                            const u8* __restrict__ codes, i64 c_stride, const u8* __restrict__ scales, i64 s_stride,
                            const float* __restrict__ g, int g_per_row, const float* __restrict__ ts,
@@ -462,7 +669,7 @@ __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     const int BLK = FMT == F_NVFP4 ? 16 : 32;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int NC = BITS == 4 ? 16 : (1 << BITS);
-    const bool USE_LUT = MODE == 0 && !ARITH;
+    const bool USE_LUT = MODE == 0;
     __shared__ float slut[USE_LUT ? NC * LUT_REGIONS : 1];
     if (USE_LUT)
         for (int i = threadIdx.x; i < NC * LUT_REGIONS; i += blockDim.x) slut[i] = lut[i];
@@ -521,24 +728,11 @@ __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
             }
             float a = fabsf(z);
             u32 sig = (z == z) ? (__float_as_uint(z) & 0x80000000u) : 0u;   /* NaN z -> code 7 (+6) */
-            float m;
-            if (ARITH) {
-                float mult = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
-                float inv = a < 2.f ? 0.5f : (a < 4.f ? 1.f : 2.f);
-                u32 off = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
-                float h = fminf(__fmul_rn(a, mult), 3.5f);
-                float fl = __fadd_rd(h, FLOOR_MAGIC), cl = __fadd_ru(h, FLOOR_MAGIC);
-                u32 km = (__float_as_uint(fl) & 7u) + off;                 /* k-: the bracket's lower code */
-                bool up = (fl != cl) && ((km & 1u) != cbits);               /* off-grid and k- does not match */
-                m = __fmul_rn(__fadd_rn(up ? cl : fl, -FLOOR_MAGIC), inv);
-                if (!(a < 6.f)) m = 6.f;                                    /* saturate (and NaN) */
-            } else {
-                float q = fminf(__fmul_rn(a, 4.f), 24.f);                   /* NaN -> 24 */
-                u32 reg = (__float_as_uint(__fadd_rd(q, FLOOR_MAGIC)) & 63u) +
-                          (__float_as_uint(__fadd_ru(q, FLOOR_MAGIC)) & 63u);
-                u32 ci = BITS == 4 ? (cbits ^ (sig >> 28)) : cbits;          /* sig >> 28 = 8 when negative */
-                m = slut[ci * LUT_REGIONS + reg];
-            }
+            float q = fminf(__fmul_rn(a, 4.f), 24.f);                       /* NaN -> 24 */
+            u32 reg = (__float_as_uint(__fadd_rd(q, FLOOR_MAGIC)) & 63u) +
+                      (__float_as_uint(__fadd_ru(q, FLOOR_MAGIC)) & 63u);
+            u32 ci = BITS == 4 ? (cbits ^ (sig >> 28)) : cbits;              /* sig >> 28 = 8 when negative */
+            float m = slut[ci * LUT_REGIONS + reg];
             float yv = __fmul_rn(__fmul_rn(__uint_as_float(__float_as_uint(m) | sig), sfv), gr);
             if (ts) yv = __fmul_rn(yv, tsv);
             if (szero) yv = __uint_as_float(__float_as_uint(xf) & 0x80000000u);
@@ -546,15 +740,7 @@ __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
             out[i] = yv;
         }
     } else {
-        /* numerics.md §8: RTN with the training side's own block scale and the (sane) record g */
-        float gf = FMT == F_NVFP4 ? sane_g(gr) : 1.f;
-        float mul, sv;
-        block_scale<FMT, BLK>(v, gf, &mul, &sv);
-#pragma unroll
-        for (int i = 0; i < BLK; ++i) {
-            float val = rtn_value(__fmul_rn(v[i], mul));
-            out[i] = FMT == F_NVFP4 ? __fmul_rn(__fmul_rn(val, sv), gf) : __fmul_rn(val, sv);
-        }
+        rtn_block<FMT, BLK>(v, gr, out);
     }
     store_block<DT, BLK>(y + (i64)row * y_stride + (i64)blk * (BLK * ESZ), out);
 }

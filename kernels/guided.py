@@ -28,11 +28,15 @@ from tracestore.guided import guided_round, rtn_fake_quant
 from . import _launch as L
 from ._common import DTYPE_CODE, check_aligned, check_float, fmt_code, fmt_name
 from ._lut import lut_tensor
+from .record import blocks_per_thread
 
-# b = 1 with rule "bracket" can decide in arithmetic instead of the decision table (tests compare both).
-# Measured on the H200 (bf16 65536x2048): arithmetic 0.288 ms vs table 0.241 ms, so the table is the
-# default; the arithmetic variant stays selectable (TRACESTORE_GUIDED_ARITH=1) and tested.
-_ARITH_B1 = os.environ.get("TRACESTORE_GUIDED_ARITH", "0") == "1"
+# b = 1 with rule "bracket" (the paper's configuration) runs ``guided_b1``: Newton quotient and a
+# two-add decision, no table. The general table kernel can be forced for it (TRACESTORE_GUIDED_TABLE=1;
+# the tests run both paths, the bench compares them).
+_TABLE_B1 = os.environ.get("TRACESTORE_GUIDED_TABLE", "0") == "1"
+# scale blocks per thread in guided_b1 (1, 2 or 4; bench_kernels compares them). H200, bf16
+# 65536x2048: 1 -> 0.167 ms, 2 -> 0.152 ms (72 registers), 4 -> 0.269 ms (95 registers).
+BLOCKS_PER_THREAD = 2
 _luts: dict[tuple[int, str, torch.device], torch.Tensor] = {}
 
 
@@ -122,33 +126,28 @@ def _guided_fp4_cuda(
     codes, scales = _aligned(codes, 4), scales.contiguous()
     token_scales = None if token_scales is None else token_scales.contiguous()
     dt = DTYPE_CODE[x.dtype]
-    arith = int(_ARITH_B1 and bits == 1 and rule == "bracket")
-    # one thread per scale block (a coalesced 16-byte-per-thread variant measured slower: 0.338 vs 0.241 ms)
-    name, threads = f"guided_fwd<{dt},{fmt_code(f)},{bits},0,{arith}>", n * nb
-    L.launch(
-        name,
-        x.device,
-        threads,
-        (
-            L.ptr(x2),
-            L.i64(x2.stride(0) * x2.element_size()),
-            L.u32(n),
-            L.u32(nb),
-            L.ptr(codes),
-            L.i64(codes.stride(0)),
-            L.ptr(scales),
-            L.i64(scales.stride(0)),
-            L.ptr(g),
-            L.i32(int(global_scale.dim() > 0)),
-            L.ptr(token_scales),
-            L.ptr(valid),
-            L.ptr(rows),
-            L.ptr(mask),
-            L.ptr(None if arith else _lut(bits, rule, x.device)),
-            L.ptr(y),
-            L.i64(y.stride(0) * y.element_size()),
-        ),
+    index = (
+        L.ptr(codes),
+        L.i64(codes.stride(0)),
+        L.ptr(scales),
+        L.i64(scales.stride(0)),
+        L.ptr(g),
+        L.i32(int(global_scale.dim() > 0)),
+        L.ptr(token_scales),
+        L.ptr(valid),
+        L.ptr(rows),
+        L.ptr(mask),
     )
+    head = (L.ptr(x2), L.i64(x2.stride(0) * x2.element_size()), L.u32(n))
+    out = (L.ptr(y), L.i64(y.stride(0) * y.element_size()))
+    if bits == 1 and rule == "bracket" and not _TABLE_B1:
+        group = blocks_per_thread(nb, BLOCKS_PER_THREAD)
+        name = f"guided_b1<{dt},{fmt_code(f)},{int(token_scales is not None)},{group}>"
+        ng = nb // group
+        L.launch(name, x.device, n * ng, head + (L.u32(ng), *L.fastdiv(ng)) + index + out)
+    else:  # one thread per scale block
+        lut = (L.ptr(_lut(bits, rule, x.device)),)
+        L.launch(f"guided_fwd<{dt},{fmt_code(f)},{bits},0>", x.device, n * nb, head + (L.u32(nb),) + index + lut + out)
     return y.view(x.shape)
 
 
@@ -264,7 +263,7 @@ def _rtn_fp4_cuda(x: torch.Tensor, global_scale: torch.Tensor, fmt: str) -> torc
     y = torch.empty_like(x2)
     dt = DTYPE_CODE[x.dtype]
     L.launch(
-        f"guided_fwd<{dt},{fmt_code(f)},1,1,0>",
+        f"guided_fwd<{dt},{fmt_code(f)},1,1>",
         x.device,
         n * nb,
         (

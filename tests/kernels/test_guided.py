@@ -11,10 +11,15 @@ from tracestore.kernels.testing import assert_bits_equal
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
-from tracestore.fp4 import dequantize, quantize
+from tracestore.fp4 import dequantize, quantize, scale_values
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
 from tracestore.packing import pack_bits
+
+
+def dequantize_scale(byte: torch.Tensor) -> torch.Tensor:
+    return scale_values(byte, NVFP4)
+
 
 FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "mxfp4-rceil": MXFP4_RCEIL}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -167,10 +172,10 @@ def gpu_vs_cpu(x, gd, rows=None, mask=None, what=""):
     assert_bits_equal(y.cpu(), guided_fp4(x, gd, rows, mask), what)
 
 
-@pytest.fixture(params=[True, False], ids=["arith", "table"])
+@pytest.fixture(params=[False, True], ids=["b1kernel", "table"])
 def decide(request, monkeypatch):
-    """b = 1 bracket decides in arithmetic by default; the table path must agree."""
-    monkeypatch.setattr(kg, "_ARITH_B1", request.param)
+    """b = 1 bracket runs guided_b1 by default; the general table kernel must agree."""
+    monkeypatch.setattr(kg, "_TABLE_B1", request.param)
     return request.param
 
 
@@ -221,6 +226,48 @@ def test_gpu_guided_region_boundaries(fmt, decide, gen):
         codes = torch.randint(0, 16 if bits == 4 else 1 << bits, (n, width), generator=gen, dtype=torch.uint8)
         gd = Guidance(pack_bits(codes, bits), torch.full((n, blocks), byte, dtype=torch.uint8), 1.0, bits, f, rule)
         gpu_vs_cpu(x, gd, what=f"{fmt} b={bits} {rule}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_guided_b1_quotient_edges(dtype, gen):
+    """guided_b1's Newton quotient where it could go wrong: per-row g over 2^-60..2^60 and every scale
+    byte (so s inside and outside the fast range [2^-20, 2^20], negative and zero), x = (grid point ±
+    0..2 ulps)·s for every multiple of 0.25 in [0, 7], and x tiny, subnormal, zero, huge, inf, NaN."""
+    n_rows = 512
+    f = NVFP4
+    byte = torch.randint(0, 256, (n_rows, 8), generator=gen, dtype=torch.uint8)
+    g = torch.exp2(torch.randint(-60, 61, (n_rows,), generator=gen).float()) * (1 + torch.rand(n_rows, generator=gen))
+    s = (dequantize_scale(byte) * g[:, None]).repeat_interleave(16, 1)  # [n, 128]
+    grid = (torch.arange(0, 29, dtype=torch.float32) * 0.25)[torch.randint(0, 29, s.shape, generator=gen)]
+    x = grid * s * torch.where(torch.rand(s.shape, generator=gen) < 0.5, -1.0, 1.0)
+    for _ in range(2):
+        step = torch.rand(s.shape, generator=gen) < 0.4
+        x = torch.where(step, torch.nextafter(x, torch.where(torch.rand(s.shape, generator=gen) < 0.5, -9e9, 9e9)), x)
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-42, 1e-38, 7e-31, 1e-20, 3e38, -3e38, float("inf"), float("nan")])
+    pick = torch.rand(s.shape, generator=gen) < 0.02
+    x = torch.where(pick, special[torch.randint(0, special.numel(), s.shape, generator=gen)], x)
+    codes = torch.randint(0, 2, (n_rows, 128), generator=gen, dtype=torch.uint8)
+    gd = Guidance(pack_bits(codes, 1), byte, g, 1, f)
+    gpu_vs_cpu(x.to(dtype), gd, what=str(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_guided_b1_matches_table_large(gen, monkeypatch):
+    """65536 × 2048 fp32 with per-row g spread over 2^-30..2^30: guided_b1 against the general table
+    kernel on the GPU (both bit-exact to the reference on the sampled tests), every element."""
+    n, width = 65536, 2048
+    x = torch.randn(n, width, device="cuda") * torch.exp2(torch.randint(-30, 31, (n, 1), device="cuda").float())
+    q = quantize(x, NVFP4, None)
+    g = torch.exp2(torch.randint(-30, 31, (n,), device="cuda").float()) * (1 + torch.rand(n, device="cuda"))
+    gd = Guidance(pack_bits(q.codes, 1), q.scales, g, 1, NVFP4)
+    xt = x * (1 + 0.02 * torch.randn(n, width, device="cuda"))
+    monkeypatch.setattr(kg, "_TABLE_B1", False)
+    y_fast = guided_fp4(xt, gd)
+    monkeypatch.setattr(kg, "_TABLE_B1", True)
+    y_table = guided_fp4(xt, gd)
+    assert_bits_equal(y_fast, y_table)
 
 
 @pytest.mark.gpu

@@ -200,6 +200,47 @@ def test_gpu_record_from_activations_exact(fmt, dtype, bits, gen):
         check_untouched(out, 2, n + 3)
 
 
+def e4m3_edge_amaxes(g: float) -> torch.Tensor:
+    """Block amaxes whose float32 product amax·((1/g)·(1/6)) lands on every E4M3 value, every midpoint
+    between neighbours (the RNE ties) and one float32 ulp either side, plus saturation and NaN."""
+    vals = torch.tensor(sorted({e4m3_value(b) for b in range(0x7F)}), dtype=torch.float64)
+    mids = (vals[1:] + vals[:-1]) / 2
+    targets = torch.cat([vals, mids, torch.tensor([448.0, 464.0, 500.0, 1e30])]).float()
+    targets = torch.cat([targets, torch.nextafter(targets, targets * 2 + 1), torch.nextafter(targets, -targets)])
+    s6 = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(g, dtype=torch.float32) * (1.0 / 6.0)
+    s6 = s6.float()
+    amax = (targets.double() / s6.double()).float()
+    for _ in range(3):  # walk amax by ulps until amax·s6 rounds onto the target where one exists
+        prod = amax * s6
+        amax = torch.where(prod < targets, torch.nextafter(amax, amax * 2 + 1), amax)
+        amax = torch.where(amax * s6 > targets, torch.nextafter(amax, -amax), amax)
+    return torch.cat([amax[amax > 0], torch.tensor([float("inf"), float("nan")])])
+
+
+def e4m3_value(byte: int) -> float:
+    e, m = (byte >> 3) & 15, byte & 7
+    return m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [1.0, 0.0137])
+def test_gpu_record_scale_byte_edges(g, gen):
+    """The scale byte of every E4M3 tie and boundary (the kernel encodes with the hardware cvt and
+    reads enc = s_enc/sf from a per-CTA table) against the reference, in fp32 activations."""
+    amax = e4m3_edge_amaxes(g)
+    n, blocks = amax.numel(), 3
+    s = site("nvfp4", blocks, 1)
+    x = torch.rand(n, s.width, generator=gen) * 2 - 1
+    x = x * amax.nan_to_num(1.0, posinf=1.0)[:, None] * 0.99
+    x[:, 5] = amax  # the block's amax (block 0); the other blocks hold smaller values
+    x[:, 16 + 7] = -amax
+    x = x.cuda()
+    out = poisoned(s, n, "cuda")
+    gt = torch.tensor([g], device="cuda")
+    record_from_activations(x, s, out, global_scale=gt)
+    check_rows(out, 0, x, s, gt.cpu())
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
