@@ -12,7 +12,6 @@ importing prometheus.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import filecmp
@@ -21,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -230,13 +229,15 @@ class Storage:
         self._count("bytes_written", len(data))
         return True
 
-    def publish_stream(self, rel: str, produce: Callable[[SyncingWriter], T]) -> tuple[bool, T]:
-        """Local disk only: ``produce(writer)`` streams a file's bytes, published like :meth:`publish`.
+    def publish_stream(self, rel: str, produce: Callable[[ShardFile], T]) -> tuple[bool, T]:
+        """Local disk only: ``produce(file)`` writes a file's bytes, published like :meth:`publish`.
 
-        The bytes go straight to a temp file in the target directory while background
-        ``fdatasync`` calls push them to disk as they come, so disk writes overlap encoding and no
-        second copy of the shard is held in memory. Returns (written, produce's result); an
-        existing file with identical bytes gives written=False, different bytes ConflictError.
+        ``file`` is a :class:`ShardFile`: a native Arrow output stream onto a temp file in the
+        target directory (the encoder writes without the GIL and without copies through Python)
+        whose written bytes a background thread checksums and starts writing back while the
+        encoder goes on, so the final fsync has little left to flush and no second copy of the
+        shard is held in memory. Returns (written, produce's result); an existing file with
+        identical bytes gives written=False, different bytes ConflictError.
         """
         if not self.local:
             raise StorageError(f"publish_stream needs local storage, {self.url} is not")
@@ -247,18 +248,18 @@ class Storage:
         return written, value
 
     @staticmethod
-    def _publish_local_stream(path: str, produce: Callable[[SyncingWriter], T]) -> tuple[bool, int, T]:
+    def _publish_local_stream(path: str, produce: Callable[[ShardFile], T]) -> tuple[bool, int, T]:
         directory = os.path.dirname(path)
         created = _missing_dirs(directory)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            writer = SyncingWriter(fd)
+            shard = ShardFile(fd, tmp)
             try:
-                value = produce(writer)
+                value = produce(shard)
             finally:
-                writer.finish()
+                shard.finish()
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -278,7 +279,7 @@ class Storage:
         finally:
             os.unlink(tmp)
         _fsync_dirs([directory, *[os.path.dirname(c) for c in created]])
-        return written, writer.size, value
+        return written, shard.size, value
 
     @staticmethod
     def _publish_local(path: str, data: bytes | memoryview) -> None:
@@ -351,99 +352,241 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
 _START_WRITEBACK = _sync_file_range()
 
 
-class SyncingWriter(io.RawIOBase):
-    """A write-only file over ``fd`` whose writes land on a background thread.
+def _fallocate() -> Callable[[int, int, int, int], None] | None:
+    """Linux ``fallocate(fd, mode, offset, len)``; None where libc has none."""
+    try:
+        import ctypes
+        import ctypes.util
 
-    ``write`` only queues the bytes; the writer thread adds them to the running crc32, writes them
-    to ``fd`` and starts writeback every ``sync_every`` bytes (``sync_file_range``, or a blocking
-    ``fdatasync`` where that is missing), so the caller keeps encoding while the kernel copies and
-    the disk writes, and the owner's final ``fsync`` has little left to flush. At most
-    ``max_pending`` bytes wait in the queue (``write`` blocks beyond). :meth:`finish` drains the
-    queue and raises the first write error. The caller still owns ``fd`` (and its final fsync).
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fn.restype = ctypes.c_int
+
+    def fallocate(fd: int, mode: int, offset: int, nbytes: int) -> None:
+        if fn(fd, mode, offset, nbytes) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fallocate: {os.strerror(err)}")
+
+    return fallocate
+
+
+_FALLOCATE = _fallocate()
+_FALLOC_FL_COLLAPSE_RANGE = 0x08
+_COLLAPSE_OK: dict[int, bool] = {}  # st_dev -> whether the filesystem collapses ranges (ext4, XFS)
+
+
+class Region:
+    """Bytes an Arrow writer appends to one region of a :class:`ShardFile` from ``start`` on:
+    :meth:`advance` checksums (ISA-L, read back from the page cache) and starts the writeback of
+    what reached the file, in the writer's own thread."""
+
+    def __init__(self, fd: int, start: int, sync_every: int = 8 << 20) -> None:
+        self._fd = fd
+        self.start = self.done = self._synced = start
+        self.crc32 = 0
+        self._sync_every = sync_every
+
+    def advance(self, end: int) -> None:
+        """Take in the bytes ``[done, end)``."""
+        while self.done < end:
+            data = os.pread(self._fd, min(ShardFile.READ, end - self.done), self.done)
+            if not data:
+                raise StorageError(f"short read of a shard at byte {self.done} of {end}")
+            self.crc32 = crc32(data, self.crc32)
+            self.done += len(data)
+        if self.done - self._synced >= self._sync_every and _START_WRITEBACK is not None:
+            _START_WRITEBACK(self._fd, self._synced, self.done - self._synced)
+            self._synced = self.done
+
+
+class ShardFile:
+    """A temp file that Arrow writers fill natively, checksummed and written back behind them.
+
+    ``stream`` is a buffered native Arrow output stream onto ``path`` (the Parquet writer writes
+    into it without the GIL and without a copy through Python). After handing over a batch of
+    bytes (a row group) the writer calls :meth:`progress`; a background thread then adds the bytes
+    that reached the file to the running crc32 (ISA-L, read back from the page cache) and starts
+    their writeback (``sync_file_range``, or ``fdatasync`` where that is missing) every
+    ``sync_every`` bytes, so the owner's final ``fsync`` has little left to flush. :meth:`finish`
+    closes the stream, checksums the rest and raises the first error; then :attr:`size` and
+    :attr:`crc32` describe the whole file. The caller owns ``fd`` (a read-write descriptor of
+    ``path``) and its final fsync.
+
+    Two writers at once (see ``tracestore.shards``): :meth:`open_at` gives a second stream that
+    appends from a far offset (the gap is a hole), :class:`Region` checksums each writer's bytes,
+    :meth:`collapse` removes the gap without moving data (``FALLOC_FL_COLLAPSE_RANGE``, where
+    :meth:`can_collapse`), and ``finish(size, crc)`` takes the checksum the owner assembled.
     """
 
-    def __init__(self, fd: int, sync_every: int = 8 << 20, max_pending: int = 64 << 20) -> None:
-        super().__init__()
+    READ = 4 << 20
+
+    def __init__(self, fd: int, path: str, sync_every: int = 8 << 20) -> None:
+        import pyarrow as pa
+
         self._fd = fd
+        self.path = path
         self.size = 0
         self.crc32 = 0
         self._sync_every = sync_every
-        self._max_pending = max_pending
-        self._pending = 0
-        self._queue: collections.deque[bytes | None] = collections.deque()
+        self.stream = pa.BufferedOutputStream(pa.OSFile(path, "wb"), 1 << 20)
+        self._streams = [self.stream]
         self._cv = threading.Condition()
+        self._kicks = 0
+        self._limit: int | None = None
+        self._final = False
+        self._given: tuple[int, int] | None = None
         self._error: BaseException | None = None
-        self._finished = False
-        self._thread = threading.Thread(target=self._drain, name="tracestore-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tracestore-shard-sync", daemon=True)
         self._thread.start()
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = b if isinstance(b, bytes) else bytes(memoryview(b).cast("B"))  # queued: must not change
-        n = len(data)
+    def progress(self, limit: int | None = None) -> None:
+        """Bytes were handed to :attr:`stream`: checksum and start writing back what reached the
+        file, up to byte ``limit`` (None: all of it)."""
         with self._cv:
-            while self._pending >= self._max_pending and self._error is None:
-                self._cv.wait()
-            if self._error is not None:
-                raise StorageError(f"writing the shard failed: {self._error!r}") from self._error
-            self._queue.append(data)
-            self._pending += n
-            self._cv.notify_all()
-        self.size += n
-        return n
+            self._kicks += 1
+            self._limit = limit
+            self._cv.notify()
 
-    def _drain(self) -> None:
-        written = synced = 0
+    # -- two writers ---------------------------------------------------------------------------
+
+    def file_size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    @property
+    def block_size(self) -> int:
+        return max(512, int(os.fstat(self._fd).st_blksize))
+
+    def pread(self, offset: int, n: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise StorageError(f"short read of {self.path}: {len(data)} of {n} bytes at {offset}")
+        return data
+
+    def restart(self) -> None:
+        """Empty the file and give :attr:`stream` anew (nothing written may have been checksummed)."""
+        import pyarrow as pa
+
+        for stream in self._streams:
+            if not stream.closed:
+                stream.close()
+        os.ftruncate(self._fd, 0)
+        self.stream = pa.BufferedOutputStream(pa.OSFile(self.path, "wb"), 1 << 20)
+        self._streams = [self.stream]
+
+    def region(self, start: int) -> Region:
+        return Region(self._fd, start, self._sync_every)
+
+    def open_at(self, offset: int) -> Any:
+        """A second native stream whose bytes go to the file from byte ``offset`` on (the file,
+        still empty, is extended to it; the gap is a hole). The stream appends, so it starts
+        at position 0 as the Parquet writer requires, and reports absolute positions once it
+        has written; it is unbuffered (a buffered one reports its first block's positions from 0)."""
+        import pyarrow as pa
+
+        if self.file_size() != 0:
+            raise StorageError(f"open_at needs the shard file {self.path} still empty")
+        stream = pa.OSFile(self.path, "ab")
+        self._streams.append(stream)
+        os.ftruncate(self._fd, offset)
+        return stream
+
+    def can_collapse(self) -> bool:
+        """Whether :meth:`collapse` works on this filesystem (probed once per device)."""
+        dev = os.fstat(self._fd).st_dev
+        ok = _COLLAPSE_OK.get(dev)
+        if ok is None:
+            ok = False
+            if _FALLOCATE is not None:
+                probe = f"{self.path}.probe"
+                pfd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    blk = max(512, int(os.fstat(pfd).st_blksize))
+                    os.write(pfd, bytes(3 * blk))
+                    _FALLOCATE(pfd, _FALLOC_FL_COLLAPSE_RANGE, blk, blk)
+                    ok = os.fstat(pfd).st_size == 2 * blk
+                except OSError:
+                    ok = False
+                finally:
+                    os.close(pfd)
+                    os.unlink(probe)
+            _COLLAPSE_OK[dev] = ok
+        return ok
+
+    def collapse(self, offset: int, nbytes: int) -> None:
+        """Remove bytes ``[offset, offset + nbytes)`` (block-aligned); later bytes move down."""
+        if _FALLOCATE is None:  # pragma: no cover - not Linux
+            raise OSError("fallocate is not available")
+        _FALLOCATE(self._fd, _FALLOC_FL_COLLAPSE_RANGE, offset, nbytes)
+
+    def write_at(self, offset: int, parts: Sequence[Any], *, last: bool = False) -> int:
+        """Write ``parts`` from ``offset`` on (``last``: and cut the file after them); return
+        the offset after them."""
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                n = os.pwrite(self._fd, view[: self.READ], offset)
+                view, offset = view[n:], offset + n
+        if last and self.file_size() > offset:
+            os.ftruncate(self._fd, offset)
+        return offset
+
+    # -------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        done = synced = 0
         crc = 0
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                data = self._queue.popleft()
-            if data is None:
-                self.crc32 = crc
-                return
-            try:
-                crc = crc32(data, crc)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view) :]
-                written += len(data)
-                if written - synced >= self._sync_every:
+        view = memoryview(bytearray(self.READ))
+        try:
+            while True:
+                with self._cv:
+                    while not self._kicks and not self._final:
+                        self._cv.wait()
+                    self._kicks = 0
+                    final, limit = self._final, self._limit
+                if final and self._given is not None:
+                    return
+                end = os.fstat(self._fd).st_size
+                if limit is not None and not final:
+                    end = min(end, limit)
+                while done < end:
+                    n = os.preadv(self._fd, [view[: min(self.READ, end - done)]], done)
+                    if n <= 0:
+                        raise OSError(f"short read of {self.path} at byte {done} of {end}")
+                    crc = crc32(view[:n], crc)
+                    done += n
+                if not final and done - synced >= self._sync_every:
                     if _START_WRITEBACK is not None:
-                        _START_WRITEBACK(self._fd, synced, written - synced)
+                        _START_WRITEBACK(self._fd, synced, done - synced)
                     else:  # pragma: no cover - not Linux
                         os.fdatasync(self._fd)
-                    synced = written
-            except BaseException as exc:  # surfaced by write() / finish()
-                with self._cv:
-                    self._error = exc
-                    self._queue.clear()
-                    self._cv.notify_all()
-                return
-            finally:
-                with self._cv:
-                    self._pending -= len(data)
-                    self._cv.notify_all()
+                    synced = done
+                if final:
+                    self.size, self.crc32 = done, crc
+                    return
+        except BaseException as exc:  # surfaced by finish()
+            self._error = exc
 
-    def tell(self) -> int:
-        return self.size
-
-    def close(self) -> None:  # the Parquet writer may close its sink; the fd is closed by the owner
-        pass
-
-    def finish(self) -> None:
-        """Wait until every queued byte is written; raise the first write error."""
-        with self._cv:
-            if self._error is None and not self._finished:
-                self._queue.append(None)
-                self._cv.notify_all()
-            self._finished = True
-        self._thread.join()
+    def finish(self, size: int | None = None, crc: int | None = None) -> None:
+        """Close the streams and wait until every byte is checksummed (or take ``size`` and
+        ``crc`` computed by the owner); raise the first error."""
+        try:
+            for stream in self._streams:
+                if not stream.closed:
+                    stream.close()
+        finally:
+            with self._cv:
+                if size is not None and crc is not None and self._given is None:
+                    self._given = (size, crc)
+                self._final = True
+                self._cv.notify()
+            self._thread.join()
         if self._error is not None:
-            raise StorageError(f"writing the shard failed: {self._error!r}") from self._error
+            raise StorageError(f"writing the shard {self.path} failed: {self._error!r}") from self._error
+        if self._given is not None:
+            self.size, self.crc32 = self._given
 
 
 class CountingFile(io.RawIOBase):

@@ -40,6 +40,51 @@ except ImportError:  # pragma: no cover - depends on the environment
 crc32: Callable[..., int] = _fast_crc32
 """zlib-compatible CRC-32 (``crc32(data, value=0)``): ISA-L's when ``isal`` is installed, else zlib's."""
 
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's crc32_combine (GF(2) matrix method, as in zlib's crc32.c)."""
+
+    def times(mat: list[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec >>= 1
+            i += 1
+        return out
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = square(odd)  # two zero bits
+    odd = square(even)  # four zero bits
+    while True:
+        even = square(odd)  # first pass: one zero byte
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+try:
+    from isal.isal_zlib import crc32_combine as _fast_combine
+except ImportError:  # pragma: no cover - depends on the environment
+    _fast_combine = _crc32_combine
+
+crc32_combine: Callable[[int, int, int], int] = _fast_combine
+"""``crc32_combine(crc(a), crc(b), len(b)) == crc32(a + b)`` (zlib semantics)."""
+
 _RUN_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 IdKind = Literal["run", "trajectory", "site", "writer", "source"]

@@ -1,5 +1,5 @@
 """Parquet page checksums verified with ISA-L (tracestore.pagecrc) agree with Arrow's own check,
-and the background shard writer (fsutil.SyncingWriter) writes what it is given."""
+and the shard file (fsutil.ShardFile) checksums exactly the bytes it ends up holding."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 from tracestore import CorruptionError
 from tracestore.arrow import chunks_to_table
 from tracestore.errors import StorageError
-from tracestore.fsutil import SyncingWriter
+from tracestore.fsutil import ShardFile
 from tracestore.pagecrc import _header, _plain_values, verify_pages
+from tracestore.records import crc32_combine
 from tracestore.shards import encode_shard
 
 from .conftest import RUN, SITES, make_chunk
@@ -100,38 +101,64 @@ def test_page_without_checksum_is_an_error():
         verify_pages(memoryview(data)[a : a + n], name)
 
 
-def test_syncing_writer_writes_size_and_crc(tmp_path):
+def test_shard_file_size_and_crc(tmp_path):
     rng = np.random.default_rng(5)
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 7, 1 << 20, 3 << 20, 0, 12345)]
     path = tmp_path / "f"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        w = SyncingWriter(fd, sync_every=1 << 20, max_pending=2 << 20)  # small: exercises writeback and backpressure
+        f = ShardFile(fd, str(path), sync_every=1 << 20)  # small: exercises writeback
         for p in parts:
-            assert w.write(p) == len(p)
-        w.write(bytearray(b"mutable"))  # copied when queued
-        w.finish()
-        w.finish()  # idempotent
+            f.stream.write(p)
+            f.progress(f.stream.tell())
+        f.finish()
+        f.finish()  # idempotent
     finally:
         os.close(fd)
-    expect = b"".join(parts) + b"mutable"
+    expect = b"".join(parts)
     assert path.read_bytes() == expect
-    assert w.size == len(expect) and w.crc32 == zlib.crc32(expect)
+    assert f.size == len(expect) and f.crc32 == zlib.crc32(expect)
 
 
-def test_syncing_writer_surfaces_write_errors(tmp_path):
-    path = tmp_path / "ro"
-    path.write_bytes(b"")
-    fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF on the writer thread
+def test_shard_file_two_regions_collapsed(tmp_path):
+    """The primitives of a two-writer shard: a second stream far out, per-region checksums,
+    the gap collapsed, the checksum assembled by the owner."""
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
-        w = SyncingWriter(fd)
-        w.write(b"x" * 100)
-        with pytest.raises(StorageError, match="writing the shard failed"):
-            w.finish()
-        with pytest.raises(StorageError, match="writing the shard failed"):
-            w.write(b"more")
+        f = ShardFile(fd, str(path))
+        if not f.can_collapse():
+            pytest.skip("this filesystem cannot collapse ranges (not ext4/XFS)")
+        blk = f.block_size
+        gap = 64 * blk
+        second = f.open_at(gap)
+        a, b = f.region(0), f.region(gap)
+        f.stream.write(b"A" * (blk + 5))
+        f.stream.flush()
+        a.advance(f.stream.tell())
+        second.write(b"B" * 3000)
+        b.advance(second.tell())
+        assert second.tell() == gap + 3000
+        f.write_at(blk + 5, [bytes(blk - 5)])
+        f.collapse(2 * blk, gap - 2 * blk)
+        end = f.write_at(2 * blk + 3000, [b"tail"], last=True)
+        crc = zlib.crc32(b"tail", crc32_combine(zlib.crc32(bytes(blk - 5), a.crc32), b.crc32, 3000))
+        f.finish(end, crc)
     finally:
         os.close(fd)
+    expect = b"A" * (blk + 5) + bytes(blk - 5) + b"B" * 3000 + b"tail"
+    assert path.read_bytes() == expect
+    assert (f.size, f.crc32) == (len(expect), zlib.crc32(expect))
+
+
+def test_shard_file_surfaces_errors(tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    f = ShardFile(fd, str(path))
+    f.stream.write(b"x" * 100)
+    os.close(fd)  # the checksum thread's reads now fail
+    with pytest.raises(StorageError, match="writing the shard"):
+        f.finish()
 
 
 def test_plain_values_of_the_codes_column_are_the_stored_codes():
