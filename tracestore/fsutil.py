@@ -390,7 +390,7 @@ class Region:
         self._sync_every = sync_every
 
     def advance(self, end: int) -> None:
-        """Take in the bytes ``[done, end)``."""
+        """Take in the bytes ``[done, end)`` (they must be in the file)."""
         while self.done < end:
             data = os.pread(self._fd, min(ShardFile.READ, end - self.done), self.done)
             if not data:
