@@ -2,13 +2,15 @@
 
 Arithmetic follows shared/numerics.md bit for bit: explicit ``__fmul_rn``/``__fdiv_rn`` and
 ``-fmad=false`` (a fused multiply-add would round once where the reference rounds twice), NaN-
-propagating block amax (integer max over |x| bit patterns: every NaN pattern sorts above +inf,
-where ``fmaxf`` would drop it, §3), and no CUDA headers (bf16/fp16 conversions are PTX ``cvt``),
-so NVRTC needs no include path.
+propagating block amax (PTX ``max.NaN``, where ``fmaxf`` would drop a NaN, §3), and no CUDA
+headers (bf16/fp16 conversions are PTX ``cvt``), so NVRTC needs no include path.
 
-Thread mapping everywhere: one thread per (row, scale block). A bf16 NVFP4 block is 32 bytes of
-input (two 16-byte loads) and ``2*b`` bytes of packed bits; consecutive threads touch consecutive
-blocks, so a warp reads 1 KiB and writes 64·b bytes contiguously.
+Thread mapping: one thread per (row, scale block), or G consecutive blocks of a row per thread
+(``record_act``, ``guided_b1``: all loads issued first; G = 2 measured best for NVFP4 on the H200).
+A bf16 NVFP4 block is 32 bytes of input (two 16-byte loads) and ``2*b`` bytes of packed bits;
+consecutive threads touch consecutive blocks. These kernels are bound by instruction issue more
+than by the access pattern, so the per-element arithmetic avoids conversion instructions and
+compare/select chains (see ``e2m1_magic``).
 """
 
 from __future__ import annotations
