@@ -666,8 +666,8 @@ def _encode_halves(
     own bytes as it goes. Then the first half's footer is overwritten with zeros up to a block
     boundary, the gap collapsed (no data moves, :meth:`ShardFile.collapse`), and the second half's
     footer replaced by one listing both (:mod:`tracestore.pqconcat`), checked against what the
-    writers wrote. Returns False, leaving the file to be rewritten, if the first half outgrew
-    ``bound``."""
+    writers wrote. Returns False, leaving the file to be rewritten by one writer, if the first
+    half outgrew ``bound`` or the halves could not be joined."""
     blk = sink.block_size
     gap_end = -(-(bound + 8) // blk) * blk
     first_region = sink.region(0)
@@ -709,17 +709,20 @@ def _encode_halves(
     first_region.advance(body1)
     pad_end = -(-body1 // blk) * blk
     pad = bytes(pad_end - body1)
-    if pad:
-        sink.write_at(body1, [pad])
-    sink.collapse(pad_end, gap_end - pad_end)  # the second file's bytes now start at pad_end
-    joined = pqconcat.join_footers(footer1, walked, pad_end - gap_end)
-    tail = [joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC]
-    end = sink.write_at(pad_end + body2, tail, last=True)
+    try:
+        if pad:
+            sink.write_at(body1, [pad])
+        sink.collapse(pad_end, gap_end - pad_end)  # the second file's bytes now start at pad_end
+        joined = pqconcat.join_footers(footer1, walked, pad_end - gap_end)
+        tail = [joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC]
+        end = sink.write_at(pad_end + body2, tail, last=True)
+        footer2_md = pq.ParquetFile(pa.BufferReader(b"PAR1" + footer2 + len(footer2).to_bytes(4, "little") + b"PAR1"))
+        _check_joined(sink.path, sizes, footer2_md.metadata, split, pad_end - gap_end)
+    except (OSError, CorruptionError, pa.ArrowException):
+        return False  # the filesystem or the footers did not let the halves join: one writer instead
     crc = crc32_combine(crc32(pad, first_region.crc32), second_region.crc32, body2)
     for part in tail:
         crc = crc32(part, crc)
-    footer2_md = pq.ParquetFile(pa.BufferReader(b"PAR1" + footer2 + len(footer2).to_bytes(4, "little") + b"PAR1"))
-    _check_joined(sink.path, sizes, footer2_md.metadata, split, pad_end - gap_end)
     sink.finish(end, crc)
     return True
 

@@ -101,7 +101,9 @@ def _same_records(store: Store, chunks: list) -> None:
                 assert np.array_equal(rows.scales[o : o + c.n_rows], c.scales)
 
 
-@pytest.mark.parametrize("case", ["halves", "first half outgrows its room", "no collapse on this filesystem"])
+@pytest.mark.parametrize(
+    "case", ["halves", "first half outgrows its room", "no collapse on this filesystem", "collapse fails", "bad join"]
+)
 def test_local_shards_in_two_halves_read_back(tmp_path, monkeypatch, case):
     chunks = _chunks()
     monkeypatch.setattr(shards_mod, "PARALLEL_ENCODE", False)
@@ -112,6 +114,15 @@ def test_local_shards_in_two_halves_read_back(tmp_path, monkeypatch, case):
         monkeypatch.setattr(shards_mod, "_size_bound", lambda chunks, n: 0)
     if case == "no collapse on this filesystem":
         monkeypatch.setattr(ShardFile, "can_collapse", lambda self: False)
+    if case == "collapse fails":
+
+        def fail(self, offset, nbytes):
+            raise OSError(22, "collapse refused")
+
+        monkeypatch.setattr(ShardFile, "collapse", fail)
+    if case == "bad join":  # a footer whose row groups would land elsewhere is caught before publishing
+        join = pqconcat.join_footers
+        monkeypatch.setattr(pqconcat, "join_footers", lambda first, second, delta: join(first, second, delta + 8))
     data, store, _ = _write(tmp_path, "two", chunks)
     assert pq.ParquetFile(io.BytesIO(one)).metadata.num_row_groups > 15  # a long row group list header
     if case != "halves" or not _collapsible(tmp_path):
