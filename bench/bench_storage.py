@@ -14,8 +14,9 @@ the process CPU time (all threads), so work moved to background threads still sh
 carries the machine's 1-minute load average and CPU pressure measured before its case):
 
 - ``write``: ``Store.write_shard`` (validation, checksums, sort, Parquet with codes uncompressed
-  and scales zstd, page checksums, temp file + background writeback + fsync + create-only link +
-  directory fsync, manifest likewise) vs the issue's baseline, raw ``pyarrow.parquet.write_table``
+  and scales zstd, page checksums, two writers joined in the temp file with writeback behind
+  them, fsync, create-only link, directory fsync, manifest likewise; the encoder-into-a-null-sink
+  row is one writer) vs the issue's baseline, raw ``pyarrow.parquet.write_table``
   of the same Arrow table (default options, no fsync); also raw with our codecs and page
   checksums, raw + fsync, our encoder into a null sink, and ``torch.save`` of one file per
   trajectory (what a user would write without tracestore);
