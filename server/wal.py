@@ -3,16 +3,23 @@
 An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload.
 The CRC-32 is ISA-L's when installed (zlib-identical values, ~23 vs ~3 GB/s measured here, see
 tracestore.v1.checksum); record chunks inside carry their own checksums, verified again on replay.
-Appends go to the page cache at once (``os.writev``); one background thread fsyncs (``fdatasync``)
-everything written so far and reports the highest synced ticket, so many writers share one fsync
-(group commit, as in PostgreSQL's WAL and Kafka's log flush). A crash can leave a torn tail only
-in the newest segment: replay stops there and truncates it. Segments are deleted oldest first once
-the caller says their entries are committed elsewhere.
+Where the file system takes ``O_DIRECT`` (ext4, xfs; not tmpfs), an append only copies the entry
+into an aligned in-memory buffer; one background thread writes everything appended so far to the
+device (``pwrite`` of whole 4 KiB blocks, the partial last block rewritten by the next write) and
+``fdatasync``s it, then reports the highest durable ticket, so many appends share one write and
+one flush (group commit, as in PostgreSQL's WAL and Kafka's log flush). Measured per 3.3 MB entry
+on the bench box: a buffered ``writev`` cost 2.3 ms of CPU on the appending thread (page-cache
+allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 ns/B off the ingest
+path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
+A crash can leave a torn tail only in the newest segment: replay stops there and truncates it
+(zero padding after the last entry is the end of a segment). Segments are deleted oldest first
+once the caller says their entries are committed elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
 import struct
@@ -26,6 +33,7 @@ from tracestore.v1.checksum import crc32
 
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
+BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
 _SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
 
 Buffer = bytes | bytearray | memoryview
@@ -46,6 +54,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _pwrite(fd: int, buf: mmap.mmap, n: int, offset: int) -> None:
+    """Whole blocks from an aligned buffer to an aligned file offset (O_DIRECT)."""
+    with memoryview(buf) as view:
+        done = 0
+        while done < n:
+            done += os.pwrite(fd, view[done:n], offset + done)
+
+
+def _write_jobs(jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]]) -> None:
+    """Write rotated segments' last buffers and cut each file to its entries (no zero padding)."""
+    for fd, out, size in jobs:
+        if out is not None:
+            _pwrite(fd, *out)
+        os.ftruncate(fd, size)
+
+
 class WriteAheadLog:
     """Append-only, fsynced log in ``directory``.
 
@@ -61,6 +85,8 @@ class WriteAheadLog:
         segment_bytes: int = 64 << 20,
         on_synced: Callable[[int], None] | None = None,
         segment_header: Callable[[], Sequence[tuple[int, bytes]]] | None = None,
+        buffer_bytes: int = 16 << 20,
+        direct: bool = True,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +103,16 @@ class WriteAheadLog:
         self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # O_DIRECT mode: appends fill ``_bufs[_active]`` (its byte 0 goes to file offset ``_base``,
+        # ``_fill`` bytes used); the sync thread swaps buffers, writes and flushes the full one.
+        self.direct = bool(direct) and hasattr(os, "O_DIRECT")
+        self._buffer_bytes = max(BLOCK, -(-int(buffer_bytes) // BLOCK) * BLOCK)
+        self._bufs: list[mmap.mmap] = []
+        self._active = 0
+        self._fill = 0
+        self._base = 0
+        # buffers of rotated segments still to be written: (fd, (buffer, length, offset), size)
+        self._jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]] = []
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -108,6 +144,8 @@ class WriteAheadLog:
                         payload = data[pos + HEADER.size : end]
                         if crc32(payload, crc32(bytes([kind]))) != crc:
                             bad = "checksum mismatch"
+                if bad is not None and data.count(0, pos) == len(data) - pos:
+                    break  # zero padding after the last entry (direct mode): the end, not damage
                 if bad is not None:
                     if not last:
                         raise CorruptionError(
@@ -132,11 +170,30 @@ class WriteAheadLog:
         self._thread.start()
 
     def _open_segment(self) -> None:
+        if self.direct and self._fd >= 0:
+            # The sync thread writes this segment's last buffer (and cuts the zero padding of its
+            # last block) before it syncs and closes the fd; appends go on in a fresh buffer. No
+            # waiting here: the caller may hold a lock the sync thread's callback needs.
+            out = self._swap(keep_tail=False)
+            self._jobs.append((self._fd, out, self.segments[-1].size))
+            self._bufs[self._active] = mmap.mmap(-1, self._buffer_bytes)
         if self._fd >= 0:  # the sync thread fsyncs and closes it before reporting later tickets
             self._retired.append(self._fd)
         index = self.segments[-1].index + 1 if self.segments else 1
         path = self.dir / f"wal-{index:012d}.log"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self.direct:
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError:  # tmpfs and others refuse O_DIRECT: page cache + fsync instead
+                self.direct = False
+                self._fd = os.open(path, flags | os.O_APPEND, 0o644)
+            else:
+                if not self._bufs:
+                    self._bufs = [mmap.mmap(-1, self._buffer_bytes) for _ in range(2)]
+                self._fill = self._base = 0
+        else:
+            self._fd = os.open(path, flags | os.O_APPEND, 0o644)
         _fsync_dir(self.dir)
         self.segments.append(Segment(index, path, 0))
         if self._segment_header is not None:
@@ -150,6 +207,28 @@ class WriteAheadLog:
             self._cond.notify_all()
             return self.segments[-1].index
 
+    def _copy_in(self, bufs: list[Buffer], total: int) -> None:
+        """With the lock held: copy one entry into the active buffer (waiting for the sync thread
+        to take the buffer away when it is full; growing both for an entry larger than them)."""
+        while self._fill + total > len(self._bufs[self._active]):
+            if self._fill <= BLOCK and self._synced >= self._written:  # empty but too small: grow
+                size = -(-(self._fill + total) // BLOCK) * BLOCK
+                tail = self._bufs[self._active][: self._fill]
+                self._bufs = [mmap.mmap(-1, size) for _ in range(2)]
+                self._active = 0
+                self._bufs[0][: self._fill] = tail
+                continue
+            if self._error is not None:
+                raise OSError(f"write-ahead log sync failed earlier: {self._error}")
+            self._cond.notify_all()
+            self._cond.wait(1.0)
+        buf, at = self._bufs[self._active], self._fill
+        for b in bufs:
+            n = len(b)
+            buf[at : at + n] = b
+            at += n
+        self._fill = at
+
     def _write(self, kind: int, parts: Sequence[Buffer]) -> None:
         length = sum(len(p) for p in parts)
         if length >= MAX_ENTRY:
@@ -159,6 +238,10 @@ class WriteAheadLog:
             crc = crc32(p, crc)
         bufs = [HEADER.pack(length, crc, kind), *parts]
         total = HEADER.size + length
+        if self.direct:
+            self._copy_in(bufs, total)
+            self.segments[-1].size += total
+            return
         done = os.writev(self._fd, bufs)
         if done != total:  # short write (disk full, signal): finish it the slow way
             rest = b"".join(bytes(b) for b in bufs)[done:]
@@ -196,18 +279,23 @@ class WriteAheadLog:
     def _sync_loop(self) -> None:
         while True:
             with self._lock:
-                while self._written == self._synced and not self._closed:
+                while self._written == self._synced and not self._jobs and not self._closed:
                     self._cond.wait()
-                if self._written == self._synced and self._closed:
+                if self._written == self._synced and not self._jobs and self._closed:
                     return
                 target, fd = self._written, self._fd
                 retired, self._retired = self._retired, []
-            # fsync outside the lock so appends continue meanwhile (group commit); only this thread
-            # closes retired segment fds, and close() joins it before closing the active one.
+                jobs, self._jobs = self._jobs, []
+                out = self._swap() if self.direct else None
+            # write + fsync outside the lock so appends continue meanwhile (group commit); only this
+            # thread closes retired segment fds, and close() joins it before closing the active one.
             try:
+                _write_jobs(jobs)
                 for old in retired:
                     os.fdatasync(old)
                     os.close(old)
+                if out is not None:
+                    _pwrite(fd, *out)
                 os.fdatasync(fd)
             except OSError as exc:
                 with self._lock:
@@ -219,6 +307,29 @@ class WriteAheadLog:
                 self._cond.notify_all()
             if self._on_synced is not None:
                 self._on_synced(target)
+
+    def _swap(self, keep_tail: bool = True) -> tuple[mmap.mmap, int, int] | None:
+        """With the lock held: hand the active buffer to the sync thread as ``(buffer, length,
+        file offset)`` (length rounded up to whole blocks, zero padded) and continue appending in
+        the other one, which starts with a copy of the last partial block (rewritten next time)."""
+        fill = self._fill
+        if fill == 0:
+            return None
+        full = self._bufs[self._active]
+        n = -(-fill // BLOCK) * BLOCK
+        full[fill:n] = bytes(n - fill)
+        if not keep_tail:  # the segment ends here
+            offset, self._fill, self._base = self._base, 0, 0
+            return full, n, offset
+        keep = fill - fill % BLOCK
+        self._active ^= 1
+        nxt = self._bufs[self._active]
+        nxt[: fill - keep] = full[keep:fill]
+        offset = self._base
+        self._base += keep
+        self._fill = fill - keep
+        self._cond.notify_all()  # appends waiting for room
+        return full, n, offset
 
     def wait_synced(self, ticket: int, timeout: float | None = None) -> bool:
         with self._lock:
@@ -251,12 +362,20 @@ class WriteAheadLog:
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self._lock:
+            if self._error is None:  # rotated segments' last buffers first, then their fds go
+                _write_jobs(self._jobs)
+            self._jobs = []
             for old in self._retired:
                 os.fdatasync(old)
                 os.close(old)
             self._retired = []
             if self._fd >= 0:
                 try:
+                    if self.direct and self._error is None:
+                        out = self._swap()
+                        if out is not None:
+                            _pwrite(self._fd, *out)
+                        os.ftruncate(self._fd, self.segments[-1].size)
                     os.fdatasync(self._fd)
                 finally:
                     os.close(self._fd)
