@@ -221,7 +221,7 @@ def encode_shard(
     """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest.
 
     With ``sink`` the Parquet bytes go into it instead and the returned bytes are None: a
-    :class:`tracestore.fsutil.ShardFile` (a native Arrow ``stream``, told of each row group by
+    :class:`tracestore.shardfile.ShardFile` (a native Arrow ``stream``, told of each row group by
     ``progress()``; on more than one core the row groups are then encoded in two halves at once
     and joined in it) or a writable binary file object; either has ``size`` and ``crc32``
     attributes that are final after its ``finish()``.
@@ -271,7 +271,7 @@ def encode_shard(
     else:
         split = len(groups)
     if split == len(groups):
-        # A native sink (tracestore.fsutil.ShardFile: ``stream`` + ``progress()``) is written without
+        # A native sink (tracestore.shardfile.ShardFile: ``stream`` + ``progress()``) is written without
         # the GIL and told after each row group; a Python sink gets the bytes through Arrow's buffered
         # stream: the Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
         if sink is None:

@@ -14,8 +14,8 @@ import pytest
 from tracestore import CorruptionError, pqconcat
 from tracestore import shards as shards_mod
 from tracestore.arrow import chunks_to_table
-from tracestore.fsutil import ShardFile
 from tracestore.reader import StoreReader
+from tracestore.shardfile import ShardFile
 from tracestore.shards import _WRITER_OPTIONS
 from tracestore.store import Store
 
