@@ -145,13 +145,8 @@ def run(ns: argparse.Namespace) -> int:
         f" and unix:{ns.unix_socket}" if ns.unix_socket else "",
         sidecar.metrics_port,
     )
-    if ns.ready_file:
-        import os
-
-        tmp = ns.ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"port": sidecar.port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)
-        os.replace(tmp, ns.ready_file)
+    # Handlers before the ready file: a SIGTERM right after it appears must drain, not kill
+    # (test_crash terminated a freshly started sidecar with the default action, exit -15).
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -160,6 +155,13 @@ def run(ns: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if ns.ready_file:
+        import os
+
+        tmp = ns.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"port": sidecar.port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)
+        os.replace(tmp, ns.ready_file)
     while not stop.wait(1.0):
         pass
     ok = sidecar.stop()

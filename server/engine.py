@@ -143,6 +143,7 @@ class Engine:
         self._draining = False
         self._stopped = False
         self._last_ingest = 0.0  # when submit last admitted a message
+        self._plan_ticket = 0  # WAL ticket of the newest PLAN entry
         self.shards_committed = 0
         self.wal: WriteAheadLog | None = None
         self._flusher: threading.Thread | None = None
@@ -570,7 +571,7 @@ class Engine:
             m.shard_seq = shard
         if self.wal is not None:
             plan = {"run": st.run, "writer": st.writer, "shard": shard, "messages": [[m.epoch, m.seq] for m in group]}
-            self.wal.append(PLAN, [json.dumps(plan).encode()])
+            _, self._plan_ticket = self.wal.append(PLAN, [json.dumps(plan).encode()])
         return group
 
     def _flush_loop(self) -> None:
@@ -590,6 +591,13 @@ class Engine:
                     if self._stopped:  # the WAL was closed under us at shutdown
                         return
                     raise
+                plan_ticket = self._plan_ticket
+            # A shard is written only once its PLAN entry is durable: a restart then repeats the
+            # same shard number (a no-op), never a second shard of the same chunks. (A SIGKILL
+            # between an unsynced PLAN and its shard wrote every chunk twice: test_crash.)
+            if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
+                self._pause(backoff)
+                continue
             for st, group in groups:
                 ok = self._commit(st, group)
                 if not ok:

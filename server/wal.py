@@ -113,6 +113,8 @@ class WriteAheadLog:
         self._base = 0
         # buffers of rotated segments still to be written: (fd, (buffer, length, offset), size)
         self._jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]] = []
+        self._head_ticket = 0  # ticket covering the active segment's header entries
+        self._delete_pending = 0  # delete_before(index) deferred until that header is durable
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -199,6 +201,11 @@ class WriteAheadLog:
         if self._segment_header is not None:
             for kind, payload in self._segment_header():
                 self._write(kind, [payload])
+            # The header (the writers' sessions) replaces what older segments said: they may be
+            # deleted only once it is durable (delete_before defers until then).
+            self._written += 1
+            self._head_ticket = self._written
+            self._cond.notify_all()
 
     def rotate(self) -> int:
         """Start a new segment now (it opens with the caller's state snapshot); returns its index."""
@@ -305,6 +312,10 @@ class WriteAheadLog:
             with self._lock:
                 self._synced = target
                 self._cond.notify_all()
+                pending = self._delete_pending if target >= self._head_ticket else 0
+                self._delete_pending = 0 if pending else self._delete_pending
+            if pending:
+                self._delete(pending)
             if self._on_synced is not None:
                 self._on_synced(target)
 
@@ -338,7 +349,18 @@ class WriteAheadLog:
     # -- retiring -------------------------------------------------------------------------------
 
     def delete_before(self, index: int) -> int:
-        """Delete segments with index < ``index`` (never the active one); return bytes freed."""
+        """Delete segments with index < ``index`` (never the active one); return bytes freed.
+        Deferred (to the sync thread, or close) while the active segment's header is not durable:
+        until then the older segments hold the only durable copy of the writers' sessions."""
+        with self._lock:
+            if self._synced < self._head_ticket:
+                self._delete_pending = max(self._delete_pending, index)
+                return 0
+            index = max(index, self._delete_pending)
+            self._delete_pending = 0
+        return self._delete(index)
+
+    def _delete(self, index: int) -> int:
         freed = 0
         with self._lock:
             keep = []
@@ -380,3 +402,6 @@ class WriteAheadLog:
                 finally:
                     os.close(self._fd)
                     self._fd = -1
+            pending, self._delete_pending = (self._delete_pending if self._error is None else 0), 0
+        if pending:  # everything, the header included, is durable now
+            self._delete(pending)
