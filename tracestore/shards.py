@@ -346,10 +346,12 @@ class StoredChunk:
     token_scales: np.ndarray | None
 
 
-# Columns a read decodes: the key columns are not needed because every chunk's checksum is
-# recomputed over the manifest's key together with the stored bytes (a row holding another key
-# cannot match), and skipping them saves 7 column chunks per row group (bench_storage).
-DATA_COLUMNS = ["checksum", "global_scale", "codes", "scales", "token_scales"]
+# Columns a read decodes: the key columns and the stored checksum are not needed because every
+# chunk's checksum is recomputed over the manifest's key together with the stored bytes and
+# compared with the manifest's (a row holding another key or other bytes cannot match); skipping
+# them saves 8 column chunks per row group (the stored checksum alone: ~10 of ~160 ms CPU per
+# 192 MiB GuidanceReader read of sidecar shards). Full validation (``keys=True``) reads them all.
+DATA_COLUMNS = ["global_scale", "codes", "scales", "token_scales"]
 # Row groups decode in batches of about this size on the worker pool, each verified and placed
 # as it lands (a 30 MB plan read: 4 batches; 8 and 16 MiB measured alike, 24 vs 25 ms median).
 READ_BATCH_BYTES = 8 << 20
@@ -369,11 +371,11 @@ def read_chunks(
     """Read the row groups holding ``entries``; return their chunks, each verified.
 
     Every chunk's checksum is recomputed (:func:`tracestore.records.chunk_checksum`) over the
-    manifest's key and the stored bytes and must equal the manifest's value, and the stored
-    checksum must equal it too, so a flipped byte, a truncated file or another shard's file in
-    this place raises :class:`CorruptionError` naming the shard and the chunk. Parquet page
-    checksums are verified by the decoder (:func:`open_parquet`). ``keys=True`` also decodes the
-    key columns and compares them with the manifest (full validation, ``tracestore inspect``).
+    manifest's key and the stored bytes and must equal the manifest's value, so a flipped byte,
+    a truncated file or another shard's file in this place raises :class:`CorruptionError`
+    naming the shard and the chunk. Parquet page checksums are verified by the decoder
+    (:func:`open_parquet`). ``keys=True`` also decodes the key columns and the stored checksum
+    and compares them with the manifest (full validation, ``tracestore inspect``).
 
     ``source`` is a ParquetFile (batches decode one after another on it) or a function
     ``open(footer_or_None)`` that opens one over a thread-safe file such as a memory map (batches
@@ -583,7 +585,7 @@ def _read_batch(
     if table.num_rows != row:
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
     g_col = table.column("global_scale").to_numpy()
-    crc = table.column("checksum").to_numpy()
+    crc = table.column("checksum").to_numpy() if "checksum" in table.column_names else None
     codes: list[np.ndarray | None] = list(codes_values) if codes_values is not None else _byte_views(table["codes"])
     scales, tscales = (_byte_views(table.column(n)) for n in ("scales", "token_scales"))
     key_cols = {n: table.column(n).to_pylist() for n in KEY_COLUMNS} if keys else {}
@@ -593,10 +595,11 @@ def _read_batch(
         chunk_desc = f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
         expect = (manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
         got = tuple(key_cols[k][j] for k in KEY_COLUMNS) if keys else expect
-        if got != expect or int(crc[j]) != e.checksum:
+        stored = e.checksum if crc is None else int(crc[j])  # read in full validation only
+        if got != expect or stored != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {chunk_desc} in row group {e.row_group} row {e.row} holds "
-                f"{got[2:5] if keys else 'another chunk'} (checksum {int(crc[j]):#010x}, manifest "
+                f"{got[2:5] if keys else 'another chunk'} (checksum {stored:#010x}, manifest "
                 f"{e.checksum:#010x}): wrong file in place?"
             )
         c, s, ts = codes[j], scales[j], tscales[j]
