@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import queue
 import re
 import struct
 import threading
@@ -103,6 +104,8 @@ class WriteAheadLog:
         self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._notifier: threading.Thread | None = None
+        self._synced_q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         # O_DIRECT mode: appends fill ``_bufs[_active]`` (its byte 0 goes to file offset ``_base``,
         # ``_fill`` bytes used); the sync thread swaps buffers, writes and flushes the full one.
         self.direct = bool(direct) and hasattr(os, "O_DIRECT")
@@ -170,6 +173,28 @@ class WriteAheadLog:
             self._open_segment()
         self._thread = threading.Thread(target=self._sync_loop, name="tracestore-wal-sync", daemon=True)
         self._thread.start()
+        if self._on_synced is not None:
+            self._notifier = threading.Thread(target=self._notify_loop, name="tracestore-wal-acks", daemon=True)
+            self._notifier.start()
+
+    def _notify_loop(self) -> None:
+        """Report synced tickets to ``on_synced`` from here, not from the sync thread: the callback
+        takes the caller's lock, and the caller may hold that lock while an append waits for the
+        sync thread to free buffer space (a deadlock seen in bench_ingest's tmpfs WAL sidecar)."""
+        assert self._on_synced is not None
+        while True:
+            item = self._synced_q.get()
+            stop, ticket = item is None, item or 0
+            while not self._synced_q.empty():  # report only the newest of a burst
+                nxt = self._synced_q.get()
+                if nxt is None:
+                    stop = True
+                else:
+                    ticket = max(ticket, nxt)
+            if ticket:
+                self._on_synced(ticket)
+            if stop:
+                return
 
     def _open_segment(self) -> None:
         if self.direct and self._fd >= 0:
@@ -317,7 +342,7 @@ class WriteAheadLog:
             if pending:
                 self._delete(pending)
             if self._on_synced is not None:
-                self._on_synced(target)
+                self._synced_q.put(target)
 
     def _swap(self, keep_tail: bool = True) -> tuple[mmap.mmap, int, int] | None:
         """With the lock held: hand the active buffer to the sync thread as ``(buffer, length,
@@ -383,6 +408,9 @@ class WriteAheadLog:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._notifier is not None:
+            self._synced_q.put(None)
+            self._notifier.join(timeout=30)
         with self._lock:
             if self._error is None:  # rotated segments' last buffers first, then their fds go
                 _write_jobs(self._jobs)

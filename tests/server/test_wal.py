@@ -27,8 +27,8 @@ def test_append_replay_and_group_commit(tmp_path: Path) -> None:
         _, ticket = wal.append(1 + i % 3, [payload[:10], payload[10:]])
         written.append((1 + i % 3, payload))
     assert wal.wait_synced(ticket, timeout=10)
+    wal.close()  # on_synced runs on its own thread: joined here
     assert synced and synced[-1] == 50 and synced == sorted(synced)
-    wal.close()
     assert len(list(tmp_path.glob("wal-*.log"))) > 1  # rotated at 4 KiB
     again = WriteAheadLog(tmp_path)
     assert _entries(again) == written
@@ -75,8 +75,9 @@ def test_group_writes_across_rotations(tmp_path: Path, direct: bool) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert wal.wait_synced(180, timeout=30) and synced[-1] == 180
+    assert wal.wait_synced(180, timeout=30)
     wal.close()
+    assert synced[-1] == 180
     got: dict[int, list[bytes]] = {}
     for kind, payload in _entries(WriteAheadLog(tmp_path)):
         got.setdefault(kind, []).append(payload)
@@ -168,3 +169,30 @@ def test_rotate_then_close_keeps_everything(tmp_path: Path) -> None:
     wal.close()
     got = _entries(WriteAheadLog(tmp_path))
     assert got == [(2, b"snapshot"), *((1, bytes([i]) * 5000) for i in range(5)), (2, b"snapshot"), (1, b"after")]
+
+
+def test_append_waiting_for_room_under_the_callers_lock(tmp_path: Path) -> None:
+    """The engine appends holding its lock, and its on_synced takes that lock: an append that
+    waits for the sync thread to free buffer space must not deadlock with the callback."""
+    lock = threading.Lock()
+    got: list[int] = []
+
+    def on_synced(ticket: int) -> None:
+        with lock:
+            got.append(ticket)
+
+    wal = WriteAheadLog(tmp_path, buffer_bytes=8192, on_synced=on_synced)
+    list(wal.replay())
+    wal.start()
+
+    def worker() -> None:
+        for _ in range(200):
+            with lock:
+                wal.append(1, [os.urandom(6000)])
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "append deadlocked with on_synced"
+    wal.close()
+    assert got[-1] == 200
