@@ -16,96 +16,25 @@ is an error here.
 
 from __future__ import annotations
 
+from tracestore import thrift as T
 from tracestore.errors import CorruptionError
 from tracestore.records import crc32
 
-# Thrift compact-protocol type ids
-_BOOL_TRUE, _BOOL_FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT, _UUID = range(1, 14)
-_MAX_DEPTH = 16
 
-
-class _Bad(Exception):
-    pass
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    out = shift = 0
-    while True:
-        b = buf[pos]  # IndexError past the end: caught by the caller
-        pos += 1
-        out |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return out, pos
-        shift += 7
-        if shift > 63:
-            raise _Bad("varint longer than 64 bits")
-
-
-def _skip(buf: bytes, pos: int, ttype: int, depth: int) -> int:
-    if ttype in (_I16, _I32, _I64):
-        while buf[pos] & 0x80:
-            pos += 1
-        return pos + 1
-    if ttype in (_BOOL_TRUE, _BOOL_FALSE):
-        return pos
-    if ttype == _BYTE:
-        return pos + 1
-    if ttype == _DOUBLE:
-        return pos + 8
-    if ttype == _UUID:
-        return pos + 16
-    if ttype == _BINARY:
-        n, pos = _varint(buf, pos)
-        return pos + n
-    if depth > _MAX_DEPTH:
-        raise _Bad("nesting too deep")
-    if ttype in (_LIST, _SET):
-        head = buf[pos]
-        pos += 1
-        size, etype = head >> 4, head & 0x0F
-        if size == 15:
-            size, pos = _varint(buf, pos)
-        for _ in range(size):
-            pos = pos + 1 if etype in (_BOOL_TRUE, _BOOL_FALSE) else _skip(buf, pos, etype, depth + 1)
-        return pos
-    if ttype == _MAP:
-        size, pos = _varint(buf, pos)
-        if size:
-            kt, vt = buf[pos] >> 4, buf[pos] & 0x0F
-            pos += 1
-            for _ in range(size):
-                pos = _skip(buf, pos, kt, depth + 1)
-                pos = _skip(buf, pos, vt, depth + 1)
-        return pos
-    if ttype == _STRUCT:
-        return _struct(buf, pos, depth + 1, None)
-    raise _Bad(f"unknown thrift type {ttype}")
-
-
-def _struct(
-    buf: bytes, pos: int, depth: int, fields: dict[int, int] | None, nested: dict[int, int] | None = None
-) -> int:
+def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int], nested: dict[int, int] | None = None) -> int:
     """Walk one struct from ``pos``; record i32 fields 1-4 into ``fields`` (and those of a struct
     in field 5, the DataPageHeader, into ``nested``); return the end offset."""
     fid = 0
     while True:
-        head = buf[pos]
-        pos += 1
-        if head == 0:
+        ttype, fid, pos = T.field_header(buf, pos, fid)
+        if ttype == T.STOP:
             return pos
-        ttype, delta = head & 0x0F, head >> 4
-        if delta:
-            fid += delta
-        else:
-            raw, pos = _varint(buf, pos)
-            fid = (raw >> 1) ^ -(raw & 1)
-        if fields is not None and ttype == _I32 and fid <= 4:
-            raw, pos = _varint(buf, pos)
-            fields[fid] = (raw >> 1) ^ -(raw & 1)
-        elif nested is not None and ttype == _STRUCT and fid == 5:
+        if ttype == T.I32 and fid <= 4:
+            fields[fid], pos = T.zigzag(buf, pos)
+        elif nested is not None and ttype == T.STRUCT and fid == 5:
             pos = _struct(buf, pos, depth + 1, nested)
         else:
-            pos = _skip(buf, pos, ttype, depth)
+            pos = T.skip(buf, pos, ttype, depth)
 
 
 _HEADER_WINDOW = 4096  # page headers are tens of bytes; a longer one is re-read whole
@@ -123,11 +52,11 @@ def _header(chunk: memoryview, pos: int, nested: dict[int, int] | None = None) -
             end = _struct(buf, 0, 0, fields, nested)
         except IndexError:
             if pos + window >= len(chunk):
-                raise _Bad("header runs past the end of the column chunk") from None
+                raise T.ThriftError("header runs past the end of the column chunk") from None
             window *= 16
             continue
         if end > len(buf):
-            raise _Bad("header runs past the end of the column chunk")
+            raise T.ThriftError("header runs past the end of the column chunk")
         return fields, pos + end
 
 
@@ -154,7 +83,7 @@ def verify_pages(chunk: memoryview, where: str, values: list[memoryview] | None 
     while pos < n:
         try:
             fields, body = _header(chunk, pos, nested)
-        except _Bad as exc:
+        except T.ThriftError as exc:
             raise CorruptionError(
                 f"{where}: page header at byte {pos} of the column chunk does not parse ({exc})"
             ) from None
