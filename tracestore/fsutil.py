@@ -17,6 +17,7 @@ import contextlib
 import filecmp
 import io
 import os
+import queue
 import threading
 import time
 import uuid
@@ -49,6 +50,72 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return not isinstance(exc, _PERMANENT)
     return any(type(exc).__module__.startswith(p) for p in _NETWORK_PACKAGES)
+
+
+class DaemonPool:
+    """A minimal executor whose workers are daemon threads.
+
+    A call stuck past its timeout (a black-holed S3 PUT never returns, shared/reliability.md) is
+    abandoned by :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter
+    exit, so one such call kept a finished sidecar or test process alive for minutes or for ever.
+    Abandoning it at exit is safe: nothing is visible before its create-only publish. Workers
+    start on demand, up to ``workers``."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._max = max(1, int(workers))
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple, dict] | None]
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name} pool is shut down")
+            self._queue.put((fut, fn, args, kwargs))
+            if self._idle == 0 and self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
+            else:
+                self._idle = max(0, self._idle - 1)
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args, kwargs = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
+                del fut, fn, args, kwargs, item
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Stop taking work; cancel what has not started; idle workers exit (``wait`` is ignored:
+        a stuck call is never waited for)."""
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and cancel_futures:
+                item[0].cancel()
+        for _ in range(threads):
+            self._queue.put(None)
 
 
 class Storage:
@@ -105,8 +172,8 @@ class Storage:
             pool, self._pool = self._pool, self._new_pool()
         pool.shutdown(wait=False, cancel_futures=True)
 
-    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="tracestore-io")
+    def _new_pool(self) -> DaemonPool:
+        return DaemonPool(self._workers, "tracestore-io")
 
     def full(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

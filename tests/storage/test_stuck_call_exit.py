@@ -1,0 +1,35 @@
+"""A storage call stuck past its timeout is abandoned, and it must not keep the process alive:
+ThreadPoolExecutor workers are joined at interpreter exit, so a black-holed PUT used to hold a
+finished sidecar or test run for minutes (seen twice in full-suite runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+SCRIPT = textwrap.dedent(
+    """
+    import threading, time
+    from tracestore.errors import StorageError
+    from tracestore.fsutil import Storage
+
+    st = Storage("memory://stuck-call", timeout=0.2, retries=0)
+    never = threading.Event()
+    try:
+        st.call("put part-0", never.wait)  # a call that never returns, like a black-holed PUT
+    except StorageError as exc:
+        print("timed out:", exc)
+    assert any(t.name.startswith("tracestore-io") and t.is_alive() for t in threading.enumerate())
+    """
+)
+
+
+def test_stuck_call_does_not_block_exit() -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert "timed out: put part-0 on memory://stuck-call failed" in proc.stdout, proc.stdout
+    assert took < 20, f"the process took {took:.1f} s to exit with a stuck storage call"
