@@ -8,6 +8,7 @@ there (shared/reliability.md: never a partial object).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -209,6 +210,11 @@ class ShardFile:
         if _FALLOCATE is None:  # pragma: no cover - not Linux
             raise OSError("fallocate is not available")
         _FALLOCATE(self._fd, _FALLOC_FL_COLLAPSE_RANGE, offset, nbytes)
+        # The collapse writes back and drops the page cache from ``offset`` on (the moved half):
+        # a reader right after the write (a trainer on this host) would read it from disk, +60-70 ms
+        # per 106 MB shard measured here. Ask the kernel to read it back in the background.
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self._fd, offset, 0, os.POSIX_FADV_WILLNEED)
 
     def write_at(self, offset: int, parts: Sequence[Any], *, last: bool = False) -> int:
         """Write ``parts`` from ``offset`` on (``last``: and cut the file after them); return
