@@ -44,7 +44,14 @@ from tracestore.arrow import (
 )
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
 from tracestore.pagecrc import verify_pages
-from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal, chunk_checksum, crc32, crc32_combine
+from tracestore.records import (
+    PrefixLink,
+    RecordChunk,
+    TrajectorySeal,
+    chunk_checksum_parts,
+    crc32,
+    crc32_combine,
+)
 
 MANIFEST_FORMAT = "tracestore.manifest"
 MANIFEST_VERSION = 1
@@ -501,6 +508,10 @@ def _columns(keys: bool) -> list[str]:
     return list(CHUNK_SCHEMA.names) if keys else DATA_COLUMNS
 
 
+def _chunk_desc(e: ChunkEntry) -> str:
+    return f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
+
+
 def _describe(entries: Sequence[ChunkEntry]) -> str:
     desc = "; ".join(
         f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
@@ -593,31 +604,38 @@ def _read_batch(
     scales, tscales = (_byte_views(table.column(n)) for n in ("scales", "token_scales"))
     key_cols = {n: table.column(n).to_pylist() for n in KEY_COLUMNS} if keys else {}
     out = []
+    run, version = manifest.run, manifest.policy_version
+    gs_all = g_col.tolist()
+    # per chunk only what the checks need (this loop holds the GIL while the other decode
+    # workers wait for it): the parts are contiguous 1-D views, hashed as they lie
     for e in entries:
         j = base[e.row_group] + e.row
-        chunk_desc = f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
-        expect = (manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
-        got = tuple(key_cols[k][j] for k in KEY_COLUMNS) if keys else expect
-        stored = e.checksum if crc is None else int(crc[j])  # read in full validation only
-        if got != expect or stored != e.checksum:
-            raise CorruptionError(
-                f"shard {where}: {chunk_desc} in row group {e.row_group} row {e.row} holds "
-                f"{got[2:5] if keys else 'another chunk'} (checksum {stored:#010x}, manifest "
-                f"{e.checksum:#010x}): wrong file in place?"
-            )
+        if keys or crc is not None:
+            expect = (run, version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
+            got = tuple(key_cols[k][j] for k in KEY_COLUMNS) if keys else expect
+            stored = e.checksum if crc is None else int(crc[j])  # read in full validation only
+            if got != expect or stored != e.checksum:
+                raise CorruptionError(
+                    f"shard {where}: {_chunk_desc(e)} in row group {e.row_group} row {e.row} holds "
+                    f"{got[2:5] if keys else 'another chunk'} (checksum {stored:#010x}, manifest "
+                    f"{e.checksum:#010x}): wrong file in place?"
+                )
         c, s, ts = codes[j], scales[j], tscales[j]
         n = e.n_rows
         if c is None or s is None or c.size % n or s.size % n or (ts is not None and ts.size != 4 * n):
-            raise CorruptionError(f"shard {where}: {chunk_desc}: stored byte lengths do not divide into {n} rows")
-        c2, s2 = c.reshape(n, -1), s.reshape(n, -1)
+            raise CorruptionError(f"shard {where}: {_chunk_desc(e)}: stored byte lengths do not divide into {n} rows")
+        cb, sb = c.size // n, s.size // n
+        gs = gs_all[j]
+        actual = chunk_checksum_parts(
+            run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, [c], [s], gs,
+            None if ts is None else [ts],
+        )  # fmt: skip
+        c2, s2 = c.reshape(n, cb), s.reshape(n, sb)
         t4 = None if ts is None else ts.view("<f4")
-        gs = float(g_col[j])
-        actual = chunk_checksum(
-            manifest.run, manifest.policy_version, e.trajectory, e.site, e.token_start, e.n_tokens, c2, s2, gs, t4
-        )
         if actual != e.checksum:
             raise CorruptionError(
-                f"shard {where}: {chunk_desc}: checksum mismatch (stored {e.checksum:#010x}, computed {actual:#010x})"
+                f"shard {where}: {_chunk_desc(e)}: checksum mismatch "
+                f"(stored {e.checksum:#010x}, computed {actual:#010x})"
             )
         out.append(StoredChunk(e, c2, s2, gs, t4))
     return out
