@@ -65,7 +65,7 @@ class SiteRows:
     ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool ``[n_rows]``,
     ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool ``[n_rows]`` (older
     than ``max_staleness`` with ``stale="flag"``). ``n_rows = plan.n_tokens * site.rows_per_token``.
-    The ``codes`` and ``scales`` of all sites of one read are views into one buffer.
+    The arrays of all sites of one read (all but ``token_scales`` and ``stale``) are views into one buffer.
     """
 
     site: SiteSpec
