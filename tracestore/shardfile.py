@@ -18,23 +18,37 @@ from tracestore.errors import StorageError
 from tracestore.records import crc32
 
 
-def _sync_file_range() -> Callable[[int, int, int], None] | None:
-    """Linux ``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)``: start writeback, do not wait."""
+def _libc_call(name: str, argtypes: list[Any]) -> Callable[..., None] | None:
+    """A Linux libc function that raises OSError on a non-zero return; None where libc has none."""
     try:
         import ctypes
         import ctypes.util
 
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(libc, name)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
 
-    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-        if fn(fd, offset, nbytes, 2) != 0:  # 2 = SYNC_FILE_RANGE_WRITE
+    def call(*args: int) -> None:
+        if fn(*args) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+            raise OSError(err, f"{name}: {os.strerror(err)}")
+
+    return call
+
+
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """Linux ``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)``: start writeback, do not wait."""
+    import ctypes
+
+    call = _libc_call("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
+    if call is None:  # pragma: no cover - not Linux
+        return None
+
+    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+        call(fd, offset, nbytes, 2)  # 2 = SYNC_FILE_RANGE_WRITE
 
     return start_writeback
 
@@ -42,25 +56,11 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
 _START_WRITEBACK = _sync_file_range()
 
 
-def _fallocate() -> Callable[[int, int, int, int], None] | None:
+def _fallocate() -> Callable[..., None] | None:
     """Linux ``fallocate(fd, mode, offset, len)``; None where libc has none."""
-    try:
-        import ctypes
-        import ctypes.util
+    import ctypes
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-    fn.restype = ctypes.c_int
-
-    def fallocate(fd: int, mode: int, offset: int, nbytes: int) -> None:
-        if fn(fd, mode, offset, nbytes) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"fallocate: {os.strerror(err)}")
-
-    return fallocate
+    return _libc_call("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong])
 
 
 _FALLOCATE = _fallocate()
