@@ -478,16 +478,19 @@ __device__ __forceinline__ u32 nibble_lsbs16(u64 w) {
     return (u32)((w | (w >> 24)) & 0xFFFFull);
 }
 
-/* G consecutive blocks per thread (G = 2 for NVFP4 rows with an even block count: 16-byte loads). */
-template <int BLK, int BITS, int SWZ, int G>
+/* G consecutive blocks per thread (G = 2 for NVFP4 rows with an even block count: 16-byte loads);
+   ng = nb / G groups per row, row = fast_div(idx, div_m, div_sh). PAIR (G = 2, scale buffers
+   2-byte aligned with even strides): the two scale bytes move as one 2-byte load and store — they
+   are adjacent in both layouts, since blk0 is even and a swizzled 4-column group starts at an
+   even offset (numerics.md §5). */
+template <int BLK, int BITS, int SWZ, int G, int PAIR>
 __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const u8* __restrict__ scales, i64 s_stride,
-                             u32 n_rows, u32 nb, u8* __restrict__ codes_out, i64 c_stride,
+                             u32 n_rows, u32 ng, u32 div_m, u32 div_sh, u8* __restrict__ codes_out, i64 c_stride,
                              u8* __restrict__ scales_out, i64 so_stride, const float* __restrict__ g_ptr,
                              float* __restrict__ g_out) {
     u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
-    u32 ng = nb / G;
     if (idx >= n_rows * ng) return;
-    u32 row = idx / ng, blk0 = (idx - row * ng) * G;
+    u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
     const u8* src = packed + (i64)row * p_stride + (i64)blk0 * (BLK / 2);
     u8* dst = codes_out + (i64)row * c_stride + (i64)blk0 * (BLK * BITS / 8);
     if (BLK == 16 && G == 2 && BITS == 1) {
@@ -508,12 +511,17 @@ __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const 
             store_bits<BLK, BITS>(dst + gi * (BLK * BITS / 8), codes);
         }
     }
+    /* s_stride is the padded column count for a swizzled buffer */
+    if (PAIR && G == 2) {
+        i64 at = SWZ ? swizzled_offset(row, blk0, (u32)s_stride) : (i64)row * s_stride + blk0;
+        *reinterpret_cast<u16*>(scales_out + (i64)row * so_stride + blk0) = *reinterpret_cast<const u16*>(scales + at);
+    } else {
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi) {
-        u32 c = blk0 + gi;
-        /* s_stride is the padded column count for a swizzled buffer */
-        u8 sb = SWZ ? scales[swizzled_offset(row, c, (u32)s_stride)] : scales[(i64)row * s_stride + c];
-        scales_out[(i64)row * so_stride + c] = sb;
+        for (int gi = 0; gi < G; ++gi) {
+            u32 c = blk0 + gi;
+            u8 sb = SWZ ? scales[swizzled_offset(row, c, (u32)s_stride)] : scales[(i64)row * s_stride + c];
+            scales_out[(i64)row * so_stride + c] = sb;
+        }
     }
     if (blk0 == 0 && g_out) g_out[row] = g_ptr ? *g_ptr : 1.f;
 }

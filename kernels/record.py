@@ -325,17 +325,27 @@ def record_from_codes(
         and rows.codes.data_ptr() % 8 == 0
     )
     grp = 2 if pair else 1
+    # the pair's two scale bytes as one 2-byte load and store where both buffers allow it
+    pair_scales = (
+        pair
+        and scales.data_ptr() % 2 == 0
+        and (swz or scales.stride(0) % 2 == 0)
+        and rows.scales.data_ptr() % 2 == 0
+        and rows.scales.stride(0) % 2 == 0
+    )
+    ng = nb // grp
     L.launch(
-        f"record_codes<{fmt.block},{bits},{int(swz)},{grp}>",
+        f"record_codes<{fmt.block},{bits},{int(swz)},{grp},{int(pair_scales)}>",
         out.device,
-        n * (nb // grp),
+        n * ng,
         (
             L.ptr(packed_fp4),
             L.i64(packed_fp4.stride(0)),
             L.ptr(scales),
             L.i64(padded_shape(n, nb)[1] if swz else scales.stride(0)),
             L.u32(n),
-            L.u32(nb),
+            L.u32(ng),
+            *L.fastdiv(ng),
             L.ptr(rows.codes),
             L.i64(rows.codes.stride(0)),
             L.ptr(rows.scales),
