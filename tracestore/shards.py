@@ -513,10 +513,7 @@ def _chunk_desc(e: ChunkEntry) -> str:
 
 
 def _describe(entries: Sequence[ChunkEntry]) -> str:
-    desc = "; ".join(
-        f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
-        for e in entries[:3]
-    )
+    desc = "; ".join(_chunk_desc(e) for e in entries[:3])
     return desc + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
 
 
