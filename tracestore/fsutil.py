@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,44 +53,25 @@ def _transient(exc: BaseException) -> bool:
     return any(type(exc).__module__.startswith(p) for p in _NETWORK_PACKAGES)
 
 
-class DaemonPool:
-    """A minimal executor whose workers are daemon threads.
+class _PoolState:
+    """What a :class:`DaemonPool`'s workers share (they hold this, not the pool, so an unclosed
+    pool is still collected and its idle workers then exit, as ``ThreadPoolExecutor``'s do)."""
 
-    A call stuck past its timeout (a black-holed S3 PUT never returns, shared/reliability.md) is
-    abandoned by :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter
-    exit, so one such call kept a finished sidecar or test process alive for minutes or for ever.
-    Abandoning it at exit is safe: nothing is visible before its create-only publish. Workers
-    start on demand, up to ``workers``."""
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple, dict] | None]
+        self.queue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = 0
+        self.idle = 0
+        self.closed = False
 
-    def __init__(self, workers: int, name: str) -> None:
-        self._max = max(1, int(workers))
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple, dict] | None]
-        self._queue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0
-        self._closed = False
-
-    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self._name} pool is shut down")
-            self._queue.put((fut, fn, args, kwargs))
-            if self._idle == 0 and self._threads < self._max:
-                self._threads += 1
-                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}", daemon=True).start()
-            else:
-                self._idle = max(0, self._idle - 1)
-        return fut
-
-    def _work(self) -> None:
+    def work(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self.queue.get()
             if item is None:
                 return
             fut, fn, args, kwargs = item
+            del item
             if fut.set_running_or_notify_cancel():
                 try:
                     result = fn(*args, **kwargs)
@@ -97,25 +79,60 @@ class DaemonPool:
                     fut.set_exception(exc)
                 else:
                     fut.set_result(result)
-                del fut, fn, args, kwargs, item
-            with self._lock:
-                self._idle += 1
+            del fut, fn, args, kwargs
+            with self.lock:
+                self.idle += 1
 
-    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
-        """Stop taking work; cancel what has not started; idle workers exit (``wait`` is ignored:
-        a stuck call is never waited for)."""
-        with self._lock:
-            self._closed = True
-            threads = self._threads
+    def stop(self, cancel_futures: bool) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            threads = self.threads
         while True:
             try:
-                item = self._queue.get_nowait()
+                item = self.queue.get_nowait()
             except queue.Empty:
                 break
             if item is not None and cancel_futures:
                 item[0].cancel()
         for _ in range(threads):
-            self._queue.put(None)
+            self.queue.put(None)
+
+
+class DaemonPool:
+    """A minimal executor whose workers are daemon threads.
+
+    A call stuck past its timeout (a black-holed S3 PUT never returns, shared/reliability.md) is
+    abandoned by :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter
+    exit, so one such call kept a finished sidecar or test process alive for minutes or for ever.
+    Abandoning it at exit is safe: nothing is visible before its create-only publish. Workers
+    start on demand, up to ``workers``; they exit on :meth:`shutdown` or when the pool is collected."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._max = max(1, int(workers))
+        self._name = name
+        self._state = _PoolState()
+        weakref.finalize(self, self._state.stop, True)
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        st = self._state
+        with st.lock:
+            if st.closed:
+                raise RuntimeError(f"{self._name} pool is shut down")
+            st.queue.put((fut, fn, args, kwargs))
+            if st.idle == 0 and st.threads < self._max:
+                st.threads += 1
+                threading.Thread(target=st.work, name=f"{self._name}-{st.threads}", daemon=True).start()
+            else:
+                st.idle = max(0, st.idle - 1)
+        return fut
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Stop taking work; cancel what has not started; idle workers exit (``wait`` is ignored:
+        a stuck call is never waited for)."""
+        self._state.stop(cancel_futures)
 
 
 class Storage:

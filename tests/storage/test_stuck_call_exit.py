@@ -33,3 +33,27 @@ def test_stuck_call_does_not_block_exit() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "timed out: put part-0 on memory://stuck-call failed" in proc.stdout, proc.stdout
     assert took < 20, f"the process took {took:.1f} s to exit with a stuck storage call"
+
+
+def test_workers_of_a_dropped_storage_exit() -> None:
+    """Idle workers belong to their pool: a Storage dropped without close() leaves no threads
+    behind (as ThreadPoolExecutor's workers exit when it is collected)."""
+    import gc
+    import threading
+
+    from tracestore.fsutil import Storage
+
+    def io_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("tracestore-io")}
+
+    before = io_threads()
+    st = Storage("memory://dropped-storage", timeout=5.0)
+    for _ in range(3):
+        st.call("noop", lambda: None)
+    assert io_threads() - before, "the calls ran on no worker thread"
+    del st
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while io_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not io_threads() - before, f"workers left behind: {io_threads() - before}"
