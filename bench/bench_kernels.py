@@ -198,6 +198,23 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
             rec_bytes,
         )
     KR.BLOCKS_PER_THREAD = default_rg
+    default_rv = KR.RECORD_VARIANT
+    for variant in KR.RECORD_VARIANTS:  # per-element formulations (V in kernels/_source.py)
+        KR.RECORD_VARIANT = variant
+        for group in (2, 4):
+            KR.BLOCKS_PER_THREAD = group
+            ours(
+                lambda: K.record_from_activations(x, site1, out_nofp4, global_scale=g),
+                f"record_from_activations nvfp4 b=1 [V{variant} {group} blk/thr]",
+                rec_bytes,
+            )
+        KR.BLOCKS_PER_THREAD = default_rg
+        ours(
+            lambda: K.record_from_activations(x, msite1, mout),
+            f"record_from_activations mxfp4 b=1 [V{variant}]",
+            n * d * 2 + n * d // 8 + n * d // 32 + 4 * n,
+        )
+    KR.RECORD_VARIANT = default_rv
     ours(
         lambda: K.record_from_activations(x, site1, out, global_scale=g),
         "record_from_activations nvfp4 b=1 +fp4",

@@ -43,34 +43,40 @@ __device__ __forceinline__ u16 f_to_f16(float f) {
     u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
 
+/* NW consecutive 32-bit words (16-byte aligned), by 16-byte loads. */
+template <int NW>
+__device__ __forceinline__ void load_words(const u8* __restrict__ p, u32* w) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < NW / 4; ++i) {
+        uint4 t = q[i];
+        w[4 * i] = t.x; w[4 * i + 1] = t.y; w[4 * i + 2] = t.z; w[4 * i + 3] = t.w;
+    }
+}
+
+/* BLK elements held in raw words (element 2j in the low half of word j for 16-bit types) as float32. */
+template <int DT, int BLK>
+__device__ __forceinline__ void words_to_floats(const u32* w, float* v) {
+#pragma unroll
+    for (int j = 0; j < (DT == DT_F32 ? BLK : BLK / 2); ++j) {
+        if (DT == DT_F32) {
+            v[j] = __uint_as_float(w[j]);
+        } else if (DT == DT_BF16) {
+            v[2 * j] = bf16_to_f(w[j] & 0xFFFFu);
+            v[2 * j + 1] = bf16_to_f(w[j] >> 16);
+        } else {
+            v[2 * j] = f16_to_f((u16)(w[j] & 0xFFFFu));
+            v[2 * j + 1] = f16_to_f((u16)(w[j] >> 16));
+        }
+    }
+}
+
 /* Load BLK consecutive elements (16-byte aligned) as float32. */
 template <int DT, int BLK>
 __device__ __forceinline__ void load_block(const u8* __restrict__ p, float* v) {
-    const uint4* q = reinterpret_cast<const uint4*>(p);
-    if (DT == DT_F32) {
-#pragma unroll
-        for (int i = 0; i < BLK / 4; ++i) {
-            uint4 w = q[i];
-            v[4 * i] = __uint_as_float(w.x); v[4 * i + 1] = __uint_as_float(w.y);
-            v[4 * i + 2] = __uint_as_float(w.z); v[4 * i + 3] = __uint_as_float(w.w);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < BLK / 8; ++i) {
-            uint4 w = q[i];
-            u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (DT == DT_BF16) {
-                    v[8 * i + 2 * j] = bf16_to_f(ws[j] & 0xFFFFu);
-                    v[8 * i + 2 * j + 1] = bf16_to_f(ws[j] >> 16);
-                } else {
-                    v[8 * i + 2 * j] = f16_to_f((u16)(ws[j] & 0xFFFFu));
-                    v[8 * i + 2 * j + 1] = f16_to_f((u16)(ws[j] >> 16));
-                }
-            }
-        }
-    }
+    u32 w[DT == DT_F32 ? BLK : BLK / 2];
+    load_words<DT == DT_F32 ? BLK : BLK / 2>(p, w);
+    words_to_floats<DT, BLK>(w, v);
 }
 
 template <int DT, int BLK>
@@ -109,6 +115,17 @@ __device__ __forceinline__ u32 rtn_bit0(float a) {
     return __float_as_uint(__fadd_rn(a6, e2m1_magic(a6))) & 1u;
 }
 
+/* The same rounded sum with the magic number built on the FP32 pipe: M = 2^E · 1.5·2^22 (an exact
+   product: a power of two times a constant), E = max(exponent(a6), 0) taken as max(a6 & exp bits,
+   1.0f) on the raw bits. One integer/logic op fewer than e2m1_magic (which needs an AND, an OR, a
+   max and an add, each at half the FP32 rate on Hopper: 16 lanes/clk per SM sub-partition). The
+   sum's bit 0 is the code's parity, as in rtn_bit0. */
+__device__ __forceinline__ u32 rtn_sum_fmul(float a) {
+    float a6 = fminf(a, 6.f);
+    float p2 = __uint_as_float(max(__float_as_uint(a6) & 0x7F800000u, 0x3F800000u));
+    return __float_as_uint(__fadd_rn(a6, __fmul_rn(p2, 6291456.f)));
+}
+
 /* TRACE's choice for b = 1, rule "bracket" (numerics.md §7): of the bracket ends
    k- <= a <= k+ the one whose code has the recorded low bit; a on a codeword is that codeword
    (then both directed sums agree), a >= 6 saturates. ``bitv``'s bit 0 is the record bit (the
@@ -126,6 +143,21 @@ __device__ __forceinline__ float absmax_nan(float m, float v) {
     float r;
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
     return r;
+}
+
+/* Running |x| amax of two packed 16-bit floats per word, NaN-propagating (max.NaN.xorsign.abs,
+   sm_86+): half the max instructions of the float32 loop, exact (a max selects, it does not round).
+   The caller takes |.| of the final halves. */
+template <int DT>
+__device__ __forceinline__ u32 absmax2(u32 m, u32 w) {
+#if __CUDA_ARCH__ >= 860
+    u32 r;   /* one HMNMX2 with |.| on both inputs; the result's sign bits are the inputs' xor */
+    if (DT == DT_BF16) asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w));
+    else asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w));
+    return r;
+#else   /* unsigned max of the magnitude bits: a NaN's bits exceed inf's, so NaN still wins */
+    return __vmaxu2(m & 0x7FFF7FFFu, w & 0x7FFF7FFFu);
+#endif
 }
 
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
@@ -345,23 +377,46 @@ __device__ __forceinline__ u32 fast_div(u32 idx, u32 m, u32 sh) {
 /* float32 -> E4M3 byte for v >= 0 or NaN in one instruction (sm_89+: RNE into subnormals,
    saturation to 448 = 0x7E, NaN -> 0x7F with the sign dropped), the same as e4m3_encode_pos. */
 __device__ __forceinline__ u32 e4m3_cvt(float v) {
+#if __CUDA_ARCH__ >= 890
     unsigned short r;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
     return (u32)r & 0x7Fu;
+#else   /* no FP8 conversion before Ada/Hopper */
+    return e4m3_encode_pos(v);
+#endif
 }
 
-/* One block of record_from_activations: packed low-b bits, scale byte, engine FP4 codes.
-   NVFP4 takes the multiplier enc = s_enc/sf for the block's scale byte from ``enc_tab``
-   (one correctly rounded division per E4M3 value per CTA instead of one per block). */
-template <int DT, int FMT, int BITS, int FP4OUT>
-__device__ __forceinline__ void record_block(const float* v, float g, float s_enc, float s6,
-                                             const float* enc_tab, u8* __restrict__ codes_out,
-                                             u8* __restrict__ scale_out, u8* __restrict__ fp4_out) {
+/* One block of record_from_activations from its raw input words ``w`` (BLK elements): returns the
+   scale byte and leaves the packed low-b bits in acc0/acc1 and the engine's FP4 nibbles in f0/f1.
+   NVFP4 takes the multiplier enc = s_enc/sf for the block's scale byte from ``enc_tab`` (one
+   correctly rounded division per E4M3 value per CTA instead of one per block).
+
+   V selects the per-element formulation (bench_kernels compares them; all are bit-exact):
+   bit 0: the magic number on the FP32 pipe (rtn_sum_fmul) instead of e2m1_magic;
+   bit 1: b = 1 bits packed by IMAD.HI ((t << 31) · 2^(i+1) >> 32 = bit << i, accumulated on the
+          FMA pipe) instead of shift + LOP3;
+   bit 2: the block amax on packed bf16x2/f16x2 words (absmax2) instead of one max per element. */
+template <int DT, int FMT, int BITS, int FP4OUT, int V>
+__device__ __forceinline__ u32 record_block(const u32* w, float g, float s_enc, float s6, const float* enc_tab,
+                                            u64* acc0_out, u64* acc1_out, u64* f0_out, u64* f1_out) {
     const int BLK = FMT == F_NVFP4 ? 16 : 32;
+    float v[BLK];
+    words_to_floats<DT, BLK>(w, v);
     float mul;
     u32 sf;
+    float amax;
+    if ((V & 4) && DT != DT_F32) {
+        u32 m = absmax2<DT>(w[0], w[1]);   /* signs are garbage (xor of the inputs'); magnitudes exact */
+#pragma unroll
+        for (int j = 2; j < BLK / 2; ++j) m = absmax2<DT>(m, w[j]);
+        float lo = DT == DT_BF16 ? bf16_to_f(m & 0xFFFFu) : f16_to_f((u16)(m & 0xFFFFu));
+        float hi = DT == DT_BF16 ? bf16_to_f(m >> 16) : f16_to_f((u16)(m >> 16));
+        amax = absmax_nan(fabsf(lo), hi);
+    } else {
+        amax = block_amax<BLK>(v);
+    }
     if (FMT == F_NVFP4) {
-        float p = __fmul_rn(block_amax<BLK>(v), s6);
+        float p = __fmul_rn(amax, s6);
         if (p >= 0.f || p != p) {
             sf = e4m3_cvt(p);
             mul = enc_tab[sf];
@@ -372,7 +427,7 @@ __device__ __forceinline__ void record_block(const float* v, float g, float s_en
         }
     } else {
         float sv;
-        sf = block_scale<FMT, BLK>(v, g, &mul, &sv);
+        sf = block_scale_of<FMT>(amax, g, &mul, &sv);
     }
     const u32 mask = BITS == 4 ? 15u : ((1u << BITS) - 1u);
     const bool NARROW = BLK * BITS <= 32;   /* NVFP4 b <= 2, MX b = 1: one 32-bit accumulator */
@@ -381,11 +436,23 @@ __device__ __forceinline__ void record_block(const float* v, float g, float s_en
 #pragma unroll
     for (int i = 0; i < BLK; ++i) {
         float z = __fmul_rn(v[i], mul);
-        u32 c;
-        if (BITS == 1 && !FP4OUT) c = rtn_bit0(fabsf(z));            /* b = 1: the mantissa bit only */
-        else if (BITS < 4 && !FP4OUT) c = rtn_mag(fabsf(z));        /* b <= 3: the sign bit is not kept */
-        else c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
         const int pos = i * BITS;
+        if (BITS == 1 && !FP4OUT) {   /* b = 1: the mantissa bit only, the parity of the rounded sum */
+            u32 t;
+            if (V & 1) t = rtn_sum_fmul(fabsf(z));
+            else { float a6 = fminf(fabsf(z), 6.f); t = __float_as_uint(__fadd_rn(a6, e2m1_magic(a6))); }
+            if (V & 2) {
+                u32 b31 = t << 31, r;
+                if (i == 31) r = acc32 + b31;
+                else asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(b31), "r"(2u << i), "r"(acc32));
+                acc32 = r;
+            }
+            else acc32 |= (t & 1u) << pos;
+            continue;
+        }
+        u32 c;
+        if (BITS < 4 && !FP4OUT) c = rtn_mag(fabsf(z));        /* b <= 3: the sign bit is not kept */
+        else c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
         if (NARROW) {
             acc32 |= (c & mask) << pos;
         } else {
@@ -402,23 +469,25 @@ __device__ __forceinline__ void record_block(const float* v, float g, float s_en
         }
     }
     if (NARROW) acc0 = acc32;
-    store_acc<BLK, BITS>(codes_out, acc0, acc1);
-    *scale_out = (u8)sf;
-    if (FP4OUT) {
-        if (BLK == 16) *reinterpret_cast<u64*>(fp4_out) = f0;
-        else *reinterpret_cast<uint4*>(fp4_out) = make_uint4((u32)f0, (u32)(f0 >> 32), (u32)f1, (u32)(f1 >> 32));
-    }
+    *acc0_out = acc0;
+    *acc1_out = acc1;
+    *f0_out = f0;
+    *f1_out = f1;
+    return sf;
 }
 
 /* G consecutive scale blocks of one row per thread (all loads issued first); ng = nb / G groups
-   per row, row = fast_div(idx, div_m, div_sh). */
-template <int DT, int FMT, int BITS, int FP4OUT, int G>
+   per row, row = fast_div(idx, div_m, div_sh). PAIR (G = 2, NVFP4, b = 1; the launcher checks
+   4-byte aligned code rows and 2-byte aligned scale rows): the two blocks' code bits go out as one
+   4-byte store and their scale bytes as one 2-byte store. */
+template <int DT, int FMT, int BITS, int FP4OUT, int G, int V, int PAIR>
 __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 ng, u32 div_m, u32 div_sh,
                            const float* __restrict__ g_ptr,
                            u8* __restrict__ codes_out, i64 c_stride, u8* __restrict__ scales_out, i64 s_stride,
                            float* __restrict__ g_out, u8* __restrict__ fp4_out, i64 f_stride) {
     const int BLK = FMT == F_NVFP4 ? 16 : 32;
     const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int NW = BLK * ESZ / 4;
     __shared__ float enc_tab[FMT == F_NVFP4 ? 128 : 1];
     float g = FMT == F_NVFP4 ? sane_g(*g_ptr) : 1.f;
     float s_enc = 0.f, s6 = 0.f;
@@ -434,17 +503,32 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * ng) return;
     u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
-    float v[G][BLK];
+    u32 w[G][NW];
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) load_words<NW>(x + (i64)row * x_stride + (i64)(blk0 + gi) * (BLK * ESZ), w[gi]);
+    u32 sf[G];
+    u64 a0[G], a1[G], f0[G], f1[G];
 #pragma unroll
     for (int gi = 0; gi < G; ++gi)
-        load_block<DT, BLK>(x + (i64)row * x_stride + (i64)(blk0 + gi) * (BLK * ESZ), v[gi]);
+        sf[gi] = record_block<DT, FMT, BITS, FP4OUT, V>(w[gi], g, s_enc, s6, enc_tab, &a0[gi], &a1[gi], &f0[gi],
+                                                        &f1[gi]);
+    u8* co = codes_out + (i64)row * c_stride + (i64)blk0 * (BLK * BITS / 8);
+    u8* so = scales_out + (i64)row * s_stride + blk0;
+    if (PAIR && G == 2 && BLK == 16 && BITS == 1 && !FP4OUT) {
+        *reinterpret_cast<u32*>(co) = (u32)a0[0] | ((u32)a0[1] << 16);
+        *reinterpret_cast<u16*>(so) = (u16)(sf[0] | (sf[1] << 8));
+    } else {
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi) {
-        u32 blk = blk0 + gi;
-        u8* fo = FP4OUT ? fp4_out + (i64)row * f_stride + (i64)blk * (BLK / 2) : fp4_out;
-        record_block<DT, FMT, BITS, FP4OUT>(v[gi], g, s_enc, s6, enc_tab,
-                                            codes_out + (i64)row * c_stride + (i64)blk * (BLK * BITS / 8),
-                                            scales_out + (i64)row * s_stride + blk, fo);
+        for (int gi = 0; gi < G; ++gi) {
+            store_acc<BLK, BITS>(co + gi * (BLK * BITS / 8), a0[gi], a1[gi]);
+            so[gi] = (u8)sf[gi];
+            if (FP4OUT) {
+                u8* fo = fp4_out + (i64)row * f_stride + (i64)(blk0 + gi) * (BLK / 2);
+                if (BLK == 16) *reinterpret_cast<u64*>(fo) = f0[gi];
+                else *reinterpret_cast<uint4*>(fo) = make_uint4((u32)f0[gi], (u32)(f0[gi] >> 32), (u32)f1[gi],
+                                                               (u32)(f1[gi] >> 32));
+            }
+        }
     }
     if (blk0 == 0 && g_out) g_out[row] = g;
 }

@@ -110,6 +110,10 @@ class RecordBuffer:
 
 # scale blocks per thread in record_from_activations (1, 2 or 4; bench_kernels compares them)
 BLOCKS_PER_THREAD = 2
+# record_act's per-element formulation (bit flags of ``V`` in kernels/_source.py; bench_kernels
+# compares them, the GPU tests run every one): 0 = the original integer-pipe arithmetic.
+RECORD_VARIANT = 5
+RECORD_VARIANTS = (0, 1, 5, 7)
 
 
 def blocks_per_thread(nb: int, want: int) -> int:
@@ -239,7 +243,18 @@ def record_from_activations(
     nb = width // fmt.block
     group = blocks_per_thread(nb, BLOCKS_PER_THREAD)
     div_m, div_sh = L.fastdiv(nb // group)
-    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)},{group}>"
+    # two NVFP4 blocks' code bits (b = 1) as one 4-byte store and their scale bytes as one 2-byte store
+    pair = (
+        group == 2
+        and fmt.block == 16
+        and bits == 1
+        and fp4 is None
+        and rows.codes.data_ptr() % 4 == 0
+        and rows.codes.stride(0) % 4 == 0
+        and rows.scales.data_ptr() % 2 == 0
+        and rows.scales.stride(0) % 2 == 0
+    )
+    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)},{group},{RECORD_VARIANT},{int(pair)}>"
     L.launch(
         name,
         x.device,

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+import tracestore.kernels.record as KR
 from tracestore.kernels import (
     RecordBuffer,
     compute_global_scale,
@@ -198,6 +199,83 @@ def test_gpu_record_from_activations_exact(fmt, dtype, bits, gen):
             record_from_activations(x, s, out, row_offset=3)
             check_rows(out, 3, x, s, None)
         check_untouched(out, 2, n + 3)
+
+
+@pytest.fixture
+def record_variant(request):
+    """Run a test with record_act's per-element formulation ``request.param`` (kernels/_source.py, V)."""
+    old = KR.RECORD_VARIANT
+    KR.RECORD_VARIANT = request.param
+    yield request.param
+    KR.RECORD_VARIANT = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("record_variant", KR.RECORD_VARIANTS, indirect=True)
+@pytest.mark.parametrize("fmt, dtype, bits", list(itertools.product(FORMATS, DTYPES, [1, 3])))
+def test_gpu_record_variants_exact(record_variant, fmt, dtype, bits, gen):
+    """Every per-element formulation bench_kernels compares is bit-exact on the awkward shapes, with
+    and without the paired stores (an odd row offset breaks their alignment)."""
+    for n, blocks in SHAPES:
+        s = site(fmt, blocks, bits)
+        x = activations(n, s.width, dtype, gen, "cuda")
+        for off in (2, 3):
+            out = poisoned(s, n + 5, "cuda", with_fp4=False)
+            g = torch.tensor([0.0137], device="cuda") if fmt == "nvfp4" else None
+            record_from_activations(x, s, out, row_offset=off, global_scale=g)
+            check_rows(out, off, x, s, None if g is None else g.cpu())
+            check_untouched(out, off, n + off)
+
+
+def e2m1_tie_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every E2M1 codeword and rounding tie (numerics.md §2) and their neighbours 1 and 2 ulps either
+    side in ``dtype``, both signs, ±0 and the dtype's smallest subnormals; all |v| <= 6."""
+    base = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0]).to(dtype)
+    iv = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    bits = base.view(iv)
+    near = [bits + k for k in (-2, -1, 1, 2)]
+    vals = torch.cat([bits, *near]).view(dtype)
+    vals = vals[(vals >= 0) & (vals <= 6)]
+    tiny = torch.tensor([1, 2, 3], dtype=iv).view(dtype)  # smallest positive subnormals
+    vals = torch.cat([vals, tiny])
+    return torch.cat([vals, -vals])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("record_variant", KR.RECORD_VARIANTS, indirect=True)
+@pytest.mark.parametrize("fmt, dtype, bits", list(itertools.product(FORMATS, DTYPES, [1, 2, 3, 4])))
+def test_gpu_record_e2m1_ties(record_variant, fmt, dtype, bits, gen):
+    """Values on every E2M1 tie, codeword and their ulp neighbours: each block holds a 6.0 (at a
+    rotating position), so with g = 1 the block's multiplier is exactly 1 (NVFP4: sf = 0x38; MX: 2^0)
+    and x lands on the ties themselves, where the per-element rounding decides."""
+    s0 = site(fmt, 1, bits)
+    blk = s0.fmt.block
+    pool = e2m1_tie_values(dtype)
+    pool = pool[torch.randperm(pool.numel(), generator=gen)]
+    per = blk - 1
+    nblk = (pool.numel() + per - 1) // per
+    pool = torch.cat([pool, pool[: nblk * per - pool.numel()]])
+    blocks = pool.view(nblk, per).float()
+    six = torch.full((nblk, 1), 6.0)
+    rows = []
+    for b in range(nblk):
+        k = b % blk
+        rows.append(torch.cat([blocks[b, :k], six[b], blocks[b, k:]]))
+    x = torch.stack(rows).to(dtype)  # one block per row... then several blocks per row below
+    n_blocks_per_row = 7
+    pad = (-x.shape[0]) % n_blocks_per_row
+    x = torch.cat([x, x[:pad]]).reshape(-1, n_blocks_per_row * blk)
+    s = site(fmt, n_blocks_per_row, bits)
+    xg = x.cuda()
+    out = poisoned(s, x.shape[0], "cuda")
+    g = torch.ones(1, device="cuda") if fmt == "nvfp4" else None
+    record_from_activations(xg, s, out, global_scale=g)
+    check_rows(out, 0, x, s, None if g is None else g.cpu())
+    q = quantize(x, s.fmt, None if g is None else g.cpu().reshape(()))
+    if fmt == "nvfp4":
+        assert bool((q.scales == 0x38).all()), "the test's blocks must have scale 1.0 (sf 0x38)"
+    else:
+        assert bool((q.scales == 127).all()), "the test's blocks must have scale 2^0"
 
 
 def e4m3_edge_amaxes(g: float) -> torch.Tensor:
