@@ -190,18 +190,10 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
         rec_bytes,
     )
     default_rg, default_gg = KR.BLOCKS_PER_THREAD, KG.BLOCKS_PER_THREAD
-    for group in (1, 2, 4):  # scale blocks per thread
-        KR.BLOCKS_PER_THREAD = group
-        ours(
-            lambda: K.record_from_activations(x, site1, out_nofp4, global_scale=g),
-            f"record_from_activations nvfp4 b=1 [{group} blk/thr]",
-            rec_bytes,
-        )
-    KR.BLOCKS_PER_THREAD = default_rg
     default_rv = KR.RECORD_VARIANT
     for variant in KR.RECORD_VARIANTS:  # per-element formulations (V in kernels/_source.py)
         KR.RECORD_VARIANT = variant
-        for group in (2, 4):
+        for group in (1, 2, 4):  # scale blocks per thread
             KR.BLOCKS_PER_THREAD = group
             ours(
                 lambda: K.record_from_activations(x, site1, out_nofp4, global_scale=g),
