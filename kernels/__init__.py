@@ -8,24 +8,35 @@ design.md §5. Rollout side (CuPy CUDA kernels on torch's current stream, graph-
 CuPy is imported on the first GPU launch only.
 """
 
-from tracestore.guidance import Guidance
+if __name__ != "tracestore.kernels":
+    # This directory is the source of ``tracestore.kernels`` (pyproject's package-dir). With the
+    # repository root on sys.path (``python -m pytest`` / ``python -m tracestore.cli`` in a checkout)
+    # it is also importable as a top-level ``kernels``, the name of Hugging Face's kernel-hub package,
+    # which transformers imports to probe for it. A second copy of guided.py would re-define
+    # ``tracestore::guided_fp4``/``rtn_fp4``, and torch destroys the first definition, leaving
+    # ``tracestore.kernels.guided_fp4`` calling a freed operator (std::bad_alloc or a segfault). So
+    # under any other name this is an empty package without submodules.
+    __path__ = []  # type: ignore[var-annotated]  # no submodules: kernels.guided must not load
+    __all__: list[str] = []
+else:
+    from tracestore.guidance import Guidance
 
-from .guided import guided_fp4, rtn_fp4
-from .record import (
-    RecordBuffer,
-    compute_global_scale,
-    record_from_activations,
-    record_from_codes,
-    record_kv_pages,
-)
+    from .guided import guided_fp4, rtn_fp4
+    from .record import (
+        RecordBuffer,
+        compute_global_scale,
+        record_from_activations,
+        record_from_codes,
+        record_kv_pages,
+    )
 
-__all__ = [
-    "Guidance",
-    "RecordBuffer",
-    "compute_global_scale",
-    "guided_fp4",
-    "record_from_activations",
-    "record_from_codes",
-    "record_kv_pages",
-    "rtn_fp4",
-]
+    __all__ = [
+        "Guidance",
+        "RecordBuffer",
+        "compute_global_scale",
+        "guided_fp4",
+        "record_from_activations",
+        "record_from_codes",
+        "record_kv_pages",
+        "rtn_fp4",
+    ]

@@ -17,6 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+if __name__ != "tracestore.kernels.guided":  # see kernels/__init__.py: never define the ops twice
+    raise ImportError(f"{__file__} is tracestore.kernels.guided; import it under that name, not {__name__!r}")
+
 import torch
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
