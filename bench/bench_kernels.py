@@ -178,6 +178,8 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
     out = K.RecordBuffer.allocate(site1, n, dev, with_fp4=True)
     out_nofp4 = K.RecordBuffer(out.codes, out.scales, out.global_scale)
     mout = K.RecordBuffer.allocate(msite1, n, dev)
+    site4 = SiteSpec("s", "moe_input", 0, d, "nvfp4", 4)  # the paper's full-information records
+    out4 = K.RecordBuffer.allocate(site4, n, dev)
     rec_bytes = n * d * 2 + n * d // 8 + n * d // 16 + 4 * n
 
     def ours(fn: Callable[[], Any], name: str, nbytes: float, provider: str = "ours (CuPy CUDA)") -> None:
@@ -201,6 +203,16 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
                 rec_bytes,
             )
         KR.BLOCKS_PER_THREAD = default_rg
+        ours(
+            lambda: K.record_from_activations(x, site4, out4, global_scale=g),
+            f"record_from_activations nvfp4 b=4 [V{variant}]",
+            n * d * 2 + n * d // 2 + n * d // 16 + 4 * n,
+        )
+        ours(
+            lambda: K.record_from_activations(x, site1, out, global_scale=g),
+            f"record_from_activations nvfp4 b=1 +fp4 [V{variant}]",
+            rec_bytes + n * d // 2,
+        )
         ours(
             lambda: K.record_from_activations(x, msite1, mout),
             f"record_from_activations mxfp4 b=1 [V{variant}]",

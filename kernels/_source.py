@@ -120,11 +120,17 @@ __device__ __forceinline__ u32 rtn_bit0(float a) {
    1.0f) on the raw bits. One integer/logic op fewer than e2m1_magic (which needs an AND, an OR, a
    max and an add, each at half the FP32 rate on Hopper: 16 lanes/clk per SM sub-partition). The
    sum's bit 0 is the code's parity, as in rtn_bit0. */
-__device__ __forceinline__ u32 rtn_sum_fmul(float a) {
-    float a6 = fminf(a, 6.f);
+__device__ __forceinline__ u32 magic_sum(float a6) {   /* a6 in [0, 6] */
     float p2 = __uint_as_float(max(__float_as_uint(a6) & 0x7F800000u, 0x3F800000u));
     return __float_as_uint(__fadd_rn(a6, __fmul_rn(p2, 6291456.f)));
 }
+__device__ __forceinline__ u32 rtn_sum_fmul(float a) { return magic_sum(fminf(a, 6.f)); }
+
+/* The RTN magnitude code (0..7) from that sum t = bits(a6 + M), M = 1.5·2^(E+22): t's low bits
+   count the n spacings of a6 and t >> 22 = 2(149 + E) + 1 (n <= 4 never reaches bit 22), so
+   code = n + 2E = (t & 7) + (t >> 22) - 299 — one IADD3, where rtn_mag decodes E from M's
+   exponent. Checked against a nearest-even E2M1 table on 2M values and every tie ±3 ulps. */
+__device__ __forceinline__ u32 rtn_mag_sum(u32 t) { return (t & 7u) + (t >> 22) - 299u; }
 
 /* TRACE's choice for b = 1, rule "bracket" (numerics.md §7): of the bracket ends
    k- <= a <= k+ the one whose code has the recorded low bit; a on a codeword is that codeword
@@ -312,15 +318,7 @@ __device__ __forceinline__ void store_bits(u8* __restrict__ out, const u32* code
             acc1 |= c << (pos - 64);
         }
     }
-    if (BLK == 16) {
-        u16* o = reinterpret_cast<u16*>(out);
-#pragma unroll
-        for (int w = 0; w < BITS; ++w) o[w] = (u16)(acc0 >> (16 * w));
-    } else {
-        u32* o = reinterpret_cast<u32*>(out);
-#pragma unroll
-        for (int w = 0; w < BITS; ++w) o[w] = (u32)(w < 2 ? (acc0 >> (32 * w)) : (acc1 >> (32 * (w - 2))));
-    }
+    store_acc<BLK, BITS>(out, acc0, acc1);
 }
 
 /* Engines' packed FP4 (element 2j low nibble) of one block: 8 bytes (NVFP4) or 16 (MX). */
@@ -393,7 +391,8 @@ __device__ __forceinline__ u32 e4m3_cvt(float v) {
 
    The kernel is bound by the integer/logic pipe (LOP3, IMNMX, FMNMX issue at half the FP32 rate
    on Hopper), so V moves per-element work off it (bench_kernels compares; both are bit-exact):
-   bit 0: b = 1's magic number on the FP32 pipe (rtn_sum_fmul) instead of e2m1_magic;
+   bit 0: the magic number on the FP32 pipe (rtn_sum_fmul) instead of e2m1_magic, and for b > 1
+          or the engine's FP4 the code from the sum by one add (rtn_mag_sum);
    bit 2: the block amax on packed bf16x2/f16x2 words (absmax2) instead of one max per element.
    H200, bf16 [65536, 2048], NVFP4 b = 1: V0 0.0927 ms, V1 0.0865 ms, V5 0.0802 ms (87% of copy).
    (Packing the bits by IMAD.HI instead of LOP3 was tried: ptxas turns it into LEA.HI, same pipe,
@@ -447,8 +446,18 @@ __device__ __forceinline__ u32 record_block(const u32* w, float g, float s_enc, 
             continue;
         }
         u32 c;
-        if (BITS < 4 && !FP4OUT) c = rtn_mag(fabsf(z));        /* b <= 3: the sign bit is not kept */
-        else c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
+        if ((V & 1) && BITS < 4 && !FP4OUT) {
+            c = rtn_mag_sum(rtn_sum_fmul(fabsf(z)));   /* b <= 3: the sign bit is not kept */
+        } else if (V & 1) {
+            /* z clamped to [-6, 6], NaN -> +6 (fminf returns the number): code 7 without a sign,
+               as the reference, and no NaN test per element */
+            const float zc = fmaxf(fminf(z, 6.f), -6.f);
+            c = rtn_mag_sum(magic_sum(fabsf(zc))) | ((__float_as_uint(zc) >> 31) << 3);
+        } else if (BITS < 4 && !FP4OUT) {
+            c = rtn_mag(fabsf(z));   /* b <= 3: the sign bit is not kept */
+        } else {
+            c = (z != z) ? 7u : (rtn_mag(fabsf(z)) | ((__float_as_uint(z) >> 31) << 3));
+        }
         if (NARROW) {
             acc32 |= (c & mask) << pos;
         } else {

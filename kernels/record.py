@@ -125,6 +125,18 @@ def blocks_per_thread(nb: int, want: int) -> int:
     return 1
 
 
+def _rows_args(rows: RecordBuffer, g: torch.Tensor | None) -> tuple[Any, ...]:
+    """The output arguments record_codes and record_kv end with: code and scale rows, g in and out."""
+    return (
+        L.ptr(rows.codes),
+        L.i64(rows.codes.stride(0)),
+        L.ptr(rows.scales),
+        L.i64(rows.scales.stride(0)),
+        L.ptr(g),
+        L.ptr(rows.global_scale),
+    )
+
+
 def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int, n: int) -> RecordBuffer:
     if not isinstance(out, RecordBuffer):
         raise ConfigError(
@@ -362,12 +374,7 @@ def record_from_codes(
             L.u32(n),
             L.u32(ng),
             *L.fastdiv(ng),
-            L.ptr(rows.codes),
-            L.i64(rows.codes.stride(0)),
-            L.ptr(rows.scales),
-            L.i64(rows.scales.stride(0)),
-            L.ptr(g),
-            L.ptr(rows.global_scale),
+            *_rows_args(rows, g),
         ),
     )
     return rows
@@ -439,12 +446,7 @@ def _one_kv(
             L.u32(token_start),
             L.u32(n_tokens),
             L.u32(width // fmt.block),
-            L.ptr(rows.codes),
-            L.i64(rows.codes.stride(0)),
-            L.ptr(rows.scales),
-            L.i64(rows.scales.stride(0)),
-            L.ptr(g),
-            L.ptr(rows.global_scale),
+            *_rows_args(rows, g),
         ),
     )
     return rows

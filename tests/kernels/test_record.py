@@ -267,10 +267,11 @@ def test_gpu_record_e2m1_ties(record_variant, fmt, dtype, bits, gen):
     x = torch.cat([x, x[:pad]]).reshape(-1, n_blocks_per_row * blk)
     s = site(fmt, n_blocks_per_row, bits)
     xg = x.cuda()
-    out = poisoned(s, x.shape[0], "cuda")
     g = torch.ones(1, device="cuda") if fmt == "nvfp4" else None
-    record_from_activations(xg, s, out, global_scale=g)
-    check_rows(out, 0, x, s, None if g is None else g.cpu())
+    for with_fp4 in (False, True):  # the engine's FP4 codes too: another per-element path
+        out = poisoned(s, x.shape[0], "cuda", with_fp4=with_fp4)
+        record_from_activations(xg, s, out, global_scale=g)
+        check_rows(out, 0, x, s, None if g is None else g.cpu())
     q = quantize(x, s.fmt, None if g is None else g.cpu().reshape(()))
     if fmt == "nvfp4":
         assert bool((q.scales == 0x38).all()), "the test's blocks must have scale 1.0 (sf 0x38)"
