@@ -248,8 +248,7 @@ def test_gpu_record_e2m1_ties(record_variant, fmt, dtype, bits, gen):
     """Values on every E2M1 tie, codeword and their ulp neighbours: each block holds a 6.0 (at a
     rotating position), so with g = 1 the block's multiplier is exactly 1 (NVFP4: sf = 0x38; MX: 2^0)
     and x lands on the ties themselves, where the per-element rounding decides."""
-    s0 = site(fmt, 1, bits)
-    blk = s0.fmt.block
+    blk = FORMATS[fmt].block
     pool = e2m1_tie_values(dtype)
     pool = pool[torch.randperm(pool.numel(), generator=gen)]
     per = blk - 1
