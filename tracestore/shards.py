@@ -282,17 +282,29 @@ def encode_shard(
         # the GIL and told after each row group; a Python sink gets the bytes through Arrow's buffered
         # stream: the Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
         if sink is None:
-            out: Any = pa.BufferOutputStream()
+            # Into one buffer sized by the bound: a growing BufferOutputStream reallocates (copy +
+            # fresh pages, twice the shard in all), which cost a memory:// or S3 sidecar more system
+            # time than the encoding itself (page zeroing; bench_ingest, perf).
+            mem = pa.allocate_buffer(_size_bound(ordered, len(groups)))
+            out: Any = pa.FixedSizeBufferWriter(mem)
         elif native is not None:
             out = sink.stream  # (a new one if the two halves had to be redone in one piece)
         else:
             out = pa.BufferedOutputStream(pa.PythonFile(sink, "w"), 1 << 20)
-        _write_groups(out, schema, sizes, futures, None if native is None else lambda: sink.progress(out.tell()))
+        try:
+            _write_groups(out, schema, sizes, futures, None if native is None else lambda: sink.progress(out.tell()))
+        except (OSError, pa.ArrowException):
+            if sink is not None:
+                raise
+            # _size_bound is an upper bound by construction; should a codec ever outgrow it, the
+            # shard is still written (into a growing buffer) instead of failing
+            mem, out = None, pa.BufferOutputStream()
+            _write_groups(out, schema, sizes, futures, None)
         if sink is not None and not out.closed:
             out.close()  # flushes the buffered tail into the sink
-        if sink is None:
-            buf = memoryview(out.getvalue()).cast("B")  # no copy: published straight from Arrow's buffer
-            data = buf
+        if sink is None:  # no copy: published straight from Arrow's buffer
+            data = memoryview(out.getvalue()) if mem is None else memoryview(mem)[: out.tell()]
+            out.close()
     if data is not None:
         size, crc = len(data), crc32(data)
     else:

@@ -361,3 +361,20 @@ def test_concurrent_reads_while_writing(store: Store):
         t.join()
     assert not errors, errors[0]
     assert reader.read([("new3", 0, 4)], sites=[S0.name])[S0.name].valid.all()
+
+
+def test_in_memory_encoding_outgrowing_its_bound_still_writes(store: Store, monkeypatch: pytest.MonkeyPatch):
+    """memory:// and S3 shards are encoded into one buffer of ``shards._size_bound`` bytes; were the
+    bound ever short, the shard is written into a growing buffer instead, byte for byte the same."""
+    from tracestore import shards
+
+    rng = np.random.default_rng(12)
+    chunks = [make_chunk(s, f"t{i}", 0, 9, rng=rng) for i in range(4) for s in SITES]
+    exact, manifest = shards.encode_shard(RUN, 0, "w", 0, "p", chunks)
+    monkeypatch.setattr(shards, "_size_bound", lambda chunks, n_groups: 512)
+    short, manifest2 = shards.encode_shard(RUN, 0, "w", 0, "p", chunks)
+    assert exact is not None and short is not None and bytes(short) == bytes(exact) and manifest2 == manifest
+    store.write_shard(RUN, 0, "w", 0, chunks)
+    res = StoreReader(store, RUN).read(MicrobatchPlan([(f"t{i}", 0, 9) for i in range(4)]))
+    for s in SITES:
+        _check(res, chunks, s, [(f"t{i}", 0, 9) for i in range(4)])
