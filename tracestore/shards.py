@@ -65,6 +65,10 @@ MIN_ROW_GROUP_BYTES = 1 << 20  # 4 MiB wrote ~4% faster but a half-sites read fe
 # checksums that the format requires cost it ~70 of ~100 ms per 120 MB shard. Durable 120 MB
 # write_shard, 31 interleaved runs on the loaded 2-core box: median 230 -> 199 ms, min 156 -> 127.
 PARALLEL_ENCODE = True
+# Shards published from memory (memory://, S3) are encoded in two halves too, joined by one copy
+# into the bytes that are published (which the single-writer path copied out anyway), above this
+# size (below it a second thread and the footer join cost more than they save).
+MEMORY_HALVES_MIN_BYTES = 8 << 20
 
 # Column compression (see module docstring); dictionary only for the repeated strings.
 # bench_storage on real quantized tokens: codes 1.00x under every codec; E4M3 scales 0.646x with
@@ -224,8 +228,12 @@ def encode_shard(
     row_group_bytes: int = ROW_GROUP_BYTES,
     min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
     sink: Any = None,
-) -> tuple[memoryview | None, Manifest]:
+) -> tuple[bytes | memoryview | None, Manifest]:
     """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest.
+
+    Without ``sink`` (memory:// and S3 publish from memory) the bytes are encoded into a buffer of
+    :func:`_size_bound` bytes, or, from ``MEMORY_HALVES_MIN_BYTES`` on and on more than one core,
+    in two halves at once that are joined into one ``bytes`` (:func:`_encode_halves_in_memory`).
 
     With ``sink`` the Parquet bytes go into it instead and the returned bytes are None: a
     :class:`tracestore.shardfile.ShardFile` (a native Arrow ``stream``, told of each row group by
@@ -262,22 +270,27 @@ def encode_shard(
     sizes = [n for _, n in groups]
     native = getattr(sink, "stream", None)
     split = len(groups)
-    if native is not None and PARALLEL_ENCODE and (os.cpu_count() or 1) > 1 and len(groups) > 1:
+    payload = sum(c.nbytes for c in ordered)
+    two = native is not None or (sink is None and payload >= MEMORY_HALVES_MIN_BYTES)
+    if two and PARALLEL_ENCODE and (os.cpu_count() or 1) > 1 and len(groups) > 1:
         split = _halfway([sum(c.nbytes for c in ordered[a : a + n]) for a, n in groups])
     # submitted in the order the writers need them: with two halves, alternately
     pairs = itertools.zip_longest(range(split), range(split, len(groups)))
     order = [g for pair in pairs for g in pair if g is not None]
     submitted = {g: _verify_pool().submit(_group_table, ordered[groups[g][0] : sum(groups[g])], schema) for g in order}
     futures = [submitted[g] for g in range(len(groups))]
-    data: memoryview | None = None
-    if split < len(groups) and sink.can_collapse():
+    data: bytes | memoryview | None = None
+    if split < len(groups) and sink is None:
+        data = _encode_halves_in_memory(ordered, groups, schema, sizes, futures, split)
+        split = len(groups) if data is None else -1
+    elif split < len(groups) and sink.can_collapse():
         bound = _size_bound(ordered[: groups[split][0]], split)
         if not _encode_halves(sink, schema, sizes, futures, split, bound):
             sink.restart()
             split = len(groups)
     else:
         split = len(groups)
-    if split == len(groups):
+    if split == len(groups):  # one writer (-1: the two halves are joined already)
         # A native sink (tracestore.shardfile.ShardFile: ``stream`` + ``progress()``) is written without
         # the GIL and told after each row group; a Python sink gets the bytes through Arrow's buffered
         # stream: the Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
@@ -750,7 +763,7 @@ def _encode_halves(
         tail = [joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC]
         end = sink.write_at(pad_end + body2, tail, last=True)
         footer2_md = pq.ParquetFile(pa.BufferReader(b"PAR1" + footer2 + len(footer2).to_bytes(4, "little") + b"PAR1"))
-        _check_joined(sink.path, sizes, footer2_md.metadata, split, pad_end - gap_end)
+        _check_joined(pa.memory_map(sink.path), sink.path, sizes, footer2_md.metadata, split, pad_end - gap_end)
     except (OSError, CorruptionError, pa.ArrowException):
         return False  # the filesystem or the footers did not let the halves join: one writer instead
     crc = crc32_combine(crc32(pad, first_region.crc32), second_region.crc32, body2)
@@ -758,6 +771,59 @@ def _encode_halves(
         crc = crc32(part, crc)
     sink.finish(end, crc)
     return True
+
+
+def _encode_halves_in_memory(
+    ordered: Sequence[RecordChunk],
+    groups: Sequence[tuple[int, int]],
+    schema: pa.Schema,
+    sizes: Sequence[int],
+    futures: Sequence[concurrent.futures.Future[tuple[list[int], pa.Table]]],
+    split: int,
+) -> bytes | None:
+    """A shard for memory:// or S3 (published from memory): row groups ``[0, split)`` encoded on a
+    second thread into one buffer while this thread encodes the rest into another, then joined
+    into the one ``bytes`` the storage publishes (the copy publishing made anyway): the first file
+    without its footer, the second file, and a footer listing both (:mod:`tracestore.pqconcat`),
+    checked against what the writers wrote. None (encode in one piece) if a half outgrew its
+    buffer or the footers did not join."""
+    halves = [ordered[: groups[split][0]], ordered[groups[split][0] :]]
+    bufs = [pa.allocate_buffer(_size_bound(h, n)) for h, n in zip(halves, (split, len(groups) - split), strict=True)]
+    ends: list[int] = [0, 0]
+    errors: list[BaseException] = []
+
+    def encode(i: int, lo: int, hi: int) -> None:
+        try:
+            out = pa.FixedSizeBufferWriter(bufs[i])
+            _write_groups(out, schema, sizes[lo:hi], futures[lo:hi], None)
+            ends[i] = out.tell()
+            out.close()
+        except (OSError, pa.ArrowException) as exc:  # a half outgrew its bound
+            errors.append(exc)
+
+    thread = threading.Thread(target=encode, args=(0, 0, split), name="tracestore-encode", daemon=True)
+    thread.start()
+    try:
+        encode(1, split, len(groups))
+    finally:
+        thread.join()
+    if errors:
+        return None
+    first, second = memoryview(bufs[0])[: ends[0]], memoryview(bufs[1])[: ends[1]]
+    try:
+        body1, footer1 = pqconcat.split_file(first)
+        body2, footer2 = pqconcat.split_file(second)
+        walked = pqconcat.Footer(footer2)
+        joined = pqconcat.join_footers(footer1, walked, body1)  # the second file's byte 0 lands at body1
+    except CorruptionError:
+        return None
+    data = b"".join([first[:body1], second[:body2], joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC])
+    try:
+        second_md = pq.ParquetFile(pa.BufferReader(second)).metadata
+        _check_joined(pa.BufferReader(data), "the shard in memory", sizes, second_md, split, body1)
+    except (CorruptionError, pa.ArrowException):
+        return None
+    return data
 
 
 def _advance(out: Any, region: Any) -> None:
@@ -775,10 +841,12 @@ def _size_bound(chunks: Sequence[RecordChunk], n_groups: int) -> int:
     return int(payload * 1.01) + 2 * keys + 256 * pages + 4096 * 12 * n_groups + (1 << 20)
 
 
-def _check_joined(path: str, sizes: Sequence[int], second: pq.FileMetaData, split: int, delta: int) -> None:
+def _check_joined(
+    source: Any, where: str, sizes: Sequence[int], second: pq.FileMetaData, split: int, delta: int
+) -> None:
     """The joined file's footer, as Arrow reads it, lists ``sizes`` rows per row group and the
     second file's column chunks at their old offsets + ``delta``."""
-    md = pq.ParquetFile(pa.memory_map(path)).metadata
+    md = pq.ParquetFile(source).metadata
     ok = md.num_row_groups == len(sizes) and md.num_rows == sum(sizes)
     for g in range(md.num_row_groups if ok else 0):
         rg = md.row_group(g)
@@ -788,7 +856,7 @@ def _check_joined(path: str, sizes: Sequence[int], second: pq.FileMetaData, spli
             for c in (0, rg.num_columns - 1):
                 ok = ok and rg.column(c).data_page_offset == old.column(c).data_page_offset + delta
     if not ok:
-        raise CorruptionError(f"joining the two encoded halves of {path} gave a footer that does not match them")
+        raise CorruptionError(f"joining the two encoded halves of {where} gave a footer that does not match them")
 
 
 def _group_table(chunks: Sequence[RecordChunk], schema: pa.Schema) -> tuple[list[int], pa.Table]:

@@ -179,7 +179,7 @@ class Store:
         check_shard_inputs(run, policy_version, chunks, seals, links)  # fail before anything is written
         shard_path, manifest_path = self.shard_paths(run, policy_version, writer, seq)
 
-        def encode(sink: Any = None) -> tuple[memoryview | None, Manifest]:
+        def encode(sink: Any = None) -> tuple[bytes | memoryview | None, Manifest]:
             return encode_shard(
                 run,
                 policy_version,

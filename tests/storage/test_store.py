@@ -378,3 +378,46 @@ def test_in_memory_encoding_outgrowing_its_bound_still_writes(store: Store, monk
     res = StoreReader(store, RUN).read(MicrobatchPlan([(f"t{i}", 0, 9) for i in range(4)]))
     for s in SITES:
         _check(res, chunks, s, [(f"t{i}", 0, 9) for i in range(4)])
+
+
+@pytest.mark.parametrize("outgrow", [False, True])
+def test_shard_encoded_in_two_halves_round_trips(store: Store, monkeypatch: pytest.MonkeyPatch, outgrow: bool):
+    """Shards of several row groups are encoded by two writers at once and joined (in memory for
+    memory:// and S3, in the temp file on local disk); what is read back is what was written,
+    every row group and page checksum verifies. ``outgrow``: a half that outgrows its buffer makes
+    the in-memory path encode the shard in one piece instead."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tracestore import shards
+
+    calls = {"memory": 0, "joined": 0}
+    real = shards._encode_halves_in_memory
+
+    def spy(*args, **kwargs):
+        calls["memory"] += 1
+        out = real(*args, **kwargs)
+        calls["joined"] += out is not None
+        return out
+
+    monkeypatch.setattr(shards, "_encode_halves_in_memory", spy)
+    monkeypatch.setattr(shards, "MEMORY_HALVES_MIN_BYTES", 0)
+    if outgrow:
+        monkeypatch.setattr(shards, "_size_bound", lambda chunks, n_groups: 2048)
+    store.min_row_group_bytes = 1  # a row group per (trajectory, site)
+    rng = np.random.default_rng(13)
+    trajs = [f"t{i}" for i in range(5)]
+    chunks = [make_chunk(s, t, a, 40, rng=rng, token_scales=s is S1) for t in trajs for s in SITES for a in (0, 40)]
+    info = store.write_shard(RUN, 0, "w", 0, chunks)
+    if store.storage.local:
+        assert calls["memory"] == 0
+    else:
+        assert calls == {"memory": 1, "joined": 0 if outgrow else 1}
+    data = store.storage.cat(info.path)
+    pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+    assert pf.metadata.num_row_groups == len(trajs) * len(SITES) and pf.metadata.num_rows == len(chunks)
+    assert pf.read().num_rows == len(chunks)
+    plan = MicrobatchPlan([(t, 0, 80) for t in trajs])
+    res = StoreReader(store, RUN).read(plan)
+    for s in SITES:
+        _check(res, chunks, s, plan.segments)
