@@ -9,7 +9,7 @@ with the torch reference.
 
 Rows (ratio = baseline time / our time on the same bytes, higher is better; ``ratio_vs_ours`` from
 the medians, ``ratio_min`` from the fastest runs, which suffer least from other load on a shared
-machine; providers run interleaved in every repeat, in an order rotated each repeat; ``cpu_ms`` is
+machine; providers run interleaved in every repeat, in a new random order each repeat; ``cpu_ms`` is
 the process CPU time (all threads), so work moved to background threads still shows; every row
 carries the machine's 1-minute load average and CPU pressure measured before its case):
 
@@ -18,8 +18,10 @@ carries the machine's 1-minute load average and CPU pressure measured before its
   them, fsync, create-only link, directory fsync, manifest likewise; the encoder-into-a-null-sink
   row is one writer) vs the issue's baseline, raw ``pyarrow.parquet.write_table``
   of the same Arrow table (default options, no fsync); also raw with our codecs and page
-  checksums, raw + fsync, our encoder into a null sink, and ``torch.save`` of one file per
-  trajectory (what a user would write without tracestore);
+  checksums, raw + fsync, our encoder into a null sink, ``torch.save`` of one file per
+  trajectory (what a user would write without tracestore), and the shard published from memory
+  (``write_shard`` on ``memory://``, the path S3 takes: two writers joined into the published
+  bytes) vs raw ``write_table`` into a ``BufferOutputStream`` and its bytes (what an upload needs);
 - ``read-plan``: ``StoreReader.read`` of a microbatch plan (2 of the step's trajectories, all sites,
   page and chunk checksums verified, aligned arrays; a fresh reader and a long-lived one with cached
   manifests and footers) vs the issue's baseline, a raw pyarrow ``read_row_groups`` of the same row
@@ -267,6 +269,19 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         last["info"] = store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
         written.extend(workdir / "store" / p for p in (last["info"].path, last["info"].manifest_path))
 
+    mem_store = Store(f"memory://bench-storage-{os.getpid()}")
+    mem_store.put_run(SPEC)
+    mem_written: list[str] = []
+
+    def raw_memory() -> None:  # what S3 gets without tracestore: encode into memory, bytes to upload
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        sink.getvalue().to_pybytes()
+
+    def ours_memory() -> None:  # published from memory as on S3 (memory:// keeps the bytes)
+        info = mem_store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
+        mem_written.extend([info.path or "", info.manifest_path])
+
     def encode_only() -> None:
         encode_shard(SPEC.run, 0, "enc", 0, "unused", chunks, sink=NullSink())
 
@@ -286,6 +301,9 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         for path in written:
             path.unlink()
         written.clear()
+        for rel in mem_written:
+            mem_store.storage.rm(rel)
+        mem_written.clear()
 
     load_before = machine_load()
     times = interleaved(
@@ -295,6 +313,8 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             "raw pq.write_table + fsync": raw_sync,
             "ours write_shard (durable)": ours,
             "ours encode_shard to a null sink (no I/O)": encode_only,
+            "raw pq.write_table to memory + bytes": raw_memory,
+            "ours write_shard (memory://, as S3)": ours_memory,
             "torch.save per traj (no fsync)": torch_save,
         },
         args.repeat,
