@@ -4,7 +4,8 @@ Providers, all moving the same record bytes (paper configuration: width 2048, NV
 384 B per token per site; prefill forwards of 8 trajectories x 512 tokens x 4 sites):
 
 - ``raw-grpc``: grpcio client-streaming of pre-serialized 4 MiB messages to a server process that
-  only counts them (the transport ceiling);
+  only counts them (the transport ceiling; with the sidecar's malloc settings, see
+  ``_raw_grpc_server``);
 - ``disk``: write + one fdatasync of the same bytes in the WAL directory, through the page cache
   and with O_DIRECT (the durability ceiling is the better of the two);
 - ``ours-grpc-durable``: RolloutRecorder -> TCP -> `tracestore serve` (WAL fsync acks, file://);
@@ -73,6 +74,13 @@ def _raw_grpc_server(port_q: Any, stop: Any) -> None:
     from concurrent import futures
 
     import grpc
+    from tracestore.server.cli import tune_malloc
+
+    # The allocator settings our sidecar runs with (tune_malloc): with glibc's defaults every
+    # received 4 MiB message came from fresh mmap pages, and this ceiling measured 0.44-1.50 GB/s
+    # across a run's repetitions instead of 1.79-2.24 GB/s (5 repetitions each, same box): a
+    # baseline handicapped by an allocator setting ours avoids made our ratio look ~2.5x better.
+    tune_malloc()
 
     def sink(it: Any, ctx: Any) -> bytes:
         n = 0
