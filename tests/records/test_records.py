@@ -209,6 +209,28 @@ def test_schema_version_in_metadata():
         table_to_chunks(t.replace_schema_metadata({}))
 
 
+@pytest.mark.parametrize("n_tokens", [3, 600])
+def test_zero_copy_table_equals_copied_table(n_tokens: int):
+    """``zero_copy=True`` points the byte columns at the chunks' arrays (one Arrow chunk per value)
+    when values are large (600 tokens here: ~74 KB codes per chunk), and copies them into one
+    buffer when they are small; either way the table holds the same values as the copied one."""
+    from tracestore import arrow
+
+    big = SiteSpec("layers.7.mlp.input", "moe_input", 7, 1024)
+    originals = [make_chunk(big, n_tokens, seed=i, trajectory=f"t{i}") for i in range(4)]
+    originals.append(make_chunk(big, n_tokens, seed=9, trajectory="t9", token_scales=np.ones(n_tokens, np.float32)))
+    views = chunks_to_table(originals, zero_copy=True)
+    copied = chunks_to_table(originals)
+    assert views.equals(copied)
+    chunked = views.column("codes").num_chunks
+    large = originals[0].codes.nbytes >= arrow.VIEW_MIN_BYTES
+    assert chunked == (len(originals) if large else 1)
+    if large:  # no copy: the Arrow values are the chunks' memory
+        buf = views.column("codes").chunk(2).buffers()[2]
+        assert buf.address == originals[2].codes.ctypes.data
+    assert [c.checksum for c in table_to_chunks(views)] == [c.checksum for c in originals]
+
+
 def test_arrow_detects_flipped_byte():
     t = chunks_to_table([make_chunk(SITE), make_chunk(SITE, trajectory="t9")])
     codes = t.column("codes").to_pylist()
