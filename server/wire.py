@@ -114,12 +114,19 @@ def _fields(buf: memoryview, pos: int, end: int) -> Any:
     """Yield (field number, wire type, start of field, start of value, end of value) over [pos, end)."""
     while pos < end:
         start = pos
-        tag, pos = _varint(buf, pos, end)
+        tag = buf[pos]
+        if tag < 0x80:  # every tracestore.v1 field number fits a one-byte tag
+            pos += 1
+        else:
+            tag, pos = _varint(buf, pos, end)
         number, wt = tag >> 3, tag & 7
         if wt == 0:
-            _, stop = _varint(buf, pos, end)
+            stop = pos + 1 if pos < end and buf[pos] < 0x80 else _varint(buf, pos, end)[1]
         elif wt == 2:
-            n, pos = _varint(buf, pos, end)
+            if pos < end and buf[pos] < 0x80:  # lengths below 128: one byte
+                n, pos = buf[pos], pos + 1
+            else:
+                n, pos = _varint(buf, pos, end)
             stop = pos + n
         elif wt == 1:
             stop = pos + 8

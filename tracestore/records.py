@@ -155,15 +155,16 @@ class SiteSpec:
             )
         object.__setattr__(self, "width", width)
 
-    @property
+    # Cached (the fields are frozen): the sidecar asks for them several times per received chunk.
+    @functools.cached_property
     def fmt(self) -> FP4Format:
         return get_format(self.format)
 
-    @property
+    @functools.cached_property
     def code_bytes(self) -> int:
         return self.width * self.bits // 8
 
-    @property
+    @functools.cached_property
     def scale_bytes(self) -> int:
         return self.width // self.fmt.block
 
@@ -191,12 +192,16 @@ class RunSpec:
         object.__setattr__(self, "sites", sites)
 
     def site(self, name: str) -> SiteSpec:
-        for s in self.sites:
-            if s.name == name:
-                return s
-        raise NotFoundError(f"run {self.run} has no site {name!r}; declared sites: {[s.name for s in self.sites]}")
+        s = self._by_name.get(name)
+        if s is None:
+            raise NotFoundError(f"run {self.run} has no site {name!r}; declared sites: {[s.name for s in self.sites]}")
+        return s
 
-    @property
+    @functools.cached_property
+    def _by_name(self) -> dict[str, SiteSpec]:
+        return {s.name: s for s in self.sites}
+
+    @functools.cached_property
     def site_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sites)
 
