@@ -280,7 +280,7 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
 
     def ours_memory() -> None:  # published from memory as on S3 (memory:// keeps the bytes)
         info = mem_store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
-        mem_written.extend([info.path or "", info.manifest_path])
+        mem_written.extend(p for p in (info.path, info.manifest_path) if p)
 
     def encode_only() -> None:
         encode_shard(SPEC.run, 0, "enc", 0, "unused", chunks, sink=NullSink())

@@ -45,9 +45,6 @@ KEY_COLUMNS: tuple[str, ...] = ("run", "policy_version", "trajectory", "site", "
 BYTE_COLUMNS: tuple[str, ...] = ("codes", "scales", "token_scales")
 
 
-_ZERO_OFFSETS = np.zeros(1, dtype=np.int64)
-
-
 # Below this mean value size a column is copied into one buffer instead: a one-value Arrow array
 # per value costs ~15 us, a copy of a decode-sized value (~11 KB) well under one (8,000 chunks of
 # 30 tokens: shard encode 240-260 -> 207-218 ms; 512-token chunks: views ~3% faster).

@@ -152,6 +152,11 @@ def join_footers(first: bytes, second: Footer, delta: int) -> bytes:
     )
 
 
+def footer_tail(footer: bytes) -> list[bytes]:
+    """What ends a Parquet file after its column chunks: the footer, its length and ``PAR1``."""
+    return [footer, len(footer).to_bytes(4, "little"), MAGIC]
+
+
 def read_footer(read: Callable[[int, int], bytes], size: int) -> tuple[int, bytes]:
     """(offset where the footer starts, footer bytes) of a complete Parquet file of ``size``
     bytes whose bytes ``read(offset, n)`` returns."""

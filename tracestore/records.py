@@ -203,7 +203,7 @@ class RunSpec:
 
     @functools.cached_property
     def site_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.sites)
+        return tuple(self._by_name)
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run, "sites": [s.to_dict() for s in self.sites]}

@@ -248,6 +248,7 @@ def encode_shard(
 
     # row-group boundaries
     groups: list[tuple[int, int]] = []
+    group_bytes: list[int] = []
     start, acc = 0, 0
     for i, c in enumerate(ordered):
         if i > start:
@@ -255,9 +256,11 @@ def encode_shard(
             boundary = (prev.trajectory, prev.site) != (c.trajectory, c.site)
             if acc + c.nbytes > row_group_bytes or (boundary and acc >= min_row_group_bytes):
                 groups.append((start, i - start))
+                group_bytes.append(acc)
                 start, acc = i, 0
         acc += c.nbytes
     groups.append((start, len(ordered) - start))
+    group_bytes.append(acc)
 
     shard_meta = json.dumps(
         {"run": run, "policy_version": policy_version, "writer": writer, "seq": seq},
@@ -270,27 +273,24 @@ def encode_shard(
     sizes = [n for _, n in groups]
     native = getattr(sink, "stream", None)
     split = len(groups)
-    payload = sum(c.nbytes for c in ordered)
-    two = native is not None or (sink is None and payload >= MEMORY_HALVES_MIN_BYTES)
+    two = native is not None or (sink is None and sum(group_bytes) >= MEMORY_HALVES_MIN_BYTES)
     if two and PARALLEL_ENCODE and (os.cpu_count() or 1) > 1 and len(groups) > 1:
-        split = _halfway([sum(c.nbytes for c in ordered[a : a + n]) for a, n in groups])
+        split = _halfway(group_bytes)
     # submitted in the order the writers need them: with two halves, alternately
     pairs = itertools.zip_longest(range(split), range(split, len(groups)))
     order = [g for pair in pairs for g in pair if g is not None]
     submitted = {g: _verify_pool().submit(_group_table, ordered[groups[g][0] : sum(groups[g])], schema) for g in order}
     futures = [submitted[g] for g in range(len(groups))]
     data: bytes | memoryview | None = None
+    joined = False  # encoded in two halves and joined
     if split < len(groups) and sink is None:
         data = _encode_halves_in_memory(ordered, groups, schema, sizes, futures, split)
-        split = len(groups) if data is None else -1
+        joined = data is not None
     elif split < len(groups) and sink.can_collapse():
-        bound = _size_bound(ordered[: groups[split][0]], split)
-        if not _encode_halves(sink, schema, sizes, futures, split, bound):
+        joined = _encode_halves(sink, schema, sizes, futures, split, _size_bound(ordered[: groups[split][0]], split))
+        if not joined:
             sink.restart()
-            split = len(groups)
-    else:
-        split = len(groups)
-    if split == len(groups):  # one writer (-1: the two halves are joined already)
+    if not joined:  # one writer
         # A native sink (tracestore.shardfile.ShardFile: ``stream`` + ``progress()``) is written without
         # the GIL and told after each row group; a Python sink gets the bytes through Arrow's buffered
         # stream: the Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
@@ -759,10 +759,9 @@ def _encode_halves(
         if pad:
             sink.write_at(body1, [pad])
         sink.collapse(pad_end, gap_end - pad_end)  # the second file's bytes now start at pad_end
-        joined = pqconcat.join_footers(footer1, walked, pad_end - gap_end)
-        tail = [joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC]
+        tail = pqconcat.footer_tail(pqconcat.join_footers(footer1, walked, pad_end - gap_end))
         end = sink.write_at(pad_end + body2, tail, last=True)
-        footer2_md = pq.ParquetFile(pa.BufferReader(b"PAR1" + footer2 + len(footer2).to_bytes(4, "little") + b"PAR1"))
+        footer2_md = pq.ParquetFile(pa.BufferReader(b"".join([pqconcat.MAGIC, *pqconcat.footer_tail(footer2)])))
         _check_joined(pa.memory_map(sink.path), sink.path, sizes, footer2_md.metadata, split, pad_end - gap_end)
     except (OSError, CorruptionError, pa.ArrowException):
         return False  # the filesystem or the footers did not let the halves join: one writer instead
@@ -814,10 +813,10 @@ def _encode_halves_in_memory(
         body1, footer1 = pqconcat.split_file(first)
         body2, footer2 = pqconcat.split_file(second)
         walked = pqconcat.Footer(footer2)
-        joined = pqconcat.join_footers(footer1, walked, body1)  # the second file's byte 0 lands at body1
+        tail = pqconcat.footer_tail(pqconcat.join_footers(footer1, walked, body1))  # second's byte 0 at body1
     except CorruptionError:
         return None
-    data = b"".join([first[:body1], second[:body2], joined, len(joined).to_bytes(4, "little"), pqconcat.MAGIC])
+    data = b"".join([first[:body1], second[:body2], *tail])
     try:
         second_md = pq.ParquetFile(pa.BufferReader(second)).metadata
         _check_joined(pa.BufferReader(data), "the shard in memory", sizes, second_md, split, body1)
