@@ -218,17 +218,7 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
             f"record_from_activations mxfp4 b=1 [V{variant}]",
             n * d * 2 + n * d // 8 + n * d // 32 + 4 * n,
         )
-    KR.RECORD_VARIANT = default_rv
-    ours(
-        lambda: K.record_from_activations(x, site1, out, global_scale=g),
-        "record_from_activations nvfp4 b=1 +fp4",
-        rec_bytes + n * d // 2,
-    )
-    ours(
-        lambda: K.record_from_activations(x, msite1, mout),
-        "record_from_activations mxfp4 b=1",
-        n * d * 2 + n * d // 8 + n * d // 32 + 4 * n,
-    )
+    KR.RECORD_VARIANT = default_rv  # (the default's rows are the [V{default}] ones above)
     gbuf = torch.zeros(1, device=dev)
     ours(lambda: K.compute_global_scale(x, gbuf), "compute_global_scale (amax)", n * d * 2)
 
