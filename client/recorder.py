@@ -5,7 +5,9 @@ slice or CPU memory) into the staging pool — on a side CUDA stream, non-blocki
 live on a GPU — and queues one descriptor per (segment, site). A background thread waits for the
 copies, numbers messages per writer ``(writer, epoch, sequence)``, streams them to the sidecar
 (offsets into shared memory over a unix socket, inline bytes over TCP), and releases staging when
-the sidecar acknowledges the sequence as durable. On a lost connection it reconnects and resends
+the sidecar acknowledges the sequence as durable — or, over shared memory, once the sidecar also
+reports it released (``released_sequence``: a sidecar with a WAL may read on from staging until the
+shard is written instead of copying it out, see server/engine.py). On a lost connection it reconnects and resends
 the unacknowledged messages (the sidecar answers duplicates as success). When it cannot keep up —
 staging full, sidecar unreachable for ``give_up_s`` — it drops the affected trajectories, marks
 them unguided (they are never sealed, so a reader sees them as incomplete), counts them, and
@@ -211,6 +213,8 @@ class RolloutRecorder:
         self._queue: deque[_Piece | _Forward | _Finish | TrajectorySeal | PrefixLink] = deque()
         self._valid_ids: set[str] = set()
         self._unacked: deque[_Out] = deque()
+        # durable, but the sidecar still reads their shared-memory regions (released_sequence)
+        self._unreleased: deque[_Out] = deque()
         self._next_seq = 1
         self._acked = 0
         self._unguided: set[str] = set()
@@ -449,6 +453,7 @@ class RolloutRecorder:
         req = pb.WriteRequest(run=run_id, writer=self.writer, epoch=self.epoch)
         if shm:
             req.shm_pool = self.pool.name or ""
+            req.keeps_staging = True  # regions are kept until released_sequence covers them
         trajs: set[str] = set()
         nbytes = 0
         payload: list[Any] = []
@@ -893,7 +898,8 @@ class RolloutRecorder:
             try:
                 for raw in responses:
                     r = pb.WriteResponse.FromString(raw)
-                    self._on_ack(r.epoch, r.durable_sequence)
+                    released = r.released_sequence if r.HasField("released_sequence") else None
+                    self._on_ack(r.epoch, r.durable_sequence, released)
             except grpc.RpcError as exc:
                 err.append(exc)
             finally:
@@ -962,16 +968,29 @@ class RolloutRecorder:
                 _int(meta.get("retry-after-ms"), 0) / 1000.0,
             )
 
-    def _on_ack(self, epoch: int, durable: int) -> None:
+    def _on_ack(self, epoch: int, durable: int, released: int | None = None) -> None:
+        """The sidecar's progress for ``epoch``: messages up to ``durable`` are durable; their
+        staging is released too, up to ``released`` when the sidecar reports it (older sidecars
+        do not: then with ``durable``)."""
         with self._lock:
             self._connected = True
             self._down_since = None
             if epoch != self.epoch:
                 return
+            # Held messages of earlier epochs: a sidecar copies them out before it accepts a new
+            # epoch's first message (or it is not the one that held them), so this ack frees them.
+            while self._unreleased and self._unreleased[0].req.epoch != epoch:
+                self._release(self._unreleased.popleft())
             while self._unacked and self._unacked[0].seq <= durable:
                 out = self._unacked.popleft()
-                self._release(out)
+                if released is not None and out.seq > released and out.pieces:
+                    self._unreleased.append(out)  # durable; the sidecar still reads its regions
+                else:
+                    self._release(out)
                 self.stats["acked_messages"] += 1
+            if released is not None:
+                while self._unreleased and self._unreleased[0].seq <= released:
+                    self._release(self._unreleased.popleft())
             self._acked = max(self._acked, durable)
             self._wake.notify_all()
 

@@ -122,6 +122,19 @@ def tune_malloc() -> bool:
         return False
 
 
+def tune_gc() -> None:
+    """Collect cycles less often in the sidecar: every received chunk allocates a handful of
+    container objects (protobuf message, RecordChunk, arrays, index entries) and with CPython's
+    default thresholds (700, 10, 10) the collector ran every few messages and walked the whole,
+    growing dedupe index in its full collections (4.6% of sidecar samples over shared memory,
+    perf). The server's own data holds no reference cycles; ``gc.freeze`` keeps the objects made
+    at start-up out of every collection."""
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 def run(ns: argparse.Namespace) -> int:
     tune_malloc()
     try:
@@ -137,6 +150,7 @@ def run(ns: argparse.Namespace) -> int:
     except TraceStoreError as exc:
         print(f"tracestore serve: {exc}", file=sys.stderr)
         return 2
+    tune_gc()
     log = logging.getLogger("tracestore.server")
     log.info(
         "serving on %s:%d%s, metrics %s",

@@ -12,6 +12,14 @@ shard is committed (no WAL). The flusher groups a writer's queued messages into 
 (``Store.write_shard`` with a per-writer shard number recorded in the WAL *before* the write, so a
 re-flush after a crash repeats the identical call, which the store treats as a no-op), then
 releases the memory and retires WAL segments whose every message is committed.
+
+Shared-memory payloads (the same-host path) stay views into the writer's staging pool while the
+writer keeps the regions: without a WAL until the shard is committed (that is the ack), with a WAL
+until the shard is committed too when the writer set ``keeps_staging`` and its held regions stay
+under :data:`SHM_HOLD_FRACTION` of its pool; then the response's ``released_sequence`` trails
+``durable_sequence`` and the WAL append is the only copy the sidecar makes of those bytes.
+Otherwise (an older writer, or the pool mostly held) the payload is copied out before the message
+can become durable, and released with it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ log = logging.getLogger("tracestore.server")
 DATA, STATE, PLAN, DONE = 1, 2, 3, 4
 INGEST_QUIET_S = 0.2  # seconds without a new message that count as a pause in ingest
 DEFER_MAX_INTERVALS = 5  # shards of a WAL sidecar wait for a pause at most this many flush intervals
+# A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
+# writer's staging pool: the rest stays free for the writer's forwards in flight.
+SHM_HOLD_FRACTION = 0.5
 _LEN = struct.Struct("<I")
 
 
@@ -97,7 +108,9 @@ class Message:
     segment: int = 0
     shard_seq: int | None = None
     path: str = "grpc"
-    shm_bytes: int = 0  # writer shared-memory staging referenced, held by the writer until durable
+    shm_bytes: int = 0  # writer shared-memory staging referenced, held by the writer until released
+    shm_chunks: list[int] = dataclasses.field(default_factory=list)  # chunks that are views into the pool
+    held_pool: str | None = None  # held past durability (WAL, keeps_staging): released at commit
 
 
 @dataclasses.dataclass
@@ -109,6 +122,7 @@ class WriterState:
     durable_seq: int = 0
     committed_seq: int = 0
     shard_next: int = 0
+    held: dict[int, Message] = dataclasses.field(default_factory=dict)  # this epoch's held messages by seq
     pending: deque[Message] = dataclasses.field(default_factory=deque)
     pending_bytes: int = 0
     listeners: set[Waker] = dataclasses.field(default_factory=set)
@@ -134,7 +148,9 @@ class Engine:
         self._sealed: set[tuple[str, str]] = set()
         self._newest: dict[str, int] = {}  # newest policy version seen per run
         self.in_use = 0
-        self.shm_in_use = 0  # bytes of writers' staging named by messages not yet durable
+        self.shm_in_use = 0  # bytes of writers' staging named by messages not yet released
+        self._held_bytes: dict[str, int] = {}  # per pool: staging held past durability (WAL mode)
+        self._in_flight: set[int] = set()  # id() of messages whose shard the flusher is writing now
         self._reserved = 0  # bytes streams reserved for messages they are reading
         self._acks: deque[tuple[int, WriterState, Message]] = deque()  # WAL ticket, writer, message
         self._seg_outstanding: dict[int, int] = {}
@@ -294,9 +310,58 @@ class Engine:
             self._reserved -= nbytes
             self._room.notify_all()
 
+    def try_hold(self, pool: str, nbytes: int, capacity: int) -> bool:
+        """Reserve ``nbytes`` of pool ``pool`` (``capacity`` bytes) to be held past durability;
+        False when that would pass :data:`SHM_HOLD_FRACTION` of it (copy the payload out instead).
+        A reservation is kept by :meth:`submit` admitting the message (``msg.held_pool``), else
+        given back with :meth:`unhold`."""
+        with self._lock:
+            held = self._held_bytes.get(pool, 0)
+            if self.wal is None or held + nbytes > capacity * SHM_HOLD_FRACTION:
+                return False
+            self._held_bytes[pool] = held + nbytes
+            return True
+
+    def make_room(self, pool: str, nbytes: int, capacity: int) -> None:
+        """Copy held messages of ``pool`` out of it, oldest first, until ``nbytes`` more fit under
+        :data:`SHM_HOLD_FRACTION`; their regions are released with the next response. The oldest
+        go first because the writer's staging is a ring that frees from its oldest region: a held
+        message whose shard waits (ingest still going on, storage down) would otherwise stop the
+        ring even with most of it free. Messages whose shard is being written right now are left
+        (their commit releases them). The copies are made with the engine lock held: only while
+        a writer's shards lag half its pool behind its ingest."""
+        from .wire import own_shm
+
+        with self._lock:
+            limit = capacity * SHM_HOLD_FRACTION - nbytes
+            held = [m for st in self.writers.values() for m in st.held.values() if m.held_pool == pool]
+            held.sort(key=lambda m: m.received)
+            for m in held:
+                if self._held_bytes.get(pool, 0) <= limit:
+                    break
+                if id(m) in self._in_flight:
+                    continue
+                own_shm(m)
+                st = self.writers[(m.run, m.writer)]
+                self._release_held(st, m)
+                self._notify(st)
+
+    def unhold(self, pool: str, nbytes: int) -> None:
+        with self._lock:
+            self._unhold(pool, nbytes)
+
+    def _unhold(self, pool: str, nbytes: int) -> None:
+        left = self._held_bytes.get(pool, 0) - nbytes
+        if left > 0:
+            self._held_bytes[pool] = left
+        else:
+            self._held_bytes.pop(pool, None)
+
     def submit(self, msg: Message, wal_parts: Sequence[Buffer], reserved: int = 0) -> tuple[WriterState, bool]:
         """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
-        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here)."""
+        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). A message
+        with ``held_pool`` set carries a :meth:`try_hold` reservation; unless it is admitted (not
+        a duplicate, no error) the caller gives that back."""
         if reserved:
             self.unreserve(reserved)
         deadline = time.monotonic() + self.config.backpressure_timeout_s
@@ -333,7 +398,12 @@ class Engine:
                 self.shm_in_use += msg.shm_bytes
                 self.metrics.shm_in_use.set(self.shm_in_use)
             if msg.epoch != st.epoch:
+                while any(id(m) in self._in_flight for m in st.held.values()):
+                    self._room.wait(0.1)  # their commit releases them (a shard write in progress)
+                self._own_held(st)
                 st.epoch, st.durable_seq, st.committed_seq = msg.epoch, 0, 0
+            if msg.held_pool is not None:
+                st.held[msg.seq] = msg
             st.received_seq = msg.seq
             self._enqueue(st, msg)
             for c in msg.chunks:
@@ -488,11 +558,33 @@ class Engine:
                     self._notify(st)
 
     def _shm_durable(self, msg: Message) -> None:
-        """The writer may now release the staging ``msg`` named (its ack is on its way); lock held."""
-        if msg.shm_bytes:
+        """``msg`` is durable: unless it is held, the writer may now release the staging it named
+        (its ack is on its way); lock held."""
+        if msg.shm_bytes and msg.held_pool is None:
             self.shm_in_use -= msg.shm_bytes
             msg.shm_bytes = 0
             self.metrics.shm_in_use.set(self.shm_in_use)
+
+    def _release_held(self, st: WriterState, msg: Message) -> None:
+        """The sidecar reads no more of the staging a held ``msg`` names; lock held."""
+        if msg.held_pool is None:
+            return
+        self._unhold(msg.held_pool, msg.shm_bytes)
+        if st.held.get(msg.seq) is msg:
+            del st.held[msg.seq]
+        msg.held_pool = None
+        self._shm_durable(msg)
+
+    def _own_held(self, st: WriterState) -> None:
+        """A new epoch of ``st`` begins: copy the payloads its older epoch's messages still hold
+        out of the writer's pool (the writer releases those regions at its new epoch's first ack,
+        since the sequence numbers it gets then are no longer theirs); lock held. Rare: a writer
+        starts a new epoch after a refused gap or when it restarts."""
+        from .wire import own_shm  # engine has no wire dependency otherwise
+
+        for msg in list(st.held.values()):
+            own_shm(msg)
+            self._release_held(st, msg)
 
     def _notify(self, st: WriterState) -> None:
         for waker in list(st.listeners):
@@ -510,6 +602,15 @@ class Engine:
         """(epoch, durable_seq, received_seq) of a writer, consistently."""
         with self._lock:
             return st.epoch, st.durable_seq, st.received_seq
+
+    def progress(self, st: WriterState) -> tuple[int, int, int, int]:
+        """(epoch, durable_seq, received_seq, released_seq) of a writer, consistently:
+        ``released_seq`` is the highest durable sequence below every message still held."""
+        with self._lock:
+            released = st.durable_seq
+            if st.held:
+                released = min(released, next(iter(st.held)) - 1)  # held is in sequence order
+            return st.epoch, st.durable_seq, st.received_seq, released
 
     # -- flushing ---------------------------------------------------------------------------------
 
@@ -592,19 +693,27 @@ class Engine:
                         return
                     raise
                 plan_ticket = self._plan_ticket
+                self._in_flight = {id(m) for _, group in groups for m in group}
             # A shard is written only once its PLAN entry is durable: a restart then repeats the
             # same shard number (a no-op), never a second shard of the same chunks. (A SIGKILL
             # between an unsynced PLAN and its shard wrote every chunk twice: test_crash.)
-            if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
-                self._pause(backoff)
-                continue
-            for st, group in groups:
-                ok = self._commit(st, group)
-                if not ok:
-                    self._pause(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    break
+            ok = True
+            try:
+                if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
+                    ok = False
+                for st, group in groups if ok else ():
+                    ok = self._commit(st, group)
+                    if not ok:
+                        break
+            finally:
+                with self._lock:  # (make_room may copy out held messages of a failed shard meanwhile)
+                    self._in_flight = set()
+                    self._room.notify_all()
+            if ok:
                 backoff = 0.05
+            else:
+                self._pause(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _pause(self, seconds: float) -> None:
         """Back off after a failed commit; ends early when the engine closes (grace period)."""
@@ -650,8 +759,13 @@ class Engine:
                 with contextlib.suppress(TraceStoreError):  # a lost DONE only repeats a no-op flush
                     self.wal.append(DONE, [json.dumps(done).encode()])
             self._release(st, group)
+            held = False
             for m in group:
+                held = held or m.held_pool is not None
+                self._release_held(st, m)
                 self._shm_durable(m)
+            if held:
+                self._notify(st)  # released_sequence moved
             self.shards_committed += 1
             last = group[-1]
             if last.epoch == st.epoch:

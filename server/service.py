@@ -37,7 +37,7 @@ from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
 from .config import ServerConfig
 from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics
-from .wire import ShmPools, parse_seal, parse_write, seal_message, wal_parser
+from .wire import ShmPools, own_shm, parse_seal, parse_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -159,13 +159,33 @@ class TraceStoreService:
                     try:
                         req, msg, blobs = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare,
-                            copy_shm=self.engine.wal is not None,
+                            copy_shm=False,
                         )  # fmt: skip
                         seq = req.sequence
                         size["estimate"] = max(msg.nbytes, 4096)
+                        if msg.shm_chunks and self.engine.wal is not None:
+                            # Durable at the WAL fsync, before its shard is written: read on from the
+                            # writer's staging if it keeps the regions until released, else copy out.
+                            pool, cap = req.shm_pool, self.shm.capacity(req.shm_pool)
+                            held = req.keeps_staging and self.engine.try_hold(pool, msg.shm_bytes, cap)
+                            if req.keeps_staging and not held:  # free the oldest held regions
+                                self.engine.make_room(pool, msg.shm_bytes, cap)
+                                held = self.engine.try_hold(pool, msg.shm_bytes, cap)
+                            if held:
+                                msg.held_pool = pool
+                            else:
+                                own_shm(msg)
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
-                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved)
+                        try:
+                            st, dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved)
+                        except BaseException:
+                            dup = True  # not admitted
+                            raise
+                        finally:
+                            if dup and msg.held_pool is not None:
+                                self.engine.unhold(msg.held_pool, msg.shm_bytes)
+                                msg.held_pool = None
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                         if box["error"] is None:
                             box["error"], box["failed_seq"] = exc, seq
@@ -185,18 +205,19 @@ class TraceStoreService:
         threading.Thread(target=receive, name="tracestore-write-receiver", daemon=True).start()
         reader = threading.Thread(target=consume, name="tracestore-write-reader", daemon=True)
         reader.start()
-        sent = (0, 0)
+        sent = (0, 0, 0)
         try:
             while True:
                 waker.wait(0.25)
                 st, err, done = box["state"], box["error"], box["done"]
                 if st is not None:
-                    epoch, durable, received = self.engine.durable(st)
-                    if epoch == box["epoch"] and (epoch, durable) != sent and durable > 0:
-                        sent = (epoch, durable)
+                    epoch, durable, received, released = self.engine.progress(st)
+                    if epoch == box["epoch"] and (epoch, durable, released) != sent and durable > 0:
+                        sent = (epoch, durable, released)
                         yield pb.WriteResponse(
-                            epoch=epoch, durable_sequence=durable, received_sequence=received
-                        ).SerializeToString()
+                            epoch=epoch, durable_sequence=durable, received_sequence=received,
+                            released_sequence=released,
+                        ).SerializeToString()  # fmt: skip
                     if (done or self.draining) and err is None and durable >= received:
                         break  # on shutdown: end the stream once all it sent is durable
                 elif done and err is None:

@@ -116,6 +116,9 @@ class WriteAheadLog:
         self._base = 0
         # buffers of rotated segments still to be written: (fd, (buffer, length, offset), size)
         self._jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]] = []
+        # buffers of rotated segments once written, for the next rotation: a fresh 16 MiB map per
+        # 64 MiB segment cost its page faults again on the ingest path (perf, shared-memory bench)
+        self._spare: list[mmap.mmap] = []
         self._head_ticket = 0  # ticket covering the active segment's header entries
         self._delete_pending = 0  # delete_before(index) deferred until that header is durable
 
@@ -203,7 +206,9 @@ class WriteAheadLog:
             # waiting here: the caller may hold a lock the sync thread's callback needs.
             out = self._swap(keep_tail=False)
             self._jobs.append((self._fd, out, self.segments[-1].size))
-            self._bufs[self._active] = mmap.mmap(-1, self._buffer_bytes)
+            size = len(self._bufs[self._active])
+            spare = self._spare.pop() if self._spare and len(self._spare[-1]) == size else None
+            self._bufs[self._active] = spare if spare is not None else mmap.mmap(-1, size)
         if self._fd >= 0:  # the sync thread fsyncs and closes it before reporting later tickets
             self._retired.append(self._fd)
         index = self.segments[-1].index + 1 if self.segments else 1
@@ -323,6 +328,9 @@ class WriteAheadLog:
             # thread closes retired segment fds, and close() joins it before closing the active one.
             try:
                 _write_jobs(jobs)
+                if jobs:
+                    with self._lock:
+                        self._spare = [out[0] for _, out, _ in jobs if out is not None][:2]
                 for old in retired:
                     os.fdatasync(old)
                     os.close(old)

@@ -89,6 +89,12 @@ class ShmPools:
             )
         return memoryview(mm)[offset : offset + length]
 
+    def capacity(self, name: str) -> int:
+        """Bytes of pool ``name`` as mapped (0 if it is not mapped)."""
+        with self._lock:
+            mm = self._maps.get(name)
+            return 0 if mm is None else len(mm)
+
     def close(self) -> None:
         with self._lock:
             for mm in self._maps.values():
@@ -199,8 +205,10 @@ def parse_write(
     shared-memory payloads (in chunk order) that must go into the WAL beside the raw request.
 
     ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
-    ``copy_shm=False`` keeps chunks as views into the writer's pool: right only when a message
-    is acknowledged at shard commit (no WAL), since the writer reuses the region after the ack.
+    ``copy_shm=False`` keeps chunks as views into the writer's pool (``Message.shm_chunks`` lists
+    them): right only while the writer keeps the regions, that is until the message is durable
+    without a WAL (its shard committed), or, with a WAL, until the sidecar reports the message
+    released to a writer that set ``keeps_staging``; otherwise :func:`own_shm` copies them out.
     The checksum stays the one computed here, at receipt, so a writer that scribbles on a region
     it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
     checksum on read (DATA_LOSS), never silently different records.
@@ -240,10 +248,12 @@ def _parse(
     if req.epoch < 1 or req.sequence < 1:
         raise ValidationError(f"epoch and sequence must both be >= 1, got epoch {req.epoch} sequence {req.sequence}")
     spec = run_spec(req.run)
-    chunks, crcs = [], []
+    chunks: list[RecordChunk] = []
+    crcs: list[int] = []
     blobs: list[Buffer] = []
     nbytes = 0
-    shm_bytes = 0  # writer staging this message pins until it is acknowledged durable
+    shm_bytes = 0  # writer staging this message pins until it is released (acknowledged durable)
+    shm_chunks: list[int] = []  # chunks that are views into the writer's pool
     for c, inline in chunks_in:
         codes: Buffer
         scales: Buffer
@@ -269,6 +279,8 @@ def _parse(
                 # comes before its shard is written: one copy out of the pool.
                 codes, scales = bytes(codes), bytes(scales)
                 ts = None if ts is None else bytes(ts)
+            elif path != "wal":
+                shm_chunks.append(len(chunks))
             blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
             if path != "wal":
                 shm_bytes += nc + ns + nt
@@ -297,7 +309,20 @@ def _parse(
     nbytes += 64 * (len(seals) + len(links))
     msg = Message(req.run, req.writer, req.epoch, req.sequence, chunks, seals, links, nbytes, crcs, path=path)
     msg.shm_bytes = shm_bytes
+    msg.shm_chunks = shm_chunks
     return msg, blobs
+
+
+def own_shm(msg: Message) -> None:
+    """Replace the payload views ``msg`` holds into a writer's shared-memory pool by private
+    copies, so that the writer may reuse those regions (the bytes and checksums are unchanged)."""
+    for i in msg.shm_chunks:
+        c = msg.chunks[i]
+        object.__setattr__(c, "codes", c.codes.copy())  # frozen dataclass; same bytes, own memory
+        object.__setattr__(c, "scales", c.scales.copy())
+        if c.token_scales is not None:
+            object.__setattr__(c, "token_scales", c.token_scales.copy())
+    msg.shm_chunks = []
 
 
 def wal_parser(run_spec: Callable[[str], RunSpec]) -> Callable[[bytes], Message]:

@@ -135,7 +135,7 @@ class UnguidedReport(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class WriteRequest(_message.Message):
-    __slots__ = ("run", "writer", "epoch", "sequence", "run_spec", "chunks", "seals", "links", "shm_pool", "unguided")
+    __slots__ = ("run", "writer", "epoch", "sequence", "run_spec", "chunks", "seals", "links", "shm_pool", "unguided", "keeps_staging")
     RUN_FIELD_NUMBER: _ClassVar[int]
     WRITER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class WriteRequest(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     SHM_POOL_FIELD_NUMBER: _ClassVar[int]
     UNGUIDED_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_STAGING_FIELD_NUMBER: _ClassVar[int]
     run: str
     writer: str
     epoch: int
@@ -156,17 +157,20 @@ class WriteRequest(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[PrefixLink]
     shm_pool: str
     unguided: _containers.RepeatedCompositeFieldContainer[UnguidedReport]
-    def __init__(self, run: _Optional[str] = ..., writer: _Optional[str] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., run_spec: _Optional[_Union[RunSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., seals: _Optional[_Iterable[_Union[TrajectorySeal, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[PrefixLink, _Mapping]]] = ..., shm_pool: _Optional[str] = ..., unguided: _Optional[_Iterable[_Union[UnguidedReport, _Mapping]]] = ...) -> None: ...
+    keeps_staging: bool
+    def __init__(self, run: _Optional[str] = ..., writer: _Optional[str] = ..., epoch: _Optional[int] = ..., sequence: _Optional[int] = ..., run_spec: _Optional[_Union[RunSpec, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., seals: _Optional[_Iterable[_Union[TrajectorySeal, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[PrefixLink, _Mapping]]] = ..., shm_pool: _Optional[str] = ..., unguided: _Optional[_Iterable[_Union[UnguidedReport, _Mapping]]] = ..., keeps_staging: _Optional[bool] = ...) -> None: ...
 
 class WriteResponse(_message.Message):
-    __slots__ = ("epoch", "durable_sequence", "received_sequence")
+    __slots__ = ("epoch", "durable_sequence", "received_sequence", "released_sequence")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DURABLE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     durable_sequence: int
     received_sequence: int
-    def __init__(self, epoch: _Optional[int] = ..., durable_sequence: _Optional[int] = ..., received_sequence: _Optional[int] = ...) -> None: ...
+    released_sequence: int
+    def __init__(self, epoch: _Optional[int] = ..., durable_sequence: _Optional[int] = ..., received_sequence: _Optional[int] = ..., released_sequence: _Optional[int] = ...) -> None: ...
 
 class SealRequest(_message.Message):
     __slots__ = ("run", "writer", "epoch", "sequence", "seals", "links")
