@@ -406,8 +406,7 @@ class Engine:
                 st.held[msg.seq] = msg
             st.received_seq = msg.seq
             self._enqueue(st, msg)
-            for c in msg.chunks:
-                self.metrics.ingest_records.labels(msg.path).inc(c.n_rows)
+            self.metrics.ingest_records.labels(msg.path).inc(sum(c.n_rows for c in msg.chunks))
             self.metrics.ingest_chunks.labels(msg.path).inc(len(msg.chunks))
             self.metrics.ingest_bytes.labels(msg.path).inc(msg.nbytes)
             self._update_gauges()
