@@ -112,6 +112,17 @@ class Message:
     shm_chunks: list[int] = dataclasses.field(default_factory=list)  # chunks that are views into the pool
     held_pool: str | None = None  # held past durability (WAL, keeps_staging): released at commit
 
+    def own_shm(self) -> None:
+        """Replace the payload views this message holds into a writer's shared-memory pool by
+        private copies, so that the writer may reuse those regions (same bytes and checksums)."""
+        for i in self.shm_chunks:
+            c = self.chunks[i]
+            object.__setattr__(c, "codes", c.codes.copy())  # frozen dataclass; same bytes, own memory
+            object.__setattr__(c, "scales", c.scales.copy())
+            if c.token_scales is not None:
+                object.__setattr__(c, "token_scales", c.token_scales.copy())
+        self.shm_chunks = []
+
 
 @dataclasses.dataclass
 class WriterState:
@@ -310,45 +321,40 @@ class Engine:
             self._reserved -= nbytes
             self._room.notify_all()
 
-    def try_hold(self, pool: str, nbytes: int, capacity: int) -> bool:
-        """Reserve ``nbytes`` of pool ``pool`` (``capacity`` bytes) to be held past durability;
-        False when that would pass :data:`SHM_HOLD_FRACTION` of it (copy the payload out instead).
-        A reservation is kept by :meth:`submit` admitting the message (``msg.held_pool``), else
-        given back with :meth:`unhold`."""
-        with self._lock:
-            held = self._held_bytes.get(pool, 0)
-            if self.wal is None or held + nbytes > capacity * SHM_HOLD_FRACTION:
-                return False
-            self._held_bytes[pool] = held + nbytes
-            return True
+    def _hold(self, st: WriterState, msg: Message, pool: str, capacity: int) -> None:
+        """Admit ``msg``'s shared-memory payload into pool ``pool`` (``capacity`` bytes) as held past
+        durability, under :data:`SHM_HOLD_FRACTION` of the pool: the oldest held messages are
+        copied out first if need be (:meth:`_make_room`), and ``msg`` itself only if that did not
+        make room; lock held."""
+        limit = capacity * SHM_HOLD_FRACTION - msg.shm_bytes
+        if self._held_bytes.get(pool, 0) > limit:
+            self._make_room(pool, limit)
+        if self._held_bytes.get(pool, 0) > limit:
+            msg.own_shm()
+            return
+        self._held_bytes[pool] = self._held_bytes.get(pool, 0) + msg.shm_bytes
+        msg.held_pool = pool
+        st.held[msg.seq] = msg
 
-    def make_room(self, pool: str, nbytes: int, capacity: int) -> None:
-        """Copy held messages of ``pool`` out of it, oldest first, until ``nbytes`` more fit under
-        :data:`SHM_HOLD_FRACTION`; their regions are released with the next response. The oldest
-        go first because the writer's staging is a ring that frees from its oldest region: a held
-        message whose shard waits (ingest still going on, storage down) would otherwise stop the
-        ring even with most of it free. Messages whose shard is being written right now are left
-        (their commit releases them). The copies are made with the engine lock held: only while
-        a writer's shards lag half its pool behind its ingest."""
-        from .wire import own_shm
-
-        with self._lock:
-            limit = capacity * SHM_HOLD_FRACTION - nbytes
-            held = [m for st in self.writers.values() for m in st.held.values() if m.held_pool == pool]
-            held.sort(key=lambda m: m.received)
-            for m in held:
-                if self._held_bytes.get(pool, 0) <= limit:
-                    break
-                if id(m) in self._in_flight:
-                    continue
-                own_shm(m)
-                st = self.writers[(m.run, m.writer)]
-                self._release_held(st, m)
-                self._notify(st)
-
-    def unhold(self, pool: str, nbytes: int) -> None:
-        with self._lock:
-            self._unhold(pool, nbytes)
+    def _make_room(self, pool: str, limit: float) -> None:
+        """Copy held messages of ``pool`` out of it, oldest first, until at most ``limit`` bytes of
+        it are held; their regions are released with the next response. The oldest go first
+        because the writer's staging is a ring that frees from its oldest region: a held message
+        whose shard waits (ingest still going on, storage down) would otherwise stop the ring
+        even with most of it free. Messages whose shard is being written right now are left
+        (their commit releases them). Copies with the lock held: only while a writer's shards lag
+        half its pool behind its ingest."""
+        held = [m for st in self.writers.values() for m in st.held.values() if m.held_pool == pool]
+        held.sort(key=lambda m: m.received)
+        for m in held:
+            if self._held_bytes.get(pool, 0) <= limit:
+                break
+            if id(m) in self._in_flight:
+                continue
+            m.own_shm()
+            st = self.writers[(m.run, m.writer)]
+            self._release_held(st, m)
+            self._notify(st)
 
     def _unhold(self, pool: str, nbytes: int) -> None:
         left = self._held_bytes.get(pool, 0) - nbytes
@@ -357,11 +363,14 @@ class Engine:
         else:
             self._held_bytes.pop(pool, None)
 
-    def submit(self, msg: Message, wal_parts: Sequence[Buffer], reserved: int = 0) -> tuple[WriterState, bool]:
+    def submit(
+        self, msg: Message, wal_parts: Sequence[Buffer], reserved: int = 0, hold: tuple[str, int] | None = None
+    ) -> tuple[WriterState, bool]:
         """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
-        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). A message
-        with ``held_pool`` set carries a :meth:`try_hold` reservation; unless it is admitted (not
-        a duplicate, no error) the caller gives that back."""
+        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). ``hold``:
+        (pool, its bytes) of a writer that keeps its staging until released: with a WAL, the
+        message's shared-memory payload is then read in place until its shard is committed
+        (:meth:`_hold`). Without ``hold`` the caller has made the payload its own (or has no WAL)."""
         if reserved:
             self.unreserve(reserved)
         deadline = time.monotonic() + self.config.backpressure_timeout_s
@@ -402,8 +411,8 @@ class Engine:
                     self._room.wait(0.1)  # their commit releases them (a shard write in progress)
                 self._own_held(st)
                 st.epoch, st.durable_seq, st.committed_seq = msg.epoch, 0, 0
-            if msg.held_pool is not None:
-                st.held[msg.seq] = msg
+            if hold is not None and self.wal is not None and msg.shm_chunks:
+                self._hold(st, msg, *hold)
             st.received_seq = msg.seq
             self._enqueue(st, msg)
             self.metrics.ingest_records.labels(msg.path).inc(sum(c.n_rows for c in msg.chunks))
@@ -579,10 +588,8 @@ class Engine:
         out of the writer's pool (the writer releases those regions at its new epoch's first ack,
         since the sequence numbers it gets then are no longer theirs); lock held. Rare: a writer
         starts a new epoch after a refused gap or when it restarts."""
-        from .wire import own_shm  # engine has no wire dependency otherwise
-
         for msg in list(st.held.values()):
-            own_shm(msg)
+            msg.own_shm()
             self._release_held(st, msg)
 
     def _notify(self, st: WriterState) -> None:
@@ -599,8 +606,7 @@ class Engine:
 
     def durable(self, st: WriterState) -> tuple[int, int, int]:
         """(epoch, durable_seq, received_seq) of a writer, consistently."""
-        with self._lock:
-            return st.epoch, st.durable_seq, st.received_seq
+        return self.progress(st)[:3]
 
     def progress(self, st: WriterState) -> tuple[int, int, int, int]:
         """(epoch, durable_seq, received_seq, released_seq) of a writer, consistently:
@@ -705,7 +711,7 @@ class Engine:
                     if not ok:
                         break
             finally:
-                with self._lock:  # (make_room may copy out held messages of a failed shard meanwhile)
+                with self._lock:  # (_make_room may copy out held messages of a failed shard meanwhile)
                     self._in_flight = set()
                     self._room.notify_all()
             if ok:

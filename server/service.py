@@ -37,7 +37,7 @@ from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
 from .config import ServerConfig
 from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics
-from .wire import ShmPools, own_shm, parse_seal, parse_write, seal_message, wal_parser
+from .wire import ShmPools, parse_seal, parse_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -158,34 +158,21 @@ class TraceStoreService:
                     seq = None
                     try:
                         req, msg, blobs = parse_write(
-                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare,
-                            copy_shm=False,
+                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
                         seq = req.sequence
                         size["estimate"] = max(msg.nbytes, 4096)
+                        hold = None
                         if msg.shm_chunks and self.engine.wal is not None:
-                            # Durable at the WAL fsync, before its shard is written: read on from the
-                            # writer's staging if it keeps the regions until released, else copy out.
-                            pool, cap = req.shm_pool, self.shm.capacity(req.shm_pool)
-                            held = req.keeps_staging and self.engine.try_hold(pool, msg.shm_bytes, cap)
-                            if req.keeps_staging and not held:  # free the oldest held regions
-                                self.engine.make_room(pool, msg.shm_bytes, cap)
-                                held = self.engine.try_hold(pool, msg.shm_bytes, cap)
-                            if held:
-                                msg.held_pool = pool
+                            # Durable at the WAL fsync, before its shard is written: a writer that keeps
+                            # its regions until released is read in place, any other gets a copy now.
+                            if req.keeps_staging:
+                                hold = (req.shm_pool, self.shm.capacity(req.shm_pool))
                             else:
-                                own_shm(msg)
+                                msg.own_shm()
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
-                        try:
-                            st, dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved)
-                        except BaseException:
-                            dup = True  # not admitted
-                            raise
-                        finally:
-                            if dup and msg.held_pool is not None:
-                                self.engine.unhold(msg.held_pool, msg.shm_bytes)
-                                msg.held_pool = None
+                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved, hold)
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                         if box["error"] is None:
                             box["error"], box["failed_seq"] = exc, seq

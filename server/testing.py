@@ -125,6 +125,18 @@ class ServeProcess:
                 self.terminate(30)
 
 
+def wait_for(what: str, fn: Any, timeout: float = 20.0) -> Any:
+    """Poll ``fn()`` every 20 ms until it is truthy and return that value; AssertionError naming
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 SPEC = RunSpec(
     "run-a",
     (

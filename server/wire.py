@@ -199,16 +199,15 @@ def parse_write(
     verify: bool = True,
     path: str = "grpc",
     declare: Callable[[pb.RunSpec], None] | None = None,
-    copy_shm: bool = True,
 ) -> tuple[pb.WriteRequest, Message, list[Buffer]]:
     """Parse and validate one WriteRequest. Returns the wire message, the engine message and the
     shared-memory payloads (in chunk order) that must go into the WAL beside the raw request.
 
     ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
-    ``copy_shm=False`` keeps chunks as views into the writer's pool (``Message.shm_chunks`` lists
-    them): right only while the writer keeps the regions, that is until the message is durable
-    without a WAL (its shard committed), or, with a WAL, until the sidecar reports the message
-    released to a writer that set ``keeps_staging``; otherwise :func:`own_shm` copies them out.
+    Shared-memory chunks stay views into the writer's pool (``Message.shm_chunks`` lists them):
+    right only while the writer keeps the regions, that is until the message is durable without a
+    WAL (its shard committed), or, with a WAL, until the sidecar reports the message released to a
+    writer that set ``keeps_staging``; otherwise ``Message.own_shm`` copies them out first.
     The checksum stays the one computed here, at receipt, so a writer that scribbles on a region
     it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
     checksum on read (DATA_LOSS), never silently different records.
@@ -218,7 +217,7 @@ def parse_write(
         declare(req.run_spec)  # the run spec may ride along with any message
     if shm is not None and req.shm_pool:
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
-    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path, copy_shm=copy_shm))
+    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
@@ -241,7 +240,6 @@ def _parse(
     *,
     verify: bool,
     path: str,
-    copy_shm: bool = True,
 ) -> tuple[Message, list[Buffer]]:
     validate_id("run", req.run)
     validate_id("writer", req.writer)
@@ -274,15 +272,9 @@ def _parse(
             codes = memoryview(shm(req.shm_pool, c.shm.codes_offset, nc))  # type: ignore[attr-defined]
             scales = memoryview(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
             ts = memoryview(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
-            if copy_shm:
-                # The writer may reuse the region once this message is durable, which with a WAL
-                # comes before its shard is written: one copy out of the pool.
-                codes, scales = bytes(codes), bytes(scales)
-                ts = None if ts is None else bytes(ts)
-            elif path != "wal":
-                shm_chunks.append(len(chunks))
             blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
-            if path != "wal":
+            if path != "wal":  # (WAL replay: views into the entry, which the message owns)
+                shm_chunks.append(len(chunks))
                 shm_bytes += nc + ns + nt
         else:
             empty = memoryview(b"")
@@ -311,18 +303,6 @@ def _parse(
     msg.shm_bytes = shm_bytes
     msg.shm_chunks = shm_chunks
     return msg, blobs
-
-
-def own_shm(msg: Message) -> None:
-    """Replace the payload views ``msg`` holds into a writer's shared-memory pool by private
-    copies, so that the writer may reuse those regions (the bytes and checksums are unchanged)."""
-    for i in msg.shm_chunks:
-        c = msg.chunks[i]
-        object.__setattr__(c, "codes", c.codes.copy())  # frozen dataclass; same bytes, own memory
-        object.__setattr__(c, "scales", c.scales.copy())
-        if c.token_scales is not None:
-            object.__setattr__(c, "token_scales", c.token_scales.copy())
-    msg.shm_chunks = []
 
 
 def wal_parser(run_spec: Callable[[str], RunSpec]) -> Callable[[bytes], Message]:

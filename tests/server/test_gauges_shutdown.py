@@ -16,7 +16,7 @@ import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
-from tracestore.server.testing import SPEC
+from tracestore.server.testing import SPEC, wait_for
 
 from tracestore.plan import MicrobatchPlan
 from tracestore.reader import StoreReader
@@ -28,16 +28,6 @@ SITE = SPEC.site("layers.1.mlp.input")
 def _gauge(sc: Sidecar, name: str) -> float:
     value = sc.metrics.registry.get_sample_value(name)
     return 0.0 if value is None else float(value)
-
-
-def _wait(what: str, fn: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _rows(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +46,7 @@ def test_shm_in_use_counts_descriptors_until_durable(tmp_path: Path, memory_url:
     try:
         codes, scales = _rows(np.random.default_rng(0), 16)
         assert rec.record_forward([("shm-t0", 0, 16)], {SITE.name: SiteOutput(codes, scales, 0.5)})
-        held = _wait("the descriptor to arrive", lambda: _gauge(sc, "tracestore_shm_in_use_bytes"))
+        held = wait_for("the descriptor to arrive", lambda: _gauge(sc, "tracestore_shm_in_use_bytes"))
         assert held == codes.nbytes + scales.nbytes  # one single-piece chunk travels as a descriptor
         assert _gauge(sc, "tracestore_shm_capacity_bytes") >= rec.pool.capacity
         assert sc.engine is not None and sc.engine.flush(30)  # committed = durable (no WAL)

@@ -17,22 +17,12 @@ from tracestore.client.staging import StagingPool
 from tracestore.server.config import ServerConfig
 from tracestore.server.engine import SHM_HOLD_FRACTION
 from tracestore.server.service import Sidecar
-from tracestore.server.testing import SPEC
+from tracestore.server.testing import SPEC, wait_for
 
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.checksum import chunk_checksum_parts
 
 SITE = SPEC.site("layers.1.mlp.input")
-
-
-def _wait(what: str, fn: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _sidecar(tmp_path: Path, url: str, **kw: Any) -> Sidecar:
@@ -79,7 +69,7 @@ def test_held_until_commit_then_released(tmp_path: Path) -> None:
         assert _held(sc) == codes.nbytes + scales.nbytes
         assert rec.pool.in_use > 0
         assert sc.engine is not None and sc.engine.flush(30)
-        _wait("the region to be released", lambda: rec.pool.in_use == 0)
+        wait_for("the region to be released", lambda: rec.pool.in_use == 0)
         assert _held(sc) == 0
         got = _read(url, ["hold-t0"], 64)["hold-t0"]
         assert np.array_equal(got[0], codes) and np.array_equal(got[1], scales)
@@ -167,7 +157,7 @@ def test_half_held_pool_copies_oldest_out(tmp_path: Path) -> None:
         assert 0 < peak <= SHM_HOLD_FRACTION * rec.pool.capacity
         assert rec.stats["refused_forwards"] == 0 and rec.stats["unguided"] == 0
         assert sc.engine is not None and sc.engine.flush(60)
-        _wait("every region to be released", lambda: rec.pool.in_use == 0)
+        wait_for("every region to be released", lambda: rec.pool.in_use == 0)
         got = _read(url, sorted(sent), n)
         for t, (codes, scales) in sent.items():
             assert np.array_equal(got[t][0], codes) and np.array_equal(got[t][1], scales), t
