@@ -181,8 +181,6 @@ def run(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if ns.ready_file:
-        import os
-
         tmp = ns.ready_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"port": sidecar.port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)

@@ -157,6 +157,7 @@ class TraceStoreService:
                         continue
                     seq = None
                     try:
+                        reserved_left = reserved  # submit() takes the reservation over
                         req, msg, blobs = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
@@ -172,8 +173,14 @@ class TraceStoreService:
                                 msg.own_shm()
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
-                        st, _dup = self.engine.submit(msg, pack_wal_data(raw, blobs), reserved, hold)
+                        wal_parts = pack_wal_data(raw, blobs)
+                        reserved_left = 0
+                        st, _dup = self.engine.submit(msg, wal_parts, reserved, hold)
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                        # A message refused before submit gives its reservation back (else each
+                        # malformed message shrank the budget of every stream for good)
+                        if reserved_left:
+                            self.engine.unreserve(reserved_left)
                         if box["error"] is None:
                             box["error"], box["failed_seq"] = exc, seq
                         waker.wake()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
-from tracestore.server.testing import SPEC, make_chunk, write_request
+from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.plan import MicrobatchPlan
 from tracestore.reader import StoreReader
@@ -241,3 +241,27 @@ def test_read_rpc_errors(channel: grpc.Channel) -> None:
     with pytest.raises(grpc.RpcError) as e:
         list(call(req.SerializeToString()))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in (e.value.details() or "")
+
+
+def test_refused_messages_return_their_reservation(tmp_path: Path) -> None:
+    """Each stream reserves budget for the message it is about to read; a message refused at parse
+    must give it back, or a hostile client sending garbage would shrink the budget of everyone
+    (here 20 garbage streams x 1 MiB would exceed the 16 MiB budget and stall the good writer)."""
+    cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / "wal"), port=0, metrics_port=None,
+                       flush_interval_s=0.05, max_message_bytes=MAX_MSG, memory_budget_bytes=16 << 20,
+                       backpressure_timeout_s=1.0)  # fmt: skip
+    sc = Sidecar(cfg).start()
+    try:
+        Store(cfg.storage).put_run(SPEC)
+        with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:
+            for _ in range(20):
+                _, err = stream(ch, [b"\xff\xfe\x00garbage" * 10])
+                assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            good = [write_request(1, [make_chunk("after-garbage", 0, 4)], writer="g").SerializeToString()]
+            acks, err = stream(ch, good)
+            assert err is None, err
+            assert acks and acks[-1].durable_sequence == 1
+        assert sc.engine is not None
+        wait_for("reservations returned", lambda: sc.engine._reserved == 0)  # noqa: SLF001
+    finally:
+        sc.stop(5)
