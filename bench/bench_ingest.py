@@ -8,6 +8,9 @@ Providers, all moving the same record bytes (paper configuration: width 2048, NV
   ``_raw_grpc_server``);
 - ``disk``: write + one fdatasync of the same bytes in the WAL directory, through the page cache
   and with O_DIRECT (the durability ceiling is the better of the two);
+- ``durable floor``: the raw client into a sink that does only what no durable design can skip
+  (one CRC pass, one copy into aligned buffers, O_DIRECT writes, the final fdatasync; see
+  ``_floor_server``): how close to the ceilings a verified, on-disk ack can get on this stack;
 - ``ours-grpc-durable``: RolloutRecorder -> TCP -> `tracestore serve` (WAL fsync acks, file://);
 - ``ours-grpc-memory`` / ``ours-shm-memory``: the same with ``memory://`` storage and acks on
   shard commit, over TCP with inline bytes vs the unix socket with shared-memory descriptors;
@@ -100,6 +103,77 @@ def _raw_grpc_server(port_q: Any, stop: Any) -> None:
     server.stop(1)
 
 
+def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
+    """The least a durable gRPC sink in Python must do per byte on this stack, and nothing else:
+    grpcio receives pre-serialized 4 MiB messages; each is checksummed (ISA-L CRC-32, one pass)
+    and copied into 16 MiB aligned buffers that a writer thread writes with O_DIRECT; the stream
+    is answered after the final fdatasync. No parsing, no validation, no dedupe, no per-chunk
+    work, no shards: a ceiling for any design that acks only what is on disk and verified."""
+    import mmap
+    import queue
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from tracestore.server.cli import tune_malloc
+
+    from tracestore.v1.checksum import crc32
+
+    tune_malloc()
+    size = 16 << 20
+    free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+    for _ in range(3):
+        free.put(mmap.mmap(-1, size))
+    path = os.path.join(directory, "floor.wal")
+
+    def sink(it: Any, ctx: Any) -> bytes:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        full: queue.SimpleQueue[tuple[mmap.mmap, int] | None] = queue.SimpleQueue()
+        written = [0]
+
+        def writer() -> None:
+            while (item := full.get()) is not None:
+                buf, n = item
+                with memoryview(buf) as v:
+                    os.pwrite(fd, v[: -(-n // 4096) * 4096], written[0])
+                written[0] += n
+                free.put(buf)
+
+        th = threading.Thread(target=writer)
+        th.start()
+        buf, fill, crc, total = free.get(), 0, 0, 0
+        try:
+            for m in it:
+                crc = crc32(m, crc)
+                view, total = memoryview(m), total + len(m)
+                while view:
+                    n = min(len(view), size - fill)
+                    buf[fill : fill + n] = view[:n]
+                    fill, view = fill + n, view[n:]
+                    if fill == size:
+                        full.put((buf, fill))
+                        buf, fill = free.get(), 0
+            if fill:
+                full.put((buf, fill))
+            else:
+                free.put(buf)
+        finally:
+            full.put(None)
+            th.join()
+            os.fdatasync(fd)
+            os.close(fd)
+        return f"{total} {crc}".encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": grpc.stream_unary_rpc_method_handler(sink)}),)
+    )
+    port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(1)
+
+
 def _flight_server(port_q: Any, stop: Any) -> None:
     import pyarrow.flight as fl
 
@@ -116,21 +190,25 @@ def _flight_server(port_q: Any, stop: Any) -> None:
     s.shutdown()
 
 
-def _spawn(target: Any) -> tuple[Any, Any, int]:
+def _spawn(target: Any, *args: Any) -> tuple[Any, Any, int]:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=target, args=(q, stop), daemon=True)
+    p = ctx.Process(target=target, args=(q, stop, *args), daemon=True)
     p.start()
     return p, stop, int(q.get(timeout=60))
 
 
 class RawGrpc:
-    """The transport ceiling: a sink server process and a client streaming pre-serialized messages."""
+    """The transport ceiling: a sink server process and a client streaming pre-serialized messages
+    (``directory``: the durable floor's sink instead, :func:`_floor_server`, its WAL there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         import grpc
 
-        self.proc, self.stop, port = _spawn(_raw_grpc_server)
+        if directory is None:
+            self.proc, self.stop, port = _spawn(_raw_grpc_server)
+        else:
+            self.proc, self.stop, port = _spawn(_floor_server, str(directory))
         self.ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
         self.put = self.ch.stream_unary("/bench.Sink/Put")
         self.msg = os.urandom(MSG)
@@ -139,7 +217,7 @@ class RawGrpc:
     def __call__(self, total: int) -> float:
         n = max(1, total // MSG)
         t0 = time.perf_counter()
-        got = int(self.put(iter([self.msg] * n)))
+        got = int(self.put(iter([self.msg] * n)).split()[0])
         dt = time.perf_counter() - t0
         if got != n * MSG:
             raise RuntimeError(f"sink counted {got} of {n * MSG} bytes")
@@ -458,6 +536,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as tmp:
         d = Path(tmp)
         raw_grpc, flight = (RawGrpc(), Flight()) if ingest else (None, None)
+        (d / "floor").mkdir()
+        floor = RawGrpc(d / "floor") if ingest else None
         durable = ServeProcess(d / "durable", flags=quiet).start()
         servers = [durable]
         if ingest:
@@ -483,6 +563,8 @@ def main() -> int:
                 else:
                     assert raw_grpc is not None and flight is not None
                     raw = keep("raw-grpc", raw_grpc(total))
+                    assert floor is not None
+                    fl_durable = keep("durable floor (raw grpcio + CRC + copy + O_DIRECT WAL + fsync)", floor(total))
                     # the disk's ceiling: the better of page-cache and O_DIRECT writes (+ fdatasync)
                     disk = max(keep("disk write+fsync (page cache)", bench_disk(total, d)),
                                keep("disk write+fsync (O_DIRECT)", bench_disk(total, d, direct=True)))  # fmt: skip
@@ -504,6 +586,8 @@ def main() -> int:
                         ("shm / gRPC, memory:// commit acks", sh / g),
                         ("shm / gRPC, memory:// WAL acks (default config)", ts / tg),
                         ("durable gRPC (WAL) / Flight do_put", wal / fl),
+                        ("durable floor / min(raw gRPC, disk)", fl_durable / min(raw, disk)),
+                        ("durable gRPC (WAL) / durable floor", wal / fl_durable),
                     ):
                         ratios.setdefault(name, []).append(v)
                 if read:
@@ -517,6 +601,8 @@ def main() -> int:
                 sp.kill()
             if raw_grpc is not None and flight is not None:
                 raw_grpc.close()
+                if floor is not None:
+                    floor.close()
                 flight.close()
 
     mib = n_fwd * fwd_bytes() >> 20
