@@ -156,8 +156,8 @@ class TraceStoreService:
                         self.engine.unreserve(reserved)
                         continue
                     seq = None
+                    reserved_left = reserved  # until submit() takes the reservation over
                     try:
-                        reserved_left = reserved  # submit() takes the reservation over
                         req, msg, blobs = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
