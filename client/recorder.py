@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import struct
@@ -931,8 +932,13 @@ class RolloutRecorder:
                 if not pieces and not extras and not fwds:
                     continue
                 try:
-                    outs = self._gather(fwds) if fwds else []
-                    outs += (self._build(runs, ex, shm) for runs, ex in self._messages(pieces, extras, shm))
+                    # Each message goes to gRPC as soon as it is built, not once the whole window
+                    # is: building a 30 MiB window while the engine thread records its next
+                    # forwards took ~25 ms in bench_ingest's burst, and the sidecar idled meanwhile.
+                    outs = itertools.chain(
+                        self._gather(fwds) if fwds else (),
+                        (self._build(runs, ex, shm) for runs, ex in self._messages(pieces, extras, shm)),
+                    )
                     for out in outs:
                         with self._lock:
                             out.seq = self._next_seq
