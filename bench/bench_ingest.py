@@ -75,10 +75,24 @@ def fwd_bytes() -> int:
 # -- baselines in child processes ------------------------------------------------------------------
 
 
-def _raw_grpc_server(port_q: Any, stop: Any) -> None:
+def _serve_sink(sink: Any, port_q: Any, stop: Any) -> None:
+    """Serve ``sink`` as the client-streaming ``/bench.Sink/Put`` on a loopback port (sent to the
+    parent through ``port_q``) until ``stop`` is set."""
     from concurrent import futures
 
     import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": grpc.stream_unary_rpc_method_handler(sink)}),)
+    )
+    port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(1)
+
+
+def _raw_grpc_server(port_q: Any, stop: Any) -> None:
     from tracestore.server.cli import tune_malloc
 
     # The allocator settings our sidecar runs with (tune_malloc): with glibc's defaults every
@@ -93,14 +107,7 @@ def _raw_grpc_server(port_q: Any, stop: Any) -> None:
             n += len(m)
         return str(n).encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": grpc.stream_unary_rpc_method_handler(sink)}),)
-    )
-    port_q.put(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
-    stop.wait()
-    server.stop(1)
+    _serve_sink(sink, port_q, stop)
 
 
 def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
@@ -112,9 +119,7 @@ def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
     import mmap
     import queue
     import threading
-    from concurrent import futures
 
-    import grpc
     from tracestore.server.cli import tune_malloc
 
     from tracestore.v1.checksum import crc32
@@ -164,14 +169,7 @@ def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
             os.close(fd)
         return f"{total} {crc}".encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": grpc.stream_unary_rpc_method_handler(sink)}),)
-    )
-    port_q.put(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
-    stop.wait()
-    server.stop(1)
+    _serve_sink(sink, port_q, stop)
 
 
 def _flight_server(port_q: Any, stop: Any) -> None:
