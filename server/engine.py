@@ -42,7 +42,7 @@ from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal
 
 from .config import ServerConfig
 from .metrics import Metrics
-from .wal import Buffer, WriteAheadLog
+from .wal import Checked, Part, WriteAheadLog
 
 log = logging.getLogger("tracestore.server")
 
@@ -364,7 +364,7 @@ class Engine:
             self._held_bytes.pop(pool, None)
 
     def submit(
-        self, msg: Message, wal_parts: Sequence[Buffer], reserved: int = 0, hold: tuple[str, int] | None = None
+        self, msg: Message, wal_parts: Sequence[Part], reserved: int = 0, hold: tuple[str, int] | None = None
     ) -> tuple[WriterState, bool]:
         """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
         ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). ``hold``:
@@ -861,9 +861,10 @@ class Engine:
             )
 
 
-def pack_wal_data(request: bytes | memoryview, blobs: Sequence[Buffer]) -> list[Buffer]:
+def pack_wal_data(request: Part, blobs: Sequence[Part]) -> list[Part]:
     """WAL payload of a DATA entry: u32 request length, the raw request, then shared-memory payloads."""
-    return [_LEN.pack(len(request)), request, *blobs]
+    n = len(request.data) if isinstance(request, Checked) else len(request)
+    return [_LEN.pack(n), request, *blobs]
 
 
 def unpack_wal_data(payload: bytes) -> tuple[memoryview, memoryview]:

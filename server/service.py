@@ -158,7 +158,7 @@ class TraceStoreService:
                     seq = None
                     reserved_left = reserved  # until submit() takes the reservation over
                     try:
-                        req, msg, blobs = parse_write(
+                        req, msg, wal_parts = parse_write(
                             raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
                         seq = req.sequence
@@ -173,7 +173,6 @@ class TraceStoreService:
                                 msg.own_shm()
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
-                        wal_parts = pack_wal_data(raw, blobs)
                         reserved_left = 0
                         st, _dup = self.engine.submit(msg, wal_parts, reserved, hold)
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status

@@ -28,9 +28,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from tracestore.errors import CorruptionError, StorageError
-from tracestore.v1.checksum import crc32
+from tracestore.v1.checksum import FAST, crc32, crc32_combine
 
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
@@ -38,6 +39,18 @@ BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B
 _SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
 
 Buffer = bytes | bytearray | memoryview
+
+
+class Checked(NamedTuple):
+    """An entry part whose CRC-32 (seed 0) the caller has computed already (the sidecar checks
+    every received payload's CRC): the entry's CRC is combined from it (``crc32_combine``, ~0.2 us)
+    instead of reading the part's bytes a second time."""
+
+    data: Buffer
+    crc: int
+
+
+Part = Buffer | Checked
 
 
 @dataclass
@@ -266,14 +279,18 @@ class WriteAheadLog:
             at += n
         self._fill = at
 
-    def _write(self, kind: int, parts: Sequence[Buffer]) -> None:
-        length = sum(len(p) for p in parts)
+    def _write(self, kind: int, parts: Sequence[Part]) -> None:
+        data = [p.data if isinstance(p, Checked) else p for p in parts]
+        length = sum(len(p) for p in data)
         if length >= MAX_ENTRY:
             raise StorageError(f"write-ahead log entry of {length} bytes exceeds the 2 GiB entry limit")
         crc = crc32(bytes([kind]))
         for p in parts:
-            crc = crc32(p, crc)
-        bufs = [HEADER.pack(length, crc, kind), *parts]
+            if isinstance(p, Checked) and FAST:  # (zlib's fallback combine is Python: slower than a pass)
+                crc = crc32_combine(crc, p.crc, len(p.data))
+            else:
+                crc = crc32(p.data if isinstance(p, Checked) else p, crc)
+        bufs = [HEADER.pack(length, crc, kind), *data]
         total = HEADER.size + length
         if self.direct:
             self._copy_in(bufs, total)
@@ -287,8 +304,9 @@ class WriteAheadLog:
                 rest = rest[n:]
         self.segments[-1].size += total
 
-    def append(self, kind: int, parts: Sequence[Buffer]) -> tuple[int, int]:
-        """Append one entry; return ``(segment_index, ticket)``. Durable once ``on_synced(>= ticket)``."""
+    def append(self, kind: int, parts: Sequence[Part]) -> tuple[int, int]:
+        """Append one entry (the concatenation of ``parts``); return ``(segment_index, ticket)``.
+        Durable once ``on_synced(>= ticket)``. A :class:`Checked` part's CRC is trusted, not recomputed."""
         with self._lock:
             if self._error is not None:
                 raise StorageError(f"write-ahead log failed earlier: {self._error}")

@@ -20,11 +20,11 @@ from google.protobuf.message import DecodeError
 from tracestore.errors import CorruptionError, ValidationError
 from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.checksum import record_checksum
+from tracestore.v1.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
 from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
 
-from .engine import Message, unpack_wal_data
-from .wal import Buffer
+from .engine import Message, pack_wal_data, unpack_wal_data
+from .wal import Buffer, Checked, Part
 
 POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_.-]{1,100}")
 
@@ -59,6 +59,9 @@ class ShmPools:
                 self._maps.pop(name).close()
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
+        mm = self._maps.get(name)  # (three lookups per chunk: the name was checked when it was mapped)
+        if mm is not None and offset >= 0 and length >= 0 and offset + length <= len(mm):
+            return memoryview(mm)[offset : offset + length]
         if POOL_NAME.fullmatch(name) is None or ".." in name:
             raise ValidationError(f"shared-memory pool name must match {POOL_NAME.pattern}, got {name[:120]!r}")
         with self._lock:
@@ -150,16 +153,23 @@ _CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
 _PAYLOAD = {pb.Chunk.CODES_FIELD_NUMBER: 0, pb.Chunk.SCALES_FIELD_NUMBER: 1, pb.Chunk.TOKEN_SCALES_FIELD_NUMBER: 2}
 
 _SMALL_CHUNK = 16 << 10  # bytes; below this a chunk is parsed by protobuf (measured: 5x faster per chunk)
-InlineChunk = tuple[pb.Chunk, list[memoryview | None]]
+InlineChunk = tuple[pb.Chunk, list[memoryview | None], list[int | None]]
 
 
-def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk]]:
-    """Parse a WriteRequest without copying chunk payloads: returns the request without its chunks
-    and, per chunk, its small fields (a pb.Chunk) plus memoryviews of codes/scales/token_scales
-    into ``data``. Protobuf would copy each payload twice (into its arena, then into ``bytes``)."""
+def scan_write(data: bytes, crcs: bool | None = None) -> tuple[pb.WriteRequest, list[InlineChunk], int | None]:
+    """Parse a WriteRequest without copying chunk payloads: returns the request without its chunks;
+    per chunk, its small fields (a pb.Chunk), memoryviews of codes/scales/token_scales into
+    ``data`` and their CRC-32s; and the CRC-32 of all of ``data``. Protobuf would copy each payload
+    twice (into its arena, then into ``bytes``).
+
+    With ``crcs`` (ISA-L present) every large payload is read once, here: its CRC serves both its
+    chunk's checksum and the request's (the write-ahead log's entry CRC), which is combined from
+    the payloads' and the few bytes between them. Without (default: ISA-L absent), they are None."""
+    crcs = FAST if crcs is None else crcs
     buf = memoryview(data)
     rest: list[memoryview] = []
     chunks: list[InlineChunk] = []
+    crc, done = 0, 0  # the request's CRC over data[:done]
     for number, wt, start, a, b in _fields(buf, 0, len(buf)):
         if number != _CHUNKS or wt != 2:
             rest.append(buf[start:b])
@@ -167,21 +177,32 @@ def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk]]:
         if b - a < _SMALL_CHUNK:  # small: protobuf's C parser is faster than scanning, copies are cheap
             small = _decode(pb.Chunk, bytes(buf[a:b]), "Write request chunk")
             assert isinstance(small, pb.Chunk)
-            chunks.append((small, [memoryview(small.codes), memoryview(small.scales), memoryview(small.token_scales)]))
+            views: list[memoryview | None] = [
+                memoryview(small.codes),
+                memoryview(small.scales),
+                memoryview(small.token_scales),
+            ]
+            chunks.append((small, views, [None, None, None]))
             continue
         head: list[memoryview] = []
         payload: list[memoryview | None] = [None, None, None]
+        payload_crc: list[int | None] = [None, None, None]
         for n2, wt2, s2, a2, b2 in _fields(buf, a, b):
             if n2 in _PAYLOAD and wt2 == 2:
-                payload[_PAYLOAD[n2]] = buf[a2:b2]  # last one wins, as in protobuf
+                view = buf[a2:b2]
+                payload[_PAYLOAD[n2]] = view  # last one wins, as in protobuf
+                if crcs:
+                    part = crc32_held(view)
+                    crc = crc32_combine(crc32(buf[done:a2], crc), part, b2 - a2)
+                    payload_crc[_PAYLOAD[n2]], done = part, b2
             else:
                 head.append(buf[s2:b2])
         c = _decode(pb.Chunk, b"".join(head), "Write request chunk")
         assert isinstance(c, pb.Chunk)
-        chunks.append((c, payload))
+        chunks.append((c, payload, payload_crc))
     req = _decode(pb.WriteRequest, b"".join(rest), "Write request")
     assert isinstance(req, pb.WriteRequest)
-    return req, chunks
+    return req, chunks, crc32(buf[done:], crc) if crcs else None
 
 
 def _decode(cls: Any, data: bytes, what: str) -> object:
@@ -199,9 +220,10 @@ def parse_write(
     verify: bool = True,
     path: str = "grpc",
     declare: Callable[[pb.RunSpec], None] | None = None,
-) -> tuple[pb.WriteRequest, Message, list[Buffer]]:
-    """Parse and validate one WriteRequest. Returns the wire message, the engine message and the
-    shared-memory payloads (in chunk order) that must go into the WAL beside the raw request.
+) -> tuple[pb.WriteRequest, Message, list[Part]]:
+    """Parse and validate one WriteRequest. Returns the wire message, the engine message and its
+    write-ahead log entry (:func:`pack_wal_data` of the raw request and the shared-memory payloads,
+    in chunk order, each with its CRC-32 where it was computed here).
 
     ``shm(pool, offset, length)`` resolves shared-memory references; None refuses them.
     Shared-memory chunks stay views into the writer's pool (``Message.shm_chunks`` lists them):
@@ -212,12 +234,13 @@ def parse_write(
     it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
     checksum on read (DATA_LOSS), never silently different records.
     """
-    req, chunks = scan_write(data)
+    req, chunks, crc = scan_write(data)
     if declare is not None and req.HasField("run_spec"):
         declare(req.run_spec)  # the run spec may ride along with any message
     if shm is not None and req.shm_pool:
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
-    return (req, *_parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path))
+    msg, blobs = _parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path)
+    return req, msg, pack_wal_data(data if crc is None else Checked(data, crc), blobs)
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
@@ -240,7 +263,7 @@ def _parse(
     *,
     verify: bool,
     path: str,
-) -> tuple[Message, list[Buffer]]:
+) -> tuple[Message, list[Part]]:
     validate_id("run", req.run)
     validate_id("writer", req.writer)
     if req.epoch < 1 or req.sequence < 1:
@@ -248,18 +271,18 @@ def _parse(
     spec = run_spec(req.run)
     chunks: list[RecordChunk] = []
     crcs: list[int] = []
-    blobs: list[Buffer] = []
+    blobs: list[Part] = []
     nbytes = 0
     shm_bytes = 0  # writer staging this message pins until it is released (acknowledged durable)
     shm_chunks: list[int] = []  # chunks that are views into the writer's pool
-    for c, inline in chunks_in:
+    for c, inline, part_crcs in chunks_in:
         codes: Buffer
         scales: Buffer
         ts: Buffer | None
-        validate_id("trajectory", c.trajectory)
-        validate_id("site", c.site)
+        # (trajectory and site ids are checked by RecordChunk: once per chunk, not twice)
         site = spec.site(c.site) if c.site in spec.site_names else None
         if site is None:
+            validate_id("site", c.site)  # a malformed id is reported as one, not as undeclared
             raise ValidationError(f"run {req.run} declares no site {c.site!r}; declared: {list(spec.site_names)}")
         if c.HasField("shm"):
             if shm is None:
@@ -272,7 +295,13 @@ def _parse(
             codes = memoryview(shm(req.shm_pool, c.shm.codes_offset, nc))  # type: ignore[attr-defined]
             scales = memoryview(shm(req.shm_pool, c.shm.scales_offset, ns))  # type: ignore[attr-defined]
             ts = memoryview(shm(req.shm_pool, c.shm.token_scales_offset, nt)) if nt else None  # type: ignore[attr-defined]
-            blobs.extend([codes, scales] if ts is None else [codes, scales, ts])
+            views = [codes, scales] if ts is None else [codes, scales, ts]
+            if FAST:  # read once: the chunk checksum and the WAL entry's CRC are combined from these
+                held = [crc32_held(v) for v in views]
+                blobs.extend(Checked(v, x) for v, x in zip(views, held, strict=True))
+                part_crcs = [*held, None][:3]
+            else:
+                blobs.extend(views)
             if path != "wal":  # (WAL replay: views into the entry, which the message owns)
                 shm_chunks.append(len(chunks))
                 shm_bytes += nc + ns + nt
@@ -282,7 +311,17 @@ def _parse(
             scales = inline[1] if inline[1] is not None else empty
             ts = (inline[2] if inline[2] is not None else empty) if c.has_token_scales else None
         chunk = chunk_from_parts(req.run, c, site, codes, scales, ts, cls=VerifiedChunk)
-        crc = record_checksum(chunk)
+        if FAST:  # payload CRCs computed above (small chunks' here: protobuf parsed them)
+            cc, cs, ct = part_crcs
+            crc = chunk_checksum_from_crcs(
+                chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
+                chunk.codes.shape[0], chunk.codes.shape[1], chunk.scales.shape[1], chunk.global_scale,
+                (crc32_held(codes) if cc is None else cc, len(codes)),
+                (crc32_held(scales) if cs is None else cs, len(scales)),
+                None if ts is None else (crc32_held(ts) if ct is None else ct, len(ts)),
+            )  # fmt: skip
+        else:
+            crc = record_checksum(chunk)
         object.__setattr__(chunk, "_crc", crc)  # frozen dataclass: set once, here
         if verify and c.checksum and c.checksum != crc:
             raise CorruptionError(
@@ -317,7 +356,7 @@ def wal_parser(run_spec: Callable[[str], RunSpec]) -> Callable[[bytes], Message]
             cursor[0] += length
             return blob[start : start + length]
 
-        req, chunks = scan_write(bytes(request))
+        req, chunks, _ = scan_write(bytes(request))
         msg, _ = _parse(req, chunks, req.seals, req.links, run_spec, from_blob, verify=True, path="wal")
         return msg
 

@@ -430,6 +430,26 @@ def chunk_checksum_parts(
     return crc
 
 
+def chunk_checksum_from_crcs(
+    run: str, policy_version: int, trajectory: str, site: str, token_start: int, n_tokens: int,
+    n_rows: int, code_bytes: int, scale_bytes: int, global_scale: float,
+    codes: tuple[int, int], scales: tuple[int, int], token_scales: tuple[int, int] | None,
+) -> int:  # fmt: skip
+    """The canonical chunk checksum from the CRC-32s (seed 0) of its payloads, given as
+    ``(crc, length)``: equal to :func:`chunk_checksum_parts` over those bytes, without reading them
+    again (``crc32_combine``). For callers that need the payloads' own CRCs anyway (the sidecar's
+    write-ahead log reuses them)."""
+    crc = crc32(
+        _checksum_head(run, policy_version, trajectory, site, token_start, n_tokens, n_rows, code_bytes,
+                       scale_bytes, global_scale)
+    )  # fmt: skip
+    crc = crc32_combine(crc, codes[0], codes[1])
+    crc = crc32_combine(crc, scales[0], scales[1])
+    if token_scales is None:
+        return crc32(b"\0", crc)
+    return crc32_combine(crc32(b"\1", crc), token_scales[0], token_scales[1])
+
+
 def chunk_checksum(
     run: str,
     policy_version: int,

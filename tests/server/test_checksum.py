@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,3 +60,113 @@ def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
     assert chunk_checksum(got.run, got.policy_version, got.trajectory, got.site, got.token_start, got.n_tokens,
                           got.codes, got.scales, got.global_scale, got.token_scales) != c.checksum  # fmt: skip
     assert got.checksum == c.checksum  # cached at receipt, not recomputed over today's bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 30),
+    cb=st.integers(0, 300),
+    sb=st.integers(0, 20),
+    with_ts=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_checksum_from_payload_crcs_equals_the_canonical_one(rows: int, cb: int, sb: int, with_ts: bool,
+                                                             seed: int) -> None:  # fmt: skip
+    """chunk_checksum_from_crcs combines the payloads' own CRCs (crc32_combine) into the chunk checksum
+    the sidecar would otherwise compute by reading the payloads a second time."""
+    from tracestore.v1.checksum import chunk_checksum_from_crcs, chunk_checksum_parts
+
+    rng = np.random.default_rng(seed)
+    codes, scales = rng.bytes(rows * cb), rng.bytes(rows * sb)
+    ts = rng.random(rows, dtype=np.float32).tobytes() if with_ts else None
+    head = ("run-x", 3, "traj-1", "site.a", 17, rows, rows, cb, sb)
+    want = chunk_checksum_parts(*head, [codes], [scales], 0.25, None if ts is None else [ts])
+    got = chunk_checksum_from_crcs(
+        *head, 0.25, (zlib.crc32(codes), len(codes)), (zlib.crc32(scales), len(scales)),
+        None if ts is None else (zlib.crc32(ts), len(ts)),
+    )  # fmt: skip
+    assert got == want
+
+
+@given(n=st.sampled_from([0, 1, 4095, 4096, 5000, 200_000, 1 << 20, (1 << 20) + 1, 3 << 20]),
+       seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(["bytes", "memoryview", "ndarray"]))  # fmt: skip
+@settings(max_examples=40, deadline=None)
+def test_crc32_held_is_zlib_crc32(n: int, seed: int, kind: str) -> None:
+    """The GIL-holding CRC (ISA-L through ctypes, 4 KiB..1 MiB) and its fallbacks give zlib's values
+    for any contiguous buffer, chained from any seed."""
+    from tracestore.v1.checksum import crc32_held
+
+    data = np.random.default_rng(seed).bytes(n)
+    buf: object = {"bytes": data, "memoryview": memoryview(data)[:],
+                   "ndarray": np.frombuffer(data, np.uint8).reshape(-1, 1).data}[kind]  # fmt: skip
+    assert crc32_held(buf) == zlib.crc32(data)
+    assert crc32_held(buf, seed) == zlib.crc32(data, seed)
+
+
+def _varint(v: int) -> bytes:
+    out = b""
+    while v >= 0x80:
+        out += bytes([v & 0x7F | 0x80])
+        v >>= 7
+    return out + bytes([v])
+
+
+def test_write_request_crc_is_combined_from_its_payloads() -> None:
+    """scan_write reads each large payload once and combines the request's CRC (the WAL entry's)
+    from the payload CRCs and the bytes between them: equal to a plain CRC of the whole request,
+    for small (protobuf-parsed) and large chunks, token scales, and a payload field sent twice."""
+    from tracestore.server.testing import make_chunk, write_request
+    from tracestore.server.wire import scan_write
+
+    from tracestore.v1 import tracestore_pb2 as pb
+
+    chunks = [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 7), make_chunk("t-c", 5, 3000, seed=3)]
+    req = write_request(4, chunks)
+    req.chunks[2].has_token_scales = True
+    req.chunks[2].token_scales = np.arange(3000, dtype="<f4").tobytes()
+    raw = req.SerializeToString()
+    _, got, crc = scan_write(raw)
+    assert crc == zlib.crc32(raw)
+    for (_c, views, crcs), want in zip(got, req.chunks, strict=True):
+        for view, part, field in zip(views, crcs, (want.codes, want.scales, want.token_scales), strict=True):
+            assert bytes(view or b"") == field
+            assert part is None or part == zlib.crc32(field)
+
+    # one more chunk whose codes field comes twice: the last one wins, the CRC covers both
+    first, last = b"\x01" * 40_000, b"\x07" * 70_000
+    body = b"".join(pb.Chunk(trajectory="t-d", codes=x).SerializeToString() for x in (first, last))
+    twice = raw + bytes([pb.WriteRequest.CHUNKS_FIELD_NUMBER << 3 | 2]) + _varint(len(body)) + body
+    _, got2, crc2 = scan_write(twice)
+    assert crc2 == zlib.crc32(twice)
+    assert got2[-1][0].trajectory == "t-d"
+    assert bytes(got2[-1][1][0] or b"") == last and got2[-1][2][0] == zlib.crc32(last)
+
+
+def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """Without ISA-L (FAST False: zlib's crc32, no C combine) the sidecar reads payloads again
+    instead of combining CRCs: the same chunk checksums, and a byte-identical WAL segment."""
+    from tracestore.server import wal as wal_mod
+    from tracestore.server import wire
+    from tracestore.server.testing import SPEC, make_chunk, write_request
+
+    raw = write_request(2, [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 5)]).SerializeToString()
+
+    def segment(parts: list[wal_mod.Part], name: str) -> bytes:
+        wal = wal_mod.WriteAheadLog(tmp_path / name)
+        list(wal.replay())
+        wal.start()
+        wal.append(1, parts)
+        wal.close()
+        (f,) = (tmp_path / name).glob("wal-*.log")
+        return f.read_bytes()
+
+    _, fast, parts = wire.parse_write(raw, lambda run: SPEC, None)
+    assert any(isinstance(p, wal_mod.Checked) for p in parts)
+    combined = segment(parts, "fast")
+    monkeypatch.setattr(wire, "FAST", False)
+    monkeypatch.setattr(wal_mod, "FAST", False)
+    _, slow, plain = wire.parse_write(raw, lambda run: SPEC, None)
+    assert not any(isinstance(p, wal_mod.Checked) for p in plain)
+    assert fast.crcs == slow.crcs == [c.checksum for c in slow.chunks]
+    assert segment(plain, "slow") == combined

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import Engine, OverBudgetError, SequenceError, pack_wal_data
+from tracestore.server.engine import Engine, OverBudgetError, SequenceError
 from tracestore.server.metrics import Metrics
 from tracestore.server.testing import SPEC, make_chunk, write_request
 from tracestore.server.wire import parse_write, wal_parser
@@ -34,8 +34,8 @@ def _engine(url: str, wal: Path | None, **kw: object) -> Engine:
 
 def _submit(eng: Engine, req: object) -> tuple[object, bool]:
     raw = req.SerializeToString()  # type: ignore[attr-defined]
-    _, msg, blobs = parse_write(raw, eng.run_spec, None)
-    return eng.submit(msg, pack_wal_data(raw, blobs))
+    _, msg, parts = parse_write(raw, eng.run_spec, None)
+    return eng.submit(msg, parts)
 
 
 def _wait_durable(eng: Engine, st: object, seq: int, timeout: float = 10.0) -> None:

@@ -196,3 +196,32 @@ def test_append_waiting_for_room_under_the_callers_lock(tmp_path: Path) -> None:
     assert not t.is_alive(), "append deadlocked with on_synced"
     wal.close()
     assert got[-1] == 200
+
+
+def test_checked_parts_are_combined_not_reread(tmp_path: Path) -> None:
+    """A Checked part's CRC (computed by the caller, as the sidecar does at receipt) is combined
+    into the entry's CRC: the entry replays intact, byte for byte. A wrong one is not trusted
+    silently: the entry then fails its checksum on replay (refused in an older segment)."""
+    import zlib
+
+    from tracestore.server.wal import Checked
+
+    a, b = os.urandom(300_000), os.urandom(70_000)
+    wal = WriteAheadLog(tmp_path, segment_bytes=1 << 20)
+    list(wal.replay())
+    wal.start()
+    wal.append(1, [b"head", Checked(a, zlib.crc32(a)), memoryview(b)[:100], Checked(b[100:], zlib.crc32(b[100:]))])
+    wal.append(2, [Checked(memoryview(a)[:0], 0), b"tail"])
+    wal.close()
+    assert _entries(WriteAheadLog(tmp_path)) == [(1, b"head" + a + b), (2, b"tail")]
+
+    bad = tmp_path / "bad"
+    wal = WriteAheadLog(bad, segment_bytes=4096)
+    list(wal.replay())
+    wal.start()
+    wal.append(1, [Checked(a[:1000], zlib.crc32(a[:1000]) ^ 1)])  # a caller's wrong CRC
+    wal.append(1, [os.urandom(5000)])  # rotates: the bad entry is now in an older segment
+    wal.append(1, [b"newest"])
+    wal.close()
+    with pytest.raises(CorruptionError, match="checksum mismatch"):
+        _entries(WriteAheadLog(bad))
