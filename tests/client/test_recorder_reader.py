@@ -357,3 +357,31 @@ def test_decode_steps_coalesce_into_one_chunk_per_run(served: ServeProcess, tran
             want = b"".join(b"".join(sent[(t, s.name)]) for t in trajs)
             assert host[s.name].codes.tobytes() == want, (source, s.name)
             assert host[s.name].valid.all()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix-shm"])
+def test_prefill_forwards_are_sent_at_once_whatever_batch_bytes(served: ServeProcess, transport: str) -> None:
+    """A forward whose sequences are long (prefill: >= 32 tokens each) is not held back to be
+    coalesced with later forwards, even when it is smaller than ``batch_bytes``: it is acknowledged
+    without a flush although linger_s is 30 s, and each sequence travels as one chunk per site."""
+    address = served.address if transport == "tcp" else served.unix_address
+    rec = RolloutRecorder(address, SPEC, f"prefill-{transport}", batch_bytes=64 << 20, linger_s=30.0)
+    rng = np.random.default_rng(9)
+    trajs = [f"pre-{transport}-{i}" for i in range(3)]
+    out = {}
+    for s in SPEC.sites:
+        rows = 3 * 40 * s.rows_per_token
+        out[s.name] = SiteOutput(rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8),
+                                 rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8),
+                                 0.5 if s.fmt.has_global_scale else 1.0)  # fmt: skip
+    assert rec.record_forward([(t, 0, 40) for t in trajs], out)
+    deadline = time.monotonic() + 10
+    while rec.stats["acked_messages"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rec.stats["acked_messages"] >= 1, rec.stats  # sent without flush(): it did not linger
+    assert rec.stats["chunks"] == len(trajs) * len(SPEC.sites), rec.stats
+    rec.close()
+    with GuidanceReader(served.address, SPEC.run) as reader:
+        host = reader.read_host([(t, 0, 40) for t in trajs])
+    for s in SPEC.sites:
+        assert host[s.name].codes.tobytes() == out[s.name].codes.tobytes(), s.name
