@@ -243,6 +243,7 @@ class RolloutRecorder:
             unguided=0,
             refused_forwards=0,
             rejected_messages=0,
+            stale_pools_removed=self.pool.stale_removed,  # left in shm_dir by recorders that died
         )
         self._cuda: Any = None
         self._side_stream: Any = None

@@ -10,8 +10,11 @@ is full the recorder refuses the forward (marks it unguided) instead of blocking
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import mmap
 import os
+import re
 import threading
 import uuid
 from collections import deque
@@ -20,11 +23,57 @@ from typing import Any
 
 from tracestore.errors import ConfigError
 
+log = logging.getLogger("tracestore.client")
+
+
+POOL_PREFIX = "tracestore-pool-"
+_POOL_FILE = re.compile(re.escape(POOL_PREFIX) + r"[0-9a-f]{32}")
+
+
+def sweep_stale_pools(shm_dir: str | os.PathLike[str]) -> int:
+    """Remove the shared staging pools in ``shm_dir`` whose recorder is gone; return how many.
+
+    A recorder holds a shared ``flock`` on its pool file for as long as its process lives (the
+    kernel drops it when the process dies, SIGKILL included), so a pool whose exclusive lock can be
+    taken has no owner: it was left by a recorder that crashed before ``close()``, and its RAM
+    (``/dev/shm`` is memory) would stay allocated until reboot. flock works across containers that
+    share the directory, where process ids do not. A sidecar that still maps such a pool keeps its
+    pages until it unmaps them. Pools of older recorders (``tracestore-<hex>``, no lock) are left."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(shm_dir) if _POOL_FILE.fullmatch(n)]
+    except OSError:
+        return 0
+    for name in names:
+        path = Path(shm_dir) / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or not ours to open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: a live recorder holds it
+            os.close(fd)
+            continue
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                path.unlink()
+                removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d staging pool(s) of recorders that died without closing from %s", removed, shm_dir)
+    return removed
+
 
 class StagingPool:
     """A ring allocator over one mmap. ``reserve(n)`` -> offset or None; ``release(offset)``.
 
-    ``shared=True`` backs it with ``{shm_dir}/tracestore-<uuid>`` (``.name`` tells the sidecar).
+    ``shared=True`` backs it with ``{shm_dir}/tracestore-pool-<uuid>`` (``.name`` tells the
+    sidecar), locked while this process lives; pools that dead recorders left there are removed
+    first (:func:`sweep_stale_pools`).
     Releases may come in any order; space is reclaimed in allocation order.
     """
 
@@ -35,15 +84,26 @@ class StagingPool:
         self.align = align
         self.name: str | None = None
         self.path: Path | None = None
+        self._owner_fd = -1
+        self.stale_removed = 0  # pools of dead recorders removed from shm_dir when this one was made
         if shared:
-            self.name = f"tracestore-{uuid.uuid4().hex}"
+            self.stale_removed = sweep_stale_pools(shm_dir)
+            self.name = f"{POOL_PREFIX}{uuid.uuid4().hex}"
             self.path = Path(shm_dir) / self.name
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # Made under a name no sweep matches, locked, then renamed: a sweep never sees it unlocked.
+            tmp = Path(shm_dir) / f".{self.name}.tmp"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: the pool is in use
                 os.ftruncate(fd, self.capacity)
                 self.mm = mmap.mmap(fd, self.capacity)
-            finally:
+                os.rename(tmp, self.path)
+            except BaseException:
                 os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                raise
+            self._owner_fd = fd
         else:
             self.mm = mmap.mmap(-1, self.capacity)
         # Touch every page now (start-up), not on the engine's first copies: first-touch page faults
@@ -139,3 +199,6 @@ class StagingPool:
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if self._owner_fd >= 0:
+            os.close(self._owner_fd)  # (drops the lock)
+            self._owner_fd = -1
