@@ -19,6 +19,7 @@ once the caller says their entries are committed elsewhere.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import queue
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tracestore.errors import CorruptionError, StorageError
-from tracestore.v1.checksum import FAST, crc32, crc32_combine
+from tracestore.v1.checksum import FAST, crc32, crc32_address, crc32_combine, crc32_held
 
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
@@ -44,10 +45,17 @@ Buffer = bytes | bytearray | memoryview
 class Checked(NamedTuple):
     """An entry part whose CRC-32 (seed 0) the caller has computed already (the sidecar checks
     every received payload's CRC): the entry's CRC is combined from it (``crc32_combine``, ~0.2 us)
-    instead of reading the part's bytes a second time."""
+    instead of reading the part's bytes a second time.
+
+    ``verify``: the bytes may change under us (a writer's shared memory, which another process
+    could overwrite between the caller's CRC and the copy here). The copy in the log is then
+    checked against ``crc`` right after it is made, while it is in cache, and the append refused
+    (CorruptionError, nothing appended) if they differ: an entry whose bytes do not match its CRC
+    would stop every later replay of the log, not only the offending writer's message."""
 
     data: Buffer
     crc: int
+    verify: bool = False
 
 
 Part = Buffer | Checked
@@ -257,9 +265,11 @@ class WriteAheadLog:
             self._cond.notify_all()
             return self.segments[-1].index
 
-    def _copy_in(self, bufs: list[Buffer], total: int) -> None:
+    def _copy_in(self, bufs: list[Buffer], total: int, checks: dict[int, int]) -> None:
         """With the lock held: copy one entry into the active buffer (waiting for the sync thread
-        to take the buffer away when it is full; growing both for an entry larger than them)."""
+        to take the buffer away when it is full; growing both for an entry larger than them).
+        ``checks``: {index in bufs: CRC its copy must have} (``Checked.verify``); on a mismatch
+        nothing is appended (the fill mark stays; the sync thread zero-pads past it)."""
         while self._fill + total > len(self._bufs[self._active]):
             if self._fill <= BLOCK and self._synced >= self._written:  # empty but too small: grow
                 size = -(-(self._fill + total) // BLOCK) * BLOCK
@@ -273,10 +283,26 @@ class WriteAheadLog:
             self._cond.notify_all()
             self._cond.wait(1.0)
         buf, at = self._bufs[self._active], self._fill
-        for b in bufs:
+        base = ctypes.c_char.from_buffer(buf) if checks else None  # (the buffer's address, for the CRC)
+        addr = 0 if base is None else ctypes.addressof(base)
+        for i, b in enumerate(bufs):
             n = len(b)
             buf[at : at + n] = b
+            want = checks.get(i)
+            if want is not None:
+                got = crc32_address(addr + at, n)  # in cache: just copied
+                if got is None:
+                    with memoryview(buf) as view:
+                        got = crc32_held(view[at : at + n])
+                if got != want:
+                    del base
+                    raise CorruptionError(
+                        f"a shared-memory payload of {n} bytes changed while the sidecar received it (CRC "
+                        f"{want:#010x} at receipt, not what it holds now): its writer reused a staging region "
+                        "before the sidecar released it; the message is refused"
+                    )
             at += n
+        del base  # (releases the buffer export)
         self._fill = at
 
     def _write(self, kind: int, parts: Sequence[Part]) -> None:
@@ -285,15 +311,20 @@ class WriteAheadLog:
         if length >= MAX_ENTRY:
             raise StorageError(f"write-ahead log entry of {length} bytes exceeds the 2 GiB entry limit")
         crc = crc32(bytes([kind]))
-        for p in parts:
-            if isinstance(p, Checked) and FAST:  # (zlib's fallback combine is Python: slower than a pass)
+        checks: dict[int, int] = {}
+        for i, p in enumerate(parts):
+            # combined where the copy can be checked (direct mode) or the bytes cannot change;
+            # zlib's fallback combine is Python, slower than reading the bytes again
+            if isinstance(p, Checked) and FAST and (self.direct or not p.verify):
                 crc = crc32_combine(crc, p.crc, len(p.data))
+                if p.verify:
+                    checks[i + 1] = p.crc  # (bufs[0] is the header)
             else:
                 crc = crc32(p.data if isinstance(p, Checked) else p, crc)
         bufs = [HEADER.pack(length, crc, kind), *data]
         total = HEADER.size + length
         if self.direct:
-            self._copy_in(bufs, total)
+            self._copy_in(bufs, total, checks)
             self.segments[-1].size += total
             return
         done = os.writev(self._fd, bufs)
@@ -316,6 +347,8 @@ class WriteAheadLog:
                 self._open_segment()
             try:
                 self._write(kind, parts)
+            except CorruptionError:  # this entry's bytes (Checked.verify), not the log: nothing appended
+                raise
             except OSError as exc:
                 self._error = exc
                 raise StorageError(f"write-ahead log append failed in {self.dir}: {exc}") from exc

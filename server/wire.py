@@ -298,7 +298,9 @@ def _parse(
             views = [codes, scales] if ts is None else [codes, scales, ts]
             if FAST:  # read once: the chunk checksum and the WAL entry's CRC are combined from these
                 held = [crc32_held(v) for v in views]
-                blobs.extend(Checked(v, x) for v, x in zip(views, held, strict=True))
+                blobs.extend(
+                    Checked(v, x, verify=True) for v, x in zip(views, held, strict=True)
+                )  # another process's memory
                 part_crcs = [*held, None][:3]
             else:
                 blobs.extend(views)

@@ -170,3 +170,35 @@ def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: py
     assert not any(isinstance(p, wal_mod.Checked) for p in plain)
     assert fast.crcs == slow.crcs == [c.checksum for c in slow.chunks]
     assert segment(plain, "slow") == combined
+
+
+def test_shared_memory_payloads_are_checked_again_when_copied_into_the_wal(tmp_path: Path) -> None:
+    """parse_write marks a message's shared-memory payloads Checked(verify=True) (another process's
+    memory: the WAL checks its copy against the CRC taken at receipt), its own bytes not."""
+    from tracestore.client.staging import StagingPool
+    from tracestore.server.testing import SPEC, make_chunk, write_request
+    from tracestore.server.wal import Checked
+    from tracestore.server.wire import ShmPools, parse_write
+
+    chunk = make_chunk("t-shm", 0, 300)
+    pool = StagingPool(1 << 20, shared=True, shm_dir=str(tmp_path))
+    try:
+        assert pool.name is not None
+        req = write_request(1, [chunk])
+        req.shm_pool, req.keeps_staging = pool.name, True
+        pc = req.chunks[0]
+        pool.view[0 : chunk.codes.nbytes] = chunk.codes.tobytes()
+        pool.view[8192 : 8192 + chunk.scales.nbytes] = chunk.scales.tobytes()
+        pc.ClearField("codes")
+        pc.ClearField("scales")
+        pc.shm.codes_offset, pc.shm.scales_offset = 0, 8192
+        pools = ShmPools(str(tmp_path))
+        _, msg, parts = parse_write(req.SerializeToString(), lambda run: SPEC, pools.view, path="shm")
+        checked = [p for p in parts if isinstance(p, Checked)]
+        assert [p.verify for p in checked] == [False, True, True]  # the request, then codes and scales
+        assert [p.crc for p in checked[1:]] == [zlib.crc32(chunk.codes.tobytes()), zlib.crc32(chunk.scales.tobytes())]
+        assert msg.crcs == [chunk.checksum]
+        del parts, checked, msg
+        pools.close()
+    finally:
+        pool.close()

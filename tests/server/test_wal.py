@@ -225,3 +225,30 @@ def test_checked_parts_are_combined_not_reread(tmp_path: Path) -> None:
     wal.close()
     with pytest.raises(CorruptionError, match="checksum mismatch"):
         _entries(WriteAheadLog(bad))
+
+
+def test_a_shared_memory_part_that_changed_is_refused_and_the_log_stays_whole(tmp_path: Path) -> None:
+    """A Checked part marked ``verify`` (a writer's shared memory, which it could overwrite after
+    the sidecar checksummed it) is checked again once copied: if it no longer matches, the append
+    raises CorruptionError and appends nothing, so the log still replays (before and after it)."""
+    import zlib
+
+    from tracestore.server.wal import Checked
+
+    a = bytearray(os.urandom(200_000))
+    wal = WriteAheadLog(tmp_path, segment_bytes=1 << 20)
+    list(wal.replay())
+    wal.start()
+    wal.append(1, [b"before"])
+    crc = zlib.crc32(a)
+    a[1234] ^= 0xFF  # the writer scribbled on its region after the sidecar's CRC
+    if wal.direct:
+        with pytest.raises(CorruptionError, match="changed while the sidecar received it"):
+            wal.append(1, [b"head", Checked(memoryview(a), crc, verify=True)])
+    else:  # (page-cache mode, e.g. tmpfs: the CRC is taken over the bytes as written instead)
+        wal.append(1, [b"head", Checked(memoryview(a), crc, verify=True)])
+    wal.append(2, [b"after", Checked(bytes(a), zlib.crc32(a), verify=True)])
+    wal.close()
+    got = _entries(WriteAheadLog(tmp_path))
+    assert got[0] == (1, b"before") and got[-1] == (2, b"after" + bytes(a))
+    assert len(got) == (2 if wal.direct else 3)

@@ -52,6 +52,11 @@ _HELD = _gil_held_crc()
 HOLD_BYTES = (4 << 10, 1 << 20)  # below: isal keeps the GIL itself; above: long enough to give it up
 
 
+def crc32_address(address: int, length: int, value: int = 0) -> int | None:
+    """The CRC-32 of ``length`` bytes at ``address``, keeping the GIL; None without the ISA-L symbol."""
+    return None if _HELD is None else int(_HELD(value, address, length))
+
+
 def crc32_held(data: Any, value: int = 0) -> int:
     """``crc32``, keeping the GIL for buffers of 4 KiB to 1 MiB (at most ~50 us of work here).
 
@@ -68,7 +73,7 @@ def crc32_held(data: Any, value: int = 0) -> int:
 
 __all__ = [
     "FAST", "chunk_checksum", "chunk_checksum_from_crcs", "chunk_checksum_parts", "crc32", "crc32_combine",
-    "crc32_held", "record_checksum",
+    "crc32_address", "crc32_held", "record_checksum",
 ]  # fmt: skip
 
 
