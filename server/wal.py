@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tracestore.errors import CorruptionError, StorageError
-from tracestore.v1.checksum import FAST, crc32, crc32_address, crc32_combine, crc32_held
+from tracestore.v1.checksum import FAST, crc32, crc32_address, crc32_combine
 
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
@@ -283,26 +283,19 @@ class WriteAheadLog:
             self._cond.notify_all()
             self._cond.wait(1.0)
         buf, at = self._bufs[self._active], self._fill
-        base = ctypes.c_char.from_buffer(buf) if checks else None  # (the buffer's address, for the CRC)
-        addr = 0 if base is None else ctypes.addressof(base)
+        # the buffer's address, for the checks' CRCs (an mmap does not move; the export ends here)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if checks else 0
         for i, b in enumerate(bufs):
             n = len(b)
             buf[at : at + n] = b
             want = checks.get(i)
-            if want is not None:
-                got = crc32_address(addr + at, n)  # in cache: just copied
-                if got is None:
-                    with memoryview(buf) as view:
-                        got = crc32_held(view[at : at + n])
-                if got != want:
-                    del base
-                    raise CorruptionError(
-                        f"a shared-memory payload of {n} bytes changed while the sidecar received it (CRC "
-                        f"{want:#010x} at receipt, not what it holds now): its writer reused a staging region "
-                        "before the sidecar released it; the message is refused"
-                    )
+            if want is not None and crc32_address(addr + at, n) != want:  # in cache: just copied
+                raise CorruptionError(
+                    f"a shared-memory payload of {n} bytes changed while the sidecar received it (CRC "
+                    f"{want:#010x} at receipt, not what it holds now): its writer reused a staging region "
+                    "before the sidecar released it; the message is refused"
+                )
             at += n
-        del base  # (releases the buffer export)
         self._fill = at
 
     def _write(self, kind: int, parts: Sequence[Part]) -> None:

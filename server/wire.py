@@ -156,16 +156,16 @@ _SMALL_CHUNK = 16 << 10  # bytes; below this a chunk is parsed by protobuf (meas
 InlineChunk = tuple[pb.Chunk, list[memoryview | None], list[int | None]]
 
 
-def scan_write(data: bytes, crcs: bool | None = None) -> tuple[pb.WriteRequest, list[InlineChunk], int | None]:
+def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk], int | None]:
     """Parse a WriteRequest without copying chunk payloads: returns the request without its chunks;
     per chunk, its small fields (a pb.Chunk), memoryviews of codes/scales/token_scales into
     ``data`` and their CRC-32s; and the CRC-32 of all of ``data``. Protobuf would copy each payload
     twice (into its arena, then into ``bytes``).
 
-    With ``crcs`` (ISA-L present) every large payload is read once, here: its CRC serves both its
-    chunk's checksum and the request's (the write-ahead log's entry CRC), which is combined from
-    the payloads' and the few bytes between them. Without (default: ISA-L absent), they are None."""
-    crcs = FAST if crcs is None else crcs
+    With ISA-L (``FAST``) every large payload is read once, here: its CRC serves both its chunk's
+    checksum and the request's (the write-ahead log's entry CRC), which is combined from the
+    payloads' and the few bytes between them. Without, the CRCs are None."""
+    crcs = FAST
     buf = memoryview(data)
     rest: list[memoryview] = []
     chunks: list[InlineChunk] = []

@@ -52,9 +52,12 @@ _HELD = _gil_held_crc()
 HOLD_BYTES = (4 << 10, 1 << 20)  # below: isal keeps the GIL itself; above: long enough to give it up
 
 
-def crc32_address(address: int, length: int, value: int = 0) -> int | None:
-    """The CRC-32 of ``length`` bytes at ``address``, keeping the GIL; None without the ISA-L symbol."""
-    return None if _HELD is None else int(_HELD(value, address, length))
+def crc32_address(address: int, length: int, value: int = 0) -> int:
+    """The CRC-32 of ``length`` bytes at ``address`` (memory the caller keeps alive), keeping the
+    GIL like :func:`crc32_held` where the ISA-L symbol is available."""
+    if _HELD is None or length > HOLD_BYTES[1]:
+        return int(crc32((ctypes.c_char * length).from_address(address), value))
+    return int(_HELD(value, address, length))
 
 
 def crc32_held(data: Any, value: int = 0) -> int:
