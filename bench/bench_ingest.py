@@ -31,6 +31,7 @@ table, appends to ``bench/results/bench_ingest.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -197,6 +198,23 @@ def _spawn(target: Any, *args: Any) -> tuple[Any, Any, int]:
     return p, stop, int(q.get(timeout=60))
 
 
+class CpuMeter:
+    """CPU seconds of this (client) process and of a server process over one measurement:
+    ``with CpuMeter(pid) as m: ...`` then ``m.client``, ``m.server``. On 2 shared cores the sum
+    bounds the rate from above (``bytes / (sum / cores)``) whatever either side overlaps."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pid, self.client, self.server = server_pid, 0.0, 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self._c0, self._s0 = time.process_time(), _proc_cpu_s(self.pid) if self.pid else 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client = time.process_time() - self._c0
+        self.server = (_proc_cpu_s(self.pid) if self.pid else 0.0) - self._s0
+
+
 class RawGrpc:
     """The transport ceiling: a sink server process and a client streaming pre-serialized messages
     (``directory``: the durable floor's sink instead, :func:`_floor_server`, its WAL there)."""
@@ -212,12 +230,14 @@ class RawGrpc:
         self.put = self.ch.stream_unary("/bench.Sink/Put")
         self.msg = os.urandom(MSG)
         self.put(iter([self.msg]))  # warm up the connection
+        self.cpu = CpuMeter(self.proc.pid)
 
     def __call__(self, total: int) -> float:
         n = max(1, total // MSG)
-        t0 = time.perf_counter()
-        got = int(self.put(iter([self.msg] * n)).split()[0])
-        dt = time.perf_counter() - t0
+        with self.cpu:
+            t0 = time.perf_counter()
+            got = int(self.put(iter([self.msg] * n)).split()[0])
+            dt = time.perf_counter() - t0
         if got != n * MSG:
             raise RuntimeError(f"sink counted {got} of {n * MSG} bytes")
         return n * MSG / dt
@@ -263,6 +283,7 @@ class Flight:
 
         self.proc, self.stop, port = _spawn(_flight_server)
         self.client = fl.connect(f"grpc://127.0.0.1:{port}")
+        self.cpu = CpuMeter(self.proc.pid)
 
     def __call__(self, chunks: list[RecordChunk]) -> float:
         import pyarrow.flight as fl
@@ -270,12 +291,14 @@ class Flight:
         from tracestore.arrow import chunks_to_table
 
         nbytes = sum(c.nbytes for c in chunks)
-        t0 = time.perf_counter()
-        table = chunks_to_table(chunks)
-        writer, _ = self.client.do_put(fl.FlightDescriptor.for_path("bench"), table.schema)
-        writer.write_table(table, max_chunksize=max(1, MSG // max(1, nbytes // max(len(chunks), 1))))
-        writer.close()
-        return nbytes / (time.perf_counter() - t0)
+        with self.cpu:
+            t0 = time.perf_counter()
+            table = chunks_to_table(chunks)
+            writer, _ = self.client.do_put(fl.FlightDescriptor.for_path("bench"), table.schema)
+            writer.write_table(table, max_chunksize=max(1, MSG // max(1, nbytes // max(len(chunks), 1))))
+            writer.close()
+            dt = time.perf_counter() - t0
+        return nbytes / dt
 
     def close(self) -> None:
         self.client.close()
@@ -286,7 +309,11 @@ class Flight:
 # -- ours ------------------------------------------------------------------------------------------
 
 
-def run_recorder(address: str, n_fwd: int, tag: str, outputs: dict[str, Any]) -> tuple[float, dict[str, int]]:
+def run_recorder(
+    address: str, n_fwd: int, tag: str, outputs: dict[str, Any], cpu: CpuMeter | None = None
+) -> tuple[float, dict[str, int]]:
+    """Stream ``n_fwd`` forwards through a fresh recorder; B/s from the first timed forward to the
+    last ack (``cpu``: measures both processes over that window)."""
     from tracestore.client import RolloutRecorder
 
     rec = RolloutRecorder(address, SPEC, f"bench-{tag}", staging_bytes=256 << 20, batch_bytes=MSG)
@@ -295,16 +322,17 @@ def run_recorder(address: str, n_fwd: int, tag: str, outputs: dict[str, Any]) ->
     rec.record_forward([(f"{tag}-warm-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
     if not rec.flush(120):
         raise RuntimeError(f"warm-up not acked: {rec.stats}")
-    t0 = time.perf_counter()
-    for f in range(n_fwd):
-        while rec.pool.capacity - rec.pool.in_use < need:  # pace like an engine with a full ring would
-            time.sleep(0.0005)
-        ok = rec.record_forward([(f"{tag}-{f}-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
-        if not ok:
-            raise RuntimeError(f"forward refused: {rec.stats}")
-    if not rec.flush(600):
-        raise RuntimeError(f"not acked: {rec.stats}")
-    dt = time.perf_counter() - t0
+    with cpu or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for f in range(n_fwd):
+            while rec.pool.capacity - rec.pool.in_use < need:  # pace like an engine with a full ring would
+                time.sleep(0.0005)
+            ok = rec.record_forward([(f"{tag}-{f}-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
+            if not ok:
+                raise RuntimeError(f"forward refused: {rec.stats}")
+        if not rec.flush(600):
+            raise RuntimeError(f"not acked: {rec.stats}")
+        dt = time.perf_counter() - t0
     stats = dict(rec.stats)
     rec.close()
     if stats["unguided"]:
@@ -526,10 +554,13 @@ def main() -> int:
         for f in range(n_fwd) for site, out in outputs.items() for k in range(TRAJ_PER_FWD)
     ]  # fmt: skip
     samples: dict[str, list[float]] = {}
+    cpus: dict[str, list[tuple[float, float]]] = {}  # (client, server) CPU seconds per measurement
     ratios: dict[str, list[float]] = {}
 
-    def keep(name: str, value: float) -> float:
+    def keep(name: str, value: float, cpu: CpuMeter | None = None) -> float:
         samples.setdefault(name, []).append(value)
+        if cpu is not None:
+            cpus.setdefault(name, []).append((cpu.client, cpu.server))
         return value
 
     quiet = ["--metrics-port", "off"]
@@ -551,8 +582,12 @@ def main() -> int:
         try:
             for r in range(ns.repeat):
 
-                def ours(name: str, address: str, tag: str, r: int = r, settle_at: str | None = None) -> float:
-                    value = keep(name, run_recorder(address, n_fwd, f"{tag}{r}", outputs)[0])
+                def ours(
+                    sp: ServeProcess, name: str, address: str, tag: str, r: int = r, settle_at: str | None = None
+                ) -> float:
+                    assert sp.proc is not None
+                    cpu = CpuMeter(sp.proc.pid)
+                    value = keep(name, run_recorder(address, n_fwd, f"{tag}{r}", outputs, cpu)[0], cpu)
                     settle(settle_at or address)
                     return value
 
@@ -562,28 +597,29 @@ def main() -> int:
                     settle(durable.address)
                 else:
                     assert raw_grpc is not None and flight is not None
-                    raw = keep("raw-grpc", raw_grpc(total))
+                    raw = keep("raw-grpc", raw_grpc(total), raw_grpc.cpu)
                     assert floor is not None
-                    fl_durable = keep("durable floor (raw grpcio + CRC + copy + O_DIRECT WAL + fsync)", floor(total))
+                    fl_durable = keep("durable floor (raw grpcio + CRC + copy + O_DIRECT WAL + fsync)", floor(total),
+                                      floor.cpu)  # fmt: skip
                     # the disk's ceiling: the better of page-cache and O_DIRECT writes (+ fdatasync)
                     disk = max(keep("disk write+fsync (page cache)", bench_disk(total, d)),
                                keep("disk write+fsync (O_DIRECT)", bench_disk(total, d, direct=True)))  # fmt: skip
-                    wal = ours("ours-grpc-durable (WAL fsync ack)", durable.address, "d")
-                    com = ours("ours-grpc-durable (shard-commit ack)", commit.address, "c")
-                    g = ours("ours-grpc memory:// (commit ack)", mem.address, "g")
-                    sh = ours("ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
+                    wal = ours(durable, "ours-grpc-durable (WAL fsync ack)", durable.address, "d")
+                    com = ours(commit, "ours-grpc-durable (shard-commit ack)", commit.address, "c")
+                    g = ours(mem, "ours-grpc memory:// (commit ack)", mem.address, "g")
+                    sh = ours(mem, "ours-shm memory:// (commit ack)", mem.unix_address, "s", settle_at=mem.address)
                     # the default configuration (WAL acks) with memory:// storage: PAIRS alternating
                     # pairs per repetition (its ratio's samples), as single gRPC runs here ranged 0.19-0.72
                     pair = [("grpc", wm.address), ("shm", wm.unix_address)]
                     for k in range(PAIRS):
                         wal_rates = {}
                         for how, addr in pair if (r * PAIRS + k) % 2 == 0 else pair[::-1]:
-                            wal_rates[how] = ours(f"ours-{how} memory://, WAL ack (default config)", addr,
+                            wal_rates[how] = ours(wm, f"ours-{how} memory://, WAL ack (default config)", addr,
                                                   f"w{how}{k}-", settle_at=wm.address)  # fmt: skip
                         ratios.setdefault("shm / gRPC, memory:// WAL acks (default config)", []).append(
                             wal_rates["shm"] / wal_rates["grpc"]
                         )
-                    fl = keep("flight-do_put", flight(chunks))
+                    fl = keep("flight-do_put", flight(chunks), flight.cpu)
                     for name, v in (
                         ("durable gRPC (WAL) / min(raw gRPC, disk)", wal / min(raw, disk)),
                         ("durable gRPC (commit) / min(raw gRPC, disk)", com / min(raw, disk)),
@@ -609,9 +645,20 @@ def main() -> int:
                 flight.close()
 
     mib = n_fwd * fwd_bytes() >> 20
+    cores = os.cpu_count() or 1
+
+    def cpu_cols(k: str) -> dict[str, float]:
+        if k not in cpus:
+            return {}
+        c = statistics.median(x[0] for x in cpus[k])
+        s = statistics.median(x[1] for x in cpus[k])
+        raw_bytes = k == "raw-grpc" or k.startswith("durable floor")  # pre-serialized MSG-byte messages
+        nbytes = MSG * max(1, total // MSG) if raw_bytes else n_fwd * fwd_bytes()
+        return dict(client_cpu_s=c, server_cpu_s=s, cpu_bound_GBps=nbytes / ((c + s) / cores) / 1e9)
+
     rows = [
         dict(provider=k, GBps=statistics.median(v) / 1e9, min_GBps=min(v) / 1e9, max_GBps=max(v) / 1e9, n=len(v),
-             MiB=mib)
+             MiB=mib, **cpu_cols(k))
         for k, v in samples.items()
     ]  # fmt: skip
     targets = {
@@ -630,7 +677,13 @@ def main() -> int:
     m = machine()
     print(f"# bench_ingest on {m.get('cpu')} ({m.get('cores')} cores), {mib} MiB per measurement, "
           f"{ns.repeat} interleaved repetitions; load average at the end {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB"])
+    print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s",
+                       "cpu_bound_GBps"])  # fmt: skip
+    print(
+        f"(client_cpu_s / server_cpu_s: CPU seconds of the sending process and of the server process during one "
+        f"measurement, medians; cpu_bound_GBps: the rate if both were perfectly spread over the {cores} cores, "
+        f"bytes / ((client + server) / {cores}), an upper bound for that pair of processes on this box)"
+    )
     print()
     print_table(checks, ["check", "median_ratio", "min_ratio", "max_ratio", "target", "met"])
     if not ns.no_save:
