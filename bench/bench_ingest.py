@@ -573,12 +573,29 @@ def main() -> int:
         servers = [durable]
         if ingest:
             commit = ServeProcess(d / "commit", wal=False, flags=[*quiet, "--flush-interval", "0.05"]).start()
+            servers.append(commit)
+
+        def memory_sidecars(r: int) -> tuple[ServeProcess, ServeProcess]:
+            """Fresh memory:// sidecars for repetition ``r`` (the last ones killed), each warmed up
+            untimed on both transports. A memory:// store keeps every shard in the sidecar's RAM:
+            after ~14 streams of 192 MiB one sidecar held ~2.7 GB and its TCP streams slowed from
+            ~0.6 to 0.2-0.4 GB/s (server CPU 0.3 -> 0.8-1.0 s each) while its shared-memory streams
+            did not, which inflated the shm / gRPC ratio."""
+            for sp in servers[2:]:
+                sp.kill()
+            del servers[2:]
             # the default configuration with memory:// storage: WAL in the bench directory, acks at its fsync
-            wm = ServeProcess(d / "wm", storage=f"memory://bench-wm-{os.getpid()}", unix_socket=True,
+            wm = ServeProcess(d / f"wm{r}", storage=f"memory://bench-wm{r}-{os.getpid()}", unix_socket=True,
                               flags=quiet).start()  # fmt: skip
-            mem = ServeProcess(d / "mem", storage=f"memory://bench-{os.getpid()}", wal=False, unix_socket=True,
-                               flags=[*quiet, "--flush-interval", "0.05"]).start()  # fmt: skip
-            servers += [commit, wm, mem]
+            mem = ServeProcess(d / f"mem{r}", storage=f"memory://bench{r}-{os.getpid()}", wal=False,
+                               unix_socket=True, flags=[*quiet, "--flush-interval", "0.05"]).start()  # fmt: skip
+            servers.extend((wm, mem))
+            for sp in (wm, mem):
+                for address in (sp.address, sp.unix_address):
+                    run_recorder(address, max(1, n_fwd // 2), f"warm{r}-{len(address)}", outputs)
+                    settle(sp.address)
+            return wm, mem
+
         try:
             for r in range(ns.repeat):
 
@@ -597,6 +614,7 @@ def main() -> int:
                     settle(durable.address)
                 else:
                     assert raw_grpc is not None and flight is not None
+                    wm, mem = memory_sidecars(r)
                     raw = keep("raw-grpc", raw_grpc(total), raw_grpc.cpu)
                     assert floor is not None
                     fl_durable = keep("durable floor (raw grpcio + CRC + copy + O_DIRECT WAL + fsync)", floor(total),
