@@ -20,7 +20,7 @@ import torch
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.server.testing import ServeProcess
 
-from tracestore.errors import MissingRecordsError, ShapeError, ValidationError
+from tracestore.errors import DTypeError, MissingRecordsError, ShapeError, ValidationError
 from tracestore.records import RunSpec, SiteSpec
 
 SPEC = RunSpec(
@@ -270,6 +270,17 @@ def test_bad_arguments_raise(served: ServeProcess) -> None:
         rec.record_forward([("../x", 0, 4)], out)
     with pytest.raises(ValidationError, match="declares no site"):
         rec.record_forward([("x", 0, 4)], {"nope": out["layers.20.mlp.input"]})
+    # wrong dtypes, numpy and torch, refused on every call (the dtype decision is cached per dtype)
+    site = "layers.20.mlp.input"
+    good = out[site]
+    for codes in (good.codes.view(np.int8), torch.from_numpy(good.codes.view(np.int8))):
+        for _ in range(2):
+            with pytest.raises(DTypeError, match=rf"{site}.codes must have dtype uint8, got (torch\.)?int8"):
+                rec.record_forward([("x", 0, 4)], {**out, site: SiteOutput(codes, good.scales, good.global_scale)})
+    bad_ts = SiteOutput(good.codes, good.scales, good.global_scale, np.ones(good.codes.shape[0], np.float64))
+    with pytest.raises(DTypeError, match="token_scales must have dtype float32, got float64"):
+        rec.record_forward([("x", 0, 4)], {**out, site: bad_ts})
+    assert rec.record_forward([("x", 0, 4)], out)  # and the right ones still pass
     rec.close(timeout=1)
 
 
