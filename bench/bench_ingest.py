@@ -205,8 +205,9 @@ def _spawn(target: Any, *args: Any) -> tuple[Any, Any, int]:
 
 class CpuMeter:
     """CPU seconds of this (client) process and of a server process over one measurement:
-    ``with CpuMeter(pid) as m: ...`` then ``m.client``, ``m.server``. On 2 shared cores the sum
-    bounds the rate from above (``bytes / (sum / cores)``) whatever either side overlaps."""
+    ``with CpuMeter(pid) as m: ...`` then ``m.client``, ``m.server`` (the server's at the kernel's
+    10 ms tick). Spread over the box's cores, their sum bounds the rate from above
+    (``bytes / (sum / cores)``) however the two sides overlap."""
 
     def __init__(self, server_pid: int | None) -> None:
         self.pid, self.client, self.server = server_pid, 0.0, 0.0
