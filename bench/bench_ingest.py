@@ -417,6 +417,55 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float,
     return nbytes / t_raw, nbytes / t_ours, nbytes
 
 
+def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
+    """The same read in a background thread while this thread runs Python flat out (a training
+    loop while the reader prefetches its next plan): B/s of ``pq.read_table`` of the shards, of
+    ours keeping the GIL for its short copies and CRCs (``hold_gil=True``, what
+    ``GuidanceReader.prefetch`` does), and of ours giving it up (the default of a foreground read).
+    One measurement each, after one untimed read of every kind."""
+    import threading
+
+    import pyarrow.parquet as pq
+
+    from tracestore.reader import StoreReader
+    from tracestore.store import Store
+
+    root = Path(storage.removeprefix("file://"))
+    files = sorted(set(root.rglob("*.parquet")) - before)
+    trajs = sorted({t for f in files for t in pq.read_table(f, columns=["trajectory"]).column(0).to_pylist()})
+    plan = [(t, 0, TOKENS) for t in trajs]
+    nbytes = len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
+    reader = StoreReader(Store(storage), SPEC.run)
+    kinds = {
+        "raw-parquet-read, in a thread beside a Python-busy thread": lambda: [pq.read_table(f) for f in files],
+        "ours-read, in a thread beside a Python-busy thread (GIL kept: prefetch)": lambda: reader.read(
+            plan, hold_gil=True
+        ),
+        "ours-read, in a thread beside a Python-busy thread (GIL given up)": lambda: reader.read(plan),
+    }
+    out = {}
+    try:
+        for name, fn in kinds.items():
+            fn()  # untimed: page cache, footers, index
+            took = [0.0]
+
+            def work(fn: Any = fn, took: list[float] = took) -> None:
+                t0 = time.perf_counter()
+                fn()
+                took[0] = time.perf_counter() - t0
+
+            th = threading.Thread(target=work)
+            th.start()
+            n = 0
+            while th.is_alive():  # Python flat out (Thread.is_alive does not wait)
+                n += 1
+            th.join()
+            out[name] = nbytes / took[0]
+    finally:
+        reader.close()
+    return out
+
+
 def shard_files(storage: str) -> set[Path]:
     return set(Path(storage.removeprefix("file://")).rglob("*.parquet"))
 
@@ -661,6 +710,16 @@ def main() -> int:
                     keep("raw-parquet-read (same shards)", rr)
                     keep("ours-read (storage URL)", ro)
                     ratios.setdefault("ours read / raw Parquet read", []).append(ro / rr)
+                    busy = bench_read_beside_busy_thread(durable.storage, f"d{r}", before)
+                    for name, v in busy.items():
+                        keep(name, v)
+                    names = list(busy)
+                    ratios.setdefault("beside a busy thread: ours (GIL kept) / raw Parquet", []).append(
+                        busy[names[1]] / busy[names[0]]
+                    )
+                    ratios.setdefault("beside a busy thread: GIL kept / GIL given up", []).append(
+                        busy[names[1]] / busy[names[2]]
+                    )
                 print(f"repetition {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:
             for sp in servers:

@@ -113,7 +113,9 @@ class GuidanceReader:
         key = _plan_key(plan)
         with self._lock:
             if key not in self._pending:
-                self._pending[key] = self._pool.submit(self._fetch, plan)
+                # in the background, beside the training loop's Python: short copies and CRCs keep
+                # the GIL instead of queueing for it after each (tracestore.reader._copy_held)
+                self._pending[key] = self._pool.submit(self._fetch, plan, True)
 
     def read(self, plan: PlanLike) -> dict[str, Any]:
         """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``)."""
@@ -141,7 +143,7 @@ class GuidanceReader:
 
     # -- fetching ---------------------------------------------------------------------------------
 
-    def _fetch(self, plan: PlanLike) -> dict[str, HostRows]:
+    def _fetch(self, plan: PlanLike, background: bool = False) -> dict[str, HostRows]:
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)
         if self.sidecar:
@@ -153,6 +155,7 @@ class GuidanceReader:
             sites=self.sites,
             columns=self.columns,
             on_missing="mask" if self.on_missing == "mask" else "error",
+            hold_gil=background,
         )
         out = {}
         for name in result:

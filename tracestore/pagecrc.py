@@ -19,6 +19,7 @@ from __future__ import annotations
 from tracestore import thrift as T
 from tracestore.errors import CorruptionError
 from tracestore.records import crc32
+from tracestore.v1.checksum import crc32_held
 
 
 def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int], nested: dict[int, int] | None = None) -> int:
@@ -64,7 +65,9 @@ _DATA_PAGE = 0  # parquet-format PageType.DATA_PAGE (v1)
 _PLAIN = 0  # parquet-format Encoding.PLAIN
 
 
-def verify_pages(chunk: memoryview, where: str, values: list[memoryview] | None = None) -> int:
+def verify_pages(
+    chunk: memoryview, where: str, values: list[memoryview] | None = None, *, hold_gil: bool = False
+) -> int:
     """Verify the CRC of every page in one column chunk's bytes; return the number of pages.
 
     ``chunk`` is the column chunk exactly (from its first page header, dictionary page included,
@@ -75,9 +78,12 @@ def verify_pages(chunk: memoryview, where: str, values: list[memoryview] | None 
     list that receives a zero-copy view of every value, in row order, when every page is a v1
     data page in PLAIN encoding (a value is a 4-byte little-endian length and its bytes); the
     list is left empty when a page is anything else (the caller then decodes with Arrow).
+
+    ``hold_gil``: CRC pages of up to 1 MiB without giving up the GIL (:func:`crc32_held`).
     """
     pos = pages = 0
     n = len(chunk)
+    crc_fn = crc32_held if hold_gil else crc32
     nested: dict[int, int] | None = {} if values is not None else None
     plain = values is not None
     while pos < n:
@@ -95,7 +101,7 @@ def verify_pages(chunk: memoryview, where: str, values: list[memoryview] | None 
         if 4 not in fields:
             raise CorruptionError(f"{where}: page at byte {pos} has no checksum (tracestore always writes them)")
         expect = fields[4] & 0xFFFFFFFF
-        actual = crc32(chunk[body : body + size])
+        actual = crc_fn(chunk[body : body + size])
         if actual != expect:
             raise CorruptionError(
                 f"{where}: page at byte {pos} of the column chunk fails its checksum "

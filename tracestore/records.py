@@ -411,22 +411,26 @@ def chunk_checksum_parts(
     scales: Sequence[Any],
     global_scale: float,
     token_scales: Sequence[Any] | None,
+    *,
+    crc_fn: Callable[..., int] | None = None,
 ) -> int:
     """The canonical chunk checksum of a chunk whose rows lie in several buffers (a coalesced run):
-    ``codes``/``scales``/``token_scales`` are lists of byte buffers, concatenated in order."""
+    ``codes``/``scales``/``token_scales`` are lists of byte buffers, concatenated in order.
+    ``crc_fn``: the CRC-32 to hash the parts with (same values; default :data:`crc32`)."""
+    f = crc32 if crc_fn is None else crc_fn
     crc = crc32(
         _checksum_head(run, policy_version, trajectory, site, token_start, n_tokens, n_rows, code_bytes,
                        scale_bytes, global_scale)
     )  # fmt: skip
     for part in codes:
-        crc = crc32(part, crc)
+        crc = f(part, crc)
     for part in scales:
-        crc = crc32(part, crc)
+        crc = f(part, crc)
     if token_scales is None:
         return crc32(b"\0", crc)
     crc = crc32(b"\1", crc)
     for part in token_scales:
-        crc = crc32(part, crc)
+        crc = f(part, crc)
     return crc
 
 

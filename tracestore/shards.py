@@ -52,6 +52,7 @@ from tracestore.records import (
     crc32,
     crc32_combine,
 )
+from tracestore.v1.checksum import crc32_held
 
 MANIFEST_FORMAT = "tracestore.manifest"
 MANIFEST_VERSION = 1
@@ -399,6 +400,7 @@ def read_chunks(
     on_batch: Callable[[list[StoredChunk]], None] | None = None,
     keys: bool = False,
     pages: memoryview | None = None,
+    hold_gil: bool = False,
 ) -> dict[ChunkEntry, StoredChunk]:
     """Read the row groups holding ``entries``; return their chunks, each verified.
 
@@ -420,6 +422,9 @@ def read_chunks(
     then verified here with ISA-L crc32 (:mod:`tracestore.pagecrc`) before decoding, and ``source``
     opens the file with ``verify_pages=False`` over those same bytes (Arrow's own check costs
     ~5x more CPU).
+
+    ``hold_gil``: the page and chunk CRCs of up to 1 MiB keep the GIL (for a read in a background
+    thread beside a thread that is busy in Python; see :func:`tracestore.reader._copy_held`).
     """
     by_group: dict[int, list[ChunkEntry]] = {}
     for e in entries:
@@ -457,8 +462,9 @@ def read_chunks(
     def decode(batch: list[int], bpf: pq.ParquetFile) -> list[StoredChunk]:
         codes = None
         if pages is not None:
-            codes = _verify_pages(bpf.metadata, batch, _columns(keys), pages, where, by_group)
-        return _read_batch(bpf, manifest, batch, [e for g in batch for e in by_group[g]], where, keys, codes)
+            codes = _verify_pages(bpf.metadata, batch, _columns(keys), pages, where, by_group, hold_gil)
+        entries_of = [e for g in batch for e in by_group[g]]
+        return _read_batch(bpf, manifest, batch, entries_of, where, keys, codes, hold_gil)
 
     def done(chunks: list[StoredChunk]) -> list[StoredChunk]:
         if on_batch is not None:
@@ -549,6 +555,7 @@ def _verify_pages(
     pages: memoryview,
     where: str,
     by_group: dict[int, list[ChunkEntry]],
+    hold_gil: bool = False,
 ) -> list[np.ndarray] | None:
     """Verify every page of ``columns`` in ``groups``; return the codes values of those groups
     (zero-copy views of the pages, row order) when their pages allow it, else None.
@@ -580,7 +587,7 @@ def _verify_pages(
                 )
                 values = [] if plain_ok else None
             try:
-                verify_pages(pages[start:end], f"column {name}", values)
+                verify_pages(pages[start:end], f"column {name}", values, hold_gil=hold_gil)
             except CorruptionError as exc:
                 raise CorruptionError(f"shard {where}: row group {g} holding {_describe(by_group[g])}: {exc}") from None
             if codes is not None and name == "codes":
@@ -599,6 +606,7 @@ def _read_batch(
     where: str,
     keys: bool,
     codes_values: list[np.ndarray] | None = None,
+    hold_gil: bool = False,
 ) -> list[StoredChunk]:
     """Decode some row groups and verify every wanted chunk (see :func:`read_chunks`).
 
@@ -650,7 +658,7 @@ def _read_batch(
         gs = gs_all[j]
         actual = chunk_checksum_parts(
             run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, [c], [s], gs,
-            None if ts is None else [ts],
+            None if ts is None else [ts], crc_fn=crc32_held if hold_gil else None,
         )  # fmt: skip
         c2, s2 = c.reshape(n, cb), s.reshape(n, sb)
         t4 = None if ts is None else ts.view("<f4")

@@ -37,8 +37,8 @@ def _overwrite(store: Store, rel: str, data: bytes) -> None:
     store.storage.fs.pipe_file(store.storage.full(rel), data)  # plain overwrite, bypassing create-only
 
 
-def _read(store: Store, traj: str):
-    return StoreReader(store, RUN).read([(traj, 0, 256)], sites=[S0.name])
+def _read(store: Store, traj: str, hold_gil: bool = False):
+    return StoreReader(store, RUN).read([(traj, 0, 256)], sites=[S0.name], hold_gil=hold_gil)
 
 
 def test_flipped_code_byte_names_shard_and_chunk(store: Store):
@@ -48,9 +48,10 @@ def test_flipped_code_byte_names_shard_and_chunk(store: Store):
     assert at > 0
     data[at + 100] ^= 0x10
     _overwrite(store, ia.path, bytes(data))
-    with pytest.raises(CorruptionError, match=r"part-00000000\.parquet.*trajectory t2") as err:
-        _read(store, "t2")
-    assert "site layers.20.mlp.input" in str(err.value)
+    for hold_gil in (False, True):  # the CRCs of a background read (GIL kept) catch it the same
+        with pytest.raises(CorruptionError, match=r"part-00000000\.parquet.*trajectory t2") as err:
+            _read(store, "t2", hold_gil)
+        assert "site layers.20.mlp.input" in str(err.value)
     _read(store, "t1")  # another row group of the same shard still verifies
     _read(store, "t3")  # and the other shard
 
@@ -64,8 +65,9 @@ def test_flipped_byte_in_compressed_scales_page(store: Store):
     assert chunk_md.compression == "ZSTD"
     data[chunk_md.data_page_offset + chunk_md.total_compressed_size // 2] ^= 0x01
     _overwrite(store, ia.path, bytes(data))
-    with pytest.raises(CorruptionError, match=r"part-00000000\.parquet"):
-        _read(store, "t1")
+    for hold_gil in (False, True):
+        with pytest.raises(CorruptionError, match=r"part-00000000\.parquet"):
+            _read(store, "t1", hold_gil)
     _read(store, "t3")
 
 

@@ -203,6 +203,27 @@ def test_site_subset_and_column_range(store: Store):
         reader.read([("t0", 0, 5)], sites=[S2.name], columns=(16, 48))  # MX blocks are 32 wide
 
 
+def test_background_reads_keeping_the_gil_return_the_same_rows(store: Store):
+    # hold_gil=True (GuidanceReader's prefetch) copies and checksums with the GIL kept: same rows,
+    # for whole rows and column ranges (the non-contiguous copies), token scales, two shards
+    rng = np.random.default_rng(11)
+    chunks = [make_chunk(s, t, 0, 9, rng=rng, token_scales=(s is S1)) for t in ("t0", "t1") for s in SITES]
+    store.write_shard(RUN, 0, "w0", 0, chunks[:3])
+    store.write_shard(RUN, 0, "w1", 0, chunks[3:])
+    reader = StoreReader(store, RUN)
+    plan = [("t1", 2, 9), ("t0", 0, 9), (None, 0, 3)]
+    for kw in ({}, {"columns": {S0.name: (16, 48), S1.name: (32, 64)}}):
+        a, b = reader.read(plan, **kw), reader.read(plan, hold_gil=True, **kw)
+        assert set(a) == set(b) == {s.name for s in SITES}
+        for s in SITES:
+            for field in ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version"):
+                x, y = getattr(a[s.name], field), getattr(b[s.name], field)
+                assert (x is None) == (y is None), field
+                if x is not None:
+                    np.testing.assert_array_equal(x, y, err_msg=f"{s.name}.{field}")
+        _check(b, chunks, S0, MicrobatchPlan(plan).segments, cols=kw.get("columns", {}).get(S0.name))
+
+
 def test_duplicates_across_shards(store: Store):
     rng = np.random.default_rng(9)
     c = make_chunk(S0, "t0", 0, 6, rng=rng)
