@@ -366,6 +366,20 @@ PAIRS = 3  # alternating gRPC/shm pairs of the default configuration per repetit
 READS = 4  # alternating raw/ours read pairs per repetition (after one untimed warm-up read)
 
 
+def repetition_reads(storage: str, tag: str, before: set[Path]) -> tuple[list[Path], list[tuple[str, int, int]], int]:
+    """The shards repetition ``tag`` created (those not in ``before``), a plan of all their
+    trajectories, and the record bytes that plan reads (codes + scales of every token)."""
+    import pyarrow.parquet as pq
+
+    root = Path(storage.removeprefix("file://"))
+    files = sorted(set(root.rglob("*.parquet")) - before)
+    trajs = sorted({t for f in files for t in pq.read_table(f, columns=["trajectory"]).column(0).to_pylist()})
+    if not all(t.startswith(f"{tag}-") for t in trajs):
+        raise RuntimeError(f"shards of repetition {tag} hold other trajectories: {trajs[:4]}")
+    plan = [(t, 0, TOKENS) for t in trajs]
+    return files, plan, len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
+
+
 def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float, int]:
     """Read one repetition's records back: ``raw-parquet-read`` reads the shards that repetition
     created (``pq.read_table``, every column), ours reads the same trajectories (the repetition's
@@ -376,13 +390,7 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float,
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
 
-    root = Path(storage.removeprefix("file://"))
-    files = sorted(set(root.rglob("*.parquet")) - before)
-    trajs = sorted({t for f in files for t in pq.read_table(f, columns=["trajectory"]).column(0).to_pylist()})
-    if not all(t.startswith(f"{tag}-") for t in trajs):
-        raise RuntimeError(f"shards of repetition {tag} hold other trajectories: {trajs[:4]}")
-    plan = [(t, 0, TOKENS) for t in trajs]
-    nbytes = len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
+    files, plan, nbytes = repetition_reads(storage, tag, before)
 
     def raw() -> float:
         t0 = time.perf_counter()
@@ -430,11 +438,7 @@ def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> 
     from tracestore.reader import StoreReader
     from tracestore.store import Store
 
-    root = Path(storage.removeprefix("file://"))
-    files = sorted(set(root.rglob("*.parquet")) - before)
-    trajs = sorted({t for f in files for t in pq.read_table(f, columns=["trajectory"]).column(0).to_pylist()})
-    plan = [(t, 0, TOKENS) for t in trajs]
-    nbytes = len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
+    files, plan, nbytes = repetition_reads(storage, tag, before)
     reader = StoreReader(Store(storage), SPEC.run)
     kinds = {
         "raw-parquet-read, in a thread beside a Python-busy thread": lambda: [pq.read_table(f) for f in files],

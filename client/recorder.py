@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
@@ -1089,7 +1090,13 @@ def _as_bytes(x: Any) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
-_DTYPE_OK: dict[tuple[Any, str], bool] = {}  # (dtype object, wanted name) -> matches
+def _dtype_is(dt: Any, want: str) -> bool:
+    return str(dt if dt is not None else "").endswith(want)
+
+
+# str() of a numpy dtype is Python code (~2.5 us; 40 calls per decode step of 20 sites): decided
+# once per dtype object (numpy and torch dtypes are hashable singletons)
+_dtype_is_cached = functools.lru_cache(maxsize=256)(_dtype_is)
 
 
 def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> None:
@@ -1097,17 +1104,10 @@ def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> N
     if got != shape:
         raise ShapeError(f"{name} must have shape {list(shape)}, got {list(got)}")
     dt = getattr(x, "dtype", None)
-    # str() of a numpy dtype is Python code (~2.5 us; 40 calls per decode step of 20 sites): decide
-    # once per dtype object (numpy and torch dtypes are hashable singletons)
     try:
-        ok = _DTYPE_OK.get((dt, dtype))
-        hashable = True
-    except TypeError:  # an unhashable dtype-like attribute: decide every time
-        ok, hashable = None, False
-    if ok is None:
-        ok = str(dt if dt is not None else "").endswith(dtype)
-        if hashable and len(_DTYPE_OK) < 256:
-            _DTYPE_OK[(dt, dtype)] = ok
+        ok = _dtype_is_cached(dt, dtype)
+    except TypeError:  # an unhashable dtype-like attribute: decided every time
+        ok = _dtype_is(dt, dtype)
     if not ok:
         raise DTypeError(f"{name} must have dtype {dtype}, got {dt if dt is not None else ''}")
 

@@ -69,9 +69,9 @@ def crc32_held(data: Any, value: int = 0) -> int:
     200 KB CRC took 0.73 ms instead of 6 us next to one busy Python thread (measured here). Not
     for a thread that should yield to others, such as the recorder's sender beside the engine."""
     a = np.frombuffer(data, np.uint8)
-    if _HELD is None or not HOLD_BYTES[0] <= a.size <= HOLD_BYTES[1]:
+    if a.size < HOLD_BYTES[0]:
         return int(crc32(data, value))
-    return int(_HELD(value, a.ctypes.data, a.size))
+    return crc32_address(a.ctypes.data, a.size, value)
 
 
 __all__ = [
