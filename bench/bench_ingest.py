@@ -380,13 +380,15 @@ def repetition_reads(storage: str, tag: str, before: set[Path]) -> tuple[list[Pa
     return files, plan, len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
 
 
-def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float, int]:
+def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float, float]:
     """Read one repetition's records back: ``raw-parquet-read`` reads the shards that repetition
     created (``pq.read_table``, every column), ours reads the same trajectories (the repetition's
     forwards plus its warm-up forward) through a fresh GuidanceReader, plan-aligned and checksum-verified,
     both from the page cache (one untimed read first), alternating, medians of READS each.
     Both rates are over the same record bytes (codes + scales of every token read), so the ratio
-    is the ratio of times. Returns (raw B/s, ours B/s, bytes)."""
+    is the ratio of times. Also ours with ``process=True`` (decoded in a child process into shared
+    memory; one reader for all its reads, as a trainer keeps one). Returns (raw, ours, ours in a
+    child process) in B/s."""
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
 
@@ -398,54 +400,80 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float,
             pq.read_table(f)
         return time.perf_counter() - t0
 
+    def check(rows: dict[str, Any]) -> None:
+        got = sum(r.codes.nbytes + r.scales.nbytes for r in rows.values())
+        if got != nbytes or not all(r.valid.all() for r in rows.values()):
+            raise RuntimeError(f"read back {got} of {nbytes} bytes")
+
     def ours() -> float:
         reader = GuidanceReader(storage, SPEC.run, prefetch=False)
         t0 = time.perf_counter()
         rows = reader.read_host(plan)
         took = time.perf_counter() - t0
         reader.close()
-        got = sum(r.codes.nbytes + r.scales.nbytes for r in rows.values())
-        if got != nbytes or not all(r.valid.all() for r in rows.values()):
-            raise RuntimeError(f"read back {got} of {nbytes} bytes")
+        check(rows)
+        return took
+
+    # process=True: one reader (its child process started, untimed), its first read untimed
+    # (the child's shared block faults in once; later reads reuse it)
+    child = GuidanceReader(storage, SPEC.run, prefetch=False, process=True)
+    check(child.read_host(plan))
+
+    def ours_child() -> float:
+        t0 = time.perf_counter()
+        rows = child.read_host(plan)
+        took = time.perf_counter() - t0
+        check(rows)
         return took
 
     # Untimed first: a shard just written may be partly out of the page cache (the two-writer
     # shard path collapses a range, which drops the second half's pages), and whichever side read
     # first would pay the disk for both. Then READS alternating pairs; medians.
     raw()
-    t_raw_s, t_ours_s = [], []
-    for k in range(READS):
-        if k % 2:
-            t_ours_s.append(ours())
-            t_raw_s.append(raw())
-        else:
-            t_raw_s.append(raw())
-            t_ours_s.append(ours())
-    t_raw, t_ours = statistics.median(t_raw_s), statistics.median(t_ours_s)
-    return nbytes / t_raw, nbytes / t_ours, nbytes
+    t_raw_s, t_ours_s, t_child_s = [], [], []
+    try:
+        for k in range(READS):
+            if k % 2:
+                t_ours_s.append(ours())
+                t_child_s.append(ours_child())
+                t_raw_s.append(raw())
+            else:
+                t_raw_s.append(raw())
+                t_child_s.append(ours_child())
+                t_ours_s.append(ours())
+    finally:
+        child.close()
+    t_raw, t_ours, t_child = (statistics.median(t) for t in (t_raw_s, t_ours_s, t_child_s))
+    return nbytes / t_raw, nbytes / t_ours, nbytes / t_child
 
 
 def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
     """The same read in a background thread while this thread runs Python flat out (a training
     loop while the reader prefetches its next plan): B/s of ``pq.read_table`` of the shards, of
     ours keeping the GIL for its short copies and CRCs (``hold_gil=True``, what
-    ``GuidanceReader.prefetch`` does), and of ours giving it up (the default of a foreground read).
+    ``GuidanceReader.prefetch`` does), of ours giving it up (the default of a foreground read), and
+    of ours with ``process=True`` (the thread only waits for the child process that decodes).
     One measurement each, after one untimed read of every kind."""
     import threading
 
     import pyarrow.parquet as pq
 
+    from tracestore.client import GuidanceReader
     from tracestore.reader import StoreReader
     from tracestore.store import Store
 
     files, plan, nbytes = repetition_reads(storage, tag, before)
     reader = StoreReader(Store(storage), SPEC.run)
+    child = GuidanceReader(storage, SPEC.run, prefetch=False, process=True)
     kinds = {
         "raw-parquet-read, in a thread beside a Python-busy thread": lambda: [pq.read_table(f) for f in files],
         "ours-read, in a thread beside a Python-busy thread (GIL kept: prefetch)": lambda: reader.read(
             plan, hold_gil=True
         ),
         "ours-read, in a thread beside a Python-busy thread (GIL given up)": lambda: reader.read(plan),
+        "ours-read in a child process (process=True), from a thread beside a Python-busy thread": lambda: (
+            child.read_host(plan)
+        ),
     }
     out = {}
     try:
@@ -467,6 +495,7 @@ def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> 
             out[name] = nbytes / took[0]
     finally:
         reader.close()
+        child.close()
     return out
 
 
@@ -710,10 +739,12 @@ def main() -> int:
                     ):
                         ratios.setdefault(name, []).append(v)
                 if read:
-                    rr, ro, _ = bench_read(durable.storage, f"d{r}", before)
+                    rr, ro, rc = bench_read(durable.storage, f"d{r}", before)
                     keep("raw-parquet-read (same shards)", rr)
                     keep("ours-read (storage URL)", ro)
+                    keep("ours-read (storage URL, in a child process: process=True)", rc)
                     ratios.setdefault("ours read / raw Parquet read", []).append(ro / rr)
+                    ratios.setdefault("ours read in a child process / raw Parquet read", []).append(rc / rr)
                     busy = bench_read_beside_busy_thread(durable.storage, f"d{r}", before)
                     for name, v in busy.items():
                         keep(name, v)
@@ -723,6 +754,12 @@ def main() -> int:
                     )
                     ratios.setdefault("beside a busy thread: GIL kept / GIL given up", []).append(
                         busy[names[1]] / busy[names[2]]
+                    )
+                    ratios.setdefault("beside a busy thread: ours in a child process / raw Parquet", []).append(
+                        busy[names[3]] / busy[names[0]]
+                    )
+                    ratios.setdefault("beside a busy thread: ours in a child process / GIL kept", []).append(
+                        busy[names[3]] / busy[names[1]]
                     )
                 print(f"repetition {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:

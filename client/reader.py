@@ -3,7 +3,10 @@
 ``source`` is a storage URL (direct ranged reads through :class:`tracestore.reader.StoreReader`;
 the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
 the ``Read`` RPC). The next plan can be fetched in the background (:meth:`GuidanceReader.prefetch`)
-while the current microbatch trains. Results are torch tensors on ``device``; for a CUDA device
+while the current microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
+child process and lands in shared memory (:mod:`tracestore.client.read_process`): beside a
+training loop that keeps the GIL busy, a prefetch in a thread of the trainer waits for that lock
+between its copies, a child process does not. Results are torch tensors on ``device``; for a CUDA device
 the host arrays are pinned and copied with ``non_blocking=True``.
 
 Example::
@@ -74,6 +77,7 @@ class GuidanceReader:
         rule: str = "bracket",
         storage_options: dict[str, Any] | None = None,
         timeout: float = 120.0,
+        process: bool = False,
     ) -> None:
         validate_id("run", run)
         if on_missing not in ("error", "mask"):
@@ -92,6 +96,11 @@ class GuidanceReader:
         self._pending: dict[tuple[Any, ...], Future[dict[str, HostRows]]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
         self._channel: Any = None
+        self._process: Any = None
+        if process and (self.sidecar or source.startswith("memory://")):
+            raise ConfigError(
+                f"process=True reads a storage URL another process can open (file://, s3://, ...), not {source!r}"
+            )
         if self.sidecar:
             self._channel = channel(source)
             self._store_reader = None
@@ -103,6 +112,10 @@ class GuidanceReader:
             self._store = Store(source, storage_options)
             self._store_reader = StoreReader(self._store, run)
             self.spec = self._store_reader.spec
+            if process:
+                from .read_process import ReadProcess
+
+                self._process = ReadProcess(source, run, storage_options, timeout)
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -134,6 +147,8 @@ class GuidanceReader:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._channel is not None:
             self._channel.close()
+        if self._process is not None:
+            self._process.close()
 
     def __enter__(self) -> GuidanceReader:
         return self
@@ -148,6 +163,8 @@ class GuidanceReader:
             plan = MicrobatchPlan(plan)
         if self.sidecar:
             return self._fetch_sidecar(plan)
+        if self._process is not None:
+            return self._fetch_process(plan)
         assert self._store_reader is not None
         result = self._store_reader.read(
             plan,
@@ -162,6 +179,20 @@ class GuidanceReader:
             r = result[name]
             out[name] = HostRows(r.site, r.codes, r.scales, r.global_scale, r.token_scales, r.valid, r.policy_version)
         return out
+
+    def _fetch_process(self, plan: MicrobatchPlan) -> dict[str, HostRows]:
+        assert self.spec is not None
+        got = self._process.read(
+            plan=_segments(plan),
+            versions=self.versions,
+            sites=self.sites,
+            columns=self.columns,
+            on_missing="mask" if self.on_missing == "mask" else "error",
+        )
+        return {
+            name: HostRows(self.spec.site(name), codes, scales, g, ts, valid, pv)
+            for name, (codes, scales, g, valid, pv, ts) in got.items()
+        }
 
     def _fetch_sidecar(self, plan: MicrobatchPlan) -> dict[str, HostRows]:
         import grpc

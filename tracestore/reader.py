@@ -394,6 +394,7 @@ class StoreReader:
         require_sealed: bool = False,
         refresh: bool = True,
         hold_gil: bool = False,
+        allocate: Callable[[int], np.ndarray] | None = None,
     ) -> ReadResult:
         """Read the records of ``plan`` (see the module docstring for the rules).
 
@@ -405,6 +406,9 @@ class StoreReader:
         invalid. ``require_sealed`` demands a seal for every trajectory in the plan. ``hold_gil``:
         short copies and CRCs keep the GIL, for a read in a background thread beside one that is
         busy in Python (see :func:`_copy_held`); the default gives it up and decodes faster alone.
+        ``allocate(n)``: where the codes, scales and per-row arrays of every site go (one writable
+        uint8 array of ``n`` bytes, 64-byte aligned; default: Arrow's memory pool), e.g. shared
+        memory another process maps (:mod:`tracestore.client.read_process`).
         """
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)
@@ -434,7 +438,9 @@ class StoreReader:
         with self._lock:  # index updates are serialized; the reads themselves run concurrently
             if refresh or any(v not in self._listed for v in present):
                 self.refresh(present)
-        return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil)
+        return self._read(
+            plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil, allocate
+        )
 
     def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
         if sites is None:
@@ -471,6 +477,7 @@ class StoreReader:
         stale_below: int,
         require_sealed: bool,
         hold_gil: bool = False,
+        allocate: Callable[[int], np.ndarray] | None = None,
     ) -> ReadResult:
         stats = ReadStats()
         if require_sealed:
@@ -528,7 +535,9 @@ class StoreReader:
             a, b = col[s.name]
             shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block), (1, 13 * n)]
         sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
-        buf = _pool_bytes(sum(sizes))
+        buf = (allocate or _pool_bytes)(sum(sizes))
+        if buf.dtype != np.uint8 or buf.shape != (sum(sizes),) or not buf.flags.writeable or buf.ctypes.data % 64:
+            raise ValidationError(f"allocate({sum(sizes)}) must return a writable, 64-byte aligned uint8 array of that size")
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
         outs = {

@@ -1,0 +1,170 @@
+"""GuidanceReader(process=True): reads decoded in a child process into shared memory give the
+same rows as reads in this process, keep their error classes, survive the child's death, and never
+hand a block that a live result still uses to a later read."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tracestore.client import GuidanceReader
+from tracestore.client.read_process import SPARE_BLOCKS
+from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
+from tracestore.store import Store
+
+from .conftest import RUN, SITES, make_chunk
+
+S0, S1, S2 = SITES
+FIELDS = ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version")
+
+
+def _same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        for f in FIELDS:
+            x, y = getattr(a[name], f), getattr(b[name], f)
+            assert (x is None) == (y is None), (name, f)
+            if x is not None:
+                assert x.dtype == y.dtype and x.shape == y.shape, (name, f, x.dtype, y.dtype, x.shape, y.shape)
+                np.testing.assert_array_equal(x, y, err_msg=f"{name}.{f}")
+
+
+def _filled(store: Store, seed: int = 3) -> list:
+    rng = np.random.default_rng(seed)
+    chunks = [
+        make_chunk(s, t, 0, 9, rng=rng, token_scales=(s is S1), version=v) for v, t in ((0, "t0"), (1, "t1")) for s in SITES
+    ]
+    store.write_shard(RUN, 0, "w0", 0, chunks[:3])
+    store.write_shard(RUN, 1, "w1", 0, chunks[3:])  # another version, another shard
+    return chunks
+
+
+def _readers(store: Store, backend, **kw) -> tuple[GuidanceReader, GuidanceReader]:
+    url, opts = backend
+    return (
+        GuidanceReader(url, RUN, storage_options=opts, prefetch=False, **kw),
+        GuidanceReader(url, RUN, storage_options=opts, process=True, timeout=60, **kw),
+    )
+
+
+def test_process_reads_return_the_same_rows(store: Store, backend):
+    url, opts = backend
+    if url.startswith("memory://"):  # the child cannot see this process's memory
+        with pytest.raises(ConfigError, match=r"process=True reads a storage URL another process can open"):
+            GuidanceReader(url, RUN, storage_options=opts, process=True)
+        return
+    _filled(store)
+    plan = [("t1", 2, 9), ("t0", 0, 9), (None, 0, 3), ("t9", 0, 2)]  # padding and a missing trajectory
+    for kw in ({}, {"columns": (32, 64)}, {"sites": [S1.name, S2.name]}):
+        here, child = _readers(store, backend, on_missing="mask", **kw)
+        with here, child:
+            a, b = here.read_host(plan), child.read_host(plan)
+            _same(a, b)
+            assert not b[next(iter(b))].valid[-2:].any()  # t9: masked, not invented
+            assert child.read_host(plan) is not b  # a second read of the same plan: same rows again
+            _same(a, child.read_host(plan))
+            # prefetch + read (torch tensors) through the child
+            child.prefetch(plan)
+            g = child.read(plan)
+            for name in a:
+                np.testing.assert_array_equal(g[name].codes.numpy(), a[name].codes)
+                np.testing.assert_array_equal(g[name].valid.numpy(), a[name].valid)
+
+
+def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Path):
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    from .conftest import SPEC
+
+    store.put_run(SPEC)
+    _filled(store)
+    with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
+        pid = reader._process.pid
+        with pytest.raises(MissingRecordsError, match=r"t9"):
+            reader.read_host([("t9", 0, 3)])
+    with GuidanceReader(url, RUN, prefetch=False, process=True, columns=(16, 48)) as bad:
+        with pytest.raises(ConfigError, match=r"aligned to the mxfp4 block 32"):
+            bad.read_host([("t0", 0, 9)])
+    with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
+        pid = reader._process.pid
+        good = reader.read_host([("t0", 0, 9)])
+        assert good[S0.name].valid.all()
+        # flip one byte of a shard's codes: the child's verification catches it, same class here
+        shard = sorted(Path(tmp_path, "store").rglob("*.parquet"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0x40
+        shard.write_bytes(bytes(data))
+        with pytest.raises(CorruptionError):
+            GuidanceReader(url, RUN, prefetch=False, process=True).read_host([("t0", 0, 9)])
+        assert reader._process.pid == pid  # errors did not cost the child
+
+
+def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path):
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    from .conftest import SPEC
+
+    store.put_run(SPEC)
+    chunks = _filled(store)
+    plan = [("t0", 0, 9)]
+    with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
+        first = reader.read_host(plan)
+        # killed while idle: the next read starts another child and succeeds
+        os.kill(reader._process.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        again = reader.read_host(plan)
+        _same(first, again)
+        np.testing.assert_array_equal(again[S0.name].codes, chunks[0].codes)
+        # killed during a read: that read raises StorageError, the next one works
+        proc = reader._process
+        real_send = proc._send_msg
+
+        def send_then_die(obj, real_send=real_send):
+            real_send(obj)
+            if obj[0] == "read":
+                os.kill(proc.pid, signal.SIGKILL)
+
+        proc._send_msg = send_then_die
+        with pytest.raises(StorageError, match=r"read process"):
+            reader.read_host(plan)
+        proc._send_msg = real_send
+        _same(first, reader.read_host(plan))
+        # arrays of an earlier child stay readable after it is gone
+        np.testing.assert_array_equal(first[S0.name].codes, chunks[0].codes)
+
+
+def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Path):
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    from .conftest import SPEC
+
+    store.put_run(SPEC)
+    chunks = _filled(store)
+    with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
+        kept = [reader.read_host([("t0", 0, 9)]), reader.read_host([("t1", 0, 9)]), reader.read_host([("t0", 3, 9)])]
+        views = [k[S0.name].codes for k in kept]
+        for i in range(3):  # three live results: three different blocks
+            for j in range(i):
+                assert not np.shares_memory(views[i], views[j])
+        for _ in range(12):  # dropped at once: their blocks come back
+            reader.read_host([("t1", 0, 9), ("t0", 0, 9)])
+        gc.collect()
+        reader.read_host([("t1", 0, 5)])
+        assert len(reader._process._maps) <= len(kept) + SPARE_BLOCKS
+        # the kept results were never overwritten by the later reads
+        np.testing.assert_array_equal(kept[0][S0.name].codes, chunks[0].codes)
+        np.testing.assert_array_equal(kept[1][S0.name].codes, chunks[3].codes)
+        np.testing.assert_array_equal(kept[2][S0.name].codes, chunks[0].codes[3:])
+        tail = kept[1][S1.name]  # a token-scale site, 2 rows per token
+        np.testing.assert_array_equal(tail.token_scales, chunks[4].token_scales)
+
+
+def test_process_needs_a_storage_url():
+    with pytest.raises(ConfigError, match=r"process=True"):
+        GuidanceReader("127.0.0.1:7433", RUN, process=True)
