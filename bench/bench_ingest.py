@@ -457,8 +457,8 @@ def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> 
     import threading
 
     import pyarrow.parquet as pq
-
     from tracestore.client import GuidanceReader
+
     from tracestore.reader import StoreReader
     from tracestore.store import Store
 

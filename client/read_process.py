@@ -26,6 +26,7 @@ what its parent sends it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import mmap
@@ -125,10 +126,8 @@ class _Blocks:
 
     def _unmap(self, i: int) -> None:
         fd, mm, _, _ = self.blocks.pop(i)
-        try:
+        with contextlib.suppress(BufferError):  # a view of a finished read still alive here
             mm.close()
-        except BufferError:  # pragma: no cover - a view of a finished read still alive here
-            pass
         os.close(fd)
         if i in self.new:  # never sent: the parent does not know it
             self.new.remove(i)
@@ -280,7 +279,10 @@ class ReadProcess:
         except (EOFError, OSError) as exc:
             code = None if self._proc is None else self._proc.poll()
             self._stop()
-            reason = "timed out" if isinstance(exc, TimeoutError) else f"exited (code {code})" if code is not None else exc
+            if isinstance(exc, TimeoutError):
+                reason = f"did not answer in {self.timeout} s"
+            else:
+                reason = f"exited (code {code})" if code is not None else f"failed ({exc})"
             raise StorageError(f"the read process {reason} during {what} of {self.source}") from None
         if msg[0] == "error":
             raise _rebuild(msg[1], msg[2], msg[3])
@@ -353,10 +355,8 @@ class ReadProcess:
         """Every array of a read is gone: the child may reuse its block (any thread, at GC)."""
         if generation != self._generation or self._sock is None:
             return
-        try:
+        with contextlib.suppress(OSError):  # the child is gone; its blocks with it
             self._send_msg(("free", block))
-        except OSError:  # the child is gone; its blocks with it
-            pass
 
     def _stop(self) -> None:
         sock, self._sock = self._sock, None

@@ -537,7 +537,9 @@ class StoreReader:
         sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
         buf = (allocate or _pool_bytes)(sum(sizes))
         if buf.dtype != np.uint8 or buf.shape != (sum(sizes),) or not buf.flags.writeable or buf.ctypes.data % 64:
-            raise ValidationError(f"allocate({sum(sizes)}) must return a writable, 64-byte aligned uint8 array of that size")
+            raise ValidationError(
+                f"allocate({sum(sizes)}) must return a writable, 64-byte aligned uint8 array of that size"
+            )
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
         outs = {

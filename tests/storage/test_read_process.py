@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tracestore.client import GuidanceReader
 from tracestore.client.read_process import SPARE_BLOCKS
+
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
 from tracestore.store import Store
 
@@ -38,7 +38,9 @@ def _same(a: dict, b: dict) -> None:
 def _filled(store: Store, seed: int = 3) -> list:
     rng = np.random.default_rng(seed)
     chunks = [
-        make_chunk(s, t, 0, 9, rng=rng, token_scales=(s is S1), version=v) for v, t in ((0, "t0"), (1, "t1")) for s in SITES
+        make_chunk(s, t, 0, 9, rng=rng, token_scales=(s is S1), version=v)
+        for v, t in ((0, "t0"), (1, "t1"))
+        for s in SITES
     ]
     store.write_shard(RUN, 0, "w0", 0, chunks[:3])
     store.write_shard(RUN, 1, "w1", 0, chunks[3:])  # another version, another shard
@@ -88,9 +90,11 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
         pid = reader._process.pid
         with pytest.raises(MissingRecordsError, match=r"t9"):
             reader.read_host([("t9", 0, 3)])
-    with GuidanceReader(url, RUN, prefetch=False, process=True, columns=(16, 48)) as bad:
-        with pytest.raises(ConfigError, match=r"aligned to the mxfp4 block 32"):
-            bad.read_host([("t0", 0, 9)])
+    with (
+        GuidanceReader(url, RUN, prefetch=False, process=True, columns=(16, 48)) as bad,
+        pytest.raises(ConfigError, match=r"aligned to the mxfp4 block 32"),
+    ):
+        bad.read_host([("t0", 0, 9)])
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         pid = reader._process.pid
         good = reader.read_host([("t0", 0, 9)])
