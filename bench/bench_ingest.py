@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +365,7 @@ def settle(address: str, timeout: float = 300.0) -> None:
 
 PAIRS = 3  # alternating gRPC/shm pairs of the default configuration per repetition
 READS = 4  # alternating raw/ours read pairs per repetition (after one untimed warm-up read)
+CHILDREN = min(8, os.cpu_count() or 1)  # GuidanceReader(process=CHILDREN) in the read bench
 
 
 def repetition_reads(storage: str, tag: str, before: set[Path]) -> tuple[list[Path], list[tuple[str, int, int]], int]:
@@ -380,15 +382,15 @@ def repetition_reads(storage: str, tag: str, before: set[Path]) -> tuple[list[Pa
     return files, plan, len(plan) * TOKENS * sum(s.code_bytes + s.scale_bytes for s in SPEC.sites)
 
 
-def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float, float]:
+def bench_read(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
     """Read one repetition's records back: ``raw-parquet-read`` reads the shards that repetition
     created (``pq.read_table``, every column), ours reads the same trajectories (the repetition's
     forwards plus its warm-up forward) through a fresh GuidanceReader, plan-aligned and checksum-verified,
     both from the page cache (one untimed read first), alternating, medians of READS each.
     Both rates are over the same record bytes (codes + scales of every token read), so the ratio
-    is the ratio of times. Also ours with ``process=True`` (decoded in a child process into shared
-    memory; one reader for all its reads, as a trainer keeps one). Returns (raw, ours, ours in a
-    child process) in B/s."""
+    is the ratio of times. Also ours with ``process=1`` and ``process=CHILDREN`` (decoded in child
+    processes into shared memory; one reader for all its reads, as a trainer keeps one). Returns
+    B/s by kind: ``raw``, ``ours``, ``process=k``."""
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
 
@@ -414,14 +416,15 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float,
         check(rows)
         return took
 
-    # process=True: one reader (its child process started, untimed), its first read untimed
-    # (the child's shared block faults in once; later reads reuse it)
-    child = GuidanceReader(storage, SPEC.run, prefetch=False, process=True)
-    check(child.read_host(plan))
+    # process=1 and process=CHILDREN: one reader each (children started untimed), a first read
+    # untimed (the shared block faults in once; later reads reuse it)
+    children = {k: GuidanceReader(storage, SPEC.run, prefetch=False, process=k) for k in sorted({1, CHILDREN})}
+    for child in children.values():
+        check(child.read_host(plan))
 
-    def ours_child() -> float:
+    def in_children(k: int) -> float:
         t0 = time.perf_counter()
-        rows = child.read_host(plan)
+        rows = children[k].read_host(plan)
         took = time.perf_counter() - t0
         check(rows)
         return took
@@ -430,21 +433,17 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> tuple[float, float,
     # shard path collapses a range, which drops the second half's pages), and whichever side read
     # first would pay the disk for both. Then READS alternating pairs; medians.
     raw()
-    t_raw_s, t_ours_s, t_child_s = [], [], []
+    times: dict[str, list[float]] = {}
+    kinds: list[tuple[str, Callable[[], float]]] = [("raw", raw), ("ours", ours)]
+    kinds += [(f"process={k}", lambda k=k: in_children(k)) for k in children]
     try:
-        for k in range(READS):
-            if k % 2:
-                t_ours_s.append(ours())
-                t_child_s.append(ours_child())
-                t_raw_s.append(raw())
-            else:
-                t_raw_s.append(raw())
-                t_child_s.append(ours_child())
-                t_ours_s.append(ours())
+        for j in range(READS):
+            for name, fn in kinds if j % 2 == 0 else kinds[::-1]:
+                times.setdefault(name, []).append(fn())
     finally:
-        child.close()
-    t_raw, t_ours, t_child = (statistics.median(t) for t in (t_raw_s, t_ours_s, t_child_s))
-    return nbytes / t_raw, nbytes / t_ours, nbytes / t_child
+        for child in children.values():
+            child.close()
+    return {name: nbytes / statistics.median(t) for name, t in times.items()}
 
 
 def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
@@ -464,15 +463,15 @@ def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> 
 
     files, plan, nbytes = repetition_reads(storage, tag, before)
     reader = StoreReader(Store(storage), SPEC.run)
-    child = GuidanceReader(storage, SPEC.run, prefetch=False, process=True)
+    child = GuidanceReader(storage, SPEC.run, prefetch=False, process=1)
     kinds = {
         "raw-parquet-read, in a thread beside a Python-busy thread": lambda: [pq.read_table(f) for f in files],
         "ours-read, in a thread beside a Python-busy thread (GIL kept: prefetch)": lambda: reader.read(
             plan, hold_gil=True
         ),
         "ours-read, in a thread beside a Python-busy thread (GIL given up)": lambda: reader.read(plan),
-        "ours-read in a child process (process=True), from a thread beside a Python-busy thread": lambda: (
-            child.read_host(plan)
+        "ours-read in a child process (process=1), from a thread beside a Python-busy thread": lambda: child.read_host(
+            plan
         ),
     }
     out = {}
@@ -739,12 +738,16 @@ def main() -> int:
                     ):
                         ratios.setdefault(name, []).append(v)
                 if read:
-                    rr, ro, rc = bench_read(durable.storage, f"d{r}", before)
+                    rates = bench_read(durable.storage, f"d{r}", before)
+                    rr, ro = rates["raw"], rates["ours"]
                     keep("raw-parquet-read (same shards)", rr)
                     keep("ours-read (storage URL)", ro)
-                    keep("ours-read (storage URL, in a child process: process=True)", rc)
                     ratios.setdefault("ours read / raw Parquet read", []).append(ro / rr)
-                    ratios.setdefault("ours read in a child process / raw Parquet read", []).append(rc / rr)
+                    for kind in sorted({1, CHILDREN}):
+                        rc = rates[f"process={kind}"]
+                        keep(f"ours-read (storage URL, {kind} child process{'es' if kind > 1 else ''}: "
+                             f"process={kind})", rc)  # fmt: skip
+                        ratios.setdefault(f"ours read with process={kind} / raw Parquet read", []).append(rc / rr)
                     busy = bench_read_beside_busy_thread(durable.storage, f"d{r}", before)
                     for name, v in busy.items():
                         keep(name, v)

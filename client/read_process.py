@@ -1,26 +1,29 @@
-"""Plan reads in a child process, so decoding does not wait for a training loop's GIL.
+"""Plan reads in child processes, so decoding does not wait for a training loop's GIL.
 
-``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to one child process
-that owns a :class:`~tracestore.reader.StoreReader`. A read in a thread of the trainer's own
-process shares the interpreter lock with the training loop: beside a thread that is busy in
-Python, a 198 MiB plan read ran at 0.22 GB/s on 2 cores and 0.14 GB/s on 16 (bench_ingest),
-against ~1.3-1.8 GB/s alone. The child has its own interpreter, so its decode threads only
-compete for cores.
+``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to a child process
+that owns a :class:`~tracestore.reader.StoreReader`; ``process=N`` to N of them, each reading a
+slice of the plan's rows. A read in a thread of the trainer's own process shares the interpreter
+lock with the training loop: beside a thread that is busy in Python, a 198 MiB plan read ran at
+0.22 GB/s on 2 cores and 0.14 GB/s on 16 (bench_ingest), against ~1.3-1.8 GB/s alone, and one
+process's decode reaches a parallelism of only ~2 (the per-chunk checks and page walks hold the
+GIL). Children have their own interpreters, so they compete only for cores.
 
-Nothing is copied back. The child places the rows (``StoreReader.read(allocate=...)``) in a
-memfd block that both processes map: its descriptor crosses the unix socketpair once
-(``SCM_RIGHTS``), when the block is new. The parent's arrays are views of that block. The block
-serves a later read only after every array of the read that filled it is gone: the read's
-arrays are all views of one base array, and a ``weakref.finalize`` on it tells the child the
-block is free. Blocks are reused, not made anew per read, because fresh pages fault in at ~1.5 GB/s
-on the bench VM.
+Nothing is copied back. The parent owns memfd blocks that it and the children map: a block's
+descriptor goes to a child once (``SCM_RIGHTS`` over its unix socketpair). For a read the parent
+takes a block as large as the whole result, lays every site's arrays out in it
+(:meth:`~tracestore.reader.StoreReader.layout`), and gives each child the plan rows
+``[r0, r1)`` and the matching rows of those arrays (``StoreReader.read(out=...)``): the children
+write disjoint rows of one block, and the parent's arrays are views of it. A block serves a later
+read only once every array of the read that filled it is gone: they are all views of one base
+array, whose ``weakref.finalize`` returns the block. Blocks are reused, not made anew per read,
+because fresh pages fault in at ~1.5 GB/s on the bench VM.
 
-The child starts as ``python -c`` with a small bootstrap, not through ``multiprocessing``, so the
-trainer's ``__main__`` is never imported again. It exits when the socket closes, which also
+A child starts as ``python -c`` with a small bootstrap, not through ``multiprocessing``, so the
+trainer's ``__main__`` is never imported again. It exits when its socket closes, which also
 happens when the parent dies. If it dies itself, the read in progress raises
 :class:`~tracestore.errors.StorageError`, and the next read starts a new child.
 
-Wire format, both ways: an 8-byte little-endian length, then a pickle. The child only unpickles
+Wire format, both ways: an 8-byte little-endian length, then a pickle. A child only unpickles
 what its parent sends it.
 """
 
@@ -39,6 +42,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +53,8 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")
 BLOCK_ROUND = 2 << 20  # block sizes are whole multiples of this (so a little growth still fits)
-SPARE_BLOCKS = 2  # free blocks the child keeps mapped for the next reads; more are unmapped
+SPARE_BLOCKS = 2  # free blocks kept mapped for the next reads; more are unmapped
+MIN_SLICE_BYTES = 8 << 20  # a plan is split among children only into slices of at least this
 
 _BOOT = (
     "import pickle, socket, struct, sys\n"
@@ -59,6 +64,9 @@ _BOOT = (
     "from tracestore.client.read_process import serve\n"
     "serve(s)\n"
 )
+
+# (offset in the block, dtype, shape) of one array; per site: codes, scales, pv, g, valid
+View = tuple[int, str, tuple[int, ...]]
 
 
 def _send(sock: socket.socket, obj: Any) -> None:
@@ -83,65 +91,23 @@ def _recv(sock: socket.socket) -> Any:
     return pickle.loads(_recv_exact(sock, n))
 
 
-# -- the child --------------------------------------------------------------------------------------
+def _array(mm: Any, view: View) -> np.ndarray:
+    off, dtype, shape = view
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(mm, dt, count=count, offset=off).reshape(shape)
 
 
-class _Blocks:
-    """The child's memfd blocks: id -> [fd, mmap, size, busy]."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, list[Any]] = {}
-        self.next_id = 0
-        self.new: list[int] = []  # made during this read: their fds go to the parent
-        self.dropped: list[int] = []  # unmapped since the last reply: the parent drops them too
-
-    def take(self, n: int) -> tuple[int, np.ndarray]:
-        free = [(b[2], i) for i, b in self.blocks.items() if not b[3] and b[2] >= n]
-        if free:
-            _, i = min(free)
-        else:
-            size = max(BLOCK_ROUND, -(-n // BLOCK_ROUND) * BLOCK_ROUND)
-            fd = os.memfd_create("tracestore-read", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-            except BaseException:
-                os.close(fd)
-                raise
-            i, self.next_id = self.next_id, self.next_id + 1
-            self.blocks[i] = [fd, mm, size, False]
-            self.new.append(i)
-        block = self.blocks[i]
-        block[3] = True
-        return i, np.frombuffer(block[1], np.uint8, count=n)
-
-    def free(self, i: int) -> None:
-        block = self.blocks.get(i)
-        if block is None:
-            return
-        block[3] = False
-        spare = sorted((b[2], j) for j, b in self.blocks.items() if not b[3])
-        for _, j in spare[:-SPARE_BLOCKS] if len(spare) > SPARE_BLOCKS else ():
-            self._unmap(j)  # the smallest go first: the next read is as large as the last ones
-
-    def _unmap(self, i: int) -> None:
-        fd, mm, _, _ = self.blocks.pop(i)
-        with contextlib.suppress(BufferError):  # a view of a finished read still alive here
-            mm.close()
-        os.close(fd)
-        if i in self.new:  # never sent: the parent does not know it
-            self.new.remove(i)
-        else:
-            self.dropped.append(i)
+# -- a child ----------------------------------------------------------------------------------------
 
 
 def serve(sock: socket.socket) -> None:
-    """The child's loop: ``init``, then ``read`` and ``free`` messages until the socket closes."""
+    """A child's loop: ``init``, then ``read`` messages until the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from tracestore.reader import StoreReader
+    from tracestore.reader import OutputArrays, StoreReader
     from tracestore.store import Store
 
-    blocks = _Blocks()
+    maps: dict[int, mmap.mmap] = {}
     reader: StoreReader | None = None
     try:
         while True:
@@ -150,17 +116,35 @@ def serve(sock: socket.socket) -> None:
             except EOFError:
                 return
             kind = msg[0]
-            if kind == "free":
-                blocks.free(msg[1])
-                continue
             try:
                 if kind == "init":
                     _, source, run, storage_options = msg
                     reader = StoreReader(Store(source, storage_options), run)
                     _send(sock, ("ready",))
                 elif kind == "read":
+                    _, block, n_new, dropped, views, kwargs = msg
+                    for i in dropped:
+                        mm = maps.pop(i, None)
+                        if mm is not None:
+                            with contextlib.suppress(BufferError):
+                                mm.close()
+                    if n_new:  # the block's descriptor follows the message
+                        _, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
+                        try:
+                            maps[block] = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+                        finally:
+                            for fd in fds:
+                                os.close(fd)
                     assert reader is not None, "read before init"
-                    _send_rows(sock, blocks, reader, msg[1])
+                    mm = maps[block]
+                    out = {name: OutputArrays(*(_array(mm, v) for v in vs)) for name, vs in views.items()}
+                    result = reader.read(out=out, **kwargs)
+                    ts = {}
+                    for name in result:
+                        t = result[name].token_scales
+                        ts[name] = None if t is None else np.ascontiguousarray(t, "<f4").tobytes()
+                    del out, result
+                    _send(sock, ("rows", ts))
                 else:
                     raise ValueError(f"unknown message {kind!r}")
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
@@ -170,215 +154,273 @@ def serve(sock: socket.socket) -> None:
             reader.close()
 
 
-def _send_rows(sock: socket.socket, blocks: _Blocks, reader: Any, kwargs: dict[str, Any]) -> None:
-    taken: list[tuple[int, np.ndarray]] = []
-
-    def allocate(n: int) -> np.ndarray:
-        taken.append(blocks.take(n))
-        return taken[-1][1]
-
-    try:
-        result = reader.read(allocate=allocate, **kwargs)
-    except BaseException:
-        for i, _ in taken:
-            blocks.free(i)
-        raise
-    if len(taken) != 1:
-        raise AssertionError(f"a read allocated {len(taken)} output buffers, expected 1")
-    block, buf = taken[0]
-    base = buf.ctypes.data
-    end = base + buf.nbytes
-
-    def where(a: np.ndarray) -> tuple[int, str, tuple[int, ...]]:
-        at = a.ctypes.data
-        if not (a.flags.c_contiguous and base <= at and at + a.nbytes <= end):
-            raise AssertionError("a result array is not a contiguous view of the shared block")
-        return at - base, a.dtype.str, a.shape
-
-    sites = []
-    for name in result:
-        r = result[name]
-        sites.append(
-            (
-                name,
-                where(r.codes),
-                where(r.scales),
-                where(r.global_scale),
-                where(r.valid),
-                where(r.policy_version),
-                None if r.token_scales is None else np.ascontiguousarray(r.token_scales, "<f4").tobytes(),
-            )
-        )
-    new, blocks.new = blocks.new, []
-    dropped, blocks.dropped = blocks.dropped, []
-    _send(sock, ("rows", block, buf.nbytes, new, dropped, sites))
-    if new:  # then the descriptors of the blocks the parent has not mapped yet
-        socket.send_fds(sock, [_LEN.pack(len(new))], [blocks.blocks[i][0] for i in new])
-
-
 # -- the parent -------------------------------------------------------------------------------------
 
 
-class ReadProcess:
-    """The parent's handle on its read process (see the module docstring). Thread-safe: reads
-    are serialized (one in flight), frees may come from any thread."""
+class _Child:
+    """One child process and its socket (parent side)."""
 
     def __init__(self, source: str, run: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
-        self.source, self.run, self.storage_options, self.timeout = source, run, storage_options, timeout
-        self._req = threading.Lock()  # one read at a time
-        self._send_lock = threading.RLock()  # whole messages; a finalizer may free inside a send
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
-        self._maps: dict[int, mmap.mmap] = {}
-        self._generation = 0  # bumped per child: frees of a dead child's blocks are dropped
-        self._closed = False
-        with self._req:
-            self._start()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._proc = subprocess.Popen(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, str(child.fileno())], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL
             )
         except OSError as exc:
             parent.close()
-            raise StorageError(f"could not start the read process ({sys.executable}): {exc}") from exc
+            raise StorageError(f"could not start a read process ({sys.executable}): {exc}") from exc
         finally:
             child.close()
-        self._generation += 1
-        self._sock = parent
-        parent.settimeout(self.timeout)
+        self.sock = parent
+        self.timeout = timeout
+        self.source = source
+        self.blocks: set[int] = set()  # blocks whose descriptor it has
+        parent.settimeout(timeout)
         try:
-            self._send_raw(pickle.dumps(list(sys.path)))
-            self._send_msg(("init", self.source, self.run, self.storage_options))
-            reply = self._reply("start")
+            data = pickle.dumps(list(sys.path))
+            parent.sendall(_LEN.pack(len(data)) + data)
+            _send(parent, ("init", source, run, storage_options))
+            reply = self.reply("start")
         except BaseException:
-            self._stop()
+            self.stop()
             raise
         if reply[0] != "ready":  # pragma: no cover - protocol bug
-            self._stop()
+            self.stop()
             raise StorageError(f"read process answered {reply[0]!r} to init")
 
-    def _send_raw(self, data: bytes) -> None:
-        assert self._sock is not None
-        with self._send_lock:
-            self._sock.sendall(_LEN.pack(len(data)) + data)
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-    def _send_msg(self, obj: Any) -> None:
-        self._send_raw(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    def send_read(self, block: int, fd: int, dropped: list[int], views: dict[str, list[View]], kwargs: Any) -> None:
+        new = block not in self.blocks
+        _send(self.sock, ("read", block, int(new), dropped, views, kwargs))
+        if new:
+            socket.send_fds(self.sock, [_LEN.pack(1)], [fd])
+            self.blocks.add(block)
 
-    def _reply(self, what: str) -> Any:
-        assert self._sock is not None
+    def reply(self, what: str) -> Any:
+        """The next message, or raises: StorageError if the child died or timed out (then it is
+        stopped), its own error class if it reported one."""
         try:
-            msg = _recv(self._sock)
+            msg = _recv(self.sock)
         except (EOFError, OSError) as exc:
-            code = None if self._proc is None else self._proc.poll()
-            self._stop()
+            self.stop()  # (waits for it: a reset socket can come before the exit status)
+            code = self.proc.returncode
             if isinstance(exc, TimeoutError):
                 reason = f"did not answer in {self.timeout} s"
             else:
                 reason = f"exited (code {code})" if code is not None else f"failed ({exc})"
-            raise StorageError(f"the read process {reason} during {what} of {self.source}") from None
+            raise StorageError(f"a read process of {self.source} {reason} during {what}") from None
+        except Exception as exc:  # noqa: BLE001 - a garbled reply: the protocol is out of step
+            self.stop()
+            raise StorageError(f"a read process of {self.source} sent a bad reply during {what}: {exc}") from exc
         if msg[0] == "error":
             raise _rebuild(msg[1], msg[2], msg[3])
         return msg
 
-    def read(self, **kwargs: Any) -> dict[str, tuple[Any, ...]]:
-        """``StoreReader.read(**kwargs)`` in the child; returns ``{site: (codes, scales, global_scale,
-        valid, policy_version, token_scales)}``, numpy arrays over shared memory."""
+    def stop(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ReadProcesses:
+    """The parent's side: ``n`` children, the shared blocks, and reads split among them (see the
+    module docstring). Reads are serialized (one in flight); blocks come back from any thread."""
+
+    def __init__(
+        self, source: str, run: str, storage_options: dict[str, Any] | None, timeout: float, n: int = 1
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"the number of read processes must be an integer >= 1, got {n!r}")
+        self.source, self.run, self.storage_options, self.timeout = source, run, storage_options, timeout
+        self._req = threading.Lock()
+        self._blocks_lock = threading.Lock()
+        self._blocks: dict[int, list[Any]] = {}  # id -> [fd, mmap, size, busy]
+        self._next_block = 0
+        self._dropped: list[int] = []  # unmapped here since the children last heard
+        self._closed = False
+        self._children: list[_Child | None] = [None] * n
+        with self._req:
+            self._children[0] = self._child(0)  # the first one now: a bad URL fails here
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self._children if c is not None]
+
+    def _child(self, i: int) -> _Child:
+        c = self._children[i]
+        if c is not None and not c.alive:
+            log.warning("read process %d exited (code %s) while idle; starting another", c.proc.pid, c.proc.returncode)
+            c.stop()
+            c = None
+        if c is None:
+            c = self._children[i] = _Child(self.source, self.run, self.storage_options, self.timeout)
+        return c
+
+    # -- blocks -----------------------------------------------------------------------------------
+
+    def _take(self, n: int) -> tuple[int, list[Any]]:
+        with self._blocks_lock:
+            free = [(b[2], i) for i, b in self._blocks.items() if not b[3] and b[2] >= n]
+            if free:
+                i = min(free)[1]
+            else:
+                size = max(BLOCK_ROUND, -(-n // BLOCK_ROUND) * BLOCK_ROUND)
+                fd = os.memfd_create("tracestore-read", os.MFD_CLOEXEC)
+                try:
+                    os.ftruncate(fd, size)
+                    mm = mmap.mmap(fd, size)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                i, self._next_block = self._next_block, self._next_block + 1
+                self._blocks[i] = [fd, mm, size, False]
+            self._blocks[i][3] = True
+            return i, self._blocks[i]
+
+    def _give_back(self, i: int) -> None:
+        """A read's arrays are all gone (any thread, at GC): its block may serve another read."""
+        with self._blocks_lock:
+            b = self._blocks.get(i)
+            if b is None:
+                return
+            b[3] = False
+            spare = sorted((x[2], j) for j, x in self._blocks.items() if not x[3])
+            for _, j in spare[:-SPARE_BLOCKS] if len(spare) > SPARE_BLOCKS else ():
+                fd, mm, _, _ = self._blocks.pop(j)  # the smallest go: the next read is like the last
+                with contextlib.suppress(BufferError):
+                    mm.close()
+                os.close(fd)
+                self._dropped.append(j)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def read(
+        self,
+        segments: Sequence[tuple[str | None, int, int]],
+        layout: Sequence[tuple[Any, int, int, int]],
+        **kwargs: Any,
+    ) -> dict[str, tuple[Any, ...]]:
+        """``StoreReader.read(plan, **kwargs)`` in the children; ``layout``: what
+        ``StoreReader.layout`` says that read returns. Returns ``{site: (codes, scales,
+        global_scale, valid, policy_version, token_scales)}``, numpy arrays over shared memory."""
+        # the block: per site codes, scales, policy_version, global_scale, valid (64-byte aligned)
+        sections: list[list[int]] = []
+        at = 0
+        for _, n, cb, sb in layout:
+            offs = []
+            for nbytes in (n * cb, n * sb, 8 * n, 4 * n, n):
+                offs.append(at)
+                at += -(-nbytes // 64) * 64
+            sections.append(offs)
+        total = max(at, 1)
+        record_bytes = sum(n * (cb + sb + 13) for _, n, cb, sb in layout)
+        slices = _slices(segments, min(len(self._children), max(1, record_bytes // MIN_SLICE_BYTES)))
+        bounds = [(t0, t0 + sum(e - s for _, s, e in part)) for t0, part in slices]  # plan tokens of each
         with self._req:
             if self._closed:
                 raise StorageError("the reader is closed")
-            if self._proc is not None and self._proc.poll() is not None:
-                log.warning("the read process %d exited (code %s) while idle; starting another",
-                            self._proc.pid, self._proc.returncode)  # fmt: skip
-                self._stop()
-            if self._sock is None:
-                self._start()
+            block, b = self._take(total)
+            ok = False
             try:
-                self._send_msg(("read", kwargs))
-            except OSError as exc:
-                self._stop()
-                raise StorageError(f"the read process of {self.source} went away: {exc}") from None
-            try:
-                msg = self._reply("a read")
-            except TraceStoreError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - unknown to this side: keep the message
-                raise StorageError(str(exc)) from exc
-            if msg[0] != "rows":  # pragma: no cover - protocol bug
-                raise StorageError(f"read process answered {msg[0]!r} to a read")
-            _, block, nbytes, new, dropped, sites = msg
-            if new:
-                self._map(new)
-            for i in dropped:
-                self._maps.pop(i, None)
-            generation = self._generation
-        # Every array below is a view whose ``base`` is this one array (numpy stops collapsing
-        # view chains at an array that does not own its memory), so it lives as long as any of
-        # them. (Not a memoryview: numpy takes a new one from the exporter and drops ours.)
-        base = np.frombuffer(self._maps[block], np.uint8, count=nbytes)
-        weakref.finalize(base, self._free, generation, block)
-
-        def arr(spec: tuple[int, str, tuple[int, ...]]) -> np.ndarray:
-            off, dtype, shape = spec
-            dt = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            return base[off : off + n].view(dt).reshape(shape)
-
-        out = {}
-        for name, codes, scales, g, valid, pv, ts in sites:
-            tsa = None if ts is None else np.frombuffer(ts, "<f4").astype(np.float32)
-            out[name] = (arr(codes), arr(scales), arr(g), arr(valid), arr(pv), tsa)
-        return out
-
-    def _map(self, ids: list[int]) -> None:
-        assert self._sock is not None
-        _, fds, _, _ = socket.recv_fds(self._sock, _LEN.size, len(ids))
-        if len(fds) != len(ids):
-            for fd in fds:
-                os.close(fd)
-            self._stop()
-            raise StorageError(f"read process sent {len(fds)} block descriptors, expected {len(ids)}")
-        for i, fd in zip(ids, fds, strict=True):
-            try:
-                self._maps[i] = mmap.mmap(fd, os.fstat(fd).st_size)
+                with self._blocks_lock:
+                    dropped, self._dropped = self._dropped, []
+                sent: list[tuple[int, _Child]] = []
+                first: BaseException | None = None
+                for k, ((_, part), (t0, t1)) in enumerate(zip(slices, bounds, strict=True)):
+                    views = {}
+                    for (site, _, cb, sb), offs in zip(layout, sections, strict=True):
+                        r0, r1 = t0 * site.rows_per_token, t1 * site.rows_per_token
+                        views[site.name] = [
+                            (offs[0] + r0 * cb, "|u1", (r1 - r0, cb)),
+                            (offs[1] + r0 * sb, "|u1", (r1 - r0, sb)),
+                            (offs[2] + 8 * r0, "<i8", (r1 - r0,)),
+                            (offs[3] + 4 * r0, "<f4", (r1 - r0,)),
+                            (offs[4] + r0, "|b1", (r1 - r0,)),
+                        ]
+                    try:
+                        c = self._child(k)
+                        c.send_read(block, b[0], dropped, views, dict(kwargs, plan=list(part)))
+                        sent.append((k, c))
+                    except (OSError, StorageError) as exc:
+                        if self._children[k] is not None:
+                            self._children[k].stop()  # type: ignore[union-attr]
+                            self._children[k] = None
+                        first = first or StorageError(f"a read process of {self.source} went away: {exc}")
+                        break
+                parts: list[dict[str, bytes | None]] = []
+                for k, c in sent:  # every reply, even after a failure: each socket stays in step
+                    try:
+                        parts.append(c.reply("a read")[1])
+                    except BaseException as exc:
+                        if not c.alive or c.sock.fileno() < 0:
+                            self._children[k] = None
+                        first = first or exc
+                if first is not None:
+                    raise first
+                ok = True
             finally:
-                os.close(fd)
-
-    def _free(self, generation: int, block: int) -> None:
-        """Every array of a read is gone: the child may reuse its block (any thread, at GC)."""
-        if generation != self._generation or self._sock is None:
-            return
-        with contextlib.suppress(OSError):  # the child is gone; its blocks with it
-            self._send_msg(("free", block))
-
-    def _stop(self) -> None:
-        sock, self._sock = self._sock, None
-        self._maps = {}  # mappings stay valid for arrays still alive; the rest unmap when collected
-        if sock is not None:
-            sock.close()
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                if not ok:
+                    self._give_back(block)
+        # Every array below is a view whose ``base`` is this one array (numpy stops collapsing view
+        # chains at an array that does not own its memory), so it lives as long as any of them.
+        base = np.frombuffer(b[1], np.uint8, count=total)
+        weakref.finalize(base, self._give_back, block)
+        out = {}
+        for (site, n, cb, sb), offs in zip(layout, sections, strict=True):
+            sizes = (n * cb, n * sb, 8 * n, 4 * n, n)
+            dtypes = (np.uint8, np.uint8, "<i8", "<f4", np.bool_)
+            a = [base[o : o + nb].view(dt) for o, nb, dt in zip(offs, sizes, dtypes, strict=True)]
+            ts = None  # (a slice none of whose records has token scales sends None: 1.0 there)
+            if any(p.get(site.name) is not None for p in parts):
+                ts = np.ones(n, np.float32)
+                for p, (t0, t1) in zip(parts, bounds, strict=True):
+                    got = p.get(site.name)
+                    if got is not None:
+                        ts[t0 * site.rows_per_token : t1 * site.rows_per_token] = np.frombuffer(got, "<f4")
+            out[site.name] = (a[0].reshape(n, cb), a[1].reshape(n, sb), a[3], a[4], a[2], ts)
+        return out
 
     def close(self) -> None:
         with self._req:
             self._closed = True
-            self._stop()
+            for i, c in enumerate(self._children):
+                if c is not None:
+                    c.stop()
+                self._children[i] = None
+
+
+def _slices(
+    segments: Sequence[tuple[str | None, int, int]], k: int
+) -> list[tuple[int, list[tuple[str | None, int, int]]]]:
+    """``segments`` cut into ``k`` runs of nearly equal tokens (segments split where needed):
+    ``[(first plan token, segments)]``."""
+    n = sum(b - a for _, a, b in segments)
+    if k <= 1 or n == 0:
+        return [(0, list(segments))]
+    cuts = [n * j // k for j in range(1, k)]
+    out: list[tuple[int, list[tuple[str | None, int, int]]]] = [(0, [])]
+    at = 0
+    for traj, a, b in segments:
+        while a < b:
+            room = (cuts[len(out) - 1] - at) if len(out) <= len(cuts) else b - a
+            if room == 0:
+                out.append((at, []))
+                continue
+            take = min(room, b - a)
+            out[-1][1].append((traj, a, a + take))
+            a += take
+            at += take
+    return [s for s in out if s[1]]
 
 
 def _rebuild(module: str, qualname: str, message: str) -> Exception:
-    """The child's exception as the same tracestore error class (others as StorageError)."""
+    """A child's exception as the same tracestore error class (others as StorageError)."""
     if module.startswith("tracestore."):
         try:
             cls = getattr(importlib.import_module(module), qualname)

@@ -4,10 +4,11 @@
 the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
 the ``Read`` RPC). The next plan can be fetched in the background (:meth:`GuidanceReader.prefetch`)
 while the current microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
-child process and lands in shared memory (:mod:`tracestore.client.read_process`): beside a
-training loop that keeps the GIL busy, a prefetch in a thread of the trainer waits for that lock
-between its copies, a child process does not. Results are torch tensors on ``device``; for a CUDA device
-the host arrays are pinned and copied with ``non_blocking=True``.
+child process and lands in shared memory (:mod:`tracestore.client.read_process`); ``process=N``
+splits each read's rows among N children. Beside a training loop that keeps the GIL busy, a
+prefetch in a thread of the trainer waits for that lock between its copies, a child does not;
+and N children decode on N cores where one process reaches about 2. Results are torch tensors on
+``device``; for a CUDA device the host arrays are pinned and copied with ``non_blocking=True``.
 
 Example::
 
@@ -77,7 +78,7 @@ class GuidanceReader:
         rule: str = "bracket",
         storage_options: dict[str, Any] | None = None,
         timeout: float = 120.0,
-        process: bool = False,
+        process: bool | int = False,
     ) -> None:
         validate_id("run", run)
         if on_missing not in ("error", "mask"):
@@ -113,9 +114,9 @@ class GuidanceReader:
             self._store_reader = StoreReader(self._store, run)
             self.spec = self._store_reader.spec
             if process:
-                from .read_process import ReadProcess
+                from .read_process import ReadProcesses
 
-                self._process = ReadProcess(source, run, storage_options, timeout)
+                self._process = ReadProcesses(source, run, storage_options, timeout, n=int(process))
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -181,9 +182,10 @@ class GuidanceReader:
         return out
 
     def _fetch_process(self, plan: MicrobatchPlan) -> dict[str, HostRows]:
-        assert self.spec is not None
+        assert self.spec is not None and self._store_reader is not None
         got = self._process.read(
-            plan=_segments(plan),
+            _segments(plan),
+            self._store_reader.layout(plan.n_tokens, self.sites, self.columns),
             versions=self.versions,
             sites=self.sites,
             columns=self.columns,

@@ -83,6 +83,51 @@ class SiteRows:
         return int(self.valid.shape[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputArrays:
+    """Where one site's rows of a read go (``StoreReader.read(out=...)``): ``codes`` uint8
+    ``[n_rows, code_bytes]``, ``scales`` uint8 ``[n_rows, scale_bytes]`` (of the column range),
+    ``policy_version`` int64, ``global_scale`` float32 and ``valid`` bool ``[n_rows]``, all
+    C-contiguous and writable (:meth:`StoreReader.layout` gives the shapes)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    policy_version: np.ndarray
+    global_scale: np.ndarray
+    valid: np.ndarray
+
+
+def _checked_out(
+    site: SiteSpec, cols: ColumnRange, n_tokens: int, out: Mapping[str, OutputArrays]
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``out[site]`` checked against the read's shapes: (n_rows, codes, scales, pv, g, valid)."""
+    o = out.get(site.name)
+    if not isinstance(o, OutputArrays):
+        raise ValidationError(f"out has no OutputArrays for site {site.name}")
+    n = n_tokens * site.rows_per_token
+    want = (
+        ("codes", o.codes, np.uint8, (n, (cols[1] - cols[0]) * site.bits // 8)),
+        ("scales", o.scales, np.uint8, (n, (cols[1] - cols[0]) // site.fmt.block)),
+        ("policy_version", o.policy_version, np.int64, (n,)),
+        ("global_scale", o.global_scale, np.float32, (n,)),
+        ("valid", o.valid, np.bool_, (n,)),
+    )
+    for name, a, dtype, shape in want:
+        if (
+            not isinstance(a, np.ndarray)
+            or a.dtype != dtype
+            or a.shape != shape
+            or not a.flags.c_contiguous
+            or not a.flags.writeable
+        ):
+            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValidationError(
+                f"out[{site.name!r}].{name} must be a writable C-contiguous {np.dtype(dtype)} array of shape "
+                f"{shape}, got {got}"
+            )
+    return n, o.codes, o.scales, o.policy_version, o.global_scale, o.valid
+
+
 @dataclasses.dataclass
 class ReadStats:
     shards: int = 0
@@ -135,7 +180,9 @@ class _SiteOut:
         n: int,
         codes: np.ndarray,
         scales: np.ndarray,
-        small: np.ndarray,
+        pv: np.ndarray,
+        g: np.ndarray,
+        valid: np.ndarray,
         hold_gil: bool = False,
     ) -> None:
         self.site = site
@@ -147,10 +194,7 @@ class _SiteOut:
         # codes/scales uninitialised: every row is written exactly once, by a record or by the zero fill
         self.codes = codes
         self.scales = scales
-        # policy_version, global_scale and valid: views of ``small`` (13 * n bytes, 8-byte aligned)
-        self.pv = small[: 8 * n].view(np.int64)
-        self.g = small[8 * n : 12 * n].view(np.float32)
-        self.valid = small[12 * n : 13 * n].view(bool)
+        self.pv, self.g, self.valid = pv, g, valid
         self.pv.fill(-1)
         self.g.fill(1.0)
         self.valid.fill(False)
@@ -394,7 +438,7 @@ class StoreReader:
         require_sealed: bool = False,
         refresh: bool = True,
         hold_gil: bool = False,
-        allocate: Callable[[int], np.ndarray] | None = None,
+        out: Mapping[str, OutputArrays] | None = None,
     ) -> ReadResult:
         """Read the records of ``plan`` (see the module docstring for the rules).
 
@@ -406,9 +450,9 @@ class StoreReader:
         invalid. ``require_sealed`` demands a seal for every trajectory in the plan. ``hold_gil``:
         short copies and CRCs keep the GIL, for a read in a background thread beside one that is
         busy in Python (see :func:`_copy_held`); the default gives it up and decodes faster alone.
-        ``allocate(n)``: where the codes, scales and per-row arrays of every site go (one writable
-        uint8 array of ``n`` bytes, 64-byte aligned; default: Arrow's memory pool), e.g. shared
-        memory another process maps (:mod:`tracestore.client.read_process`).
+        ``out``: where each site's rows go (:class:`OutputArrays` of the shapes :meth:`layout`
+        gives, for every site read; default: one new buffer from Arrow's memory pool), e.g. rows of
+        a shared-memory block that another process maps (:mod:`tracestore.client.read_process`).
         """
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)
@@ -438,9 +482,21 @@ class StoreReader:
         with self._lock:  # index updates are serialized; the reads themselves run concurrently
             if refresh or any(v not in self._listed for v in present):
                 self.refresh(present)
-        return self._read(
-            plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil, allocate
-        )
+        return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil, out)
+
+    def layout(
+        self,
+        n_tokens: int,
+        sites: Iterable[str] | None = None,
+        columns: ColumnRange | Mapping[str, ColumnRange] | None = None,
+    ) -> list[tuple[SiteSpec, int, int, int]]:
+        """What a read of a plan of ``n_tokens`` tokens returns: ``(site, n_rows, code_bytes,
+        scale_bytes)`` per site, in the order :meth:`read` takes them (for ``out=``)."""
+        out = []
+        for s in self._sites(sites):
+            a, b = _column_range(s, columns)
+            out.append((s, n_tokens * s.rows_per_token, (b - a) * s.bits // 8, (b - a) // s.fmt.block))
+        return out
 
     def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
         if sites is None:
@@ -477,7 +533,7 @@ class StoreReader:
         stale_below: int,
         require_sealed: bool,
         hold_gil: bool = False,
-        allocate: Callable[[int], np.ndarray] | None = None,
+        out: Mapping[str, OutputArrays] | None = None,
     ) -> ReadResult:
         stats = ReadStats()
         if require_sealed:
@@ -529,31 +585,27 @@ class StoreReader:
         # The per-row arrays (policy version, global scale, valid) come from the same allocation:
         # fresh numpy arrays of them cost 3 ms per 192 MiB read in the reading thread (page
         # faults), before any shard is fetched.
-        shapes = []
-        for s in site_specs:
-            n = plan.n_tokens * s.rows_per_token
-            a, b = col[s.name]
-            shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block), (1, 13 * n)]
-        sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
-        buf = (allocate or _pool_bytes)(sum(sizes))
-        if buf.dtype != np.uint8 or buf.shape != (sum(sizes),) or not buf.flags.writeable or buf.ctypes.data % 64:
-            raise ValidationError(
-                f"allocate({sum(sizes)}) must return a writable, 64-byte aligned uint8 array of that size"
-            )
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
-        outs = {
-            s.name: _SiteOut(
-                s,
-                col[s.name],
-                plan.n_tokens * s.rows_per_token,
-                views[3 * i],
-                views[3 * i + 1],
-                views[3 * i + 2][0],
-                hold_gil,
-            )
-            for i, s in enumerate(site_specs)
-        }
+        if out is not None:
+            outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, col[s.name], plan.n_tokens, out), hold_gil)
+                    for s in site_specs}  # fmt: skip
+        else:
+            shapes = []
+            for s in site_specs:
+                n = plan.n_tokens * s.rows_per_token
+                a, b = col[s.name]
+                shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block), (1, 13 * n)]
+            sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
+            buf = _pool_bytes(sum(sizes))
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
+            outs = {}
+            for i, s in enumerate(site_specs):
+                n = plan.n_tokens * s.rows_per_token
+                small = views[3 * i + 2][0]  # policy_version, global_scale, valid (8-byte aligned)
+                outs[s.name] = _SiteOut(
+                    s, col[s.name], n, views[3 * i], views[3 * i + 1], small[: 8 * n].view(np.int64),
+                    small[8 * n : 12 * n].view(np.float32), small[12 * n : 13 * n].view(bool), hold_gil,
+                )  # fmt: skip
         # 3. fetch the chunks; each verified batch is placed by the thread that decoded it, while
         # the next batch decodes (rows of different tasks never overlap: see the planning above)
         needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tracestore.client import GuidanceReader
+from tracestore.client import GuidanceReader, read_process
 from tracestore.client.read_process import SPARE_BLOCKS
 
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
@@ -87,7 +87,7 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
     store.put_run(SPEC)
     _filled(store)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
-        pid = reader._process.pid
+        pid = reader._process.pids[0]
         with pytest.raises(MissingRecordsError, match=r"t9"):
             reader.read_host([("t9", 0, 3)])
     with (
@@ -96,7 +96,7 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
     ):
         bad.read_host([("t0", 0, 9)])
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
-        pid = reader._process.pid
+        pid = reader._process.pids[0]
         good = reader.read_host([("t0", 0, 9)])
         assert good[S0.name].valid.all()
         # flip one byte of a shard's codes: the child's verification catches it, same class here
@@ -106,10 +106,10 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
         shard.write_bytes(bytes(data))
         with pytest.raises(CorruptionError):
             GuidanceReader(url, RUN, prefetch=False, process=True).read_host([("t0", 0, 9)])
-        assert reader._process.pid == pid  # errors did not cost the child
+        assert reader._process.pids[0] == pid  # errors did not cost the child
 
 
-def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path):
+def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path, monkeypatch):
     url = f"file://{tmp_path}/store"
     store = Store(url)
     from .conftest import SPEC
@@ -120,24 +120,22 @@ def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         first = reader.read_host(plan)
         # killed while idle: the next read starts another child and succeeds
-        os.kill(reader._process.pid, signal.SIGKILL)
+        os.kill(reader._process.pids[0], signal.SIGKILL)
         time.sleep(0.2)
         again = reader.read_host(plan)
         _same(first, again)
         np.testing.assert_array_equal(again[S0.name].codes, chunks[0].codes)
         # killed during a read: that read raises StorageError, the next one works
-        proc = reader._process
-        real_send = proc._send_msg
+        real_send = read_process._Child.send_read
 
-        def send_then_die(obj, real_send=real_send):
-            real_send(obj)
-            if obj[0] == "read":
-                os.kill(proc.pid, signal.SIGKILL)
+        def send_then_die(self, *a, **kw):
+            real_send(self, *a, **kw)
+            os.kill(self.proc.pid, signal.SIGKILL)
 
-        proc._send_msg = send_then_die
-        with pytest.raises(StorageError, match=r"read process"):
+        monkeypatch.setattr(read_process._Child, "send_read", send_then_die)
+        with pytest.raises(StorageError, match=r"read process .* exited \(code -9\) during a read"):
             reader.read_host(plan)
-        proc._send_msg = real_send
+        monkeypatch.setattr(read_process._Child, "send_read", real_send)
         _same(first, reader.read_host(plan))
         # arrays of an earlier child stay readable after it is gone
         np.testing.assert_array_equal(first[S0.name].codes, chunks[0].codes)
@@ -160,7 +158,7 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
             reader.read_host([("t1", 0, 9), ("t0", 0, 9)])
         gc.collect()
         reader.read_host([("t1", 0, 5)])
-        assert len(reader._process._maps) <= len(kept) + SPARE_BLOCKS
+        assert len(reader._process._blocks) <= len(kept) + SPARE_BLOCKS
         # the kept results were never overwritten by the later reads
         np.testing.assert_array_equal(kept[0][S0.name].codes, chunks[0].codes)
         np.testing.assert_array_equal(kept[1][S0.name].codes, chunks[3].codes)
@@ -172,3 +170,36 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
 def test_process_needs_a_storage_url():
     with pytest.raises(ConfigError, match=r"process=True"):
         GuidanceReader("127.0.0.1:7433", RUN, process=True)
+
+
+def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, monkeypatch):
+    # process=3, every plan cut into 3 slices (one trajectory split between children; token
+    # scales in some slices only; padding; a masked trajectory): the rows of one process's read
+    monkeypatch.setattr(read_process, "MIN_SLICE_BYTES", 1)
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    from .conftest import SPEC
+
+    store.put_run(SPEC)
+    rng = np.random.default_rng(5)
+    chunks = [
+        make_chunk(s, t, 0, 20, rng=rng, token_scales=(s is S1 and t == "t1")) for t in ("t0", "t1") for s in SITES
+    ]
+    store.write_shard(RUN, 0, "w0", 0, chunks)
+    plans = [
+        [("t0", 0, 20), ("t1", 0, 20)],
+        [("t1", 5, 20), (None, 0, 4), ("t0", 0, 7), ("t9", 0, 3)],
+        [("t0", 3, 4)],  # fewer tokens than children
+    ]
+    here = GuidanceReader(url, RUN, prefetch=False, on_missing="mask")
+    many = GuidanceReader(url, RUN, prefetch=False, on_missing="mask", process=3, timeout=60)
+    with here, many:
+        for plan in plans:
+            _same(here.read_host(plan), many.read_host(plan))
+        assert len(many._process.pids) == 3
+        # one slice missing a record: the error of that child, the other replies drained
+        strict = GuidanceReader(url, RUN, prefetch=False, process=3, timeout=60)
+        with strict:
+            with pytest.raises(MissingRecordsError, match=r"t9"):
+                strict.read_host([("t0", 0, 20), ("t1", 0, 20), ("t9", 0, 2)])
+            _same(here.read_host(plans[0]), strict.read_host(plans[0]))
