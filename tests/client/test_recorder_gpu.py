@@ -313,3 +313,44 @@ def test_pool_is_pinned_at_start_up() -> None:
         assert rec.pool.tensor().is_pinned(), "torch must see the registered pool as pinned (else copies block)"
     finally:
         rec.close(timeout=0.1)
+
+
+def test_reads_through_child_processes_land_on_the_gpu(tmp_path) -> None:
+    # GuidanceReader(process=2, device="cuda"): rows decoded by two child processes into shared
+    # memory, pinned and copied to the GPU, equal to the same read decoded in this process
+    from tracestore.records import RecordChunk
+    from tracestore.store import Store
+
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    store.put_run(SPEC)
+    rng = np.random.default_rng(7)
+    chunks = [
+        RecordChunk(SPEC.run, 0, t, s.name, 0, 300,
+                    rng.integers(0, 256, (300 * s.rows_per_token, s.code_bytes), dtype=np.uint8),
+                    rng.integers(0, 256, (300 * s.rows_per_token, s.scale_bytes), dtype=np.uint8),
+                    0.5 if s.format == "nvfp4" else 1.0)
+        for t in ("a", "b") for s in SPEC.sites
+    ]  # fmt: skip
+    store.write_shard(SPEC.run, 0, "w0", 0, chunks)
+    plan = [("b", 10, 300), ("a", 0, 300)]
+    from tracestore.client import read_process
+
+    old, read_process.MIN_SLICE_BYTES = read_process.MIN_SLICE_BYTES, 1  # split even this small read
+    try:
+        with (
+            GuidanceReader(url, SPEC.run, prefetch=False) as here,
+            GuidanceReader(url, SPEC.run, device="cuda", process=2) as there,
+        ):
+            want = here.read_host(plan)
+            there.prefetch(plan)
+            got = there.read(plan)
+            assert len(there._process.pids) == 2
+    finally:
+        read_process.MIN_SLICE_BYTES = old
+    for s in SPEC.sites:
+        g = got[s.name]
+        assert g.codes.is_cuda and g.scales.is_cuda
+        assert np.array_equal(g.codes.cpu().numpy(), want[s.name].codes), s.name
+        assert np.array_equal(g.scales.cpu().numpy(), want[s.name].scales), s.name
+        assert bool(g.valid.all())
