@@ -116,18 +116,21 @@ def serve(sock: socket.socket) -> None:
             except EOFError:
                 return
             kind = msg[0]
+            if kind in ("read", "drop"):
+                for i in msg[3] if kind == "read" else msg[1]:
+                    mm = maps.pop(i, None)
+                    if mm is not None:
+                        with contextlib.suppress(BufferError):
+                            mm.close()
+                if kind == "drop":
+                    continue
             try:
                 if kind == "init":
                     _, source, run, storage_options = msg
                     reader = StoreReader(Store(source, storage_options), run)
                     _send(sock, ("ready",))
                 elif kind == "read":
-                    _, block, n_new, dropped, views, kwargs = msg
-                    for i in dropped:
-                        mm = maps.pop(i, None)
-                        if mm is not None:
-                            with contextlib.suppress(BufferError):
-                                mm.close()
+                    _, block, n_new, _, views, kwargs = msg
                     if n_new:  # the block's descriptor follows the message
                         _, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
                         try:
@@ -175,6 +178,7 @@ class _Child:
         self.timeout = timeout
         self.source = source
         self.blocks: set[int] = set()  # blocks whose descriptor it has
+        self.drop: list[int] = []  # of those, unmapped in the parent since it last heard
         parent.settimeout(timeout)
         try:
             data = pickle.dumps(list(sys.path))
@@ -198,6 +202,11 @@ class _Child:
         if new:
             socket.send_fds(self.sock, [_LEN.pack(1)], [fd])
             self.blocks.add(block)
+
+    def send_drops(self, dropped: list[int]) -> None:
+        """Unmap the blocks the parent dropped (no reply): a child that no read uses for a while
+        must not keep their memory alive."""
+        _send(self.sock, ("drop", dropped))
 
     def reply(self, what: str) -> Any:
         """The next message, or raises: StorageError if the child died or timed out (then it is
@@ -242,7 +251,6 @@ class ReadProcesses:
         self._blocks_lock = threading.Lock()
         self._blocks: dict[int, list[Any]] = {}  # id -> [fd, mmap, size, busy]
         self._next_block = 0
-        self._dropped: list[int] = []  # unmapped here since the children last heard
         self._closed = False
         self._children: list[_Child | None] = [None] * n
         with self._req:
@@ -296,7 +304,15 @@ class ReadProcesses:
                 with contextlib.suppress(BufferError):
                     mm.close()
                 os.close(fd)
-                self._dropped.append(j)
+                for c in self._children:
+                    if c is not None and j in c.blocks:
+                        c.blocks.discard(j)
+                        c.drop.append(j)
+
+    def _drops(self, c: _Child) -> list[int]:
+        with self._blocks_lock:  # (_give_back appends from any thread)
+            dropped, c.drop = c.drop, []
+        return dropped
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -328,8 +344,6 @@ class ReadProcesses:
             block, b = self._take(total)
             ok = False
             try:
-                with self._blocks_lock:
-                    dropped, self._dropped = self._dropped, []
                 sent: list[tuple[int, _Child]] = []
                 first: BaseException | None = None
                 for k, ((_, part), (t0, t1)) in enumerate(zip(slices, bounds, strict=True)):
@@ -345,7 +359,7 @@ class ReadProcesses:
                         ]
                     try:
                         c = self._child(k)
-                        c.send_read(block, b[0], dropped, views, dict(kwargs, plan=list(part)))
+                        c.send_read(block, b[0], self._drops(c), views, dict(kwargs, plan=list(part)))
                         sent.append((k, c))
                     except (OSError, StorageError) as exc:
                         if self._children[k] is not None:
@@ -353,6 +367,10 @@ class ReadProcesses:
                             self._children[k] = None
                         first = first or StorageError(f"a read process of {self.source} went away: {exc}")
                         break
+                for idle in self._children[len(sent) :]:  # the others only unmap what the parent dropped
+                    if idle is not None and idle.drop:
+                        with contextlib.suppress(OSError):
+                            idle.send_drops(self._drops(idle))
                 parts: list[dict[str, bytes | None]] = []
                 for k, c in sent:  # every reply, even after a failure: each socket stays in step
                     try:

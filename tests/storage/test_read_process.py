@@ -165,6 +165,23 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
         np.testing.assert_array_equal(kept[2][S0.name].codes, chunks[0].codes[3:])
         tail = kept[1][S1.name]  # a token-scale site, 2 rows per token
         np.testing.assert_array_equal(tail.token_scales, chunks[4].token_scales)
+        # five blocks in use, then all free: the parent keeps SPARE_BLOCKS of them, and the child
+        # unmaps the ones the parent dropped with its next message (their memory is not held)
+        kept += [reader.read_host([("t0", 0, 9)]) for _ in range(2)]
+        assert len(reader._process._blocks) == 5
+        del kept, views, tail
+        gc.collect()
+        assert len(reader._process._blocks) == SPARE_BLOCKS
+        last = reader.read_host([("t1", 0, 9)])
+        assert len(reader._process._blocks) == SPARE_BLOCKS
+        assert _memfd_maps(reader._process.pids[0]) == SPARE_BLOCKS
+        np.testing.assert_array_equal(last[S0.name].codes, chunks[3].codes)
+
+
+def _memfd_maps(pid: int) -> int:
+    """How many of our memfd blocks process ``pid`` maps."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return len({line.split()[4] for line in lines if "memfd:tracestore-read" in line})
 
 
 def test_process_needs_a_storage_url():
