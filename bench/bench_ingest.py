@@ -423,8 +423,13 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
 
     # Untimed first: a shard just written may be partly out of the page cache (the two-writer
     # shard path collapses a range, which drops the second half's pages), and whichever side read
-    # first would pay the disk for both. Then READS alternating pairs; medians.
-    raw()
+    # first would pay the disk for both. Two rounds of both: after the repetition's ingest, the
+    # first raw reads ran at 0.2-1.0 GB/s and reached ~1.7 only by the fourth or fifth (the
+    # allocators' pools faulting fresh memory in again), which made the first phase's ratio
+    # 1.15-1.2 in three runs against 0.82-0.93 before. Then READS alternating pairs; medians.
+    for _ in range(2):
+        raw()
+        ours()
     times: dict[str, list[float]] = {}
     alternate([("raw", raw), ("ours", ours)], times)
     # Then process=1 and process=CHILDREN, each in its own phase against raw reads of that phase

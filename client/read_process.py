@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")
 BLOCK_ROUND = 2 << 20  # block sizes are whole multiples of this (so a little growth still fits)
-SPARE_BLOCKS = 2  # free blocks kept mapped for the next reads; more are unmapped
+# Free blocks kept for the next reads (more are unmapped). One is enough for the usual pattern
+# (step k trains on one result while the next is prefetched into another, then k's block is free),
+# so a reader holds (live results + 1) blocks of shared memory, each as large as a plan's rows.
+SPARE_BLOCKS = 1
 MIN_SLICE_BYTES = 8 << 20  # a plan is split among children only into slices of at least this
+START_TIMEOUT_S = 60.0  # for a child's start (imports, opening the store), if the read timeout is shorter
 
 _BOOT = (
     "import pickle, socket, struct, sys\n"
@@ -179,7 +183,7 @@ class _Child:
         self.source = source
         self.blocks: set[int] = set()  # blocks whose descriptor it has
         self.drop: list[int] = []  # of those, unmapped in the parent since it last heard
-        parent.settimeout(timeout)
+        parent.settimeout(max(timeout, START_TIMEOUT_S))  # its imports can take a while on a busy host
         try:
             data = pickle.dumps(list(sys.path))
             parent.sendall(_LEN.pack(len(data)) + data)
@@ -188,6 +192,7 @@ class _Child:
         except BaseException:
             self.stop()
             raise
+        parent.settimeout(timeout)
         if reply[0] != "ready":  # pragma: no cover - protocol bug
             self.stop()
             raise StorageError(f"read process answered {reply[0]!r} to init")
@@ -214,10 +219,13 @@ class _Child:
         try:
             msg = _recv(self.sock)
         except (EOFError, OSError) as exc:
+            waited = self.sock.gettimeout()
+            if isinstance(exc, TimeoutError):
+                self.proc.kill()  # hung (or stopped): it will not answer this read any more
             self.stop()  # (waits for it: a reset socket can come before the exit status)
             code = self.proc.returncode
             if isinstance(exc, TimeoutError):
-                reason = f"did not answer in {self.timeout} s"
+                reason = f"did not answer in {waited} s"
             else:
                 reason = f"exited (code {code})" if code is not None else f"failed ({exc})"
             raise StorageError(f"a read process of {self.source} {reason} during {what}") from None

@@ -220,3 +220,22 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
             with pytest.raises(MissingRecordsError, match=r"t9"):
                 strict.read_host([("t0", 0, 20), ("t1", 0, 20), ("t9", 0, 2)])
             _same(here.read_host(plans[0]), strict.read_host(plans[0]))
+
+
+def test_a_child_that_stops_answering_times_out_and_is_replaced(tmp_path: Path):
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    from .conftest import SPEC
+
+    store.put_run(SPEC)
+    chunks = _filled(store)
+    with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=1.0) as reader:
+        pid = reader._process.pids[0]
+        os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match=r"did not answer in 1.0 s during a read"):
+            reader.read_host([("t0", 0, 9)])
+        assert time.monotonic() - t0 < 4  # killed, not waited for
+        got = reader.read_host([("t0", 0, 9)])
+        assert reader._process.pids[0] != pid
+        np.testing.assert_array_equal(got[S0.name].codes, chunks[0].codes)
