@@ -529,11 +529,24 @@ def _thread_cpu_s(native_id: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
-def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str) -> tuple[list[float], float, int]:
+ENGINE_LOOPS = 20_000  # the engine's own Python per decode step (scheduling, sampling): ~1-2 ms alone here
+
+
+def _engine_python() -> None:
+    x = 0
+    for i in range(ENGINE_LOOPS):
+        x += i & 7
+
+
+def decode_caller_times(
+    address: str | None, steps: int, step_s: float, tag: str
+) -> tuple[list[float], float, int, list[float]]:
     """Seconds ``record_forward`` spends on the caller's (engine's) thread per decode step, with the
     sender streaming to ``address`` meanwhile (``None``: no sender thread at all, the idle floor),
-    the sender thread's CPU seconds for all the steps (until they are acknowledged) and the number
-    of chunks it sent.
+    the sender thread's CPU seconds for all the steps (until they are acknowledged), the number
+    of chunks it sent, and the seconds a fixed piece of pure-Python work (:data:`ENGINE_LOOPS`,
+    the engine's own scheduling code) took each step: what the sender's share of the GIL costs
+    the engine.
     Between steps the caller sleeps ``step_s`` (the GPU forward: the engine thread lets go of the GIL)."""
     from tracestore.client import RolloutRecorder, SiteOutput
 
@@ -549,13 +562,16 @@ def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str
     rec = RolloutRecorder(address or "127.0.0.1:1", DEC_SPEC, f"bench-{tag}", staging_bytes=256 << 20,
                           connect=address is not None)  # fmt: skip
     trajs = [f"{tag}-{k}" for k in range(DEC_ROWS)]
-    times = []
+    times, work = [], []
     try:
         for i in range(steps):
             segs = [(t, i, i + 1) for t in trajs]
             t0 = time.perf_counter()
             ok = rec.record_forward(segs, outs)
-            times.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            _engine_python()
+            work.append(time.perf_counter() - t1)
+            times.append(t1 - t0)
             if not ok:
                 raise RuntimeError(f"decode step refused: {rec.stats}")
             if address is None and rec.pool.in_use > rec.pool.capacity // 2:
@@ -569,7 +585,7 @@ def decode_caller_times(address: str | None, steps: int, step_s: float, tag: str
         chunks = rec.stats["chunks"]
     finally:
         rec.close(timeout=60 if address is not None else 0.1)
-    return times, sender_cpu, chunks
+    return times, sender_cpu, chunks, work
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -579,7 +595,8 @@ def _proc_cpu_s(pid: int) -> float:
 
 def bench_decode(ns: Any) -> int:
     """Caller-thread time of record_forward per decode step, idle sender vs a sidecar on the unix
-    socket (shm) and on TCP, interleaved."""
+    socket (shm) and on TCP, interleaved; and the time of the engine's own Python work right after
+    each call (the sender thread shares the engine's GIL)."""
     from tracestore.server.testing import ServeProcess
 
     rows: list[dict[str, Any]] = []
@@ -587,6 +604,7 @@ def bench_decode(ns: Any) -> int:
     sender: dict[str, list[float]] = {}  # sender-thread CPU seconds per step, one per repetition
     sidecar: dict[str, list[float]] = {}  # sidecar process CPU seconds per step (until committed)
     per_chunk: dict[str, list[float]] = {}  # tokens per chunk sent
+    engine: dict[str, list[float]] = {}  # the engine's fixed Python work per step (seconds)
     with tempfile.TemporaryDirectory(prefix="bench-decode-", dir=os.environ.get("BENCH_DIR")) as tmp:
         flags = ["--metrics-port", "off", "--flush-interval", "0.05"]
         mem = ServeProcess(Path(tmp) / "mem", storage=f"memory://bench-dec-{os.getpid()}", wal=False,
@@ -598,10 +616,11 @@ def bench_decode(ns: Any) -> int:
                 for j, (name, addr) in enumerate(providers):
                     assert mem.proc is not None
                     c0 = _proc_cpu_s(mem.proc.pid)
-                    t, cpu, chunks = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
+                    t, cpu, chunks, work = decode_caller_times(addr, ns.steps, ns.step_ms / 1000, f"dec{r}-{j}")
                     if addr is not None:
                         settle(mem.address)  # until its shards are committed
                     samples.setdefault(name, []).extend(t[5:])  # first steps: connection set-up
+                    engine.setdefault(name, []).extend(work[5:])
                     sender.setdefault(name, []).append(cpu / ns.steps)
                     sidecar.setdefault(name, []).append((_proc_cpu_s(mem.proc.pid) - c0) / ns.steps)
                     per_chunk.setdefault(name, []).append(ns.steps * DEC_ROWS * DEC_SITES / max(chunks, 1))
@@ -615,6 +634,11 @@ def bench_decode(ns: Any) -> int:
                          sidecar_cpu_ms=statistics.median(sidecar[name]) * 1e3 if "idle" not in name else None,
                          tokens_per_chunk=statistics.median(per_chunk[name]) if "idle" not in name else None,
                          step=f"{DEC_ROWS} rows x {DEC_SITES} sites"))  # fmt: skip
+    for name, v in engine.items():
+        q = statistics.quantiles(v, n=100)
+        rows.append(dict(provider=f"engine's own Python per step ({ENGINE_LOOPS} loop iterations), {name}",
+                         median_ms=statistics.median(v) * 1e3, p90_ms=q[89] * 1e3, p99_ms=q[98] * 1e3,
+                         max_ms=max(v) * 1e3, n=len(v), step=f"{DEC_ROWS} rows x {DEC_SITES} sites"))  # fmt: skip
     m = machine()
     print(f"# decode-step caller time on {m.get('cpu')} ({m.get('cores')} cores), {ns.repeat} interleaved "
           f"repetitions of {ns.steps} steps, {ns.step_ms} ms per step between calls; load average at the end "
