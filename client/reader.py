@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,10 +100,14 @@ class GuidanceReader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
         self._channel: Any = None
         self._process: Any = None
+        if not isinstance(process, int) or process < 0:  # (bool is an int: True is one child)
+            raise ConfigError(f"process must be False, True or a number of child processes, got {process!r}")
         if process and (self.sidecar or source.startswith("memory://")):
             raise ConfigError(
                 f"process=True reads a storage URL another process can open (file://, s3://, ...), not {source!r}"
             )
+        if process and not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
+            raise ConfigError("process=True needs Linux (memfd_create and SCM_RIGHTS); read in this process instead")
         if self.sidecar:
             self._channel = channel(source)
             self._store_reader = None

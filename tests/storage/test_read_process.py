@@ -184,9 +184,16 @@ def _memfd_maps(pid: int) -> int:
     return len({line.split()[4] for line in lines if "memfd:tracestore-read" in line})
 
 
-def test_process_needs_a_storage_url():
+def test_process_needs_a_storage_url_and_a_count(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"process=True"):
         GuidanceReader("127.0.0.1:7433", RUN, process=True)
+    url = f"file://{tmp_path}/store"
+    from .conftest import SPEC
+
+    Store(url).put_run(SPEC)
+    for bad in (-1, 2.5, "4"):
+        with pytest.raises(ConfigError, match=r"process must be False, True or a number of child processes"):
+            GuidanceReader(url, RUN, process=bad)
 
 
 def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, monkeypatch):
