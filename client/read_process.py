@@ -108,6 +108,11 @@ def _array(mm: Any, view: View) -> np.ndarray:
 def serve(sock: socket.socket) -> None:
     """A child's loop: ``init``, then ``read`` messages until the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the parent left mid-read
+        _serve_loop(sock)
+
+
+def _serve_loop(sock: socket.socket) -> None:
     from tracestore.reader import OutputArrays, StoreReader
     from tracestore.store import Store
 
@@ -237,6 +242,8 @@ class _Child:
         return msg
 
     def stop(self) -> None:
+        with contextlib.suppress(OSError):  # wakes a thread blocked on it here, and the child there
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         try:
             self.proc.wait(timeout=5)
@@ -261,6 +268,7 @@ class ReadProcesses:
         self._next_block = 0
         self._closed = False
         self._children: list[_Child | None] = [None] * n
+        weakref.finalize(self, _stop_all, self._children)
         with self._req:
             self._children[0] = self._child(0)  # the first one now: a bad URL fails here
 
@@ -269,6 +277,8 @@ class ReadProcesses:
         return [c.proc.pid for c in self._children if c is not None]
 
     def _child(self, i: int) -> _Child:
+        if self._closed:
+            raise StorageError("the reader is closed")
         c = self._children[i]
         if c is not None and not c.alive:
             log.warning("read process %d exited (code %s) while idle; starting another", c.proc.pid, c.proc.returncode)
@@ -413,12 +423,19 @@ class ReadProcesses:
         return out
 
     def close(self) -> None:
-        with self._req:
-            self._closed = True
-            for i, c in enumerate(self._children):
-                if c is not None:
-                    c.stop()
-                self._children[i] = None
+        """Stop the children now, without waiting for a read in flight (a prefetch nobody will
+        collect): its socket closes under it and it ends with StorageError."""
+        self._closed = True
+        _stop_all(self._children)
+
+
+def _stop_all(children: list[_Child | None]) -> None:
+    """Stop every child of ``children`` (also run by ``weakref.finalize`` when a ReadProcesses
+    that was never closed is collected, so its children do not outlive it)."""
+    for i, c in enumerate(children):
+        children[i] = None
+        if c is not None:
+            c.stop()
 
 
 def _slices(

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from tracestore.client.read_process import SPARE_BLOCKS
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
 from tracestore.store import Store
 
-from .conftest import RUN, SITES, make_chunk
+from .conftest import RUN, SITES, SPEC, make_chunk
 
 S0, S1, S2 = SITES
 FIELDS = ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version")
@@ -45,6 +46,14 @@ def _filled(store: Store, seed: int = 3) -> list:
     store.write_shard(RUN, 0, "w0", 0, chunks[:3])
     store.write_shard(RUN, 1, "w1", 0, chunks[3:])  # another version, another shard
     return chunks
+
+
+def _file_store(tmp_path: Path, fill: bool = False) -> tuple[str, Any]:
+    """(url, the chunks of ``_filled``) with ``fill``, else (url, the Store): a file:// store of SPEC."""
+    url = f"file://{tmp_path}/store"
+    store = Store(url)
+    store.put_run(SPEC)
+    return url, (_filled(store) if fill else store)
 
 
 def _readers(store: Store, backend, **kw) -> tuple[GuidanceReader, GuidanceReader]:
@@ -80,12 +89,7 @@ def test_process_reads_return_the_same_rows(store: Store, backend):
 
 
 def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Path):
-    url = f"file://{tmp_path}/store"
-    store = Store(url)
-    from .conftest import SPEC
-
-    store.put_run(SPEC)
-    _filled(store)
+    url, _ = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         pid = reader._process.pids[0]
         with pytest.raises(MissingRecordsError, match=r"t9"):
@@ -110,12 +114,7 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
 
 
 def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path, monkeypatch):
-    url = f"file://{tmp_path}/store"
-    store = Store(url)
-    from .conftest import SPEC
-
-    store.put_run(SPEC)
-    chunks = _filled(store)
+    url, chunks = _file_store(tmp_path, fill=True)
     plan = [("t0", 0, 9)]
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         first = reader.read_host(plan)
@@ -142,12 +141,7 @@ def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path
 
 
 def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Path):
-    url = f"file://{tmp_path}/store"
-    store = Store(url)
-    from .conftest import SPEC
-
-    store.put_run(SPEC)
-    chunks = _filled(store)
+    url, chunks = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         kept = [reader.read_host([("t0", 0, 9)]), reader.read_host([("t1", 0, 9)]), reader.read_host([("t0", 3, 9)])]
         views = [k[S0.name].codes for k in kept]
@@ -187,10 +181,7 @@ def _memfd_maps(pid: int) -> int:
 def test_process_needs_a_storage_url_and_a_count(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"process=True"):
         GuidanceReader("127.0.0.1:7433", RUN, process=True)
-    url = f"file://{tmp_path}/store"
-    from .conftest import SPEC
-
-    Store(url).put_run(SPEC)
+    url, _ = _file_store(tmp_path)
     for bad in (-1, 2.5, "4"):
         with pytest.raises(ConfigError, match=r"process must be False, True or a number of child processes"):
             GuidanceReader(url, RUN, process=bad)
@@ -200,11 +191,7 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
     # process=3, every plan cut into 3 slices (one trajectory split between children; token
     # scales in some slices only; padding; a masked trajectory): the rows of one process's read
     monkeypatch.setattr(read_process, "MIN_SLICE_BYTES", 1)
-    url = f"file://{tmp_path}/store"
-    store = Store(url)
-    from .conftest import SPEC
-
-    store.put_run(SPEC)
+    url, store = _file_store(tmp_path)
     rng = np.random.default_rng(5)
     chunks = [
         make_chunk(s, t, 0, 20, rng=rng, token_scales=(s is S1 and t == "t1")) for t in ("t0", "t1") for s in SITES
@@ -230,12 +217,7 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
 
 
 def test_a_child_that_stops_answering_times_out_and_is_replaced(tmp_path: Path):
-    url = f"file://{tmp_path}/store"
-    store = Store(url)
-    from .conftest import SPEC
-
-    store.put_run(SPEC)
-    chunks = _filled(store)
+    url, chunks = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=1.0) as reader:
         pid = reader._process.pids[0]
         os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
@@ -246,3 +228,36 @@ def test_a_child_that_stops_answering_times_out_and_is_replaced(tmp_path: Path):
         got = reader.read_host([("t0", 0, 9)])
         assert reader._process.pids[0] != pid
         np.testing.assert_array_equal(got[S0.name].codes, chunks[0].codes)
+
+
+def test_close_does_not_wait_for_a_prefetch_in_flight_and_ends_the_children(tmp_path: Path):
+    url, _ = _file_store(tmp_path, fill=True)
+    reader = GuidanceReader(url, RUN, process=2, timeout=60)
+    pids = reader._process.pids
+    os.kill(pids[0], signal.SIGSTOP)  # the prefetch below hangs in this child
+    reader.prefetch([("t0", 0, 9)])
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    reader.close()
+    assert time.monotonic() - t0 < 8  # stopped children are killed after the grace, not waited on
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped
+
+
+def test_an_unclosed_reader_takes_its_children_with_it(tmp_path: Path):
+    url, _ = _file_store(tmp_path, fill=True)
+    reader = GuidanceReader(url, RUN, prefetch=False, process=1)
+    reader.read_host([("t0", 0, 9)])
+    pid = reader._process.pids[0]
+    del reader
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"read process {pid} outlived its reader")
