@@ -267,8 +267,9 @@ class ReadProcesses:
         self._blocks: dict[int, list[Any]] = {}  # id -> [fd, mmap, size, busy]
         self._next_block = 0
         self._closed = False
+        self._pid = os.getpid()  # a forked copy of this object must neither read nor stop the children
         self._children: list[_Child | None] = [None] * n
-        weakref.finalize(self, _stop_all, self._children)
+        weakref.finalize(self, _stop_all, self._children, self._pid)
         with self._req:
             self._children[0] = self._child(0)  # the first one now: a bad URL fails here
 
@@ -356,6 +357,11 @@ class ReadProcesses:
         record_bytes = sum(n * (cb + sb + 13) for _, n, cb, sb in layout)
         slices = _slices(segments, min(len(self._children), max(1, record_bytes // MIN_SLICE_BYTES)))
         bounds = [(t0, t0 + sum(e - s for _, s, e in part)) for t0, part in slices]  # plan tokens of each
+        if os.getpid() != self._pid:
+            raise StorageError(
+                "this GuidanceReader(process=...) was made in another process (this one is a fork of it): "
+                "its children answer only there; make a reader in this process"
+            )
         with self._req:
             if self._closed:
                 raise StorageError("the reader is closed")
@@ -426,12 +432,16 @@ class ReadProcesses:
         """Stop the children now, without waiting for a read in flight (a prefetch nobody will
         collect): its socket closes under it and it ends with StorageError."""
         self._closed = True
-        _stop_all(self._children)
+        _stop_all(self._children, self._pid)
 
 
-def _stop_all(children: list[_Child | None]) -> None:
+def _stop_all(children: list[_Child | None], pid: int) -> None:
     """Stop every child of ``children`` (also run by ``weakref.finalize`` when a ReadProcesses
-    that was never closed is collected, so its children do not outlive it)."""
+    that was never closed is collected, so its children do not outlive it). Only in the process
+    that started them (``pid``): in a forked copy (a DataLoader worker, say) shutting the sockets
+    down would cut the real owner off its children."""
+    if os.getpid() != pid:
+        return
     for i, c in enumerate(children):
         children[i] = None
         if c is not None:

@@ -261,3 +261,22 @@ def test_an_unclosed_reader_takes_its_children_with_it(tmp_path: Path):
         time.sleep(0.05)
     else:
         pytest.fail(f"read process {pid} outlived its reader")
+
+
+def test_a_forked_copy_neither_reads_nor_stops_the_children(tmp_path: Path):
+    url, chunks = _file_store(tmp_path, fill=True)
+    with GuidanceReader(url, RUN, prefetch=False, process=1, timeout=60) as reader:
+        reader.read_host([("t0", 0, 9)])
+        pid = os.fork()
+        if pid == 0:  # the fork (a DataLoader worker, say): refused, and closing it is a no-op
+            code = 1
+            try:
+                reader.read_host([("t0", 0, 9)])
+            except StorageError as exc:
+                code = 0 if "made in another process" in str(exc) else 2
+            reader.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        got = reader.read_host([("t0", 0, 9)])  # the owner's children still answer
+        np.testing.assert_array_equal(got[S0.name].codes, chunks[0].codes)
