@@ -18,7 +18,7 @@ from tracestore import (
     ValidationError,
 )
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
+from tracestore.reader import OutputArrays, StoreReader
 from tracestore.store import Store
 
 from .conftest import RUN, SITES, SPEC, expected_rows, make_chunk
@@ -222,6 +222,41 @@ def test_background_reads_keeping_the_gil_return_the_same_rows(store: Store):
                 if x is not None:
                     np.testing.assert_array_equal(x, y, err_msg=f"{s.name}.{field}")
         _check(b, chunks, S0, MicrobatchPlan(plan).segments, cols=kw.get("columns", {}).get(S0.name))
+
+
+def test_reads_into_caller_arrays_fill_them_in_place(store: Store):
+    # out=: rows land in the caller's arrays (e.g. rows of a shared block), layout() gives the
+    # shapes; the same rows as a read into new memory; wrong arrays are refused, naming the field
+    rng = np.random.default_rng(12)
+    chunks = [make_chunk(s, t, 0, 9, rng=rng, token_scales=(s is S1)) for t in ("t0", "t1") for s in SITES]
+    store.write_shard(RUN, 0, "w0", 0, chunks)
+    reader = StoreReader(store, RUN)
+    plan = [("t1", 2, 9), (None, 0, 3), ("t0", 0, 9)]
+    n_tokens = MicrobatchPlan(plan).n_tokens
+    cols = {S0.name: (16, 48)}
+    out = {}
+    for site, n, cb, sb in reader.layout(n_tokens, columns=cols):
+        out[site.name] = OutputArrays(
+            np.full((n, cb), 0xAB, np.uint8), np.full((n, sb), 0xAB, np.uint8), np.zeros(n, np.int64),
+            np.zeros(n, np.float32), np.zeros(n, bool),
+        )  # fmt: skip
+    got, want = reader.read(plan, columns=cols, out=out), reader.read(plan, columns=cols)
+    for s in SITES:
+        assert got[s.name].codes is out[s.name].codes and got[s.name].valid is out[s.name].valid
+        for field in ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version"):
+            x, y = getattr(got[s.name], field), getattr(want[s.name], field)
+            assert (x is None) == (y is None), field
+            if x is not None:
+                np.testing.assert_array_equal(x, y, err_msg=f"{s.name}.{field}")
+    bad = dict(out)
+    o = out[S0.name]
+    bad[S0.name] = OutputArrays(o.codes[:, :-1], o.scales, o.policy_version, o.global_scale, o.valid)
+    with pytest.raises(
+        ValidationError, match=r"out\['layers\.20\.mlp\.input'\]\.codes must be a writable C-contiguous uint8"
+    ):
+        reader.read(plan, columns=cols, out=bad)
+    with pytest.raises(ValidationError, match=r"out has no OutputArrays for site layers\.3\.attn\.k"):
+        reader.read(plan, columns=cols, out={k: v for k, v in out.items() if k != S2.name})
 
 
 def test_duplicates_across_shards(store: Store):
