@@ -263,6 +263,9 @@ def test_an_unclosed_reader_takes_its_children_with_it(tmp_path: Path):
         pytest.fail(f"read process {pid} outlived its reader")
 
 
+# the point is a fork of a multi-threaded process (a trainer forking DataLoader workers); the fork
+# only calls the reader and exits (Python 3.12 warns about forking with threads)
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_copy_neither_reads_nor_stops_the_children(tmp_path: Path):
     url, chunks = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=1, timeout=60) as reader:
