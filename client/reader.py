@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -96,7 +97,7 @@ class GuidanceReader:
         self.timeout = timeout
         self.sidecar = is_sidecar_address(source)
         self._lock = threading.Lock()
-        self._pending: dict[tuple[Any, ...], Future[dict[str, HostRows]]] = {}
+        self._pending: dict[tuple[Any, ...], Future[dict[str, _Staged]]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
         self._channel: Any = None
         self._process: Any = None
@@ -135,15 +136,17 @@ class GuidanceReader:
             if key not in self._pending:
                 # in the background, beside the training loop's Python: short copies and CRCs keep
                 # the GIL instead of queueing for it after each (tracestore.reader._copy_held)
-                self._pending[key] = self._pool.submit(self._fetch, plan, True)
+                # the rows are also staged there (pinned for a CUDA device), so that read() only
+                # issues the non-blocking copies to the device
+                self._pending[key] = self._pool.submit(self._staged, plan, True)
 
     def read(self, plan: PlanLike) -> dict[str, Any]:
         """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``)."""
         key = _plan_key(plan)
         with self._lock:
             fut = self._pending.pop(key, None)
-        host = fut.result() if fut is not None else self._fetch(plan)
-        return {name: self._to_guidance(rows) for name, rows in host.items()}
+        staged = fut.result() if fut is not None else self._staged(plan)
+        return {name: self._to_guidance(rows) for name, rows in staged.items()}
 
     def read_host(self, plan: PlanLike) -> dict[str, HostRows]:
         """The same rows as numpy arrays (no torch needed)."""
@@ -271,33 +274,66 @@ class GuidanceReader:
             raise NotFoundError(f"run {self.run!r} is not declared at the sidecar {self.source}")
         return run_spec_from_pb(resp.run_spec)
 
-    def _to_guidance(self, rows: HostRows) -> Any:
+    def _staged(self, plan: PlanLike, background: bool = False) -> dict[str, _Staged]:
+        """``plan``'s rows as host tensors, pinned when the device is CUDA: the part of :meth:`read`
+        that copies bytes, done in the prefetch thread for a prefetched plan (pinning 200 MB is a
+        copy of its own, which the training thread then no longer waits for)."""
         import torch
 
-        from tracestore.guidance import Guidance
-
-        dev = torch.device(self.device)
-        pin = dev.type == "cuda"
+        pin = torch.device(self.device).type == "cuda"
 
         def t(a: np.ndarray | None) -> Any:
             if a is None:
                 return None
             x = torch.from_numpy(np.ascontiguousarray(a))
-            if pin:
-                x = x.pin_memory()
-            return x.to(dev, non_blocking=pin)
+            return x.pin_memory() if pin else x
+
+        return {
+            name: _Staged(
+                rows.site,
+                t(rows.codes),
+                t(rows.scales),
+                t(rows.global_scale.astype(np.float32)),
+                t(rows.token_scales),
+                t(rows.valid.astype(bool)),
+            )  # fmt: skip
+            for name, rows in self._fetch(plan, background).items()
+        }
+
+    def _to_guidance(self, rows: _Staged) -> Any:
+        import torch
+
+        from tracestore.guidance import Guidance
+
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+
+        def t(x: Any) -> Any:  # from pinned memory: the copy is queued on the current stream
+            return None if x is None else x.to(dev, non_blocking=cuda)
 
         site = rows.site
         return Guidance(
             codes=t(rows.codes),
             scales=t(rows.scales),
-            global_scale=t(rows.global_scale.astype(np.float32)),
+            global_scale=t(rows.global_scale),
             bits=site.bits,
             fmt=site.fmt,
             rule=self.rule,  # type: ignore[arg-type]
             token_scales=t(rows.token_scales),
-            valid=t(rows.valid.astype(bool)),
+            valid=t(rows.valid),
         )
+
+
+@dataclasses.dataclass
+class _Staged:
+    """One site's rows as host tensors (pinned for a CUDA device), ready to go to the device."""
+
+    site: SiteSpec
+    codes: Any
+    scales: Any
+    global_scale: Any
+    token_scales: Any
+    valid: Any
 
 
 def _segments(plan: MicrobatchPlan) -> list[tuple[str | None, int, int]]:
