@@ -8,7 +8,8 @@ child process and lands in shared memory (:mod:`tracestore.client.read_process`)
 splits each read's rows among N children. Beside a training loop that keeps the GIL busy, a
 prefetch in a thread of the trainer waits for that lock between its copies, a child does not;
 and N children decode on N cores where one process reaches about 2. Results are torch tensors on
-``device``; for a CUDA device the host arrays are pinned and copied with ``non_blocking=True``.
+``device``; for a CUDA device the host arrays are pinned (in the prefetch thread, for a prefetched
+plan) and copied with ``non_blocking=True`` on the current stream.
 
 Example::
 
