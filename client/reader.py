@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -139,7 +140,7 @@ class GuidanceReader:
                 # the GIL instead of queueing for it after each (tracestore.reader._copy_held)
                 # the rows are also staged there (pinned for a CUDA device), so that read() only
                 # issues the non-blocking copies to the device
-                self._pending[key] = self._pool.submit(self._staged, plan, True)
+                self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())
 
     def read(self, plan: PlanLike) -> dict[str, Any]:
         """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``)."""
@@ -275,13 +276,26 @@ class GuidanceReader:
             raise NotFoundError(f"run {self.run!r} is not declared at the sidecar {self.source}")
         return run_spec_from_pb(resp.run_spec)
 
-    def _staged(self, plan: PlanLike, background: bool = False) -> dict[str, _Staged]:
+    def _cuda_index(self) -> int | None:
+        """The CUDA device the results go to, resolved in the calling (training) thread, where
+        ``"cuda"`` means its current device; None for other devices."""
+        import torch
+
+        dev = torch.device(self.device)
+        if dev.type != "cuda":
+            return None
+        return dev.index if dev.index is not None else torch.cuda.current_device()
+
+    def _staged(self, plan: PlanLike, background: bool = False, cuda: int | None = None) -> dict[str, _Staged]:
         """``plan``'s rows as host tensors, pinned when the device is CUDA: the part of :meth:`read`
         that copies bytes, done in the prefetch thread for a prefetched plan (pinning 200 MB is a
-        copy of its own, which the training thread then no longer waits for)."""
+        copy of its own, which the training thread then no longer waits for). ``cuda``: the
+        training thread's device, made current here while pinning, so that a prefetch thread never
+        creates a CUDA context on device 0 for a rank that trains on another."""
         import torch
 
         pin = torch.device(self.device).type == "cuda"
+        rows_of = self._fetch(plan, background)
 
         def t(a: np.ndarray | None) -> Any:
             if a is None:
@@ -289,17 +303,18 @@ class GuidanceReader:
             x = torch.from_numpy(np.ascontiguousarray(a))
             return x.pin_memory() if pin else x
 
-        return {
-            name: _Staged(
-                rows.site,
-                t(rows.codes),
-                t(rows.scales),
-                t(rows.global_scale.astype(np.float32)),
-                t(rows.token_scales),
-                t(rows.valid.astype(bool)),
-            )  # fmt: skip
-            for name, rows in self._fetch(plan, background).items()
-        }
+        with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
+            return {
+                name: _Staged(
+                    rows.site,
+                    t(rows.codes),
+                    t(rows.scales),
+                    t(rows.global_scale.astype(np.float32)),
+                    t(rows.token_scales),
+                    t(rows.valid.astype(bool)),
+                )
+                for name, rows in rows_of.items()
+            }
 
     def _to_guidance(self, rows: _Staged) -> Any:
         import torch
