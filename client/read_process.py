@@ -15,8 +15,8 @@ takes a block as large as the whole result, lays every site's arrays out in it
 ``[r0, r1)`` and the matching rows of those arrays (``StoreReader.read(out=...)``): the children
 write disjoint rows of one block, and the parent's arrays are views of it. A block serves a later
 read only once every array of the read that filled it is gone: they are all views of one base
-array, whose ``weakref.finalize`` returns the block. Blocks are reused, not made anew per read,
-because fresh pages fault in at ~1.5 GB/s on the bench VM.
+array, whose ``weakref.finalize`` queues the block for the next read to take back. Blocks are
+reused, not made anew per read, because fresh pages fault in at ~1.5 GB/s on the bench VM.
 
 A child starts as ``python -c`` with a small bootstrap, not through ``multiprocessing``, so the
 trainer's ``__main__`` is never imported again. It exits when its socket closes, which also
@@ -35,6 +35,7 @@ import logging
 import mmap
 import os
 import pickle
+import queue
 import signal
 import socket
 import struct
@@ -264,6 +265,7 @@ class ReadProcesses:
         self.source, self.run, self.storage_options, self.timeout = source, run, storage_options, timeout
         self._req = threading.Lock()
         self._blocks_lock = threading.Lock()
+        self._returned: queue.SimpleQueue[int] = queue.SimpleQueue()  # blocks whose arrays are gone
         self._blocks: dict[int, list[Any]] = {}  # id -> [fd, mmap, size, busy]
         self._next_block = 0
         self._closed = False
@@ -293,6 +295,7 @@ class ReadProcesses:
 
     def _take(self, n: int) -> tuple[int, list[Any]]:
         with self._blocks_lock:
+            self._collect()
             free = [(b[2], i) for i, b in self._blocks.items() if not b[3] and b[2] >= n]
             if free:
                 i = min(free)[1]
@@ -310,26 +313,38 @@ class ReadProcesses:
             self._blocks[i][3] = True
             return i, self._blocks[i]
 
-    def _give_back(self, i: int) -> None:
-        """A read's arrays are all gone (any thread, at GC): its block may serve another read."""
-        with self._blocks_lock:
-            b = self._blocks.get(i)
-            if b is None:
+    def _collect(self) -> None:
+        """With the blocks lock held: free the blocks whose reads' arrays are all gone. Their
+        finalizers only queue them (``SimpleQueue.put`` may be called from a finalizer, in any
+        thread, at any allocation; taking a lock there could deadlock with this very thread)."""
+        while True:
+            try:
+                i = self._returned.get_nowait()
+            except queue.Empty:
                 return
-            b[3] = False
-            spare = sorted((x[2], j) for j, x in self._blocks.items() if not x[3])
-            for _, j in spare[:-SPARE_BLOCKS] if len(spare) > SPARE_BLOCKS else ():
-                fd, mm, _, _ = self._blocks.pop(j)  # the smallest go: the next read is like the last
-                with contextlib.suppress(BufferError):
-                    mm.close()
-                os.close(fd)
-                for c in self._children:
-                    if c is not None and j in c.blocks:
-                        c.blocks.discard(j)
-                        c.drop.append(j)
+            self._free(i)
+
+    def _free(self, i: int) -> None:
+        """With the blocks lock held: block ``i`` may serve another read; unmap spares beyond
+        SPARE_BLOCKS (the smallest first: the next read is like the last) here and, with their
+        next message, in the children."""
+        b = self._blocks.get(i)
+        if b is None:
+            return
+        b[3] = False
+        spare = sorted((x[2], j) for j, x in self._blocks.items() if not x[3])
+        for _, j in spare[:-SPARE_BLOCKS] if len(spare) > SPARE_BLOCKS else ():
+            fd, mm, _, _ = self._blocks.pop(j)
+            with contextlib.suppress(BufferError):
+                mm.close()
+            os.close(fd)
+            for c in self._children:
+                if c is not None and j in c.blocks:
+                    c.blocks.discard(j)
+                    c.drop.append(j)
 
     def _drops(self, c: _Child) -> list[int]:
-        with self._blocks_lock:  # (_give_back appends from any thread)
+        with self._blocks_lock:  # (_free appends)
             dropped, c.drop = c.drop, []
         return dropped
 
@@ -408,11 +423,12 @@ class ReadProcesses:
                 ok = True
             finally:
                 if not ok:
-                    self._give_back(block)
+                    with self._blocks_lock:
+                        self._free(block)
         # Every array below is a view whose ``base`` is this one array (numpy stops collapsing view
         # chains at an array that does not own its memory), so it lives as long as any of them.
         base = np.frombuffer(b[1], np.uint8, count=total)
-        weakref.finalize(base, self._give_back, block)
+        weakref.finalize(base, self._returned.put, block)
         out = {}
         for (site, n, cb, sb), offs in zip(layout, sections, strict=True):
             sizes = (n * cb, n * sb, 8 * n, 4 * n, n)

@@ -159,13 +159,12 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
         np.testing.assert_array_equal(kept[2][S0.name].codes, chunks[0].codes[3:])
         tail = kept[1][S1.name]  # a token-scale site, 2 rows per token
         np.testing.assert_array_equal(tail.token_scales, chunks[4].token_scales)
-        # five blocks in use, then all free: the parent keeps SPARE_BLOCKS of them, and the child
-        # unmaps the ones the parent dropped with its next message (their memory is not held)
+        # five blocks in use, then all free: the next read takes them back, keeps SPARE_BLOCKS of
+        # them (one of which it uses), and the child unmaps the others with that read's message
         kept += [reader.read_host([("t0", 0, 9)]) for _ in range(2)]
         assert len(reader._process._blocks) == 5
         del kept, views, tail
         gc.collect()
-        assert len(reader._process._blocks) == SPARE_BLOCKS
         last = reader.read_host([("t1", 0, 9)])
         assert len(reader._process._blocks) == SPARE_BLOCKS
         assert _memfd_maps(reader._process.pids[0]) == SPARE_BLOCKS
@@ -283,3 +282,42 @@ def test_a_forked_copy_neither_reads_nor_stops_the_children(tmp_path: Path):
         assert os.waitstatus_to_exitcode(status) == 0
         got = reader.read_host([("t0", 0, 9)])  # the owner's children still answer
         np.testing.assert_array_equal(got[S0.name].codes, chunks[0].codes)
+
+
+_CYCLES = """
+import gc, sys
+from tracestore.client import GuidanceReader
+reader = GuidanceReader(sys.argv[1], sys.argv[2], prefetch=False, process=1, timeout=60)
+procs = reader._process
+for k in range(1, 40):
+    rows = reader.read_host([("t0", 0, 9)])
+    take = procs._take  # (a bound method is a container: made before, not in between)
+    gc.collect()  # allocation counts to 0
+    cycle = [rows]  # one allocation
+    cycle.append(cycle)  # only the cyclic collector frees it
+    # a collection at the k-th allocation from here: for some k inside _take's lock (the
+    # version whose finalizer took the lock deadlocked here within k < 40)
+    gc.set_threshold(1 + k)
+    del rows, cycle
+    block, _ = take(1024)
+    gc.set_threshold(700, 10, 10)
+    procs._returned.put(block)  # give the block back as a finalizer would
+reader.close()
+print("ok")
+"""
+
+
+def test_blocks_freed_by_the_cyclic_collector_inside_a_read_do_not_deadlock(tmp_path: Path):
+    # A result caught in a reference cycle is freed by the cyclic GC at whatever allocation comes
+    # next: here the first one inside the reader's block bookkeeping, with its lock held. Its
+    # finalizer must not take that lock (it only queues the block). In a process of its own, with
+    # one thread (the GC runs in the thread that allocates) and a deadline (a deadlock hangs).
+    import subprocess
+    import sys
+
+    url, _ = _file_store(tmp_path, fill=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", _CYCLES, url, RUN], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the reader deadlocked freeing a block inside its own bookkeeping")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
