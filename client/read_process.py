@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import StorageError, TraceStoreError
+from tracestore.reader import Layout, output_arrays, output_sections
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ _BOOT = (
     "serve(s)\n"
 )
 
-# (offset in the block, dtype, shape) of one array; per site: codes, scales, pv, g, valid
-View = tuple[int, str, tuple[int, ...]]
+# What a child is told to fill: the read's layout (StoreReader.layout), the block's sections
+# (tracestore.reader.output_sections) and the plan tokens [t0, t1) of its slice
+Target = tuple[Any, Any, tuple[int, int]]
 
 
 def _send(sock: socket.socket, obj: Any) -> None:
@@ -96,13 +98,6 @@ def _recv(sock: socket.socket) -> Any:
     return pickle.loads(_recv_exact(sock, n))
 
 
-def _array(mm: Any, view: View) -> np.ndarray:
-    off, dtype, shape = view
-    dt = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    return np.frombuffer(mm, dt, count=count, offset=off).reshape(shape)
-
-
 # -- a child ----------------------------------------------------------------------------------------
 
 
@@ -114,7 +109,7 @@ def serve(sock: socket.socket) -> None:
 
 
 def _serve_loop(sock: socket.socket) -> None:
-    from tracestore.reader import OutputArrays, StoreReader
+    from tracestore.reader import StoreReader
     from tracestore.store import Store
 
     maps: dict[int, mmap.mmap] = {}
@@ -140,7 +135,7 @@ def _serve_loop(sock: socket.socket) -> None:
                     reader = StoreReader(Store(source, storage_options), run)
                     _send(sock, ("ready",))
                 elif kind == "read":
-                    _, block, n_new, _, views, kwargs = msg
+                    _, block, n_new, _, (layout, sections, tokens), kwargs = msg
                     if n_new:  # the block's descriptor follows the message
                         _, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
                         try:
@@ -149,8 +144,7 @@ def _serve_loop(sock: socket.socket) -> None:
                             for fd in fds:
                                 os.close(fd)
                     assert reader is not None, "read before init"
-                    mm = maps[block]
-                    out = {name: OutputArrays(*(_array(mm, v) for v in vs)) for name, vs in views.items()}
+                    out = output_arrays(np.frombuffer(maps[block], np.uint8), layout, sections, tokens)
                     result = reader.read(out=out, **kwargs)
                     ts = {}
                     for name in result:
@@ -207,9 +201,9 @@ class _Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def send_read(self, block: int, fd: int, dropped: list[int], views: dict[str, list[View]], kwargs: Any) -> None:
+    def send_read(self, block: int, fd: int, dropped: list[int], target: Target, kwargs: Any) -> None:
         new = block not in self.blocks
-        _send(self.sock, ("read", block, int(new), dropped, views, kwargs))
+        _send(self.sock, ("read", block, int(new), dropped, target, kwargs))
         if new:
             socket.send_fds(self.sock, [_LEN.pack(1)], [fd])
             self.blocks.add(block)
@@ -353,30 +347,21 @@ class ReadProcesses:
     def read(
         self,
         segments: Sequence[tuple[str | None, int, int]],
-        layout: Sequence[tuple[Any, int, int, int]],
+        layout: Layout,
         **kwargs: Any,
     ) -> dict[str, tuple[Any, ...]]:
         """``StoreReader.read(plan, **kwargs)`` in the children; ``layout``: what
         ``StoreReader.layout`` says that read returns. Returns ``{site: (codes, scales,
         global_scale, valid, policy_version, token_scales)}``, numpy arrays over shared memory."""
-        # the block: per site codes, scales, policy_version, global_scale, valid (64-byte aligned)
-        sections: list[list[int]] = []
-        at = 0
-        for _, n, cb, sb in layout:
-            offs = []
-            for nbytes in (n * cb, n * sb, 8 * n, 4 * n, n):
-                offs.append(at)
-                at += -(-nbytes // 64) * 64
-            sections.append(offs)
-        total = max(at, 1)
-        record_bytes = sum(n * (cb + sb + 13) for _, n, cb, sb in layout)
-        slices = _slices(segments, min(len(self._children), max(1, record_bytes // MIN_SLICE_BYTES)))
-        bounds = [(t0, t0 + sum(e - s for _, s, e in part)) for t0, part in slices]  # plan tokens of each
         if os.getpid() != self._pid:
             raise StorageError(
                 "this GuidanceReader(process=...) was made in another process (this one is a fork of it): "
                 "its children answer only there; make a reader in this process"
             )
+        total, sections = output_sections(layout)
+        record_bytes = sum(n * (cb + sb + 13) for _, n, cb, sb in layout)
+        slices = _slices(segments, min(len(self._children), max(1, record_bytes // MIN_SLICE_BYTES)))
+        bounds = [(t0, t0 + sum(e - s for _, s, e in part)) for t0, part in slices]  # plan tokens of each
         with self._req:
             if self._closed:
                 raise StorageError("the reader is closed")
@@ -385,20 +370,11 @@ class ReadProcesses:
             try:
                 sent: list[tuple[int, _Child]] = []
                 first: BaseException | None = None
-                for k, ((_, part), (t0, t1)) in enumerate(zip(slices, bounds, strict=True)):
-                    views = {}
-                    for (site, _, cb, sb), offs in zip(layout, sections, strict=True):
-                        r0, r1 = t0 * site.rows_per_token, t1 * site.rows_per_token
-                        views[site.name] = [
-                            (offs[0] + r0 * cb, "|u1", (r1 - r0, cb)),
-                            (offs[1] + r0 * sb, "|u1", (r1 - r0, sb)),
-                            (offs[2] + 8 * r0, "<i8", (r1 - r0,)),
-                            (offs[3] + 4 * r0, "<f4", (r1 - r0,)),
-                            (offs[4] + r0, "|b1", (r1 - r0,)),
-                        ]
+                for k, ((_, part), tokens) in enumerate(zip(slices, bounds, strict=True)):
                     try:
                         c = self._child(k)
-                        c.send_read(block, b[0], self._drops(c), views, dict(kwargs, plan=list(part)))
+                        target = (layout, sections, tokens)
+                        c.send_read(block, b[0], self._drops(c), target, dict(kwargs, plan=list(part)))
                         sent.append((k, c))
                     except (OSError, StorageError) as exc:
                         if self._children[k] is not None:
@@ -430,18 +406,15 @@ class ReadProcesses:
         base = np.frombuffer(b[1], np.uint8, count=total)
         weakref.finalize(base, self._returned.put, block)
         out = {}
-        for (site, n, cb, sb), offs in zip(layout, sections, strict=True):
-            sizes = (n * cb, n * sb, 8 * n, 4 * n, n)
-            dtypes = (np.uint8, np.uint8, "<i8", "<f4", np.bool_)
-            a = [base[o : o + nb].view(dt) for o, nb, dt in zip(offs, sizes, dtypes, strict=True)]
+        for (site, n, _, _), (name, o) in zip(layout, output_arrays(base, layout, sections).items(), strict=True):
             ts = None  # (a slice none of whose records has token scales sends None: 1.0 there)
-            if any(p.get(site.name) is not None for p in parts):
+            if any(p.get(name) is not None for p in parts):
                 ts = np.ones(n, np.float32)
                 for p, (t0, t1) in zip(parts, bounds, strict=True):
-                    got = p.get(site.name)
+                    got = p.get(name)
                     if got is not None:
                         ts[t0 * site.rows_per_token : t1 * site.rows_per_token] = np.frombuffer(got, "<f4")
-            out[site.name] = (a[0].reshape(n, cb), a[1].reshape(n, sb), a[3], a[4], a[2], ts)
+            out[name] = (o.codes, o.scales, o.global_scale, o.valid, o.policy_version, ts)
         return out
 
     def close(self) -> None:

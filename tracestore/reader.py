@@ -128,6 +128,55 @@ def _checked_out(
     return n, o.codes, o.scales, o.policy_version, o.global_scale, o.valid
 
 
+Layout = Sequence[tuple[SiteSpec, int, int, int]]  # per site: (site, n_rows, code_bytes, scale_bytes)
+
+
+def _layout(
+    sites: Sequence[SiteSpec], cols: Mapping[str, ColumnRange], n_tokens: int
+) -> list[tuple[SiteSpec, int, int, int]]:
+    return [
+        (s, n_tokens * s.rows_per_token, (b - a) * s.bits // 8, (b - a) // s.fmt.block)
+        for s in sites
+        for a, b in (cols[s.name],)
+    ]
+
+
+def output_sections(layout: Layout) -> tuple[int, list[tuple[int, int, int, int, int]]]:
+    """One buffer for all of a read's rows: its size in bytes and, per site of ``layout``, the
+    offsets of its codes, scales, policy_version, global_scale and valid (each 64-byte aligned)."""
+    at = 0
+    sections = []
+    for _, n, cb, sb in layout:
+        offs = []
+        for nbytes in (n * cb, n * sb, 8 * n, 4 * n, n):
+            offs.append(at)
+            at += -(-nbytes // 64) * 64
+        sections.append((offs[0], offs[1], offs[2], offs[3], offs[4]))
+    return max(at, 1), sections
+
+
+def output_arrays(
+    buf: np.ndarray,
+    layout: Layout,
+    sections: Sequence[tuple[int, int, int, int, int]],
+    tokens: tuple[int, int] | None = None,
+) -> dict[str, OutputArrays]:
+    """Every site's :class:`OutputArrays` as views of ``buf`` (uint8, laid out by
+    :func:`output_sections`); ``tokens=(t0, t1)``: only the rows of those plan tokens."""
+    out = {}
+    for (site, n, cb, sb), (oc, os_, op, og, ov) in zip(layout, sections, strict=True):
+        r0, r1 = (0, n) if tokens is None else (tokens[0] * site.rows_per_token, tokens[1] * site.rows_per_token)
+        k = r1 - r0
+        out[site.name] = OutputArrays(
+            buf[oc + r0 * cb : oc + r1 * cb].reshape(k, cb),
+            buf[os_ + r0 * sb : os_ + r1 * sb].reshape(k, sb),
+            buf[op + 8 * r0 : op + 8 * r1].view(np.int64),
+            buf[og + 4 * r0 : og + 4 * r1].view(np.float32),
+            buf[ov + r0 : ov + r1].view(np.bool_),
+        )
+    return out
+
+
 @dataclasses.dataclass
 class ReadStats:
     shards: int = 0
@@ -492,11 +541,8 @@ class StoreReader:
     ) -> list[tuple[SiteSpec, int, int, int]]:
         """What a read of a plan of ``n_tokens`` tokens returns: ``(site, n_rows, code_bytes,
         scale_bytes)`` per site, in the order :meth:`read` takes them (for ``out=``)."""
-        out = []
-        for s in self._sites(sites):
-            a, b = _column_range(s, columns)
-            out.append((s, n_tokens * s.rows_per_token, (b - a) * s.bits // 8, (b - a) // s.fmt.block))
-        return out
+        site_specs = self._sites(sites)
+        return _layout(site_specs, {s.name: _column_range(s, columns) for s in site_specs}, n_tokens)
 
     def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
         if sites is None:
@@ -585,27 +631,12 @@ class StoreReader:
         # The per-row arrays (policy version, global scale, valid) come from the same allocation:
         # fresh numpy arrays of them cost 3 ms per 192 MiB read in the reading thread (page
         # faults), before any shard is fetched.
-        if out is not None:
-            outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, col[s.name], plan.n_tokens, out), hold_gil)
-                    for s in site_specs}  # fmt: skip
-        else:
-            shapes = []
-            for s in site_specs:
-                n = plan.n_tokens * s.rows_per_token
-                a, b = col[s.name]
-                shapes += [(n, (b - a) * s.bits // 8), (n, (b - a) // s.fmt.block), (1, 13 * n)]
-            sizes = [-(-(r * c) // 64) * 64 for r, c in shapes]
-            buf = _pool_bytes(sum(sizes))
-            offsets = np.concatenate([[0], np.cumsum(sizes)])
-            views = [buf[o : o + r * c].reshape(r, c) for o, (r, c) in zip(offsets, shapes, strict=False)]
-            outs = {}
-            for i, s in enumerate(site_specs):
-                n = plan.n_tokens * s.rows_per_token
-                small = views[3 * i + 2][0]  # policy_version, global_scale, valid (8-byte aligned)
-                outs[s.name] = _SiteOut(
-                    s, col[s.name], n, views[3 * i], views[3 * i + 1], small[: 8 * n].view(np.int64),
-                    small[8 * n : 12 * n].view(np.float32), small[12 * n : 13 * n].view(bool), hold_gil,
-                )  # fmt: skip
+        if out is None:
+            layout = _layout(site_specs, col, plan.n_tokens)
+            size, sections = output_sections(layout)
+            out = output_arrays(_pool_bytes(size), layout, sections)
+        outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, col[s.name], plan.n_tokens, out), hold_gil)
+                for s in site_specs}  # fmt: skip
         # 3. fetch the chunks; each verified batch is placed by the thread that decoded it, while
         # the next batch decodes (rows of different tasks never overlap: see the planning above)
         needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}
