@@ -432,10 +432,12 @@ def bench_read(storage: str, tag: str, before: set[Path]) -> dict[str, float]:
         ours()
     times: dict[str, list[float]] = {}
     alternate([("raw", raw), ("ours", ours)], times)
-    # Then process=1 and process=CHILDREN, each in its own phase against raw reads of that phase
-    # (on this VM raw reads ran slower while child readers were alive: 0.4-1.4 against 1.7-1.85
-    # GB/s after they closed). One reader per phase, as a trainer keeps one; its children start
-    # and its first read (the shared block faulting in) are untimed.
+    # Then process=1 and process=CHILDREN, each in its own phase against raw reads of that phase,
+    # so what a phase leaves behind (live children, their shared blocks) weighs on both sides (a
+    # probe saw raw reads at 0.4-1.4 GB/s with child readers alive and 1.7-1.85 after they closed,
+    # though stalls that size also come without them on this VM). One reader per phase, as a
+    # trainer keeps one; its children start and its first read (the shared block faulting in)
+    # are untimed.
     for k in sorted({1, CHILDREN}):
         child = GuidanceReader(storage, SPEC.run, prefetch=False, process=k)
         try:

@@ -136,10 +136,10 @@ class GuidanceReader:
         key = _plan_key(plan)
         with self._lock:
             if key not in self._pending:
-                # in the background, beside the training loop's Python: short copies and CRCs keep
-                # the GIL instead of queueing for it after each (tracestore.reader._copy_held)
-                # the rows are also staged there (pinned for a CUDA device), so that read() only
-                # issues the non-blocking copies to the device
+                # In the background, beside the training loop's Python: short copies and CRCs keep
+                # the GIL instead of queueing for it after each (tracestore.reader._copy_held).
+                # The rows are staged there too (pinned for a CUDA device): read() then only
+                # queues the non-blocking copies to the device.
                 self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())
 
     def read(self, plan: PlanLike) -> dict[str, Any]:
