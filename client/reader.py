@@ -309,9 +309,9 @@ class GuidanceReader:
                     rows.site,
                     t(rows.codes),
                     t(rows.scales),
-                    t(rows.global_scale.astype(np.float32)),
+                    t(np.asarray(rows.global_scale, np.float32)),  # (no copy: already float32)
                     t(rows.token_scales),
-                    t(rows.valid.astype(bool)),
+                    t(np.asarray(rows.valid, bool)),
                 )
                 for name, rows in rows_of.items()
             }
