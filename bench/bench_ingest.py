@@ -11,6 +11,10 @@ Providers, all moving the same record bytes (paper configuration: width 2048, NV
 - ``durable floor``: the raw client into a sink that does only what no durable design can skip
   (one CRC pass, one copy into aligned buffers, O_DIRECT writes, the final fdatasync; see
   ``_floor_server``): how close to the ceilings a verified, on-disk ack can get on this stack;
+- ``compiled``: the same two sinks (counting; durable floor) as a gRPC C++ server with no Python
+  in it (``floor_sink.cc``, built here when Debian's libgrpc++-dev and libisal-dev are installed,
+  or taken from ``$TRACESTORE_FLOOR_SINK``; left out, with the reason printed, otherwise): whether
+  a compiled receive path would lift the durable floor;
 - ``ours-grpc-durable``: RolloutRecorder -> TCP -> `tracestore serve` (WAL fsync acks, file://);
 - ``ours-grpc-memory`` / ``ours-shm-memory``: the same with ``memory://`` storage and acks on
   shard commit, over TCP with inline bytes vs the unix socket with shared-memory descriptors;
@@ -253,6 +257,54 @@ class RawGrpc:
         self.ch.close()
         self.stop.set()
         self.proc.join(10)
+
+
+class CompiledSink(RawGrpc):
+    """:class:`RawGrpc`'s client against ``floor_sink`` (``floor_sink.cc``): counting, or (``directory``)
+    the durable floor with its WAL there. ``.version``: the gRPC C++ version it was built with."""
+
+    def __init__(self, binary: str, directory: Path | None = None) -> None:  # noqa: D107 - see the class
+        import subprocess
+
+        import grpc
+
+        args = ["count"] if directory is None else ["floor", str(directory / "floor.wal")]
+        self.sink = subprocess.Popen([binary, *args], stdout=subprocess.PIPE, text=True)
+        assert self.sink.stdout is not None
+        port, self.version = self.sink.stdout.readline().split()
+        self.ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+        self.put = self.ch.stream_unary("/bench.Sink/Put")
+        self.msg = os.urandom(MSG)
+        self.put(iter([self.msg]))
+        self.cpu = CpuMeter(self.sink.pid)
+
+    def close(self) -> None:
+        self.ch.close()
+        self.sink.kill()
+        self.sink.wait(10)
+
+
+def compiled_sink(build_dir: Path) -> tuple[str | None, str]:
+    """``(path of the floor_sink binary, "")``, building it into ``build_dir`` from ``floor_sink.cc``
+    unless ``$TRACESTORE_FLOOR_SINK`` names one; ``(None, why)`` where it cannot be had."""
+    import shutil
+    import subprocess
+
+    given = os.environ.get("TRACESTORE_FLOOR_SINK")
+    if given:
+        return (given, "") if os.access(given, os.X_OK) else (None, f"$TRACESTORE_FLOOR_SINK={given} is not executable")
+    src = Path(__file__).with_name("floor_sink.cc")
+    if shutil.which("g++") is None or shutil.which("pkg-config") is None:
+        return None, "no g++ or pkg-config"
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++"], capture_output=True, text=True)
+    if flags.returncode != 0:
+        return None, "no gRPC C++ (Debian: apt-get install libgrpc++-dev libisal-dev pkg-config)"
+    out = build_dir / "floor_sink"
+    cmd = ["g++", "-O2", "-std=c++17", str(src), "-o", str(out), *flags.stdout.split(), "-lisal"]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    if built.returncode != 0:
+        return None, f"floor_sink.cc did not build: {built.stderr.strip().splitlines()[-1:]}"
+    return str(out), ""
 
 
 def bench_disk(total: int, directory: Path, direct: bool = False) -> float:
@@ -695,6 +747,14 @@ def main() -> int:
         raw_grpc, flight = (RawGrpc(), Flight()) if ingest else (None, None)
         (d / "floor").mkdir()
         floor = RawGrpc(d / "floor") if ingest else None
+        compiled: tuple[CompiledSink, CompiledSink] | None = None
+        if ingest:
+            binary, why = compiled_sink(d)
+            if binary is None:
+                print(f"compiled sinks left out: {why}", file=sys.stderr)
+            else:
+                (d / "cfloor").mkdir()
+                compiled = (CompiledSink(binary), CompiledSink(binary, d / "cfloor"))
         durable = ServeProcess(d / "durable", flags=quiet).start()
         servers = [durable]
         if ingest:
@@ -748,6 +808,13 @@ def main() -> int:
                     assert floor is not None
                     fl_durable = keep("durable floor (raw grpcio + CRC + copy + O_DIRECT WAL + fsync)", floor(total),
                                       floor.cpu)  # fmt: skip
+                    c_floor = None
+                    if compiled is not None:
+                        count, durable_c = compiled
+                        ver = count.version
+                        keep(f"raw-grpc, compiled sink (gRPC C++ {ver}, counts only)", count(total), count.cpu)
+                        c_floor = keep(f"durable floor, compiled (gRPC C++ {ver}, ISA-L CRC + copy + O_DIRECT + fsync)",
+                                       durable_c(total), durable_c.cpu)  # fmt: skip
                     # the disk's ceiling: the better of page-cache and O_DIRECT writes (+ fdatasync)
                     disk = max(keep("disk write+fsync (page cache)", bench_disk(total, d)),
                                keep("disk write+fsync (O_DIRECT)", bench_disk(total, d, direct=True)))  # fmt: skip
@@ -776,6 +843,10 @@ def main() -> int:
                         ("durable gRPC (WAL) / durable floor", wal / fl_durable),
                     ):
                         ratios.setdefault(name, []).append(v)
+                    if c_floor is not None:
+                        ratios.setdefault("compiled durable floor / min(raw gRPC, disk)", []).append(
+                            c_floor / min(raw, disk)
+                        )
                 if read:
                     rates = bench_read(durable.storage, f"d{r}", before)
                     rr, ro = rates["raw"], rates["ours"]
@@ -812,6 +883,8 @@ def main() -> int:
                 raw_grpc.close()
                 if floor is not None:
                     floor.close()
+                for sink in compiled or ():
+                    sink.close()
                 flight.close()
 
     mib = n_fwd * fwd_bytes() >> 20
@@ -822,7 +895,7 @@ def main() -> int:
             return {}
         c = statistics.median(x[0] for x in cpus[k])
         s = statistics.median(x[1] for x in cpus[k])
-        raw_bytes = k == "raw-grpc" or k.startswith("durable floor")  # pre-serialized MSG-byte messages
+        raw_bytes = k.startswith(("raw-grpc", "durable floor"))  # pre-serialized MSG-byte messages
         nbytes = MSG * max(1, total // MSG) if raw_bytes else n_fwd * fwd_bytes()
         return dict(client_cpu_s=c, server_cpu_s=s, cpu_bound_GBps=nbytes / ((c + s) / cores) / 1e9)
 
