@@ -226,22 +226,18 @@ class CpuMeter:
         self.server = (_proc_cpu_s(self.pid) if self.pid else 0.0) - self._s0
 
 
-class RawGrpc:
-    """The transport ceiling: a sink server process and a client streaming pre-serialized messages
-    (``directory``: the durable floor's sink instead, :func:`_floor_server`, its WAL there)."""
+class _SinkClient:
+    """A client streaming pre-serialized ``MSG``-byte messages to a sink on ``port`` of the server
+    process ``pid`` (one warm-up call first); calling it with a byte count returns B/s."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def _connect(self, port: int, pid: int) -> None:
         import grpc
 
-        if directory is None:
-            self.proc, self.stop, port = _spawn(_raw_grpc_server)
-        else:
-            self.proc, self.stop, port = _spawn(_floor_server, str(directory))
         self.ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
         self.put = self.ch.stream_unary("/bench.Sink/Put")
         self.msg = os.urandom(MSG)
         self.put(iter([self.msg]))  # warm up the connection
-        self.cpu = CpuMeter(self.proc.pid)
+        self.cpu = CpuMeter(pid)
 
     def __call__(self, total: int) -> float:
         n = max(1, total // MSG)
@@ -253,30 +249,36 @@ class RawGrpc:
             raise RuntimeError(f"sink counted {got} of {n * MSG} bytes")
         return n * MSG / dt
 
+
+class RawGrpc(_SinkClient):
+    """The transport ceiling: a sink server process and a client streaming pre-serialized messages
+    (``directory``: the durable floor's sink instead, :func:`_floor_server`, its WAL there)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        if directory is None:
+            self.proc, self.stop, port = _spawn(_raw_grpc_server)
+        else:
+            self.proc, self.stop, port = _spawn(_floor_server, str(directory))
+        self._connect(port, self.proc.pid)
+
     def close(self) -> None:
         self.ch.close()
         self.stop.set()
         self.proc.join(10)
 
 
-class CompiledSink(RawGrpc):
-    """:class:`RawGrpc`'s client against ``floor_sink`` (``floor_sink.cc``): counting, or (``directory``)
-    the durable floor with its WAL there. ``.version``: the gRPC C++ version it was built with."""
+class CompiledSink(_SinkClient):
+    """The same client against ``floor_sink`` (``floor_sink.cc``): counting, or (``directory``) the
+    durable floor with its WAL there. ``.version``: the gRPC C++ version it was built with."""
 
-    def __init__(self, binary: str, directory: Path | None = None) -> None:  # noqa: D107 - see the class
+    def __init__(self, binary: str, directory: Path | None = None) -> None:
         import subprocess
-
-        import grpc
 
         args = ["count"] if directory is None else ["floor", str(directory / "floor.wal")]
         self.sink = subprocess.Popen([binary, *args], stdout=subprocess.PIPE, text=True)
         assert self.sink.stdout is not None
         port, self.version = self.sink.stdout.readline().split()
-        self.ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
-        self.put = self.ch.stream_unary("/bench.Sink/Put")
-        self.msg = os.urandom(MSG)
-        self.put(iter([self.msg]))
-        self.cpu = CpuMeter(self.sink.pid)
+        self._connect(int(port), self.sink.pid)
 
     def close(self) -> None:
         self.ch.close()
@@ -912,10 +914,10 @@ def main() -> int:
         "ours read / raw Parquet read": 0.8,
     }
     checks = []
-    for k, v in ratios.items():
-        t = targets.get(k)
-        med = statistics.median(v)
-        checks.append(dict(check=k, median_ratio=med, min_ratio=min(v), max_ratio=max(v), target=t,
+    for check, values in ratios.items():
+        t = targets.get(check)
+        med = statistics.median(values)
+        checks.append(dict(check=check, median_ratio=med, min_ratio=min(values), max_ratio=max(values), target=t,
                            met="n/a" if t is None else ("yes" if med >= t else "NO")))  # fmt: skip
     m = machine()
     print(f"# bench_ingest on {m.get('cpu')} ({m.get('cores')} cores), {mib} MiB per measurement, "

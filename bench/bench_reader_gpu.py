@@ -124,7 +124,7 @@ def main() -> int:
         finally:
             for reader in readers.values():
                 reader.close()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, v in samples.items():
         caller = statistics.median(x[0] for x in v)
         total = statistics.median(x[1] for x in v)

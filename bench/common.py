@@ -63,7 +63,7 @@ def time_it(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 1, min_time
     """Wall-clock seconds of ``fn()``: median, min, max over ``repeat`` runs after ``warmup``."""
     for _ in range(warmup):
         fn()
-    times = []
+    times: list[float] = []
     t_end = time.perf_counter() + min_time
     while len(times) < repeat or time.perf_counter() < t_end:
         t0 = time.perf_counter()
