@@ -98,16 +98,16 @@ class OutputArrays:
 
 
 def _checked_out(
-    site: SiteSpec, cols: ColumnRange, n_tokens: int, out: Mapping[str, OutputArrays]
+    site: SiteSpec, n: int, cb: int, sb: int, out: Mapping[str, OutputArrays]
 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``out[site]`` checked against the read's shapes: (n_rows, codes, scales, pv, g, valid)."""
+    """``out[site]`` checked against the read's shapes (one :func:`_layout` entry: ``n`` rows of
+    ``cb`` code and ``sb`` scale bytes): (n_rows, codes, scales, pv, g, valid)."""
     o = out.get(site.name)
     if not isinstance(o, OutputArrays):
         raise ValidationError(f"out has no OutputArrays for site {site.name}")
-    n = n_tokens * site.rows_per_token
     want = (
-        ("codes", o.codes, np.uint8, (n, (cols[1] - cols[0]) * site.bits // 8)),
-        ("scales", o.scales, np.uint8, (n, (cols[1] - cols[0]) // site.fmt.block)),
+        ("codes", o.codes, np.uint8, (n, cb)),
+        ("scales", o.scales, np.uint8, (n, sb)),
         ("policy_version", o.policy_version, np.int64, (n,)),
         ("global_scale", o.global_scale, np.float32, (n,)),
         ("valid", o.valid, np.bool_, (n,)),
@@ -631,12 +631,12 @@ class StoreReader:
         # The per-row arrays (policy version, global scale, valid) come from the same allocation:
         # fresh numpy arrays of them cost 3 ms per 192 MiB read in the reading thread (page
         # faults), before any shard is fetched.
+        layout = _layout(site_specs, col, plan.n_tokens)
         if out is None:
-            layout = _layout(site_specs, col, plan.n_tokens)
             size, sections = output_sections(layout)
             out = output_arrays(_pool_bytes(size), layout, sections)
-        outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, col[s.name], plan.n_tokens, out), hold_gil)
-                for s in site_specs}  # fmt: skip
+        outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, n, cb, sb, out), hold_gil)
+                for s, n, cb, sb in layout}  # fmt: skip
         # 3. fetch the chunks; each verified batch is placed by the thread that decoded it, while
         # the next batch decodes (rows of different tasks never overlap: see the planning above)
         needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}
