@@ -81,7 +81,7 @@ def _send(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -90,7 +90,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise EOFError("socket closed")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def _recv(sock: socket.socket) -> Any:
@@ -185,8 +185,7 @@ class _Child:
         self.drop: list[int] = []  # of those, unmapped in the parent since it last heard
         parent.settimeout(max(timeout, START_TIMEOUT_S))  # its imports can take a while on a busy host
         try:
-            data = pickle.dumps(list(sys.path))
-            parent.sendall(_LEN.pack(len(data)) + data)
+            _send(parent, list(sys.path))  # (read by _BOOT, before it can import this module)
             _send(parent, ("init", source, run, storage_options))
             reply = self.reply("start")
         except BaseException:
@@ -359,8 +358,7 @@ class ReadProcesses:
                 "its children answer only there; make a reader in this process"
             )
         total, sections = output_sections(layout)
-        record_bytes = sum(n * (cb + sb + 13) for _, n, cb, sb in layout)
-        slices = _slices(segments, min(len(self._children), max(1, record_bytes // MIN_SLICE_BYTES)))
+        slices = _slices(segments, min(len(self._children), max(1, total // MIN_SLICE_BYTES)))
         bounds = [(t0, t0 + sum(e - s for _, s, e in part)) for t0, part in slices]  # plan tokens of each
         with self._req:
             if self._closed:
