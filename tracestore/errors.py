@@ -47,6 +47,18 @@ class StorageError(TraceStoreError, OSError):
     """The storage backend failed or timed out."""
 
 
+class UnauthenticatedError(TraceStoreError, PermissionError):
+    """The caller presented no credentials, or credentials the sidecar does not accept."""
+
+
+class PermissionDeniedError(TraceStoreError, PermissionError):
+    """The caller is authenticated but may not do this (another run's data, another identity's writer)."""
+
+
+class LimitError(TraceStoreError, RuntimeError):
+    """A configured limit of the sidecar is reached (streams, writers, runs, read size); the message names it."""
+
+
 class MissingExtraError(TraceStoreError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from tracestore import faults as _faults
 from tracestore.errors import ConflictError, NotFoundError, StorageError, TraceStoreError
 from tracestore.shardfile import ShardFile
 
@@ -350,6 +351,7 @@ class Storage:
             os.unlink(tmp)
             raise
         os.close(fd)
+        _faults.point("store.temp_written")
         try:
             os.link(tmp, path)  # the create-only rename
             written = True

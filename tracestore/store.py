@@ -26,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from tracestore import faults as _faults
 from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
 from tracestore.fsutil import EventHook, Storage
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
@@ -202,7 +203,9 @@ class Store:
             data, manifest = encode()
             if data is not None:
                 written = self.storage.publish(shard_path, data)
+        _faults.point("store.shard_published")
         written = self.storage.publish(manifest_path, manifest.to_json()) or written
+        _faults.point("store.manifest_published")
         with self._lock:
             self._manifests[manifest_path] = manifest
         return ShardInfo(
