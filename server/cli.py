@@ -51,8 +51,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flush-interval", type=float, default=float(e("--flush-interval", 2.0)), help="seconds")
     p.add_argument("--backpressure-timeout", type=float, default=float(e("--backpressure-timeout", 5.0)))
     p.add_argument("--max-message-mib", type=int, default=int(e("--max-message-mib", 64)))
-    p.add_argument("--max-streams", type=int, default=int(e("--max-streams", 256)))
-    p.add_argument("--workers", type=int, default=int(e("--workers", 64)))
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=int(e("--max-streams", 256)),
+        help="open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(e("--workers", 64)),
+        help="gRPC threads besides one per Write stream (health, Stat, Seal, Read); at least 8",
+    )
+    p.add_argument(
+        "--max-read-mib",
+        type=int,
+        default=int(e("--max-read-mib", 256)),
+        help="largest Read (plan rows x row bytes of the sites read), never more than the memory budget",
+    )
+    p.add_argument(
+        "--max-writers",
+        type=int,
+        default=int(e("--max-writers", 1024)),
+        help="writer sessions (run, writer id) one sidecar keeps; a new one beyond is refused",
+    )
+    p.add_argument(
+        "--max-runs", type=int, default=int(e("--max-runs", 256)), help="runs one sidecar serves; more are refused"
+    )
+    p.add_argument(
+        "--storage-unhealthy",
+        type=float,
+        default=float(e("--storage-unhealthy", 300.0)),
+        help="seconds of storage refusing every commit before health reports NOT_SERVING",
+    )
+    p.add_argument(
+        "--wal-retry",
+        type=float,
+        default=float(e("--wal-retry", 1.0)),
+        help="seconds between attempts to recover a failed write-ahead log",
+    )
     p.add_argument("--grace", type=float, default=float(e("--grace", 30.0)), help="seconds to drain on SIGTERM")
     p.add_argument("--storage-timeout", type=float, default=float(e("--storage-timeout", 60.0)))
     p.add_argument("--shm-dir", default=e("--shm-dir", "/dev/shm"), help="where writers' staging pools live")
@@ -93,6 +130,11 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         max_message_bytes=ns.max_message_mib * MiB,
         max_streams=ns.max_streams,
         workers=ns.workers,
+        max_read_bytes=ns.max_read_mib * MiB,
+        max_writers=ns.max_writers,
+        max_runs=ns.max_runs,
+        storage_unhealthy_s=ns.storage_unhealthy,
+        wal_retry_s=ns.wal_retry,
         grace_s=ns.grace,
         storage_timeout_s=ns.storage_timeout,
         shm_dir=ns.shm_dir,

@@ -8,6 +8,10 @@ from typing import Any
 from tracestore.errors import ConfigError
 
 MiB = 1 << 20
+# Threads beyond the Write streams: Read and Seal together take at most workers - HEALTH_THREADS
+# of them, so health checks and Stat always find a thread.
+HEALTH_THREADS = 4
+MIN_WORKERS = HEALTH_THREADS + 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +23,18 @@ class ServerConfig:
     ``dedupe_versions``: how many of a run's newest policy versions keep per-chunk dedupe and
     conflict state in memory. ``port=0`` binds an ephemeral port (reported by :attr:`Sidecar.port`);
     ``metrics_port=None`` disables the Prometheus endpoint.
+
+    Limits. ``max_streams``: open Write streams; one more is refused at once (RESOURCE_EXHAUSTED).
+    ``workers``: gRPC threads for everything but Write streams (health, Stat, Seal, Read, streams
+    refused over the cap): the server runs ``max_streams + workers`` threads, so idle recorders
+    never take the threads a health probe needs. Only :attr:`reading_streams` streams wait for
+    their next message at once (each has ``max_message_bytes`` of the memory budget reserved for
+    it); the others wait with nothing read, their bytes held back at the client by HTTP/2 flow
+    control. ``max_read_bytes``: the largest Read (plan rows x row bytes of the sites read), and a
+    Read holds its size against the memory budget while it runs. ``max_writers``/``max_runs``:
+    writer sessions and runs one sidecar keeps. ``storage_unhealthy_s``: storage refusing every
+    commit this long marks the sidecar degraded (health NOT_SERVING). ``wal_retry_s``: pause
+    between attempts to recover a failed write-ahead log.
     """
 
     storage: str = "file://./tracestore-data"
@@ -37,13 +53,20 @@ class ServerConfig:
     max_message_bytes: int = 64 * MiB
     max_streams: int = 256
     workers: int = 64
+    max_read_bytes: int = 256 * MiB
+    max_writers: int = 1024
+    max_runs: int = 256
+    storage_unhealthy_s: float = 300.0
+    wal_retry_s: float = 1.0
     grace_s: float = 30.0
     storage_timeout_s: float = 60.0
     shm_dir: str = "/dev/shm"
     dedupe_versions: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes"):
+        for name in (
+            "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes"
+        ):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1024:
                 raise ConfigError(f"{name} must be an integer >= 1024 bytes, got {v!r}")
@@ -51,18 +74,47 @@ class ServerConfig:
             raise ConfigError(f"port must be 0..65535 (0 = ephemeral), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0..65535 or None, got {self.metrics_port}")
-        for name in ("flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s"):
+        for name in (
+            "flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s", "storage_unhealthy_s",
+            "wal_retry_s",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.dedupe_versions < 1:
             raise ConfigError(f"dedupe_versions must be >= 1, got {self.dedupe_versions}")
-        if self.workers < 4 or self.max_streams < 1:
-            raise ConfigError(f"workers must be >= 4 and max_streams >= 1, got {self.workers}, {self.max_streams}")
+        for name, least in (("workers", MIN_WORKERS), ("max_streams", 1), ("max_writers", 1), ("max_runs", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
         if self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
                 f"max_message_bytes ({self.max_message_bytes}) must not exceed memory_budget_bytes "
                 f"({self.memory_budget_bytes}): one message could never be admitted"
             )
+
+    @property
+    def reading_streams(self) -> int:
+        """How many Write streams may wait for their next message at once: each reserves
+        ``max_message_bytes`` of the budget before it reads, and together they take at most half of
+        it (the other half is the backlog's, which the flusher starts committing at half the budget)."""
+        return max(1, self.memory_budget_bytes // 2 // self.max_message_bytes)
+
+    @property
+    def read_limit_bytes(self) -> int:
+        """The largest Read served: ``max_read_bytes``, and never more than the memory budget."""
+        return min(self.max_read_bytes, self.memory_budget_bytes)
+
+    @property
+    def rpc_threads(self) -> int:
+        """gRPC worker threads: one per Write stream up to the cap, plus ``workers`` for the rest."""
+        return self.max_streams + self.workers
+
+    @property
+    def max_concurrent_rpcs(self) -> int:
+        """gRPC refuses RPCs beyond this many at once (RESOURCE_EXHAUSTED before any handler runs).
+        Write streams over ``max_streams`` are refused by the handler instead, so this only bounds
+        a flood of calls queued for threads; it never counts idle streams against health checks."""
+        return self.max_streams + 4 * self.workers
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         """Channel arguments set deliberately (reliability.md, gRPC traps)."""

@@ -44,6 +44,39 @@ def test_defaults_and_env_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.port == 0
 
 
+def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar's limits are flags with TRACESTORE_ twins, and out-of-range values are refused by name."""
+    from tracestore.server.config import ServerConfig
+
+    from tracestore.errors import ConfigError
+
+    for k in list(os.environ):
+        if k.startswith("TRACESTORE_"):
+            monkeypatch.delenv(k)
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    got = (cfg.max_streams, cfg.workers, cfg.max_read_bytes, cfg.max_writers, cfg.max_runs, cfg.storage_unhealthy_s,
+           cfg.wal_retry_s)  # fmt: skip
+    assert got == (256, 64, 256 << 20, 1024, 256, 300.0, 1.0)
+    monkeypatch.setenv("TRACESTORE_MAX_WRITERS", "7")
+    monkeypatch.setenv("TRACESTORE_WAL_RETRY", "0.5")
+    args = ["serve", "--max-streams", "100", "--workers", "8", "--max-read-mib", "16", "--max-runs", "3",
+            "--storage-unhealthy", "2.5"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(args))
+    got = (cfg.max_streams, cfg.workers, cfg.max_read_bytes, cfg.max_writers, cfg.max_runs, cfg.storage_unhealthy_s,
+           cfg.wal_retry_s)  # fmt: skip
+    assert got == (100, 8, 16 << 20, 7, 3, 2.5, 0.5)
+    assert cfg.rpc_threads == 108 and cfg.max_concurrent_rpcs > cfg.rpc_threads
+    bad = {"max_writers": 0, "max_runs": -1, "max_streams": 0, "workers": 4, "storage_unhealthy_s": 0.0,
+           "wal_retry_s": float("nan"), "max_read_bytes": 10}  # fmt: skip
+    for name, value in bad.items():
+        with pytest.raises(ConfigError, match=name):
+            ServerConfig(**{name: value})  # type: ignore[arg-type]
+    # only as many streams wait for a message as half the budget covers at max_message_bytes each
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=2 << 20).reading_streams == 16
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=64 << 20).reading_streams == 1
+    assert ServerConfig(memory_budget_bytes=64 << 20).read_limit_bytes == 64 << 20
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
