@@ -1,8 +1,10 @@
 """Prometheus metrics of the sidecar (design.md §9). Names here are a contract with deploy/.
 
-One registry per server instance (tests run several servers in one process). Labels are bounded:
-``method`` (RPC names), ``code`` (gRPC status names), ``op`` (storage operation), ``path``
-(``grpc``/``shm``) — never a run, trajectory or writer id.
+One registry per server instance (tests run several servers in one process). Every label value
+comes from a fixed set the server chooses, never from a client: ``method`` (RPC names), ``code``
+(gRPC status names), ``op`` (:data:`STORAGE_OPS`), ``path`` (``grpc``/``shm``/``wal``), ``reason``
+(:data:`UNGUIDED_REASONS` for unguided trajectories, the engine's degraded reasons for
+``tracestore_degraded``) — never a run, trajectory or writer id, nor a string a recorder sent.
 """
 
 from __future__ import annotations
@@ -11,6 +13,32 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 # Latency buckets: durable acks are fsync-bound (ms) on disk, PUT-bound (100s of ms) on S3.
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Reasons recorders report for unguided trajectories (client.recorder: staging full, sidecar
+# unreachable, or the status code of a refused message in lower case). A reason outside the set is
+# counted as "other": 20,000 messages with made-up reasons once made 40,000 series.
+UNGUIDED_REASONS = frozenset(
+    {
+        "staging_full", "sidecar_unreachable", "invalid_argument", "already_exists", "data_loss", "not_found",
+        "permission_denied", "unauthenticated", "resource_exhausted", "failed_precondition", "other",
+    }
+)  # fmt: skip
+# Storage operations as tracestore.fsutil names them (the first word of its op strings).
+STORAGE_OPS = frozenset({"read", "exists", "size", "list", "open", "write", "delete", "write_shard", "other"})
+
+
+def unguided_reason(reason: str) -> str:
+    """The metric label for a recorder-reported reason: itself if it is in :data:`UNGUIDED_REASONS`,
+    else (empty, unknown, any other string) ``"other"``."""
+    r = reason.strip().lower()
+    return r if r in UNGUIDED_REASONS else "other"
+
+
+def storage_op(op: str) -> str:
+    """The metric label of a storage operation description (``"write run-a/v0/..."`` -> ``"write"``)."""
+    word = op.split(" ", 1)[0]
+    return word if word in STORAGE_OPS else "other"
+
+
 _BYTES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24, 2**26, 2**27, 2**28, 2**29, 2**30)
 
 
@@ -76,6 +104,17 @@ class Metrics:
             p + "shm_in_use_bytes", "Shared-memory staging bytes reserved, not released", registry=r
         )
         self.active_streams = Gauge(p + "active_write_streams", "Open Write streams", registry=r)
+        self.waiting_streams = Gauge(
+            p + "waiting_write_streams",
+            "Write streams waiting for their turn to read a message (the memory budget covers fewer)",
+            registry=r,
+        )
+        self.degraded = Gauge(
+            p + "degraded",
+            "1 while the sidecar is degraded for this reason (health NOT_SERVING), else 0",
+            ["reason"],
+            registry=r,
+        )
         self.unguided_trajectories = Counter(
             p + "unguided_trajectories",
             "Trajectories recorders reported as unguided (no complete records)",

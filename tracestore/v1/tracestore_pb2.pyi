@@ -279,7 +279,7 @@ class WriterState(_message.Message):
     def __init__(self, run: _Optional[str] = ..., writer: _Optional[str] = ..., epoch: _Optional[int] = ..., received_sequence: _Optional[int] = ..., durable_sequence: _Optional[int] = ..., committed_sequence: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("state", "version", "backlog_bytes", "memory_in_use_bytes", "memory_budget_bytes", "wal_bytes", "open_trajectories", "shards_committed", "writers", "storage_url", "run_spec")
+    __slots__ = ("state", "version", "backlog_bytes", "memory_in_use_bytes", "memory_budget_bytes", "wal_bytes", "open_trajectories", "shards_committed", "writers", "storage_url", "run_spec", "degraded")
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKLOG_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class StatResponse(_message.Message):
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_URL_FIELD_NUMBER: _ClassVar[int]
     RUN_SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     state: ServingState
     version: str
     backlog_bytes: int
@@ -302,4 +303,5 @@ class StatResponse(_message.Message):
     writers: _containers.RepeatedCompositeFieldContainer[WriterState]
     storage_url: str
     run_spec: RunSpec
-    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., version: _Optional[str] = ..., backlog_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., wal_bytes: _Optional[int] = ..., open_trajectories: _Optional[int] = ..., shards_committed: _Optional[int] = ..., writers: _Optional[_Iterable[_Union[WriterState, _Mapping]]] = ..., storage_url: _Optional[str] = ..., run_spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+    degraded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ServingState, str]] = ..., version: _Optional[str] = ..., backlog_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., wal_bytes: _Optional[int] = ..., open_trajectories: _Optional[int] = ..., shards_committed: _Optional[int] = ..., writers: _Optional[_Iterable[_Union[WriterState, _Mapping]]] = ..., storage_url: _Optional[str] = ..., run_spec: _Optional[_Union[RunSpec, _Mapping]] = ..., degraded: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -60,7 +60,12 @@ class TraceStoreServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Write(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """At most --max-streams Write streams are open at once; one more is refused at once with
+        RESOURCE_EXHAUSTED (retry-after-ms in the trailers). Only as many streams as the memory budget
+        covers read their next message at a time; the others wait, their bytes held at the client by
+        flow control. When streams wait, one whose next message has not arrived for a while is ended
+        with OK once all it sent is durable: reconnect and go on (unacknowledged messages are resent).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
