@@ -37,7 +37,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tracestore.errors import ConflictError, TraceStoreError, ValidationError
+from tracestore import faults
+from tracestore.errors import ConflictError, CorruptionError, LimitError, TraceStoreError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal
 
 from .config import ServerConfig
@@ -48,6 +49,8 @@ log = logging.getLogger("tracestore.server")
 
 # WAL entry types
 DATA, STATE, PLAN, DONE = 1, 2, 3, 4
+# Why the sidecar reports itself unhealthy (health NOT_SERVING, Stat.degraded, a metric): a fixed set.
+DEGRADED_REASONS = ("wal_failed", "flusher_dead", "flusher_stalled", "storage_refusing")
 INGEST_QUIET_S = 0.2  # seconds without a new message that count as a pause in ingest
 DEFER_MAX_INTERVALS = 5  # shards of a WAL sidecar wait for a pause at most this many flush intervals
 # A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
@@ -111,6 +114,11 @@ class Message:
     shm_bytes: int = 0  # writer shared-memory staging referenced, held by the writer until released
     shm_chunks: list[int] = dataclasses.field(default_factory=list)  # chunks that are views into the pool
     held_pool: str | None = None  # held past durability (WAL, keeps_staging): released at commit
+    # The WAL entry's parts while it is not durable (the raw request, which the chunks view anyway,
+    # and shared-memory payloads the writer keeps until the ack): re-appended if the WAL fails first.
+    wal_parts: Sequence[Part] | None = None
+    ticket: int = 0  # WAL ticket of the DATA entry
+    plan_ticket: int = 0  # WAL ticket of the PLAN entry that gave it ``shard_seq``
 
     def own_shm(self) -> None:
         """Replace the payload views this message holds into a writer's shared-memory pool by
@@ -157,7 +165,6 @@ class Engine:
         self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
         self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
         self._sealed: set[tuple[str, str]] = set()
-        self._newest: dict[str, int] = {}  # newest policy version seen per run
         self.in_use = 0
         self.shm_in_use = 0  # bytes of writers' staging named by messages not yet released
         self._held_bytes: dict[str, int] = {}  # per pool: staging held past durability (WAL mode)
@@ -171,6 +178,13 @@ class Engine:
         self._stopped = False
         self._last_ingest = 0.0  # when submit last admitted a message
         self._plan_ticket = 0  # WAL ticket of the newest PLAN entry
+        self._done_ticket = 0  # WAL ticket of the newest DONE entry: segments go only once it is durable
+        self._done_backlog: list[bytes] = []  # DONE entries a failed WAL refused: re-appended on recovery
+        self._redo: list[tuple[WriterState, Message]] = []  # not durable at a WAL failure, not re-appended yet
+        self._wal_retry_at = 0.0
+        self._flush_busy_since: float | None = None  # when the flusher's current commit began
+        self._refusing_since: float | None = None  # first failed commit since the last good one
+        self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
         self.shards_committed = 0
         self.wal: WriteAheadLog | None = None
         self._flusher: threading.Thread | None = None
@@ -192,14 +206,24 @@ class Engine:
             if known != spec:
                 raise ConflictError(f"run {spec.run} is already declared with different sites; runs are immutable")
             return
+        self._check_run_limit(spec.run)
         self.store.put_run(spec)
         with self._lock:
             self.runs[spec.run] = spec
+
+    def _check_run_limit(self, run: str) -> None:
+        with self._lock:
+            if run not in self.runs and len(self.runs) >= self.config.max_runs:
+                raise LimitError(
+                    f"this sidecar already serves {len(self.runs)} runs (max_runs); run {run} is refused: "
+                    "start a sidecar per run group, or raise --max-runs"
+                )
 
     def run_spec(self, run: str) -> RunSpec:
         with self._lock:
             spec = self.runs.get(run)
         if spec is None:
+            self._check_run_limit(run)
             spec = self.store.get_run(run)  # NotFoundError when never declared
             with self._lock:
                 self.runs[run] = spec
@@ -255,9 +279,16 @@ class Engine:
         if kind == DATA:
             assert self.parse_wal_data is not None
             msg = self.parse_wal_data(payload)
+            known = (msg.run, msg.writer) in self.writers
             st = self._state(msg.run, msg.writer)
             if (msg.epoch, msg.seq) <= (st.epoch, st.received_seq):
                 return 0  # covered by a state snapshot (already committed)
+            if known and msg.seq != (st.received_seq + 1 if msg.epoch == st.epoch else 1):
+                raise CorruptionError(
+                    f"write-ahead log segment {segment}: writer {msg.writer} of run {msg.run} jumps from "
+                    f"(epoch {st.epoch}, sequence {st.received_seq}) to (epoch {msg.epoch}, sequence {msg.seq}): "
+                    "acknowledged messages between them are missing from the log; the sidecar will not start"
+                )
             msg.segment = segment
             # Chunks dropped as identical resends when this message was accepted are in the raw
             # request again: drop them again, or the flush would store them twice.
@@ -385,6 +416,11 @@ class Engine:
             while True:
                 if self._draining:
                     raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
+                if (msg.run, msg.writer) not in self.writers and len(self.writers) >= self.config.max_writers:
+                    raise LimitError(
+                        f"this sidecar already tracks {len(self.writers)} writers (max_writers); writer "
+                        f"{msg.writer} of run {msg.run} is refused: use fewer writer ids, or raise --max-writers"
+                    )
                 st = self._state(msg.run, msg.writer)
                 dup = self._check_sequence(st, msg)
                 if dup:
@@ -399,7 +435,7 @@ class Engine:
             self._check_conflicts(msg)
             if self.wal is not None:
                 segment, ticket = self.wal.append(DATA, wal_parts)
-                msg.segment = segment
+                msg.segment, msg.ticket, msg.wal_parts = segment, ticket, wal_parts
                 self._acks.append((ticket, st, msg))
                 self.metrics.wal_bytes.set(self.wal.nbytes)
             self._remember(msg)
@@ -509,16 +545,22 @@ class Engine:
     def _see_version(self, run: str, version: int) -> None:
         """Keep dedupe/conflict state for the newest ``dedupe_versions`` policy versions of a run only
         (memory stays bounded on a long-running sidecar; older versions are no longer written)."""
-        newest = self._newest.get(run, -1)
-        if version <= newest:
+        versions = self._versions.setdefault(run, [])
+        i = bisect.bisect_left(versions, version)
+        if i < len(versions) and versions[i] == version:
             return
-        self._newest[run] = version
-        floor = version - self.config.dedupe_versions + 1
+        versions.insert(i, version)
+        if len(versions) <= self.config.dedupe_versions:
+            return
+        # Distinct versions, not arithmetic on the newest one: a single message with version 2**62
+        # once dropped the state of every real version and let conflicting bytes in.
+        del versions[: len(versions) - self.config.dedupe_versions]
+        floor = versions[0]
         stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links)
         for d in stores:
             for key in [k for k in d if k[0] == run and k[1] < floor]:
                 del d[key]
-        if floor > 0:  # trajectories of dropped versions are neither open nor remembered as sealed
+        if True:  # trajectories of dropped versions are neither open nor remembered as sealed
             live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
             self._open = {k for k in self._open if k[0] != run or k[1] in live}
             self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
@@ -557,6 +599,7 @@ class Engine:
             touched: set[int] = set()
             while self._acks and self._acks[0][0] <= ticket:
                 _, st, msg = self._acks.popleft()
+                msg.wal_parts = None
                 if msg.epoch == st.epoch and msg.seq > st.durable_seq:
                     st.durable_seq = msg.seq
                 self._shm_durable(msg)
@@ -661,6 +704,8 @@ class Engine:
         return now - st.pending[0].received < DEFER_MAX_INTERVALS * self.config.flush_interval_s
 
     def _take(self, st: WriterState) -> list[Message]:
+        """The next group of ``st``'s messages to commit as one shard, planned in the WAL (lock held).
+        Raises StorageError (nothing planned) when the WAL refuses the PLAN entry."""
         first = st.pending[0]
         if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
             return [m for m in st.pending if m.shard_seq == first.shard_seq]
@@ -672,53 +717,133 @@ class Engine:
             group.append(m)
             size += m.nbytes
         shard = st.shard_next
-        st.shard_next += 1
-        for m in group:
-            m.shard_seq = shard
+        ticket = 0
         if self.wal is not None:
             plan = {"run": st.run, "writer": st.writer, "shard": shard, "messages": [[m.epoch, m.seq] for m in group]}
-            _, self._plan_ticket = self.wal.append(PLAN, [json.dumps(plan).encode()])
+            _, ticket = self.wal.append(PLAN, [json.dumps(plan).encode()])
+            self._plan_ticket = ticket
+            faults.point("commit.planned")
+        st.shard_next += 1
+        for m in group:
+            m.shard_seq, m.plan_ticket = shard, ticket
         return group
 
     def _flush_loop(self) -> None:
+        """The flusher thread: commits due shards, recovers a failed WAL, and never dies of an error
+        (one it does not expect is logged, counted as a failed commit, and retried with backoff)."""
         backoff = 0.05
         while True:
-            with self._lock:
-                if self._stopped:
-                    return
-                now = time.monotonic()
-                due = [w for w in self.writers.values() if self._due(w, now)]
-                if not due:
-                    self._kick.wait(min(0.05, self.config.flush_interval_s / 4))
-                    continue
-                try:
-                    groups = [(w, self._take(w)) for w in due]
-                except TraceStoreError:
-                    if self._stopped:  # the WAL was closed under us at shutdown
-                        return
-                    raise
-                plan_ticket = self._plan_ticket
-                self._in_flight = {id(m) for _, group in groups for m in group}
-            # A shard is written only once its PLAN entry is durable: a restart then repeats the
-            # same shard number (a no-op), never a second shard of the same chunks. (A SIGKILL
-            # between an unsynced PLAN and its shard wrote every chunk twice: test_crash.)
-            ok = True
             try:
-                if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
-                    ok = False
-                for st, group in groups if ok else ():
-                    ok = self._commit(st, group)
-                    if not ok:
-                        break
-            finally:
-                with self._lock:  # (_make_room may copy out held messages of a failed shard meanwhile)
-                    self._in_flight = set()
-                    self._room.notify_all()
+                ok = self._flush_once()
+            except Exception:  # noqa: BLE001 - the flusher must outlive any one commit
+                log.exception("the shard flusher hit an unexpected error; retrying")
+                ok = False
+                with self._lock:
+                    self._refusing_since = self._refusing_since or time.monotonic()
+            if ok is None:
+                return
             if ok:
                 backoff = 0.05
             else:
                 self._pause(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _flush_once(self) -> bool | None:
+        """One round of the flusher: True (progress or nothing due), False (back off), None (stop)."""
+        with self._lock:
+            if self._stopped:
+                return None
+            if self.wal is not None and self.wal.error is not None:
+                return self._recover_wal()
+            now = time.monotonic()
+            due = [w for w in self.writers.values() if self._due(w, now)]
+            if not due:
+                self._kick.wait(min(0.05, self.config.flush_interval_s / 4))
+                return True
+            groups = []
+            try:
+                for w in due:
+                    groups.append((w, self._take(w)))
+            except TraceStoreError as exc:  # the WAL refused a PLAN entry: commit what was planned
+                if self._stopped:
+                    return None
+                log.warning("could not plan a shard (%s); the write-ahead log recovers first", exc)
+            if not groups:
+                return False
+            plan_ticket = max(m.plan_ticket for _, group in groups for m in group)
+            self._in_flight = {id(m) for _, group in groups for m in group}
+            self._flush_busy_since = time.monotonic()
+        # A shard is written only once its PLAN entry is durable: a restart then repeats the
+        # same shard number (a no-op), never a second shard of the same chunks. (A SIGKILL
+        # between an unsynced PLAN and its shard wrote every chunk twice: test_crash.)
+        ok = True
+        try:
+            if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
+                ok = False
+            elif self.wal is not None and plan_ticket:
+                faults.point("commit.plan_synced")
+            for st, group in groups if ok else ():
+                ok = self._commit(st, group)
+                if not ok:
+                    break
+        finally:
+            with self._lock:  # (_make_room may copy out held messages of a failed shard meanwhile)
+                self._in_flight = set()
+                self._flush_busy_since = None
+                self._room.notify_all()
+        return ok
+
+    def _recover_wal(self) -> bool:
+        """With the lock held, on the flusher thread (so no commit is in flight): bring a failed WAL
+        back once the device takes writes again — cut back to what is durable, then re-append, in
+        their order, the DONE entries it refused and every message not durable yet, under a header
+        whose writer sessions end just before those messages (replay would otherwise skip them as
+        already committed). Plans that were not durable are dropped (their groups are re-planned).
+        Returns True once recovered, False while the device still refuses (retried every
+        ``wal_retry_s``)."""
+        assert self.wal is not None
+        now = time.monotonic()
+        if now < self._wal_retry_at:
+            self._kick.wait(min(0.25, self._wal_retry_at - now))
+            return True
+        self._wal_retry_at = now + self.config.wal_retry_s
+        durable = self.wal.synced_ticket
+        # (a recovery that failed half-way left some messages re-appended, the rest in _redo)
+        redo = self._redo = [(st, m) for t, st, m in self._acks if t > durable] + self._redo
+        self._acks = deque(x for x in self._acks if x[0] <= durable)
+        first: dict[int, Message] = {}
+        for st, m in redo:
+            first.setdefault(id(st), m)
+        states = []
+        for w in self.writers.values():
+            f = first.get(id(w))
+            epoch, seq = (f.epoch, f.seq - 1) if f is not None else (w.epoch, w.received_seq)
+            states.append([w.run, w.writer, epoch, seq, w.shard_next])
+        try:
+            self.wal.recover([(STATE, json.dumps({"writers": states}).encode())])
+            while self._done_backlog:
+                _, self._done_ticket = self.wal.append(DONE, [self._done_backlog[0]])
+                del self._done_backlog[0]
+            n_redo = len(redo)
+            while self._redo:
+                st, m = self._redo[0]
+                assert m.wal_parts is not None
+                segment, ticket = self.wal.append(DATA, m.wal_parts)
+                self._seg_outstanding[m.segment] -= 1
+                m.segment, m.ticket = segment, ticket
+                self._seg_outstanding[segment] = self._seg_outstanding.get(segment, 0) + 1
+                self._acks.append((ticket, st, m))
+                del self._redo[0]
+        except TraceStoreError as exc:
+            log.warning("write-ahead log still failing (%s); retrying in %.1f s", exc, self.config.wal_retry_s)
+            return False
+        for w in self.writers.values():
+            for m in w.pending:
+                if m.shard_seq is not None and m.plan_ticket > durable:
+                    m.shard_seq = None  # its PLAN never became durable: plan it again
+        log.warning("write-ahead log recovered: re-appended %d messages not durable at the failure", n_redo)
+        self._retire_segments()
+        return True
 
     def _pause(self, seconds: float) -> None:
         """Back off after a failed commit; ends early when the engine closes (grace period)."""
@@ -751,18 +876,28 @@ class Engine:
             traceback.clear_frames(exc.__traceback__)
             self.metrics.storage_errors.labels("write_shard").inc()
             self.metrics.storage_retries.labels("write_shard").inc()
+            with self._lock:
+                self._refusing_since = self._refusing_since or time.monotonic()
             log.warning("shard %s/%s/%d not committed yet (%s); will retry", st.run, st.writer, shard, exc)
             return False
+        faults.point("commit.stored")
         nbytes = sum(m.nbytes for m in group)
         self.metrics.shard_write_latency.observe(time.monotonic() - t0)
         self.metrics.shard_bytes.inc(nbytes)
         self.metrics.shards.inc(max(1, len(by_version)))
         self.metrics.last_commit_timestamp.set(time.time())
         with self._lock:
+            self._refusing_since = None
             if self.wal is not None:
-                done = {"run": st.run, "writer": st.writer, "shard": shard}
-                with contextlib.suppress(TraceStoreError):  # a lost DONE only repeats a no-op flush
-                    self.wal.append(DONE, [json.dumps(done).encode()])
+                done = json.dumps({"run": st.run, "writer": st.writer, "shard": shard}).encode()
+                try:
+                    _, self._done_ticket = self.wal.append(DONE, [done])
+                except TraceStoreError:
+                    # The WAL failed: keep the DONE for its recovery. Until then no segment is
+                    # retired (a replay without it would rebuild the shard from a partial group).
+                    self._done_backlog.append(done)
+                else:
+                    faults.point("commit.done_appended")
             self._release(st, group)
             held = False
             for m in group:
@@ -795,14 +930,38 @@ class Engine:
                 self._seg_outstanding[m.segment] -= 1
 
     def _retire_segments(self) -> None:
-        if self.wal is None:
+        """Delete WAL segments whose every message is committed — once the DONE entries saying so
+        are durable (a crash before that replays the PLANs, and a PLAN whose messages were partly
+        deleted would rebuild a different shard under a committed shard's number: the sidecar
+        wedged on that conflict for good)."""
+        if self.wal is None or self._done_backlog:
             return
         live = [s for s, n in self._seg_outstanding.items() if n > 0]
         keep_from = min(live, default=self.wal.active_index)
         for s in [s for s in self._seg_outstanding if s < keep_from]:
             del self._seg_outstanding[s]
-        self.wal.delete_before(keep_from)
+        self.wal.delete_before(keep_from, after=self._done_ticket)
         self.metrics.wal_bytes.set(self.wal.nbytes)
+
+    def degraded(self) -> list[str]:
+        """Why this sidecar cannot do its job right now (empty: healthy), from DEGRADED_REASONS:
+        the WAL failed (writes are refused until it recovers), the flusher thread died or is stuck
+        in one commit for longer than ``storage_unhealthy_s``, or storage has refused every commit
+        for that long."""
+        reasons = []
+        now = time.monotonic()
+        limit = self.config.storage_unhealthy_s
+        if self.wal is not None and self.wal.error is not None:
+            reasons.append("wal_failed")
+        if self._flusher is not None and not self._flusher.is_alive() and not self._stopped:
+            reasons.append("flusher_dead")
+        busy = self._flush_busy_since
+        if busy is not None and now - busy > limit:
+            reasons.append("flusher_stalled")
+        refusing = self._refusing_since
+        if refusing is not None and now - refusing > limit:
+            reasons.append("storage_refusing")
+        return reasons
 
     # -- stop -------------------------------------------------------------------------------------
 

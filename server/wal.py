@@ -11,15 +11,27 @@ one flush (group commit, as in PostgreSQL's WAL and Kafka's log flush). Measured
 on the bench box: a buffered ``writev`` cost 2.3 ms of CPU on the appending thread (page-cache
 allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 ns/B off the ingest
 path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
-A crash can leave a torn tail only in the newest segment: replay stops there and truncates it
-(zero padding after the last entry is the end of a segment). Segments are deleted oldest first
-once the caller says their entries are committed elsewhere.
+A crash can leave a torn tail only at the very end of the newest segment: replay cuts a bad entry
+there only when no intact entry follows it anywhere in the file (zero padding after the last entry
+is the end of a segment). A bad entry followed by intact ones, a bad entry in an older segment, or a
+missing segment between two present ones is corruption of acknowledged data: replay refuses
+(:class:`CorruptionError` naming the segment and byte offset) and never truncates.
+Segments are deleted oldest first once the caller says their entries are committed elsewhere *and*
+the entry saying so is durable (``delete_before(index, after=ticket)``).
+
+A failed write or fdatasync (ENOSPC, EIO) puts the log in a failed state: appends raise
+:class:`StorageError` and :attr:`WriteAheadLog.error` is set, so the owner can report itself
+unhealthy. :meth:`WriteAheadLog.recover` then cuts every segment back to what the last successful
+fdatasync covered (the bytes after it cannot be trusted after a failed fsync), opens a fresh
+segment with the caller's header and lets appends continue; the owner re-appends what was not
+durable. Only one process may use a directory: it is locked with ``flock`` for the log's lifetime.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import queue
@@ -31,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from tracestore.errors import CorruptionError, StorageError
+from tracestore import faults
+from tracestore.errors import ConfigError, CorruptionError, StorageError
 from tracestore.v1.checksum import FAST, crc32, crc32_address, crc32_combine
 
+log = logging.getLogger("tracestore.server")
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
@@ -92,6 +106,68 @@ def _write_jobs(jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]]) 
         os.ftruncate(fd, size)
 
 
+def _lock_directory(directory: Path) -> int:
+    """Take an exclusive ``flock`` on ``directory/LOCK`` for the log's lifetime; a second log (a second
+    sidecar) on the same directory would delete or truncate the first one's live segments."""
+    import fcntl
+
+    path = directory / "LOCK"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"write-ahead log directory {directory} is in use by another running sidecar (it holds {path}); "
+            "give each sidecar its own --wal-dir"
+        ) from None
+    return fd
+
+
+def _entry_at(data: bytes | memoryview, pos: int) -> tuple[int, int] | None:
+    """``(kind, end)`` of an intact entry at ``pos``, or None."""
+    if pos + HEADER.size > len(data):
+        return None
+    length, crc, kind = HEADER.unpack_from(data, pos)
+    end = pos + HEADER.size + length
+    if end > len(data):
+        return None
+    if crc32(data[pos + HEADER.size : end], crc32(bytes([kind]))) != crc:
+        return None
+    return kind, end
+
+
+def _intact_after(data: bytes, start: int) -> int | None:
+    """Offset of the first intact entry at or after ``start`` (any byte offset), or None. Candidates
+    are offsets whose header names a known entry type (1..15) and a length that fits in the file;
+    only those are checksummed (a few per 4 KiB of random bytes, none in zero padding)."""
+    import numpy as np
+
+    n = len(data)
+    if n - start < HEADER.size:
+        return None
+    buf = np.frombuffer(data, dtype=np.uint8)
+    step = 1 << 22
+    for lo in range(start, n - HEADER.size + 1, step):
+        hi = min(n - HEADER.size + 1, lo + step)
+        kinds = buf[lo + 8 : hi + 8]
+        cand = np.flatnonzero((kinds >= 1) & (kinds <= 15))
+        if cand.size == 0:
+            continue
+        at = cand + lo
+        length = (
+            buf[at].astype(np.uint64)
+            | (buf[at + 1].astype(np.uint64) << 8)
+            | (buf[at + 2].astype(np.uint64) << 16)
+            | (buf[at + 3].astype(np.uint64) << 24)
+        )
+        fits = at[(at.astype(np.uint64) + HEADER.size + length) <= n]
+        for pos in fits.tolist():
+            if _entry_at(data, pos) is not None:
+                return int(pos)
+    return None
+
+
 class WriteAheadLog:
     """Append-only, fsynced log in ``directory``.
 
@@ -142,58 +218,95 @@ class WriteAheadLog:
         self._spare: list[mmap.mmap] = []
         self._head_ticket = 0  # ticket covering the active segment's header entries
         self._delete_pending = 0  # delete_before(index) deferred until that header is durable
+        self._delete_after = 0  # ... and until this ticket (the caller's DONE entry) is durable
+        self._synced_pos = (0, 0)  # (segment index, size) the last successful fdatasync covered
+        self._lock_fd = _lock_directory(self.dir)
 
     # -- replay ---------------------------------------------------------------------------------
 
     def replay(self) -> Iterator[tuple[int, int, bytes]]:
         """Yield ``(segment_index, type, payload)`` for every intact entry, oldest first.
 
-        A bad entry at the tail of the newest segment is a torn write: it is truncated away.
-        A bad entry anywhere else is real corruption and raises :class:`CorruptionError`.
+        Only a torn tail is repaired: bad bytes at the end of the newest segment with no intact
+        entry after them (a write the crash cut short; nothing after it was acknowledged). Anything
+        else — a bad entry followed by intact ones, damage in an older segment, a segment missing
+        between two present ones — raises :class:`CorruptionError` naming the segment and offset,
+        before any entry of the log is yielded, and nothing is truncated: those bytes may be
+        acknowledged records.
         """
         found = sorted(
             (int(m.group(1)), p) for p in self.dir.iterdir() if (m := _SEGMENT_RE.fullmatch(p.name)) is not None
         )
+        for (a, pa), (b, _) in zip(found, found[1:], strict=False):
+            if b != a + 1:
+                raise CorruptionError(
+                    f"write-ahead log {self.dir} is missing segment(s) {a + 1}..{b - 1} between {pa.name} and "
+                    f"wal-{b:012d}.log: acknowledged records may be lost; restore the missing segment(s), or "
+                    "move the directory aside to start empty (losing what was acknowledged and not yet committed)"
+                )
         self.segments = [Segment(i, p, p.stat().st_size) for i, p in found]
+        # Check every segment first: a corrupt log must stop the start before the caller acts on
+        # any of its entries.
+        ends: list[int] = []
         for n, seg in enumerate(self.segments):
-            last = n == len(self.segments) - 1
             with open(seg.path, "rb") as f:
                 data = f.read()
+            end = self._scan(seg, data, last=n == len(self.segments) - 1)
+            ends.append(end)
+        for seg, end in zip(self.segments, ends, strict=True):
+            if end < seg.size:  # a torn tail of the newest segment
+                with open(seg.path, "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+                seg.size = end
+            with open(seg.path, "rb") as f:
+                data = f.read(end)
             pos = 0
-            while pos < len(data):
-                bad = None
-                if pos + HEADER.size > len(data):
-                    bad = "truncated header"
-                else:
-                    length, crc, kind = HEADER.unpack_from(data, pos)
-                    end = pos + HEADER.size + length
-                    if end > len(data):
-                        bad = "truncated entry"
-                    else:
-                        payload = data[pos + HEADER.size : end]
-                        if crc32(payload, crc32(bytes([kind]))) != crc:
-                            bad = "checksum mismatch"
-                if bad is not None and data.count(0, pos) == len(data) - pos:
-                    break  # zero padding after the last entry (direct mode): the end, not damage
-                if bad is not None:
-                    if not last:
-                        raise CorruptionError(
-                            f"write-ahead log {seg.path} is corrupt at byte {pos} ({bad}) and is not the newest "
-                            "segment; move the WAL directory aside to start empty (unacknowledged data is lost)"
-                        )
-                    with open(seg.path, "r+b") as f:
-                        f.truncate(pos)
-                        os.fsync(f.fileno())
-                    seg.size = pos
-                    break
-                yield seg.index, kind, payload
-                pos = end
+            while pos < end:
+                length, _, kind = HEADER.unpack_from(data, pos)
+                nxt = pos + HEADER.size + length
+                yield seg.index, kind, data[pos + HEADER.size : nxt]
+                pos = nxt
+
+    def _scan(self, seg: Segment, data: bytes, *, last: bool) -> int:
+        """Byte offset where ``seg``'s intact entries end; raises CorruptionError for damage that is
+        not a torn tail of the newest segment."""
+        pos = 0
+        while pos < len(data):
+            entry = _entry_at(data, pos)
+            if entry is not None:
+                pos = entry[1]
+                continue
+            if data.count(0, pos) == len(data) - pos:
+                return pos  # zero padding after the last entry (direct mode): the end, not damage
+            if pos + HEADER.size > len(data):
+                bad = "truncated entry header"
+            else:
+                length = HEADER.unpack_from(data, pos)[0]
+                bad = "truncated entry" if pos + HEADER.size + length > len(data) else "checksum mismatch"
+            later = _intact_after(data, pos + 1)
+            if last and later is None:
+                log.warning(
+                    "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
+                    "never acknowledged)", seg.path, len(data) - pos, pos, bad,
+                )  # fmt: skip
+                return pos
+            where = "an older segment" if not last else f"the newest segment, with an intact entry at byte {later}"
+            raise CorruptionError(
+                f"write-ahead log segment {seg.path} is corrupt at byte {pos} ({bad}) in {where}: the entries "
+                "from there on may hold acknowledged records, so the sidecar will not start and has changed "
+                "nothing. Restore the segment from a backup, or move the WAL directory aside to start empty "
+                "(losing the acknowledged records not yet committed to storage)"
+            )
+        return pos
 
     # -- appending ------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Open a fresh segment and start the sync thread (call after :meth:`replay`)."""
         with self._lock:
+            if self.segments:  # replayed segments are durable as they are
+                self._synced_pos = (self.segments[-1].index, self.segments[-1].size)
             self._open_segment()
         self._thread = threading.Thread(target=self._sync_loop, name="tracestore-wal-sync", daemon=True)
         self._thread.start()
@@ -220,7 +333,7 @@ class WriteAheadLog:
             if stop:
                 return
 
-    def _open_segment(self) -> None:
+    def _open_segment(self, header: Sequence[tuple[int, bytes]] | None = None) -> None:
         if self.direct and self._fd >= 0:
             # The sync thread writes this segment's last buffer (and cuts the zero padding of its
             # last block) before it syncs and closes the fd; appends go on in a fresh buffer. No
@@ -249,14 +362,17 @@ class WriteAheadLog:
             self._fd = os.open(path, flags | os.O_APPEND, 0o644)
         _fsync_dir(self.dir)
         self.segments.append(Segment(index, path, 0))
-        if self._segment_header is not None:
-            for kind, payload in self._segment_header():
+        if header is None and self._segment_header is not None:
+            header = self._segment_header()
+        if header is not None:
+            for kind, payload in header:
                 self._write(kind, [payload])
             # The header (the writers' sessions) replaces what older segments said: they may be
             # deleted only once it is durable (delete_before defers until then).
             self._written += 1
             self._head_ticket = self._written
             self._cond.notify_all()
+        faults.point("wal.rotated")
 
     def rotate(self) -> int:
         """Start a new segment now (it opens with the caller's state snapshot); returns its index."""
@@ -336,9 +452,9 @@ class WriteAheadLog:
                 raise StorageError(f"write-ahead log failed earlier: {self._error}")
             if self._closed:
                 raise StorageError("write-ahead log is closed")
-            if self.segments[-1].size >= self.segment_bytes:
-                self._open_segment()
             try:
+                if self.segments[-1].size >= self.segment_bytes:
+                    self._open_segment()
                 self._write(kind, parts)
             except CorruptionError:  # this entry's bytes (Checked.verify), not the log: nothing appended
                 raise
@@ -360,11 +476,14 @@ class WriteAheadLog:
     def _sync_loop(self) -> None:
         while True:
             with self._lock:
-                while self._written == self._synced and not self._jobs and not self._closed:
+                while (self._error is not None or (self._written == self._synced and not self._jobs)) and not (
+                    self._closed
+                ):
                     self._cond.wait()
-                if self._written == self._synced and not self._jobs and self._closed:
+                if self._closed and (self._error is not None or (self._written == self._synced and not self._jobs)):
                     return
                 target, fd = self._written, self._fd
+                pos = (self.segments[-1].index, self.segments[-1].size)
                 retired, self._retired = self._retired, []
                 jobs, self._jobs = self._jobs, []
                 out = self._swap() if self.direct else None
@@ -382,17 +501,33 @@ class WriteAheadLog:
                     _pwrite(fd, *out)
                 os.fdatasync(fd)
             except OSError as exc:
+                for old in retired:  # recover() cuts these segments back; their fds are done
+                    with contextlib.suppress(OSError):
+                        os.close(old)
                 with self._lock:
                     self._error = exc
                     self._cond.notify_all()
-                return
+                    log.error("write-ahead log in %s failed (%s); appends are refused until it recovers", self.dir, exc)
+                    # Wait for recover() (or close): a failed fsync leaves the page cache's state
+                    # unknown, so nothing more is written to these files.
+                    while self._error is not None and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                continue
+            faults.point("wal.synced")
             with self._lock:
+                if self._error is not None:  # failed (an append) meanwhile: this sync may predate it
+                    continue
                 self._synced = target
+                self._synced_pos = pos
                 self._cond.notify_all()
-                pending = self._delete_pending if target >= self._head_ticket else 0
+                pending = self._delete_pending if target >= max(self._head_ticket, self._delete_after) else 0
                 self._delete_pending = 0 if pending else self._delete_pending
             if pending:
+                faults.point("commit.done_synced")
                 self._delete(pending)
+                faults.point("commit.retired")
             if self._on_synced is not None:
                 self._synced_q.put(target)
 
@@ -420,22 +555,95 @@ class WriteAheadLog:
         return full, n, offset
 
     def wait_synced(self, ticket: int, timeout: float | None = None) -> bool:
+        """True once ``ticket`` is durable; False on timeout or when the log failed first."""
         with self._lock:
-            return self._cond.wait_for(lambda: self._synced >= ticket or self._error is not None, timeout)
+            self._cond.wait_for(lambda: self._synced >= ticket or self._error is not None, timeout)
+            return self._synced >= ticket
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped the log (None while it works)."""
+        return self._error
+
+    @property
+    def synced_ticket(self) -> int:
+        return self._synced
+
+    def recover(self, header: Sequence[tuple[int, bytes]]) -> None:
+        """Leave the failed state: cut every segment back to what the last successful fdatasync
+        covered (later bytes may or may not be on the device after a failed fsync; they are
+        dropped, and their tickets are void), then open a fresh segment starting with ``header``.
+        The caller re-appends whatever it still needs that was not durable, in order.
+        Raises :class:`StorageError` (the log stays failed) while the device still refuses."""
+        with self._lock:
+            if self._error is None or self._closed:
+                return
+            try:
+                for fd in {*self._retired, *(j[0] for j in self._jobs), self._fd} - {-1}:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                self._retired, self._jobs, self._fd = [], [], -1
+                index, size = self._synced_pos
+                keep = []
+                for seg in self.segments:
+                    if seg.index < index:
+                        keep.append(seg)
+                    elif seg.index == index:
+                        with open(seg.path, "r+b") as f:
+                            f.truncate(size)
+                            os.fsync(f.fileno())
+                        seg.size = size
+                        keep.append(seg)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            seg.path.unlink()
+                _fsync_dir(self.dir)
+                self.segments = keep
+                self._written = self._synced
+                self._fill = self._base = 0
+                self._open_segment(header)
+                # the header must reach the device before appends are acknowledged again
+                self._pwrite_and_sync_now()
+            except OSError as exc:
+                self._error = exc
+                raise StorageError(f"write-ahead log in {self.dir} is still failing: {exc}") from exc
+            failed, self._error = self._error, None
+            log.warning("write-ahead log in %s recovered after %s", self.dir, failed)
+            self._cond.notify_all()
+
+    def _pwrite_and_sync_now(self) -> None:
+        """With the lock held (recover only): write and sync the active segment's bytes here."""
+        if self.direct:
+            fill = self._fill
+            if fill:
+                buf = self._bufs[self._active]
+                n = -(-fill // BLOCK) * BLOCK
+                buf[fill:n] = bytes(n - fill)
+                _pwrite(self._fd, buf, n, self._base)
+        os.fdatasync(self._fd)
+        self._synced = self._written
+        self._synced_pos = (self.segments[-1].index, self.segments[-1].size)
 
     # -- retiring -------------------------------------------------------------------------------
 
-    def delete_before(self, index: int) -> int:
+    def delete_before(self, index: int, after: int = 0) -> int:
         """Delete segments with index < ``index`` (never the active one); return bytes freed.
-        Deferred (to the sync thread, or close) while the active segment's header is not durable:
-        until then the older segments hold the only durable copy of the writers' sessions."""
+        Deferred (to the sync thread, or close) while the active segment's header or ticket
+        ``after`` is not durable: until the header is, the older segments hold the only durable
+        copy of the writers' sessions, and until ``after`` (the caller's entry saying the older
+        segments' records are committed) is, a crash would replay a log that no longer holds
+        what that entry's work was planned from."""
         with self._lock:
-            if self._synced < self._head_ticket:
+            self._delete_after = max(self._delete_after, after)
+            if self._error is not None or self._synced < max(self._head_ticket, self._delete_after):
                 self._delete_pending = max(self._delete_pending, index)
                 return 0
             index = max(index, self._delete_pending)
             self._delete_pending = 0
-        return self._delete(index)
+        freed = self._delete(index)
+        if freed:
+            faults.point("commit.retired")
+        return freed
 
     def _delete(self, index: int) -> int:
         freed = 0
@@ -468,20 +676,27 @@ class WriteAheadLog:
                 _write_jobs(self._jobs)
             self._jobs = []
             for old in self._retired:
-                os.fdatasync(old)
-                os.close(old)
+                try:
+                    if self._error is None:
+                        os.fdatasync(old)
+                finally:
+                    os.close(old)
             self._retired = []
             if self._fd >= 0:
                 try:
-                    if self.direct and self._error is None:
-                        out = self._swap()
-                        if out is not None:
-                            _pwrite(self._fd, *out)
-                        os.ftruncate(self._fd, self.segments[-1].size)
-                    os.fdatasync(self._fd)
+                    if self._error is None:
+                        if self.direct:
+                            out = self._swap()
+                            if out is not None:
+                                _pwrite(self._fd, *out)
+                            os.ftruncate(self._fd, self.segments[-1].size)
+                        os.fdatasync(self._fd)
                 finally:
                     os.close(self._fd)
                     self._fd = -1
             pending, self._delete_pending = (self._delete_pending if self._error is None else 0), 0
         if pending:  # everything, the header included, is durable now
             self._delete(pending)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the directory's flock
+            self._lock_fd = -1
