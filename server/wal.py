@@ -525,9 +525,10 @@ class WriteAheadLog:
                 pending = self._delete_pending if target >= max(self._head_ticket, self._delete_after) else 0
                 self._delete_pending = 0 if pending else self._delete_pending
             if pending:
-                faults.point("commit.done_synced")
-                self._delete(pending)
-                faults.point("commit.retired")
+                if any(seg.index < pending for seg in self.segments[:-1]):
+                    faults.point("commit.done_synced")
+                if self._delete(pending):
+                    faults.point("commit.retired")
             if self._on_synced is not None:
                 self._synced_q.put(target)
 
