@@ -94,7 +94,9 @@ class DiskFull:
 # -- a failed WAL recovers by itself ---------------------------------------------------------------
 
 
-def test_wal_disk_full_degrades_then_recovers_and_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wal_disk_full_degrades_then_recovers_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = f"file://{tmp_path / 'data'}"
     disk = DiskFull(monkeypatch)
     eng = _engine(url, tmp_path / "wal", flush_interval_s=3600, wal_retry_s=0.2)
