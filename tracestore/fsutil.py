@@ -2,7 +2,7 @@
 
 ``storage_options`` go to fsspec untouched (tracestore never handles credentials). Every call
 runs on a small worker pool and is bounded by ``timeout`` seconds: a black-holed S3 endpoint
-makes s3fs PUTs hang forever (shared/reliability.md), so a hang surfaces here as
+makes s3fs PUTs hang forever, so a hang surfaces here as
 :class:`~tracestore.errors.StorageError` instead. Transient failures (timeouts, connection
 errors, other ``OSError`` that is not "not found / exists / permission") are retried with
 exponential backoff; each retry and each final error is counted in :attr:`Storage.stats` and
@@ -104,7 +104,7 @@ class _PoolState:
 class DaemonPool:
     """A minimal executor whose workers are daemon threads.
 
-    A call stuck past its timeout (a black-holed S3 PUT never returns, shared/reliability.md) is
+    A call stuck past its timeout (a black-holed S3 PUT never returns) is
     abandoned by :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter
     exit, so one such call kept a finished sidecar or test process alive for minutes or for ever.
     Abandoning it at exit is safe: nothing is visible before its create-only publish. Workers

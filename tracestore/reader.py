@@ -9,7 +9,14 @@ is verified on every read.
 
 Resolution rules
 - A trajectory's tokens ``[0, P)`` covered by a :class:`~tracestore.records.PrefixLink` are read
-  from the link's source (recursively), transparently.
+  from the link's source (recursively), transparently. A link is checked against its source
+  before anything is read through it (:class:`LinkIndex`): the source must hold a record, seal or
+  link in the link's own version, at least ``P`` tokens of it (its largest seal, else its records),
+  and following links must never come back to a trajectory already on the way (a cycle). A link
+  past its source's seal or in a cycle is :class:`~tracestore.errors.CorruptionError`; one whose
+  source is missing or not yet recorded that far is
+  :class:`~tracestore.errors.MissingRecordsError` (``on_missing="mask"``: those rows come back
+  invalid). Each names the link and its manifest; no row is ever served through a failing link.
 - When several selected versions hold the same token, the newest wins (a re-rollout after a weight
   update supersedes); two chunks of one version covering a token must hold identical bytes, else
   :class:`~tracestore.errors.ConflictError` names the key.
@@ -42,6 +49,7 @@ from tracestore.errors import (
     CorruptionError,
     MissingRecordsError,
     NotFoundError,
+    TraceStoreError,
     ValidationError,
 )
 from tracestore.fsutil import CountingFile
@@ -53,7 +61,122 @@ from tracestore.store import Store
 OnMissing = Literal["error", "mask"]
 StalePolicy = Literal["drop", "flag"]
 ColumnRange = tuple[int, int]
-_MAX_LINK_DEPTH = 64
+
+
+class LinkIndex:
+    """The prefix links of one run and what each trajectory holds per version, to resolve reads
+    through links and to check every link followed against its source (see the module docstring).
+
+    ``add_manifest(path, m)`` indexes a manifest; :meth:`resolve` splits a trajectory's token
+    range into the pieces each owner trajectory holds. ``extent[(trajectory, version)]``: the
+    tokens a trajectory holds in a version (largest chunk end of any site, seal or own link);
+    ``sealed[(trajectory, version)]``: its largest seal there.
+    """
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.links: dict[str, list[tuple[PrefixLink, str]]] = {}
+        self.extent: dict[tuple[str, int], int] = {}
+        self.sealed: dict[tuple[str, int], int] = {}
+
+    def holds(self, trajectory: str, version: int, n_tokens: int) -> None:
+        """Note that ``trajectory`` has something up to token ``n_tokens`` in ``version``."""
+        key = (trajectory, version)
+        if n_tokens > self.extent.get(key, 0):
+            self.extent[key] = n_tokens
+
+    def add_seal(self, seal: TrajectorySeal) -> None:
+        key = (seal.trajectory, seal.policy_version)
+        self.sealed[key] = max(self.sealed.get(key, 0), seal.n_tokens)
+        self.holds(seal.trajectory, seal.policy_version, seal.n_tokens)
+
+    def add_link(self, link: PrefixLink, where: str) -> None:
+        self.links.setdefault(link.trajectory, []).append((link, where))
+        self.holds(link.trajectory, link.policy_version, link.n_tokens)
+
+    def add_manifest(self, path: str, m: Manifest) -> None:
+        v = m.policy_version
+        ends: dict[str, int] = {}
+        for e in m.chunks:
+            if e.token_end > ends.get(e.trajectory, 0):
+                ends[e.trajectory] = e.token_end
+        for t, end in ends.items():
+            self.holds(t, v, end)
+        for s in m.seals:
+            self.add_seal(s)
+        for x in m.links:
+            self.add_link(x, path)
+
+    def link(self, trajectory: str, vs: set[int]) -> tuple[PrefixLink, str] | None:
+        """The link of ``trajectory`` a read of versions ``vs`` follows (newest version, longest)
+        with its manifest's path; ConflictError when that version links it to two sources."""
+        links = [(x, p) for x, p in self.links.get(trajectory, ()) if x.policy_version in vs]
+        best = max(links, key=lambda xp: (xp[0].policy_version, xp[0].n_tokens), default=None)
+        if best is not None:
+            sources = {x.source for x, _ in links if x.policy_version == best[0].policy_version}
+            if len(sources) > 1:
+                raise ConflictError(
+                    f"run {self.run} v{best[0].policy_version}: trajectory {trajectory} has prefix links to "
+                    f"different sources {sorted(sources)}"
+                )
+        return best
+
+    def describe(self, link: PrefixLink, where: str) -> str:
+        return (
+            f"prefix link {link.trajectory} -> {link.source} (run {self.run} v{link.policy_version}, "
+            f"tokens [0, {link.n_tokens})) in manifest {where}"
+        )
+
+    def check(self, link: PrefixLink, where: str) -> TraceStoreError | None:
+        """What is wrong with following ``link`` (an error to raise), or None."""
+        key = (link.source, link.policy_version)
+        have = self.extent.get(key, 0)
+        if have == 0:
+            return MissingRecordsError(
+                f"{self.describe(link, where)}: its source {link.source} has no record, seal or link in "
+                f"v{link.policy_version}"
+            )
+        sealed = self.sealed.get(key)
+        if sealed is not None and link.n_tokens > sealed:
+            return CorruptionError(
+                f"{self.describe(link, where)}: its source {link.source} is sealed at {sealed} tokens"
+            )
+        if link.n_tokens > have:
+            return MissingRecordsError(
+                f"{self.describe(link, where)}: its source {link.source} holds only {have} tokens in "
+                f"v{link.policy_version}"
+            )
+        return None
+
+    def resolve(
+        self, traj: str, a: int, b: int, vs: set[int], on_missing: OnMissing = "error"
+    ) -> list[tuple[str | None, int, int]]:
+        """Split tokens [a, b) of ``traj`` into (owner trajectory, lo, hi) pieces, following links
+        (each checked, :meth:`check`); owner None: tokens behind a link whose source is missing,
+        with ``on_missing="mask"`` (they are read as invalid)."""
+        out: list[tuple[str | None, int, int]] = []
+        todo: list[tuple[str, int, int, tuple[str, ...]]] = [(traj, a, b, (traj,))]
+        while todo:
+            t, lo, hi, path = todo.pop()
+            found = self.link(t, vs)
+            if found is None or lo >= found[0].n_tokens:
+                out.append((t, lo, hi))
+                continue
+            link, where = found
+            if link.source in path:
+                cycle = " -> ".join((*path[path.index(link.source) :], link.source))
+                raise CorruptionError(f"{self.describe(link, where)} forms a cycle {cycle}")
+            cut = min(hi, link.n_tokens)
+            problem = self.check(link, where)
+            if problem is None:
+                todo.append((link.source, lo, cut, (*path, link.source)))
+            elif isinstance(problem, CorruptionError) or on_missing == "error":
+                raise problem
+            else:
+                out.append((None, lo, cut))
+            if hi > cut:
+                todo.append((t, cut, hi, path))
+        return sorted(out, key=lambda p: p[1])
 
 
 @dataclasses.dataclass
@@ -384,7 +507,7 @@ class StoreReader:
         self._listed: dict[int, list[str]] = {}  # version -> manifest paths seen at the last refresh
         self._by_traj: dict[tuple[str, str], list[tuple[Manifest, ChunkEntry]]] = {}  # (trajectory, site)
         self._seals: dict[str, list[TrajectorySeal]] = {}
-        self._links: dict[str, list[PrefixLink]] = {}
+        self._links = LinkIndex(self.run)
         self._indexed: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracestore-read")
 
@@ -433,7 +556,7 @@ class StoreReader:
         # new objects rather than clear(): reads running concurrently keep their consistent view
         self._by_traj = {}
         self._seals = {}
-        self._links = {}
+        self._links = LinkIndex(self.run)
         self._indexed = set()
         listed = dict(self._listed)
         self._listed.clear()
@@ -449,8 +572,7 @@ class StoreReader:
             self._by_traj.setdefault((e.trajectory, e.site), []).append((m, e))
         for s in m.seals:
             self._seals.setdefault(s.trajectory, []).append(s)
-        for x in m.links:
-            self._links.setdefault(x.trajectory, []).append(x)
+        self._links.add_manifest(f"{self.store.url}/{path}", m)
         self._indexed.add(path)
 
     def seal(self, trajectory: str, versions: Iterable[int] | None = None) -> TrajectorySeal | None:
@@ -458,18 +580,6 @@ class StoreReader:
         vs = None if versions is None else set(versions)
         seals = [s for s in self._seals.get(trajectory, []) if vs is None or s.policy_version in vs]
         return max(seals, key=lambda s: (s.policy_version, s.n_tokens), default=None)
-
-    def _link(self, trajectory: str, vs: set[int]) -> PrefixLink | None:
-        links = [x for x in self._links.get(trajectory, []) if x.policy_version in vs]
-        best = max(links, key=lambda x: (x.policy_version, x.n_tokens), default=None)
-        if best is not None:
-            sources = {x.source for x in links if x.policy_version == best.policy_version}
-            if len(sources) > 1:
-                raise ConflictError(
-                    f"run {self.run} v{best.policy_version}: trajectory {trajectory} has prefix links to "
-                    f"different sources {sorted(sources)}"
-                )
-        return best
 
     # ------------------------------------------------------------------ read
 
@@ -551,24 +661,6 @@ class StoreReader:
             sites = [sites]
         return [self.spec.site(s) for s in sites]
 
-    def _resolve(self, traj: str, a: int, b: int, vs: set[int]) -> list[tuple[str, int, int]]:
-        """Split tokens [a, b) of ``traj`` into (owner trajectory, lo, hi) pieces, following links."""
-        out: list[tuple[str, int, int]] = []
-        todo = [(traj, a, b, 0)]
-        while todo:
-            t, lo, hi, depth = todo.pop()
-            link = self._link(t, vs)
-            if link is None or lo >= link.n_tokens:
-                out.append((t, lo, hi))
-                continue
-            if depth >= _MAX_LINK_DEPTH:
-                raise CorruptionError(f"prefix links from {traj} form a chain longer than {_MAX_LINK_DEPTH} (a cycle?)")
-            cut = min(hi, link.n_tokens)
-            todo.append((link.source, lo, cut, depth + 1))
-            if hi > cut:
-                todo.append((t, cut, hi, depth))
-        return sorted(out, key=lambda p: p[1])
-
     def _read(
         self,
         plan: MicrobatchPlan,
@@ -594,12 +686,16 @@ class StoreReader:
         pieces_of = []
         for seg in plan.segments:
             pieces_of.append(
-                [] if seg.trajectory is None else self._resolve(seg.trajectory, seg.token_start, seg.token_end, vs)
+                []
+                if seg.trajectory is None
+                else self._links.resolve(seg.trajectory, seg.token_start, seg.token_end, vs, on_missing)
             )
         for s in site_specs:
             for i, seg in enumerate(plan.segments):
                 base = int(plan.offsets[i]) - seg.token_start
                 for owner, lo, hi in pieces_of[i]:
+                    if owner is None:  # behind a link whose source is missing (on_missing="mask")
+                        continue
                     cands = [
                         (m, e)
                         for m, e in self._by_traj.get((owner, s.name), ())

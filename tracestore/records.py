@@ -1,4 +1,4 @@
-"""The record model of design.md §4: sites, runs, record chunks, trajectory seals, prefix links.
+"""The record model: sites, runs, record chunks, trajectory seals, prefix links.
 
 numpy only (no torch): the sidecar and the storage layer build on these types. Every type is a
 frozen dataclass validated on construction, so an object that exists is well formed; ids are
@@ -123,7 +123,7 @@ def _format_name(fmt: FP4Format | str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
-    """One quantization site of a run (design.md §4).
+    """One quantization site of a run.
 
     ``width`` values per row (a multiple of the format's block); ``bits`` = b low code bits kept;
     ``rows_per_token`` > 1 for MoE inputs quantized once per routed expert (rows by routing slot).

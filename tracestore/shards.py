@@ -5,17 +5,22 @@ token_start). Row groups break at a (trajectory, site) boundary once they hold
 ``min_row_group_bytes`` and always before ``row_group_bytes``, so a pipeline stage reading a few
 sites of a trajectory fetches only their row groups. Column compression: code bits are stored
 uncompressed (packed low FP4 bits are incompressible: bench/bench_storage.py measured every codec
-at 1.00x on them), scales and token scales zstd level 1 (real E4M3 scales: 0.65x), the small
-per-chunk key columns uncompressed (zstd saved ~54 bytes per row group and cost 10 ms of 120 ms
-encoder CPU per 120 MiB shard: bench_storage configuration, 15 repeats).
-Page checksums are written and verified (reliability.md: a flipped byte in a compressed page
-otherwise came back as wrong data): by Arrow's decoder, or, on local disk, by
+at 1.00x on them); every other column is zstd level 1: scales and token scales (real E4M3
+scales: 0.65x) and the small per-chunk key and checksum columns too (:data:`ZSTD_COLUMNS`;
+leaving those uncompressed would save ~10 ms of a ~121 ms encoder thread per 120 MiB shard and
+grow it by ~4 KB).
+Page checksums are written and verified (a flipped byte in a compressed page otherwise decoded
+into wrong data): by Arrow's decoder, or, on local disk, by
 :mod:`tracestore.pagecrc` with ISA-L over the memory-mapped bytes the decoder then reads. Every
 chunk's own checksum is verified on every read (:func:`read_chunks`).
 
 The manifest (small JSON, written after the shard) lists every chunk's key, row group and
 checksum; readers use it to fetch only the row groups they need and to detect swapped or
-truncated files.
+truncated files. It is canonical JSON (sorted keys, no whitespace) whose first member,
+``"checksum": "crc32:<8 hex digits>"``, is the CRC-32 of the canonical JSON of every other member
+(the file's bytes with that member left out: ``{`` followed by everything after its comma). It
+is verified on every load (:meth:`Manifest.from_json`), so a damaged manifest is a
+:class:`CorruptionError` naming it, never chunks, seals or prefix links silently read wrong.
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ from tracestore.records import (
 from tracestore.v1.checksum import crc32_held
 
 MANIFEST_FORMAT = "tracestore.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the manifest carries a checksum over its content (1 had none)
+_CHECKSUM_HEAD = b'{"checksum":"crc32:'
+_CHECKSUM_END = len(_CHECKSUM_HEAD) + 10  # 8 hex digits, '",'
 SHARD_META_KEY = b"tracestore.shard"
 
 ROW_GROUP_BYTES = 16 << 20
@@ -143,18 +150,20 @@ class Manifest:
             "seals": [s.to_dict() for s in self.seals],
             "links": [x.to_dict() for x in self.links],
         }
-        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        body = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        # "checksum" sorts before every other key, so this is the canonical JSON of the whole manifest
+        return b'%s%08x",%s' % (_CHECKSUM_HEAD, crc32(body), body[1:])
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Decode a manifest, verifying its checksum first; CorruptionError naming ``where`` if the
+        bytes are damaged, not a v2 manifest, or describe seals or links of another run or version."""
+        d = manifest_dict(data, where)
         try:
-            d = json.loads(data)
-            if d.get("format") != MANIFEST_FORMAT or d.get("manifest_version") != MANIFEST_VERSION:
-                raise ValueError(f"format {d.get('format')!r} version {d.get('manifest_version')!r}")
             cols = d["chunks"]
             names = [f.name for f in dataclasses.fields(ChunkEntry)]
             chunks = tuple(ChunkEntry(*vals) for vals in zip(*(cols[n] for n in names), strict=True))
-            return cls(
+            m = cls(
                 d["run"],
                 int(d["policy_version"]),
                 d["writer"],
@@ -169,8 +178,17 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptionError(
-                f"manifest {where} does not decode ({exc}); expected a tracestore manifest v1"
+                f"manifest {where} does not decode ({exc}); expected a tracestore manifest v{MANIFEST_VERSION}"
             ) from exc
+        owned: tuple[TrajectorySeal | PrefixLink, ...] = (*m.seals, *m.links)
+        for item in owned:
+            if item.run != m.run or item.policy_version != m.policy_version:
+                kind = "seal" if isinstance(item, TrajectorySeal) else "prefix link"
+                raise CorruptionError(
+                    f"manifest {where} of run {m.run} v{m.policy_version} holds a {kind} of run {item.run} "
+                    f"v{item.policy_version} ({item.trajectory})"
+                )
+        return m
 
     @property
     def trajectories(self) -> set[str]:
@@ -178,6 +196,53 @@ class Manifest:
         out.update(s.trajectory for s in self.seals)
         out.update(x.trajectory for x in self.links)
         return out
+
+
+def manifest_dict(data: bytes, where: str) -> dict[str, Any]:
+    """The decoded JSON of a manifest whose checksum verifies (see the module docstring).
+
+    Raises :class:`CorruptionError` naming ``where`` when the checksum does not match, the bytes
+    do not start with the checksum member (damaged, or a v1 manifest, which had none), or the
+    JSON does not decode to a v2 manifest."""
+    view = memoryview(data)
+    head = bytes(view[:_CHECKSUM_END])
+    stored = None
+    if head.startswith(_CHECKSUM_HEAD) and head.endswith(b'",'):
+        digits = head[len(_CHECKSUM_HEAD) : -2]
+        if all(c in b"0123456789abcdef" for c in digits):
+            stored = int(digits, 16)
+    if stored is None:
+        version = None
+        try:
+            old = json.loads(data)
+            if isinstance(old, dict) and old.get("format") == MANIFEST_FORMAT:
+                version = old.get("manifest_version")
+        except ValueError:
+            pass
+        if version == 1:
+            raise CorruptionError(
+                f"manifest {where} is format v1, which carries no checksum (written by an older "
+                f"tracestore); this tracestore reads only checksummed v{MANIFEST_VERSION} manifests: "
+                "re-record the data or read it with the tracestore that wrote it"
+            )
+        raise CorruptionError(
+            f"manifest {where} does not start with its checksum (damaged, or not a tracestore "
+            f"manifest v{MANIFEST_VERSION})"
+        )
+    actual = crc32(view[_CHECKSUM_END:], crc32(b"{"))
+    if actual != stored:
+        raise CorruptionError(
+            f"manifest {where} fails its checksum (stored {stored:#010x}, computed {actual:#010x}): "
+            "the manifest is damaged"
+        )
+    try:
+        d = json.loads(data)
+    except ValueError as exc:  # pragma: no cover - a verified checksum over bytes that never decoded
+        raise CorruptionError(f"manifest {where} does not decode ({exc})") from exc
+    if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT or d.get("manifest_version") != MANIFEST_VERSION:
+        got = (d.get("format"), d.get("manifest_version")) if isinstance(d, dict) else type(d).__name__
+        raise CorruptionError(f"manifest {where} is {got}, expected a tracestore manifest v{MANIFEST_VERSION}")
+    return d
 
 
 def _dedupe_sorted(chunks: Sequence[RecordChunk]) -> list[RecordChunk]:

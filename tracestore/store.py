@@ -1,4 +1,4 @@
-"""Store: durable Parquet shards of record chunks on any fsspec URL (design.md §8).
+"""Store: durable Parquet shards of record chunks on any fsspec URL.
 
 Layout under the root URL::
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tracestore import PrefixLink, TrajectorySeal
+from tracestore import CorruptionError, PrefixLink, TrajectorySeal
 from tracestore.reader import StoreReader
 from tracestore.store import Store
 
@@ -149,14 +149,26 @@ class StoreMachine(RuleBasedStateMachine):
             for key in [k for k in d if k[0] < keep]:
                 del d[key]
 
+    def _holds(self, v, t):
+        """What the reader takes a trajectory to hold in a version: records, seal or own link."""
+        return max(self._next_start(v, t), self.seals.get((v, t), 0), self.links.get((v, t), (None, 0))[1])
+
     def _expect(self, t, tok):
-        depth = 0
+        """The codes row a read returns for ``tok`` of ``t`` (None: invalid); raises
+        CorruptionError where the reader must (a link past its source's seal)."""
         while True:
             links = [(v, self.links[(v, t)]) for v in self.versions if (v, t) in self.links]
             if links:
                 v, (src, n) = max(links, key=lambda x: (x[0], x[1][1]))
                 if tok < n:
-                    t, depth = src, depth + 1
+                    held, sealed = self._holds(v, src), self.seals.get((v, src))
+                    if held == 0:
+                        return None  # the source is missing in the link's version: masked
+                    if sealed is not None and n > sealed:
+                        raise CorruptionError(f"link {t} -> {src} past the seal")
+                    if n > held:
+                        return None  # the source holds fewer tokens: masked
+                    t = src
                     continue
             break
         for v in sorted(self.versions, reverse=True):
@@ -171,9 +183,14 @@ class StoreMachine(RuleBasedStateMachine):
             return
         assert self.store.list_versions(RUN) == sorted(self.versions)
         for t in TRAJS:
+            try:
+                expected = [self._expect(t, tok) for tok in range(12)]
+            except CorruptionError:
+                with pytest.raises(CorruptionError, match=r"prefix link .* sealed at"):
+                    self.reader.read([(t, 0, 12)], sites=[S0.name], on_missing="mask")
+                continue
             res = self.reader.read([(t, 0, 12)], sites=[S0.name], on_missing="mask")[S0.name]
-            for tok in range(12):
-                exp = self._expect(t, tok)
+            for tok, exp in enumerate(expected):
                 assert bool(res.valid[tok]) == (exp is not None), (t, tok)
                 if exp is not None:
                     assert res.codes[tok].tobytes() == exp
