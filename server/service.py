@@ -414,6 +414,7 @@ class Sidecar:
             self._store = Store(
                 cfg.storage, cfg.storage_options, timeout=cfg.storage_timeout_s, on_event=self._storage_event
             )
+            self._store.remove_stale_temp_files()  # left by writers killed mid-publish (local disk only)
         self.engine = Engine(cfg, self._store, self.metrics)
         self.shm = ShmPools(cfg.shm_dir, on_change=self.metrics.shm_capacity.set)
         service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)

@@ -41,6 +41,12 @@ from tracestore.shards import (
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
+# the temp files our local publish writes next to its target (tracestore.fsutil): ".<name>.tmp-<uuid4 hex>"
+_RUN_TEMP = re.compile(r"\.run\.json\.tmp-[0-9a-f]{32}")
+_SHARD_TEMP = re.compile(r"\.part-\d{8}\.(?:parquet|manifest\.json)\.tmp-[0-9a-f]{32}")
+_NO_TEMP = re.compile(r"(?!)")  # version directories hold none
+STALE_TEMP_AGE_S = 600.0
+"""Default grace of :meth:`Store.remove_stale_temp_files`, at least 10x the storage timeout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +143,35 @@ class Store:
             self._runs[run] = spec
         return spec
 
+    def _ensure_run_json(self, spec: RunSpec) -> None:
+        """Make sure ``spec``'s run.json is on storage before a shard of the run is published.
+
+        A storage root wiped under a running writer (an object store restarted empty) would
+        otherwise get shards whose run is declared nowhere: nothing of it readable. One small
+        read per ``write_shard``; a missing run.json is put back create-only; a run.json that
+        declares other sites is a :class:`ConflictError` (it is never overwritten)."""
+        rel = f"{spec.run}/run.json"
+        data = spec.to_json().encode()
+        try:
+            existing = self.storage.cat(rel)
+        except NotFoundError:
+            try:
+                self.storage.publish(rel, data)
+                return
+            except ConflictError:  # put there meanwhile, with other bytes
+                existing = self.storage.cat(rel)
+        if existing == data:
+            return
+        try:
+            same = RunSpec.from_json(existing) == spec
+        except ValidationError:
+            same = False
+        if not same:
+            raise ConflictError(
+                f"{self.url}/{rel} declares run {spec.run} with other sites than this writer's: "
+                f"{existing[:500]!r}; not writing shards of run {spec.run} under it"
+            )
+
     # ------------------------------------------------------------------ writing
 
     def shard_paths(self, run: str, policy_version: int, writer: str, seq: int) -> tuple[str, str]:
@@ -165,6 +200,7 @@ class Store:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise ValidationError(f"seq must be an integer >= 0, got {seq!r}")
         spec = self.get_run(run)
+        self._ensure_run_json(spec)
         for c in chunks:
             if not isinstance(c, RecordChunk):
                 raise ValidationError(f"write_shard expects RecordChunk objects, got {type(c).__name__}")
@@ -301,30 +337,65 @@ class Store:
 
     # ------------------------------------------------------------------ maintenance
 
-    def remove_stale_temp_files(self, older_than_s: float = 3600.0) -> list[str]:
-        """Delete temp files that a crashed local writer left behind; returns their paths.
+    def remove_stale_temp_files(self, older_than_s: float | None = None) -> list[str]:
+        """Delete temp files that crashed local writers left behind; returns their root-relative paths.
 
-        Local disk only (S3 and memory publish with one call and never leave any): a writer that
-        died between writing its temp file and the create-only link leaves ``.part-*.tmp-*``;
-        readers never see those files, this reclaims their space.
+        Local disk only (S3 and memory publish with one call and never leave any). A writer killed
+        between writing its temp file and the create-only link leaves ``.<name>.tmp-<uuid4 hex>``
+        next to the shard, manifest or run.json it was publishing; readers never see those files,
+        this reclaims their space. Only names our writers create, only where they create them
+        (``{run}/`` and ``{run}/v{N}/{writer}/``), and only files unmodified for ``older_than_s``
+        seconds (default: the larger of :data:`STALE_TEMP_AGE_S` and 10x the storage timeout; a
+        live writer modifies its temp file until the moment it publishes), so a live writer's temp
+        file is never removed. Files that vanish or cannot be removed meanwhile are skipped.
         """
+        if older_than_s is None:
+            older_than_s = max(STALE_TEMP_AGE_S, 10 * self.storage.timeout)
+        if not older_than_s >= 0:
+            raise ValidationError(f"older_than_s must be >= 0 seconds, got {older_than_s!r}")
         if not self.storage.local:
             return []
         import os
         import time
 
         cutoff = time.time() - older_than_s
-        removed = []
-        for rel in self.storage.find(""):
-            name = rel.rsplit("/", 1)[-1]
-            if name.startswith(".") and ".tmp-" in name:
-                path = self.storage.full(rel)
+        removed: list[str] = []
+
+        def entries(path: str) -> list[os.DirEntry[str]]:
+            try:
+                with os.scandir(path) as it:
+                    return list(it)
+            except OSError:  # absent, not a directory, unreadable
+                return []
+
+        def sweep(directory: os.DirEntry[str] | str, rel: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
+            subdirs = []
+            for e in entries(directory if isinstance(directory, str) else directory.path):
                 try:
-                    if os.path.getmtime(path) < cutoff:
-                        os.unlink(path)
-                        removed.append(rel)
-                except FileNotFoundError:
+                    if e.is_dir(follow_symlinks=False):
+                        subdirs.append(e)
+                    elif (
+                        pattern.fullmatch(e.name)
+                        and e.is_file(follow_symlinks=False)
+                        and e.stat(follow_symlinks=False).st_mtime < cutoff
+                    ):
+                        os.unlink(e.path)
+                        removed.append(f"{rel}/{e.name}")
+                except OSError:
                     continue
+            return subdirs
+
+        for run_dir in entries(self.storage.full("")):
+            try:
+                if not run_dir.is_dir(follow_symlinks=False):
+                    continue
+                validate_id("run", run_dir.name)
+            except (OSError, ValidationError):
+                continue
+            for vdir in sweep(run_dir, run_dir.name, _RUN_TEMP):
+                if _VERSION_DIR.fullmatch(vdir.name):
+                    for wdir in sweep(vdir, f"{run_dir.name}/{vdir.name}", _NO_TEMP):
+                        sweep(wdir, f"{run_dir.name}/{vdir.name}/{wdir.name}", _SHARD_TEMP)
         return removed
 
     def close(self) -> None:

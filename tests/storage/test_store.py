@@ -376,14 +376,14 @@ def test_stale_temp_files_are_removed(store: Store):
         assert store.remove_stale_temp_files(0) == []  # one-call publishes never leave temp files
         return
     shard_dir = os.path.dirname(store.storage.full(info.path))
-    crashed = os.path.join(shard_dir, ".part-00000001.parquet.tmp-dead")
-    fresh = os.path.join(shard_dir, ".part-00000002.parquet.tmp-live")
+    crashed = os.path.join(shard_dir, ".part-00000001.parquet.tmp-" + "d" * 32)  # named as our writers name them
+    fresh = os.path.join(shard_dir, ".part-00000002.parquet.tmp-" + "e" * 32)
     for p in (crashed, fresh):
         with open(p, "wb") as f:
             f.write(b"partial")
     old = time.time() - 7200
     os.utime(crashed, (old, old))
-    assert store.remove_stale_temp_files(3600) == [f"{RUN}/v0/w0/.part-00000001.parquet.tmp-dead"]
+    assert store.remove_stale_temp_files(3600) == [f"{RUN}/v0/w0/.part-00000001.parquet.tmp-{'d' * 32}"]
     assert os.path.exists(fresh) and not os.path.exists(crashed)
     assert StoreReader(store, RUN).read([("t0", 0, 4)], sites=[S0.name])[S0.name].valid.all()
     with StoreReader(store, RUN) as r, store:
