@@ -2,8 +2,10 @@
 
 ``source`` is a storage URL (direct ranged reads through :class:`tracestore.reader.StoreReader`;
 the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
-the ``Read`` RPC). The next plan can be fetched in the background (:meth:`GuidanceReader.prefetch`)
-while the current microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
+the ``Read`` RPC; ``grpcs://host:port`` for TLS, or ``channel_credentials=`` and ``token=``
+for a sidecar that requires them, see :func:`tracestore.client.transport.channel`). The next
+plan can be fetched in the background (:meth:`GuidanceReader.prefetch`) while the current
+microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
 child process and lands in shared memory (:mod:`tracestore.client.read_process`); ``process=N``
 splits each read's rows among N children. Beside a training loop that keeps the GIL busy, a
 prefetch in a thread of the trainer waits for that lock between its copies, a child does not;
@@ -37,8 +39,10 @@ from tracestore.errors import (
     CorruptionError,
     MissingRecordsError,
     NotFoundError,
+    PermissionDeniedError,
     StorageError,
     TraceStoreError,
+    UnauthenticatedError,
     ValidationError,
 )
 from tracestore.plan import MicrobatchPlan
@@ -84,6 +88,8 @@ class GuidanceReader:
         storage_options: dict[str, Any] | None = None,
         timeout: float = 120.0,
         process: bool | int = False,
+        channel_credentials: Any = None,
+        token: str | None = None,
     ) -> None:
         validate_id("run", run)
         if on_missing not in ("error", "mask"):
@@ -112,7 +118,7 @@ class GuidanceReader:
         if process and not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
             raise ConfigError("process=True needs Linux (memfd_create and SCM_RIGHTS); read in this process instead")
         if self.sidecar:
-            self._channel = channel(source)
+            self._channel = channel(source, channel_credentials, token)
             self._store_reader = None
             self.spec: RunSpec | None = None
         else:
@@ -368,5 +374,7 @@ def _error_from_status(exc: Any) -> TraceStoreError:
         "INVALID_ARGUMENT": ValidationError,
         "NOT_FOUND": MissingRecordsError,
         "DATA_LOSS": CorruptionError,
+        "UNAUTHENTICATED": UnauthenticatedError,
+        "PERMISSION_DENIED": PermissionDeniedError,
     }.get(code, StorageError)
     return cls(f"sidecar Read failed ({code}): {details}")

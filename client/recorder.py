@@ -44,7 +44,7 @@ from tracestore.v1.checksum import chunk_checksum_parts
 from tracestore.v1.convert import inline_chunk_parts, len_field, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import StagingPool
-from .transport import channel, method
+from .transport import channel, method, resolve_token
 
 log = logging.getLogger("tracestore.client")
 
@@ -158,6 +158,9 @@ class RolloutRecorder:
     with CUDA now (default: when torch is already imported and sees a GPU). ``linger_s``: how long
     small (decode) forwards may wait to be coalesced with later ones (a window of up to 16 x
     ``batch_bytes``, a quarter of the pool) before they are sent; ``flush`` sends at once.
+    ``channel_credentials`` (``grpc.ChannelCredentials``, e.g. ``grpc.ssl_channel_credentials(ca)``)
+    or a ``grpcs://host:port`` address: TLS; ``token`` (default ``$TRACESTORE_TOKEN``): the bearer
+    token sent with every call (see :func:`tracestore.client.transport.channel`).
     """
 
     def __init__(
@@ -176,11 +179,15 @@ class RolloutRecorder:
         connect: bool = True,
         pin: bool | None = None,
         linger_s: float = 1.0,
+        channel_credentials: Any = None,
+        token: str | None = None,
     ) -> None:
         if not isinstance(run_spec, RunSpec):
             raise ConfigError(f"run_spec must be a tracestore.records.RunSpec, got {type(run_spec).__name__}")
         validate_id("writer", writer)
         self.address = address
+        # checked here, not in the sender thread: a token that would travel in the clear is refused now
+        self._credentials = (channel_credentials, resolve_token(address, channel_credentials, token))
         self.run_spec = run_spec
         self.writer = writer
         self.policy_version = int(policy_version)
@@ -810,7 +817,7 @@ class RolloutRecorder:
                     break
             try:
                 if ch is None:
-                    ch = channel(self.address)
+                    ch = channel(self.address, *self._credentials)
                 self._stream(ch, shm)
                 backoff = 0.05
             except _StreamError as exc:

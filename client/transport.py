@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from typing import Any
 
-from tracestore.errors import require
+from tracestore.errors import ConfigError, require
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -18,22 +20,111 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 
 def is_sidecar_address(source: str) -> bool:
-    """``host:port`` and ``unix://...`` name a sidecar; anything else with ``://`` is a storage URL."""
-    if source.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+    """``host:port``, ``grpcs://host:port``, ``https://host:port`` (nothing after the port) and
+    ``unix://...`` name a sidecar; anything else with ``://`` is a storage URL."""
+    if source.startswith(("unix:", "dns:", "ipv4:", "ipv6:", "grpcs://")):
         return True
+    if source.startswith("https://"):
+        return _host_port(source.removeprefix("https://").rstrip("/"))
     if "://" in source:
         return False
+    return _host_port(source)
+
+
+def _host_port(source: str) -> bool:
     host, sep, port = source.rpartition(":")
     return bool(sep and host and port.isdigit())
 
 
 def grpc_target(address: str) -> str:
+    """The gRPC target of a sidecar address (``grpcs://`` and ``https://`` stripped)."""
+    for scheme in ("grpcs://", "https://"):
+        if address.startswith(scheme):
+            return address.removeprefix(scheme).rstrip("/")
     return address
 
 
-def channel(address: str) -> Any:
+def is_local_target(target: str) -> bool:
+    """A unix socket or a loopback ``host:port`` (where a token may travel without TLS)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    rest = target.removeprefix("dns:").removeprefix("ipv4:").removeprefix("ipv6:").lstrip("/")
+    host = rest.rpartition(":")[0].strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_token(address: str, channel_credentials: Any = None, token: str | None = None) -> str | None:
+    """The bearer token to send to ``address``: ``token``, else ``$TRACESTORE_TOKEN``, else None.
+    Raises ConfigError where it would cross the network in the clear (no TLS, not a local target)."""
+    token = token if token is not None else os.environ.get("TRACESTORE_TOKEN") or None
+    if token is None:
+        return None
+    if not isinstance(token, str) or not token.strip() or any(c.isspace() for c in token.strip()):
+        raise ConfigError("the bearer token must be a non-empty string without whitespace")
+    tls = channel_credentials is not None or grpc_target(address) != address
+    if not tls and not is_local_target(address):
+        raise ConfigError(
+            f"a bearer token is sent only over TLS or to a unix socket or loopback address, not in the clear to "
+            f"{address!r}: use grpcs://{address} (or channel_credentials=grpc.ssl_channel_credentials(...))"
+        )
+    return token.strip()
+
+
+def channel(address: str, channel_credentials: Any = None, token: str | None = None) -> Any:
+    """A channel to a sidecar. TLS with ``channel_credentials`` (a ``grpc.ChannelCredentials``) or
+    for a ``grpcs://``/``https://`` address (the system's root certificates unless credentials are
+    given). ``token`` (default ``$TRACESTORE_TOKEN``) goes as ``authorization: Bearer`` metadata:
+    as call credentials over TLS; over a plaintext unix or loopback channel, where gRPC refuses
+    call credentials, by an interceptor that adds the metadata to every call."""
     grpc: Any = require("grpc", "server")
-    return grpc.insecure_channel(grpc_target(address), options=CHANNEL_OPTIONS)
+    token = resolve_token(address, channel_credentials, token)
+    target = grpc_target(address)
+    if channel_credentials is None and target != address:
+        channel_credentials = grpc.ssl_channel_credentials()
+    if channel_credentials is not None:
+        if token is not None:
+            channel_credentials = grpc.composite_channel_credentials(
+                channel_credentials, grpc.access_token_call_credentials(token)
+            )
+        return grpc.secure_channel(target, channel_credentials, options=CHANNEL_OPTIONS)
+    ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return ch if token is None else grpc.intercept_channel(ch, *_bearer_interceptors(grpc, token))
+
+
+def _bearer_interceptors(grpc: Any, token: str) -> list[Any]:
+    """Client interceptors that add ``authorization: Bearer <token>`` to every call's metadata."""
+    header = ("authorization", f"Bearer {token}")
+
+    class Details(grpc.ClientCallDetails):
+        def __init__(self, d: Any) -> None:
+            self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+            self.wait_for_ready, self.compression = d.wait_for_ready, d.compression
+            self.metadata = [*(d.metadata or ()), header]
+
+    class Bearer(
+        grpc.UnaryUnaryClientInterceptor,
+        grpc.UnaryStreamClientInterceptor,
+        grpc.StreamUnaryClientInterceptor,
+        grpc.StreamStreamClientInterceptor,
+    ):
+        def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            return continuation(Details(details), request)
+
+        def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+            return continuation(Details(details), request)
+
+        def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+            return continuation(Details(details), requests)
+
+        def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+            return continuation(Details(details), requests)
+
+    return [Bearer()]
 
 
 def method(ch: Any, name: str, kind: str) -> Any:

@@ -24,6 +24,49 @@ def _opt_str(v: str) -> str | None:
     return None if str(v).lower() in ("", "none", "off") else v
 
 
+def _env_flag(v: str) -> bool:
+    return str(v).lower() not in ("", "0", "false", "no", "off")
+
+
+def storage_options_from(ns: argparse.Namespace) -> dict[str, Any] | None:
+    """fsspec options from --storage-options-file, else --storage-options, else the environment
+    (TRACESTORE_STORAGE_OPTIONS); errors never quote the text (it holds credentials)."""
+    from tracestore.errors import ConfigError
+
+    log = logging.getLogger("tracestore.server")
+    text, where = None, ""
+    if ns.storage_options_file and ns.storage_options:
+        raise ConfigError("give --storage-options-file or --storage-options, not both")
+    if ns.storage_options_file:
+        where = f"--storage-options-file {ns.storage_options_file}"
+        try:
+            with open(ns.storage_options_file) as f:
+                text = f.read()
+                mode = os.fstat(f.fileno()).st_mode
+        except OSError as exc:
+            raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
+        if mode & 0o077:
+            log.warning("%s is readable by other users (mode %o); keep credentials in a 0600 file", where, mode & 0o777)
+    elif ns.storage_options:
+        where, text = "--storage-options", ns.storage_options
+        log.warning(
+            "--storage-options on the command line is visible to every local user in /proc/%d/cmdline; "
+            "use --storage-options-file or TRACESTORE_STORAGE_OPTIONS for credentials",
+            os.getpid(),
+        )
+    elif os.environ.get("TRACESTORE_STORAGE_OPTIONS"):
+        where, text = "TRACESTORE_STORAGE_OPTIONS", os.environ["TRACESTORE_STORAGE_OPTIONS"]
+    if not text or not text.strip():
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got {type(options).__name__}")
+    return options
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -33,10 +76,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e = env_default
     p.add_argument("--storage", default=e("--storage", "file://./tracestore-data"), help="fsspec URL of the store")
-    p.add_argument("--storage-options", default=e("--storage-options", ""), help="JSON dict passed to fsspec")
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        help="JSON dict passed to fsspec. Visible to every local user in /proc/PID/cmdline: put credentials in "
+        "--storage-options-file or TRACESTORE_STORAGE_OPTIONS instead",
+    )
+    p.add_argument(
+        "--storage-options-file",
+        type=_opt_str,
+        default=e("--storage-options-file", None),
+        help="file holding the JSON dict passed to fsspec (for credentials; keep it mode 0600)",
+    )
     p.add_argument("--host", default=e("--host", "127.0.0.1"), help="gRPC bind address")
     p.add_argument("--port", type=int, default=int(e("--port", 7433)), help="gRPC TCP port (0: ephemeral)")
     p.add_argument("--unix-socket", type=_opt_str, default=e("--unix-socket", None), help="also listen on this UDS")
+    p.add_argument("--tls-cert", type=_opt_str, default=e("--tls-cert", None), help="PEM certificate chain: TLS on TCP")
+    p.add_argument("--tls-key", type=_opt_str, default=e("--tls-key", None), help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca",
+        type=_opt_str,
+        default=e("--tls-client-ca", None),
+        help="PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS)",
+    )
+    p.add_argument(
+        "--auth-tokens",
+        type=_opt_str,
+        default=e("--auth-tokens", None),
+        help="token file, one 'sha256:<hex digest> <scope>[,<scope>...] [name]' per line (scopes write:<run glob>, "
+        "read:<run glob>, admin); without it the sidecar serves loopback and the unix socket only",
+    )
+    p.add_argument(
+        "--unix-needs-token",
+        action="store_true",
+        default=_env_flag(e("--unix-needs-token", "")),
+        help="unix-socket callers need a token too (otherwise the socket file's permissions are the boundary)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env_flag(e("--insecure", "")),
+        help="serve a non-loopback --host without TLS and tokens (e.g. behind a network policy)",
+    )
     p.add_argument("--metrics-host", default=e("--metrics-host", "127.0.0.1"))
     p.add_argument("--metrics-port", type=_opt_int, default=e("--metrics-port", "9433"), help="'off' disables")
     p.add_argument(
@@ -112,13 +193,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def config_from_args(ns: argparse.Namespace) -> Any:
     from .config import ServerConfig
 
-    options = json.loads(ns.storage_options) if ns.storage_options else None
     return ServerConfig(
         storage=ns.storage,
-        storage_options=options,
+        storage_options=storage_options_from(ns),
         host=ns.host,
         port=ns.port,
         unix_socket=ns.unix_socket,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        tls_client_ca=ns.tls_client_ca,
+        auth_tokens=ns.auth_tokens,
+        unix_needs_token=ns.unix_needs_token,
+        insecure=ns.insecure,
         metrics_host=ns.metrics_host,
         metrics_port=ns.metrics_port,
         wal_dir=ns.wal_dir,
@@ -222,6 +308,9 @@ def run(ns: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP: read the TLS files and the token file again (what fails to load is logged and the
+    # files in use stay)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: sidecar.reload())
     if ns.ready_file:
         tmp = ns.ready_file + ".tmp"
         with open(tmp, "w") as f:

@@ -38,10 +38,17 @@ class ServerConfig:
     """
 
     storage: str = "file://./tracestore-data"
-    storage_options: dict[str, Any] | None = None
+    # repr=False: credentials live here and a logged or printed config must not show them
+    storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
     host: str = "127.0.0.1"
     port: int = 7433
     unix_socket: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens: str | None = None
+    unix_needs_token: bool = False
+    insecure: bool = False
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 9433
     wal_dir: str | None = "./tracestore-wal"
@@ -64,6 +71,7 @@ class ServerConfig:
     dedupe_versions: int = 4
 
     def __post_init__(self) -> None:
+        self._check_security()
         for name in (
             "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes"
         ):  # fmt: skip
@@ -115,6 +123,37 @@ class ServerConfig:
         Write streams over ``max_streams`` are refused by the handler instead, so this only bounds
         a flood of calls queued for threads; it never counts idle streams against health checks."""
         return self.max_streams + 4 * self.workers
+
+    def _check_security(self) -> None:
+        """Transport security and authentication (:mod:`tracestore.server.auth`). ``tls_cert`` +
+        ``tls_key``: TLS on the TCP port; with ``tls_client_ca`` clients must present a certificate
+        that CA signed. ``auth_tokens``: the token file; without one every caller may do everything,
+        so the sidecar then serves loopback and the unix socket only. ``unix_needs_token``: unix-socket
+        callers need tokens too (otherwise the socket file's permissions are the boundary). A host
+        other than loopback needs both TLS and tokens, or ``insecure=True`` to serve it anyway."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together (--tls-cert and --tls-key): give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
+        if self.unix_needs_token and self.auth_tokens is None:
+            raise ConfigError("unix_needs_token (--unix-needs-token) needs a token file (--auth-tokens)")
+        from .auth import is_loopback_host
+
+        if not self.insecure and not is_loopback_host(self.host):
+            missing = [
+                what
+                for what, ok in (
+                    ("TLS (--tls-cert, --tls-key)", self.tls_cert is not None),
+                    ("bearer tokens (--auth-tokens)", self.auth_tokens is not None),
+                )
+                if not ok
+            ]
+            if missing:
+                raise ConfigError(
+                    f"host {self.host!r} is not loopback and the sidecar has no {' and no '.join(missing)}: anyone "
+                    "who reaches it could read and write every run. Give them, bind 127.0.0.1 (and/or "
+                    "--unix-socket), or pass --insecure to serve it anyway (e.g. behind a network policy)"
+                )
 
     def grpc_options(self) -> list[tuple[str, Any]]:
         """Channel arguments set deliberately (reliability.md, gRPC traps)."""

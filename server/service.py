@@ -28,16 +28,28 @@ from tracestore.errors import (
     CorruptionError,
     MissingRecordsError,
     NotFoundError,
+    PermissionDeniedError,
     StorageError,
     TraceStoreError,
+    UnauthenticatedError,
 )
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
 
+from .auth import (
+    AuthInterceptor,
+    ServerTls,
+    TokenFile,
+    caller,
+    is_loopback_host,
+    require_read,
+    require_see,
+    require_write,
+)
 from .config import ServerConfig
 from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics
-from .wire import ShmPools, parse_seal, parse_write, seal_message, wal_parser
+from .wire import ShmPools, parse_seal, parse_write, scan_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -46,6 +58,10 @@ READ_SLICE_BYTES = 4 << 20
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an exception (reliability.md's table)."""
+    if isinstance(exc, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(exc, PermissionDeniedError):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, OverBudgetError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, SequenceError):
@@ -104,7 +120,20 @@ class TraceStoreService:
         self.metrics.requests.labels(method, code.name).inc()
         if meta:
             context.set_trailing_metadata(tuple(meta.items()))
-        context.abort(code, _details(exc))
+        details = _details(exc)
+        if not self._caller().admin:  # where the data lives is for admins only
+            for where in self._storage_names():
+                details = details.replace(where, "<storage>")
+        context.abort(code, details)
+
+    def _caller(self) -> Any:
+        return caller(self.config.auth_tokens is not None)
+
+    def _storage_names(self) -> list[str]:
+        """How error messages may spell the storage location: its URL and its root path."""
+        root = getattr(getattr(self.engine.store, "storage", None), "root", "") or ""
+        names = {self.config.storage, root, root.lstrip("/")}
+        return sorted((n for n in names if len(n) > 1), key=len, reverse=True)
 
     # -- Write ------------------------------------------------------------------------------------
 
@@ -116,7 +145,17 @@ class TraceStoreService:
         shm = self.shm.view if local else None
         self.metrics.active_streams.inc()
 
+        who = self._caller()
+        may_write: set[str] = set()  # runs this stream's caller was found to be allowed to write
+
+        def run_spec(run: str) -> Any:  # every message's run passes here: each is authorized
+            if run not in may_write:
+                require_write(who, run)
+                may_write.add(run)
+            return self.engine.run_spec(run)
+
         def declare(spec: pb.RunSpec) -> None:
+            require_write(who, spec.run)
             self.engine.declare_run(run_spec_from_pb(spec))
 
         # Two threads per stream: one takes messages off the wire (after reserving budget for them),
@@ -159,7 +198,7 @@ class TraceStoreService:
                     reserved_left = reserved  # until submit() takes the reservation over
                     try:
                         req, msg, wal_parts = parse_write(
-                            raw, self.engine.run_spec, shm, path="shm" if local else "grpc", declare=declare
+                            raw, run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
                         seq = req.sequence
                         size["estimate"] = max(msg.nbytes, 4096)
@@ -180,6 +219,10 @@ class TraceStoreService:
                         # malformed message shrank the budget of every stream for good)
                         if reserved_left:
                             self.engine.unreserve(reserved_left)
+                        if seq is None and isinstance(exc, PermissionDeniedError):
+                            # named, so that the writer drops that message rather than resend it
+                            with contextlib.suppress(Exception):
+                                seq = scan_write(raw)[0].sequence or None
                         if box["error"] is None:
                             box["error"], box["failed_seq"] = exc, seq
                         waker.wake()
@@ -231,6 +274,7 @@ class TraceStoreService:
     def seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             req = parse_seal(raw)
+            require_write(self._caller(), req.run)
             msg = seal_message(req, self.engine.run_spec)
             wal = pb.WriteRequest(
                 run=req.run, writer=req.writer, epoch=req.epoch, sequence=req.sequence, seals=req.seals, links=req.links
@@ -305,6 +349,7 @@ class TraceStoreService:
 
         req = _decode(pb.ReadRequest, raw, "Read request")
         assert isinstance(req, pb.ReadRequest)
+        require_read(self._caller(), req.run)
         validate_id("run", req.run)
         spec = self.engine.run_spec(req.run)
         # Read-your-writes: commit what this sidecar holds before reading storage.
@@ -331,7 +376,12 @@ class TraceStoreService:
 
             req = _decode(pb.StatRequest, raw, "Stat request")
             assert isinstance(req, pb.StatRequest)
+            who = self._caller()
+            if req.run:
+                require_see(who, req.run)
             s = self.engine.stat(req.run)
+            if not who.admin:  # the sidecar-wide view is an admin's; others see their runs' writers
+                s["writers"] = [w for w in s["writers"] if who.may_see(w["run"])]
             spec = None
             if req.run:
                 with contextlib.suppress(NotFoundError):
@@ -350,7 +400,7 @@ class TraceStoreService:
             open_trajectories=s["open_trajectories"],
             shards_committed=s["shards_committed"],
             writers=[pb.WriterState(**w) for w in s["writers"]],
-            storage_url=self.config.storage,
+            storage_url=self.config.storage if who.admin else "",
             run_spec=spec,
         ).SerializeToString()
 
@@ -394,6 +444,8 @@ class Sidecar:
         self.service: TraceStoreService | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
+        self._tls: ServerTls | None = None
+        self._tokens: TokenFile | None = None
 
     def _storage_event(self, kind: str, op: str, detail: str) -> None:
         # The store names the object ("write run-a/v0/..."): keep the operation word only, so the
@@ -408,6 +460,11 @@ class Sidecar:
         """Bind every listener first (a port in use fails here, before the WAL is touched), then
         replay the WAL, then serve."""
         cfg = self.config
+        # TLS and token files first: a file that does not load fails here, before anything else
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            self._tls = ServerTls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        if cfg.auth_tokens is not None:
+            self._tokens = TokenFile(cfg.auth_tokens)
         if self._store is None:
             from tracestore.store import Store
 
@@ -418,10 +475,16 @@ class Sidecar:
         self.engine = Engine(cfg, self._store, self.metrics)
         self.shm = ShmPools(cfg.shm_dir, on_change=self.metrics.shm_capacity.set)
         service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
+        interceptors = []
+        if self._tokens is not None:
+            refused = self.metrics.rejected.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc
+            needs = cfg.unix_needs_token
+            interceptors.append(AuthInterceptor(self._tokens, unix_needs_token=needs, on_refused=refused))
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tracestore-rpc"),
             options=cfg.grpc_options(),
             maximum_concurrent_rpcs=cfg.max_streams,
+            interceptors=interceptors,
         )
         server.add_generic_rpc_handlers((service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -430,7 +493,9 @@ class Sidecar:
             server,
         )
         try:
-            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            address = f"{cfg.host}:{cfg.port}"
+            tls = self._tls
+            self.port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
         except RuntimeError as exc:
             raise ConfigError(
                 f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
@@ -455,9 +520,40 @@ class Sidecar:
         self.engine.start(wal_parser(self.engine.run_spec))
         server.start()
         self._server = server
+        self._log_security()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
+
+    def _log_security(self) -> None:
+        cfg = self.config
+        tcp = f"{cfg.host}:{self.port} ({'mutual TLS' if cfg.tls_client_ca else 'TLS' if self._tls else 'plaintext'})"
+        if self._tokens is None:
+            log.warning(
+                "no --auth-tokens: every caller may read and write every run; serving %s%s",
+                tcp if is_loopback_host(cfg.host) else f"{tcp}, NOT loopback (--insecure)",
+                f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
+            )
+        else:
+            clear = not cfg.tls_cert and not is_loopback_host(cfg.host)
+            log.info(
+                "serving %s with %d bearer token(s)%s%s", tcp, len(self._tokens),
+                f"; unix:{cfg.unix_socket} needs tokens too" if cfg.unix_needs_token else "",
+                "; tokens cross the network in the clear (--insecure)" if clear else "",
+            )  # fmt: skip
+
+    def reload(self) -> None:
+        """Read the TLS files and the token file again (SIGHUP). What fails to load is logged and
+        the files in use stay; new connections get the new certificate, new calls the new tokens."""
+        for what, part in (("TLS files", self._tls), ("token file", self._tokens)):
+            if part is None:
+                continue
+            try:
+                n = part.reload()
+            except TraceStoreError as exc:
+                log.error("reload of the %s failed, the ones in use stay: %s", what, exc)
+            else:
+                log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING at once, stop accepting, drain streams, commit (or leave in the fsynced WAL)."""

@@ -1,0 +1,469 @@
+"""Who may call the sidecar, and what each caller may do.
+
+Transport: TLS on the TCP port (:class:`ServerTls`; client certificates required when a client CA
+is given), its files read again on SIGHUP. The unix socket stays plaintext: it is local.
+
+Authentication: bearer tokens (``authorization: Bearer <token>`` metadata, what
+``grpc.access_token_call_credentials`` sends), checked by :class:`AuthInterceptor` against a token
+file (:class:`TokenFile`, also read again on SIGHUP) that holds only SHA-256 digests::
+
+    # sha256:<hex digest of the token> <scope>[,<scope>...] [name]
+    sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 write:rl-*,read:rl-* rollout
+    sha256:60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752 admin ops
+
+``printf %s "$TOKEN" | sha256sum`` gives a token's digest. Scopes: ``write:<run glob>`` (Write and
+Seal of matching runs), ``read:<run glob>`` (Read), ``admin`` (Stat of every run and the storage
+URL; it grants neither reads nor writes). Globs are :func:`fnmatch.fnmatchcase` patterns. A
+presented token is hashed and compared with every digest in the file (``hmac.compare_digest``, no
+early exit). Tokens are never logged; a caller is named by the file's ``name`` column, else by the
+first 8 hex digits of its digest. Health and reflection stay open (probes need them).
+
+Unix-socket peers: grpcio reports such a peer only as ``unix:`` (no uid/gid: the peer credentials
+of the socket are not exposed to Python), so callers cannot be told apart by uid there and the
+socket file's permissions are the boundary: a unix-socket call without a token is the identity
+``unix-socket`` with every scope, unless the sidecar is told to require tokens there too. A token
+presented on the socket is checked like any other (a wrong one is refused, never ignored).
+
+Authorization: the interceptor puts the caller's :class:`Identity` in a context variable for the
+handler's duration (:func:`caller`); the handlers check it against each request's run.
+Streams keep the identity they were opened with: a token removed from the file stops working for
+new calls, not for a Write stream already open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import re
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tracestore.errors import ConfigError, PermissionDeniedError
+
+log = logging.getLogger("tracestore.server.auth")
+
+SERVICE_PREFIX = "/tracestore.v1.TraceStore/"
+_DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
+_NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,64}")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding ``host`` listens on loopback only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to a routable address
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """An authenticated caller: a name for logs and the run globs it may write and read."""
+
+    name: str
+    write: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    admin: bool = False
+
+    def may_write(self, run: str) -> bool:
+        return any(fnmatchcase(run, g) for g in self.write)
+
+    def may_read(self, run: str) -> bool:
+        return any(fnmatchcase(run, g) for g in self.read)
+
+    def may_see(self, run: str) -> bool:
+        """Stat of one run: admin, or read or write access to it."""
+        return self.admin or self.may_read(run) or self.may_write(run)
+
+
+# Authentication off (no token file): the sidecar then listens on loopback and the unix socket only.
+ANYONE = Identity("anyone", ("*",), ("*",), True)
+# A unix-socket peer without a token, where the socket file's permissions are the boundary.
+UNIX_PEER = Identity("unix-socket", ("*",), ("*",), True)
+# Authentication on but no identity set for this call (a handler reached without the interceptor):
+# every check fails.
+NOBODY = Identity("unauthenticated")
+
+_CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("tracestore_caller", default=None)
+
+
+def caller(auth_enabled: bool) -> Identity:
+    """The identity of the call this handler serves (:data:`ANYONE` with authentication off)."""
+    if not auth_enabled:
+        return ANYONE
+    return _CALLER.get() or NOBODY
+
+
+def require_write(who: Identity, run: str) -> None:
+    if not who.may_write(run):
+        raise PermissionDeniedError(f"caller {who.name!r} may not write run {run!r}")
+
+
+def require_read(who: Identity, run: str) -> None:
+    if not who.may_read(run):
+        raise PermissionDeniedError(f"caller {who.name!r} may not read run {run!r}")
+
+
+def require_see(who: Identity, run: str) -> None:
+    if not who.may_see(run):
+        raise PermissionDeniedError(f"caller {who.name!r} may not see run {run!r}")
+
+
+# -- token file ----------------------------------------------------------------------------------
+
+
+def parse_scopes(text: str, where: str) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``write:<glob>,read:<glob>,admin`` -> (write globs, read globs, admin)."""
+    write: list[str] = []
+    read: list[str] = []
+    admin = False
+    for scope in text.split(","):
+        kind, sep, glob = scope.partition(":")
+        if scope == "admin":
+            admin = True
+        elif sep and kind in ("write", "read") and glob and not any(c.isspace() for c in glob):
+            (write if kind == "write" else read).append(glob)
+        else:
+            raise ConfigError(f"{where}: scope {scope!r} is not write:<run glob>, read:<run glob> or admin")
+    return tuple(write), tuple(read), admin
+
+
+def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]]:
+    """(SHA-256 digest, identity) per line of a token file (format in the module docstring).
+    Errors name the file and line, never the line's text beyond its scope field."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {p}: {exc.strerror or exc}") from None
+    if st.st_mode & 0o002:
+        log.warning("token file %s is writable by every user: anyone on this host can add a token", p)
+    entries: list[tuple[bytes, Identity]] = []
+    seen: set[bytes] = set()
+    for n, line in enumerate(text.splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        where = f"{p}:{n}"
+        if fields[0].startswith(("uid:", "gid:")):
+            raise ConfigError(
+                f"{where}: uid:/gid: entries are not supported: grpcio does not report the uid or gid of a "
+                "unix-socket peer, so the socket file's permissions (owner, group, mode) decide who connects"
+            )
+        m = _DIGEST.fullmatch(fields[0])
+        if m is None or len(fields) not in (2, 3):
+            raise ConfigError(f"{where}: expected 'sha256:<64 hex digits> <scope>[,<scope>...] [name]'")
+        digest = bytes.fromhex(m.group(1))
+        if digest in seen:
+            raise ConfigError(f"{where}: the same token digest is listed twice")
+        seen.add(digest)
+        write, read, admin = parse_scopes(fields[1], where)
+        name = fields[2] if len(fields) == 3 else f"sha256:{m.group(1)[:8].lower()}"
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{where}: name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ : + -")
+        entries.append((digest, Identity(name, write, read, admin)))
+    return entries
+
+
+class TokenFile:
+    """The tokens the sidecar accepts, from ``path``; :meth:`reload` reads the file again (a file
+    that fails to parse leaves the tokens in use unchanged)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        self._entries = load_token_file(self.path)
+        if not self._entries:
+            log.warning("token file %s lists no tokens: every TCP call will be refused", self.path)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reload(self) -> int:
+        entries = load_token_file(self.path)
+        self._entries = entries  # one reference swap: calls in flight see the old or the new list
+        return len(entries)
+
+    def authenticate(self, token: str) -> Identity | None:
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for known, who in self._entries:  # every entry, no early exit
+            if hmac.compare_digest(digest, known):
+                found = who
+        return found
+
+
+def bearer_token(metadata: Any) -> tuple[str | None, bool]:
+    """(token, malformed) from the ``authorization`` metadata: (None, False) without any,
+    (None, True) for one that is not a single ``Bearer <token>``."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if not values:
+        return None, False
+    if len(values) != 1 or not isinstance(values[0], str):
+        return None, True
+    scheme, _, token = values[0].strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None, True
+    return token, False
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Authenticates every ``tracestore.v1.TraceStore`` call (other services pass untouched) and
+    runs its handler with the caller's :class:`Identity` set (:func:`caller`).
+
+    The token is checked where gRPC looks the handler up; the refusal (UNAUTHENTICATED) happens
+    when the handler would start, where the peer is known (unix-socket peers may go without).
+    ``on_refused()`` is called for every refusal (a metric)."""
+
+    def __init__(
+        self, tokens: TokenFile, *, unix_needs_token: bool = False, on_refused: Callable[[], None] | None = None
+    ) -> None:
+        self.tokens = tokens
+        self.unix_needs_token = unix_needs_token
+        self.on_refused = on_refused
+        self._log_lock = threading.Lock()
+        self._last_log = 0.0
+        self._unlogged = 0
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method
+        if not method.startswith(SERVICE_PREFIX):
+            return continuation(details)  # health, reflection: open
+        handler = continuation(details)
+        if handler is None:
+            return None
+        token, malformed = bearer_token(details.invocation_metadata)
+        who = self.tokens.authenticate(token) if token is not None else None
+        presented = token is not None or malformed
+
+        def resolve(context: grpc.ServicerContext) -> Identity:
+            if who is not None:
+                return who
+            if not presented and not self.unix_needs_token and context.peer().startswith("unix:"):
+                return UNIX_PEER
+            why = (
+                "the bearer token is not accepted"
+                if presented
+                else "this call needs 'authorization: Bearer <token>' metadata (call credentials)"
+            )
+            self._refused(method, context.peer(), why)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            raise AssertionError("unreachable: abort raises")
+
+        return _with_identity(handler, resolve)
+
+    def _refused(self, method: str, peer: str, why: str) -> None:
+        if self.on_refused is not None:
+            with contextlib.suppress(Exception):
+                self.on_refused()
+        # At most one line every 10 s, with the count of those left out (no token ever appears).
+        with self._log_lock:
+            now = time.monotonic()
+            if now - self._last_log < 10.0:
+                self._unlogged += 1
+                return
+            more, self._unlogged, self._last_log = self._unlogged, 0, now
+        log.warning(
+            "refused %s from %s: %s%s", method, peer, why, f" ({more} more refused since the last line)" if more else ""
+        )
+
+
+def _with_identity(handler: grpc.RpcMethodHandler, resolve: Callable[[Any], Identity]) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour run in a context holding the resolved identity; a streamed
+    response is produced step by step in that context (gRPC may pull it from several threads)."""
+    req_s, resp_s = handler.request_streaming, handler.response_streaming
+    if req_s and resp_s:
+        behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif req_s:
+        behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif resp_s:
+        behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+    def enter(context: Any) -> contextvars.Context:
+        ctx = contextvars.copy_context()
+        ctx.run(_CALLER.set, resolve(context))
+        return ctx
+
+    if resp_s:
+
+        def run(request: Any, context: Any) -> Any:
+            ctx = enter(context)
+            return _steps_in(ctx, ctx.run(behavior, request, context))
+
+    else:
+
+        def run(request: Any, context: Any) -> Any:
+            return enter(context).run(behavior, request, context)
+
+    return factory(
+        run, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
+def _steps_in(ctx: contextvars.Context, responses: Any) -> Iterator[Any]:
+    it = ctx.run(iter, responses)
+    try:
+        while True:
+            try:
+                item = ctx.run(next, it)
+            except StopIteration:
+                return
+            yield item
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            ctx.run(close)
+
+
+# -- TLS -----------------------------------------------------------------------------------------
+
+
+class ServerTls:
+    """TLS for the TCP port from PEM files: ``cert`` (chain) and ``key``; with ``client_ca`` every
+    client must present a certificate that CA signed. :meth:`reload` reads the files again; new
+    connections then use them (gRPC asks :meth:`_fetch` before each handshake). Files that do not
+    load, or a key that does not match its certificate, leave the ones in use unchanged."""
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._initial = self._load()
+        self._pending: grpc.ServerCertificateConfiguration | None = None
+        self._lock = threading.Lock()
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self._fetch, require_client_authentication=self.client_ca is not None
+        )
+
+    def reload(self) -> None:
+        config = self._load()
+        with self._lock:
+            self._pending = config
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            config, self._pending = self._pending, None
+        return config
+
+    def _read(self) -> tuple[bytes, bytes, bytes | None]:
+        try:
+            cert, key = Path(self.cert).read_bytes(), Path(self.key).read_bytes()
+            ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        except OSError as exc:
+            raise ConfigError(f"cannot read TLS file {exc.filename}: {exc.strerror or exc}") from None
+        return cert, key, ca
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        got = self._read()
+        # gRPC would only fail the handshakes; the ssl module checks the PEM and the key pair now.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.client_ca:
+                ctx.load_verify_locations(cafile=self.client_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"TLS files do not load (certificate {self.cert}, key {self.key}, client CA {self.client_ca}): "
+                f"{getattr(exc, 'reason', None) or exc}"
+            ) from None
+        if self._read() != got:
+            raise ConfigError("TLS files changed while being loaded; load them again (SIGHUP)")
+        cert, key, ca = got
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+# -- certificates for tests and benches ------------------------------------------------------------
+
+
+def write_test_pki(
+    directory: str | os.PathLike[str], *, prefix: str = "", hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
+) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for ``hosts`` and a client certificate, as PEM files
+    in ``directory`` (``{prefix}ca.pem``, ``{prefix}server.pem``/``.key``,
+    ``{prefix}client.pem``/``.key``); returns their paths by role (``ca``, ``server``,
+    ``server_key``, ``client``, ``client_key``). For tests, benches and trying TLS locally:
+    one-day validity, P-256 keys, keys written 0600. Needs the ``cryptography`` package (the ``dev`` extra)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def builder(subject: str, issuer: x509.Name, key: Any) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    def write(stem: str, cert: x509.Certificate, key: Any) -> tuple[Path, Path]:
+        pem, key_path = out / f"{prefix}{stem}.pem", out / f"{prefix}{stem}.key"
+        pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.unlink(missing_ok=True)
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
+        return pem, key_path
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        builder(f"{prefix}tracestore test CA", name(f"{prefix}tracestore test CA"), ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = {"ca": out / f"{prefix}ca.pem"}  # the CA's key is not kept: nothing else is signed with it
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    for stem, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = builder(f"tracestore {stem}", ca.subject, key).add_extension(x509.ExtendedKeyUsage([usage]), False)
+        if stem == "server":
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        paths[stem], paths[f"{stem}_key"] = write(stem, b.sign(ca_key, hashes.SHA256()), key)
+    return paths
