@@ -1,0 +1,56 @@
+"""Fault suite fixtures and the results table printed at the end of the session (CI's log shows it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import _CURRENT, RESULTS, format_table
+
+_T0: list[float] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.faults)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    _CURRENT["nodeid"] = item.nodeid
+    if not _T0:
+        _T0.append(time.monotonic())
+    yield
+    _CURRENT["nodeid"] = ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" or (rep.when == "setup" and not rep.passed):
+        verdict = "pass" if rep.passed else "skip" if rep.skipped else "FAIL"
+        for r in RESULTS:
+            if r.nodeid == item.nodeid:
+                r.outcome = verdict
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not RESULTS:
+        return
+    elapsed = time.monotonic() - _T0[0] if _T0 else 0.0
+    terminalreporter.section("tracestore fault suite")
+    terminalreporter.write_line(format_table(RESULTS, elapsed))
+
+
+@pytest.fixture(scope="session")
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The LD_PRELOAD fault shim (tests/faults/faultshim.c), built once per session."""
+    from .harness import build_shim
+
+    return build_shim(tmp_path_factory.mktemp("shim"))
