@@ -234,6 +234,13 @@ class RolloutRecorder:
         self._acked = 0
         self._unguided: set[str] = set()
         self._unguided_unreported: dict[str, int] = {}
+        # TraceRef bookkeeping (tracestore.client.traceref): why each trajectory is unguided, the
+        # token count finish() was given, the (epoch, sequence, seal) of each durable seal, and the
+        # highest attempt handed out per base trajectory. Bounded: the oldest entries go first.
+        self._unguided_why: dict[str, str] = {}
+        self._finished: dict[str, tuple[int, int]] = {}  # trajectory -> (n_tokens, policy version)
+        self._sealed_at: dict[str, tuple[int, int, TrajectorySeal]] = {}
+        self._attempts: dict[str, int] = {}
         self._sites_of: dict[str, frozenset[str]] = {}  # sender thread only
         self._version_of: dict[str, int] = {}  # sender thread only
         self._names: dict[tuple[str, ...], frozenset[str]] = {}
@@ -349,6 +356,7 @@ class RolloutRecorder:
         every site this recorder queued for it) and policy version are resolved by the sender, after
         the forwards queued before it."""
         validate_id("trajectory", trajectory)
+        _bounded_put(self._finished, trajectory, (int(n_tokens), self._version_of.get(trajectory, self.policy_version)))
         if trajectory in self._unguided:
             self._queue.append(_Finish(trajectory, -1, None))  # forget its bookkeeping, in order
             return False
@@ -392,11 +400,70 @@ class RolloutRecorder:
     def unguided(self) -> frozenset[str]:
         return frozenset(self._unguided)
 
+    def attempt(self, trajectory: str, attempt: int | None = None) -> str:
+        """The stored id to record ``attempt`` of ``trajectory`` under (``"<trajectory>::a<n>"``,
+        :func:`tracestore.client.traceref.attempt_id`); default: the next attempt this recorder has
+        not handed out. Attempts of one trajectory on one recorder must increase, so a retried or
+        aborted rollout never writes under an earlier attempt's id (across recorders, pass the
+        framework's own retry counter)."""
+        from .traceref import attempt_id
+
+        last = self._attempts.get(trajectory, -1)
+        n = last + 1 if attempt is None else attempt
+        stored = attempt_id(trajectory, n)  # validates trajectory and n
+        if n <= last:
+            raise ValidationError(
+                f"recorder {self.writer} already handed out attempt {last} of {trajectory}: attempt {n} would "
+                f"write under an earlier attempt's id; records are write-once per (trajectory, attempt)"
+            )
+        _bounded_put(self._attempts, trajectory, n)
+        return stored
+
+    def refs(self, trajectories: Sequence[str], timeout: float = 60.0) -> list[Any]:
+        """One :class:`tracestore.client.traceref.TraceRef` per stored id of ``trajectories`` (each
+        finished with :meth:`finish`), in order. Waits up to ``timeout`` seconds for every seal to
+        be durable and for the sidecar to report the shard holding it committed to storage; a
+        trajectory that is unguided, or not durable or published by then, gets an unguided ref
+        (``guided=False`` and its ``reason``). A guided ref therefore names records a trainer can
+        read from storage."""
+        from .traceref import make_refs
+
+        return make_refs(self, list(trajectories), timeout)
+
+    def _seal_state(self, trajectory: str) -> tuple[str, Any]:
+        """("sealed", (epoch, seq, seal)) once the seal's message is durable; ("unguided",
+        (version, n_tokens, reason)); ("pending", None) after finish(); else ("unknown", None)."""
+        with self._lock:
+            at = self._sealed_at.get(trajectory)
+            if at is not None:
+                return "sealed", at
+            fin = self._finished.get(trajectory)
+            if trajectory in self._unguided and fin is not None:
+                return "unguided", (fin[1], fin[0], self._unguided_why.get(trajectory, "refused"))
+            if fin is not None:
+                return "pending", None
+            return "unknown", None
+
+    def _forget_seal(self, trajectory: str) -> None:
+        with self._lock:
+            self._sealed_at.pop(trajectory, None)
+            self._finished.pop(trajectory, None)
+            self._unguided_why.pop(trajectory, None)
+
+    def _note_sealed(self, out: _Out) -> None:
+        """The seals of ``out``, durable now (under the lock, from the acknowledgement)."""
+        run = self.run_spec.run
+        for s in out.req.seals:
+            seal = TrajectorySeal(run, s.policy_version, s.trajectory, s.n_tokens, tuple(s.sites))
+            _bounded_put(self._sealed_at, s.trajectory, (int(out.req.epoch), out.seq, seal))
+
     # -- internals --------------------------------------------------------------------------------
 
     def _mark_unguided(self, trajectories: Sequence[str] | set[str], reason: str) -> None:
         new = [t for t in trajectories if t not in self._unguided]
         self._unguided.update(new)
+        for t in new:
+            _bounded_put(self._unguided_why, t, reason)
         if new:
             self.stats["unguided"] += len(new)
             self._unguided_unreported[reason] = self._unguided_unreported.get(reason, 0) + len(new)
@@ -1013,6 +1080,8 @@ class RolloutRecorder:
                 self._release(self._unreleased.popleft())
             while self._unacked and self._unacked[0].seq <= durable:
                 out = self._unacked.popleft()
+                if out.req.seals:
+                    self._note_sealed(out)
                 if released is not None and out.seq > released and out.pieces:
                     self._unreleased.append(out)  # durable; the sidecar still reads its regions
                 else:
@@ -1071,6 +1140,16 @@ def _gather_rows(pool: np.ndarray, spans: list[tuple[int, int]], n_tok: int, per
     bytes per token) and reordered by token: ``perm`` lists the window tokens to keep, in order."""
     joined = np.concatenate([pool[o : o + n] for o, n in spans]).reshape(n_tok, -1)
     return np.take(joined, perm, axis=0).reshape(-1).data
+
+
+_REF_STATE_LIMIT = 1 << 20  # entries per TraceRef bookkeeping dict of a recorder
+
+
+def _bounded_put(d: dict[Any, Any], key: Any, value: Any) -> None:
+    """``d[key] = value``, dropping the oldest entry once ``d`` holds :data:`_REF_STATE_LIMIT`."""
+    if key not in d and len(d) >= _REF_STATE_LIMIT:
+        d.pop(next(iter(d)))
+    d[key] = value
 
 
 def _int(v: Any, default: int | None = None) -> Any:
