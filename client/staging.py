@@ -1,7 +1,10 @@
 """The recorder's staging pool: a fixed ring of host memory the device-to-host copies land in.
 
 On the same host the pool is a file in ``/dev/shm`` that the sidecar maps read-only, so gRPC
-carries only offsets (reserve -> copy -> commit -> release when durable). With a CUDA device the
+carries only offsets (reserve -> copy -> commit -> release when durable). The file is 0600, or
+0640 in a group (``group=``, ``TRACESTORE_SHM_GROUP``) when the sidecar runs as another user of
+that group: the sidecar reads only pools that everyone its unix socket admits could read
+(server/shm.py). With a CUDA device the
 pool is registered once at start-up (``cudaHostRegister``) so copies into it are truly async; a
 failure to pin is reported then, not mid-rollout (users.md #7). Fixed size, never grows: when it
 is full the recorder refuses the forward (marks it unguided) instead of blocking the engine.
@@ -15,6 +18,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 import uuid
 from collections import deque
@@ -28,6 +32,19 @@ log = logging.getLogger("tracestore.client")
 
 POOL_PREFIX = "tracestore-pool-"
 _POOL_FILE = re.compile(re.escape(POOL_PREFIX) + r"[0-9a-f]{32}")
+GROUP_ENV = "TRACESTORE_SHM_GROUP"
+
+
+def resolve_group(group: int | str) -> int:
+    """A group name or gid (``"1234"`` or ``1234``) -> gid; ConfigError for an unknown name."""
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ConfigError(f"staging pool group {group!r} is not a group on this host") from None
 
 
 def sweep_stale_pools(shm_dir: str | os.PathLike[str]) -> int:
@@ -47,16 +64,22 @@ def sweep_stale_pools(shm_dir: str | os.PathLike[str]) -> int:
     for name in names:
         path = Path(shm_dir) / name
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone already, or not ours to open
+            # never follows a symlink, never waits on a FIFO someone put there under a pool's name
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone already, not ours to open, or a symlink
             continue
+        st: os.stat_result | None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):  # anything else is no pool: left alone
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: a live recorder holds it
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
             os.close(fd)
             continue
         try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            if st.st_ino == os.lstat(path).st_ino:
                 path.unlink()
                 removed += 1
         except OSError:
@@ -73,11 +96,21 @@ class StagingPool:
 
     ``shared=True`` backs it with ``{shm_dir}/tracestore-pool-<uuid>`` (``.name`` tells the
     sidecar), locked while this process lives; pools that dead recorders left there are removed
-    first (:func:`sweep_stale_pools`).
+    first (:func:`sweep_stale_pools`). The file is mode 0600; with ``group`` (a name or gid;
+    default ``$TRACESTORE_SHM_GROUP``) it is 0640 in that group, which this process must be a
+    member of (ConfigError otherwise).
     Releases may come in any order; space is reclaimed in allocation order.
     """
 
-    def __init__(self, nbytes: int, *, shared: bool = False, shm_dir: str = "/dev/shm", align: int = 64) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        shared: bool = False,
+        shm_dir: str = "/dev/shm",
+        align: int = 64,
+        group: int | str | None = None,
+    ) -> None:
         if nbytes < 4096:
             raise ConfigError(f"staging pool must be at least 4096 bytes, got {nbytes}")
         self.capacity = int(nbytes)
@@ -86,14 +119,26 @@ class StagingPool:
         self.path: Path | None = None
         self._owner_fd = -1
         self.stale_removed = 0  # pools of dead recorders removed from shm_dir when this one was made
+        if group is None and os.environ.get(GROUP_ENV):
+            group = os.environ[GROUP_ENV]
+        self.group = None if group is None or not shared else resolve_group(group)
         if shared:
             self.stale_removed = sweep_stale_pools(shm_dir)
             self.name = f"{POOL_PREFIX}{uuid.uuid4().hex}"
             self.path = Path(shm_dir) / self.name
             # Made under a name no sweep matches, locked, then renamed: a sweep never sees it unlocked.
             tmp = Path(shm_dir) / f".{self.name}.tmp"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
+                if self.group is not None:
+                    try:
+                        os.fchown(fd, -1, self.group)
+                    except PermissionError:
+                        raise ConfigError(
+                            f"cannot give staging pool {tmp} group {self.group}: this process (uid {os.geteuid()}) "
+                            "is not a member of it"
+                        ) from None
+                os.fchmod(fd, 0o600 if self.group is None else 0o640)  # exactly, whatever the umask
                 fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: the pool is in use
                 os.ftruncate(fd, self.capacity)
                 self.mm = mmap.mmap(fd, self.capacity)

@@ -1,4 +1,4 @@
-"""Parsing of Write/Seal requests into engine messages, and the shared-memory pools writers register.
+"""Parsing of Write/Seal requests into engine messages (the shared-memory pools are in ``shm.py``).
 
 Parsing happens inside the handler (raw bytes in, explicit ``FromString``) so malformed input is
 INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (reliability.md).
@@ -6,13 +6,7 @@ INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (reliability.md).
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
-import re
-import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -24,9 +18,8 @@ from tracestore.v1.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_
 from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
 
 from .engine import Message, pack_wal_data, unpack_wal_data
+from .shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/shm.py
 from .wal import Buffer, Checked, Part
-
-POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_.-]{1,100}")
 
 
 class VerifiedChunk(RecordChunk):
@@ -39,71 +32,6 @@ class VerifiedChunk(RecordChunk):
     @property
     def checksum(self) -> int:
         return self._crc
-
-
-class ShmPools:
-    """Read-only maps of writers' staging pools (files under ``shm_dir``), opened on first use."""
-
-    MAX_POOLS = 64
-
-    def __init__(self, shm_dir: str, on_change: Callable[[int], None] | None = None) -> None:
-        self.dir = Path(shm_dir)
-        self._maps: dict[str, mmap.mmap] = {}
-        self._lock = threading.Lock()
-        self._on_change = on_change
-
-    def _forget_gone(self) -> None:
-        # A recorder unlinks its pool when it closes; drop our map of it so its memory is freed.
-        for name in [n for n in self._maps if not (self.dir / n).exists()]:
-            with contextlib.suppress(BufferError):
-                self._maps.pop(name).close()
-
-    def view(self, name: str, offset: int, length: int) -> memoryview:
-        mm = self._maps.get(name)  # (three lookups per chunk: the name was checked when it was mapped)
-        if mm is not None and offset >= 0 and length >= 0 and offset + length <= len(mm):
-            return memoryview(mm)[offset : offset + length]
-        if POOL_NAME.fullmatch(name) is None or ".." in name:
-            raise ValidationError(f"shared-memory pool name must match {POOL_NAME.pattern}, got {name[:120]!r}")
-        with self._lock:
-            mm = self._maps.get(name)
-            if mm is None:
-                self._forget_gone()
-                if len(self._maps) >= self.MAX_POOLS:
-                    raise ValidationError(f"{self.MAX_POOLS} shared-memory pools mapped already; close idle recorders")
-                try:
-                    fd = os.open(self.dir / name, os.O_RDONLY)
-                except OSError as exc:
-                    raise ValidationError(f"shared-memory pool {name!r} cannot be opened in {self.dir}: {exc}") from exc
-                try:
-                    # Populate the whole mapping now (once per recorder pool): faulting its pages in
-                    # one by one on first use cost ~4.8 ms per 4 MiB message in the bench.
-                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                    mm = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
-                except (OSError, ValueError) as exc:
-                    raise ValidationError(f"shared-memory pool {name!r} cannot be mapped: {exc}") from exc
-                finally:
-                    os.close(fd)
-                self._maps[name] = mm
-                if self._on_change is not None:
-                    self._on_change(sum(len(m) for m in self._maps.values()))
-        if offset < 0 or length < 0 or offset + length > len(mm):
-            raise ValidationError(
-                f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {len(mm)} bytes"
-            )
-        return memoryview(mm)[offset : offset + length]
-
-    def capacity(self, name: str) -> int:
-        """Bytes of pool ``name`` as mapped (0 if it is not mapped)."""
-        with self._lock:
-            mm = self._maps.get(name)
-            return 0 if mm is None else len(mm)
-
-    def close(self) -> None:
-        with self._lock:
-            for mm in self._maps.values():
-                with contextlib.suppress(BufferError):  # a view is still alive; it goes with the process
-                    mm.close()
-            self._maps.clear()
 
 
 def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:

@@ -1,0 +1,261 @@
+"""A client on the unix socket names the shared-memory pool the sidecar reads its records from.
+Attacks on that name, against a real sidecar over its real unix socket, with real files: a
+symlink to a root-only file (its bytes must never come back through Read), a hard link to one, a
+FIFO (must not block the sidecar's pool lock: the next recorder still writes), files of the wrong
+kind, owner, mode or size. Also the recorder's own sweep of dead pools, which opens pool-named
+files in the same directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tracestore.client import RolloutRecorder, SiteOutput
+from tracestore.client.staging import StagingPool
+from tracestore.server.config import ServerConfig
+from tracestore.server.service import Sidecar
+from tracestore.server.shm import ShmPools
+from tracestore.server.testing import SPEC
+
+from tracestore.errors import PermissionDeniedError, ValidationError
+from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.convert import run_spec_to_pb
+
+SITE = SPEC.site("layers.1.mlp.input")
+N_TOKENS = 16
+SECRET = bytes(np.random.default_rng(7).integers(0, 256, 64 << 10, dtype=np.uint8))
+REFUSED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files of other owners, devices")
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sidecar, Path, Path]]:
+    base = tmp_path_factory.mktemp("shm-attacks")
+    shm = base / "shm"
+    shm.mkdir()
+    cfg = ServerConfig(storage=f"memory://shm-attacks-{uuid.uuid4().hex}", wal_dir=None, port=0, metrics_port=None,
+                       unix_socket=str(base / "s.sock"), shm_dir=str(shm), flush_interval_s=0.05)  # fmt: skip
+    sc = Sidecar(cfg).start()
+    try:
+        yield sc, base / "s.sock", shm
+    finally:
+        sc.stop(2)
+
+
+def _shm_write(sock: Path, pool: str, traj: str, *, timeout: float = 10.0) -> grpc.RpcError | None:
+    """One Write naming ``pool``: codes at offset 0, scales right after, no checksum (the attacker
+    does not know the bytes). None when the sidecar acknowledged it, else its error."""
+    _, nc, _, _ = _sizes()
+    req = pb.WriteRequest(run=SPEC.run, writer=f"attacker-{uuid.uuid4().hex[:8]}", epoch=1, sequence=1, shm_pool=pool)
+    req.run_spec.CopyFrom(run_spec_to_pb(SPEC))
+    c = req.chunks.add(trajectory=traj, site=SITE.name, token_start=0, n_tokens=N_TOKENS, global_scale=1.0)
+    c.shm.codes_offset, c.shm.scales_offset = 0, nc
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        call = ch.stream_stream("/tracestore.v1.TraceStore/Write")
+        try:
+            for raw in call(iter([req.SerializeToString()]), timeout=timeout):
+                if pb.WriteResponse.FromString(raw).durable_sequence >= 1:
+                    return None
+        except grpc.RpcError as exc:
+            return exc
+    raise AssertionError("the Write stream ended without an acknowledgement or an error")
+
+
+def _sizes() -> tuple[int, int, int, int]:
+    from tracestore.v1.convert import payload_sizes
+
+    return payload_sizes(SITE, N_TOKENS, False)
+
+
+def _read_back(sc: Sidecar, traj: str) -> bytes:
+    """What the sidecar's Read RPC returns for ``traj`` (codes + scales), b"" when it has none."""
+    req = pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory=traj, token_start=0, token_end=N_TOKENS)],
+                         sites=[SITE.name])  # fmt: skip
+    got = b""
+    with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:
+        try:
+            for raw in ch.unary_stream("/tracestore.v1.TraceStore/Read")(req.SerializeToString(), timeout=30):
+                r = pb.ReadResponse.FromString(raw)
+                got += r.codes + r.scales
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+    return got
+
+
+def _refused(err: grpc.RpcError | None, pool: str, *expect: str) -> str:
+    assert err is not None, f"the sidecar read pool {pool!r}"
+    assert err.code() in REFUSED, (err.code(), err.details())
+    details = err.details() or ""
+    assert pool in details, details
+    for word in expect:
+        assert word in details, details
+    return details
+
+
+def _secret_file(base: Path, mode: int = 0o600) -> Path:
+    f = base / f"secret-{uuid.uuid4().hex[:8]}"
+    f.write_bytes(SECRET)
+    os.chmod(f, mode)
+    return f
+
+
+def test_symlink_to_a_root_only_file_is_not_read(sidecar: tuple[Sidecar, Path, Path]) -> None:
+    sc, sock, shm = sidecar
+    secret = _secret_file(sock.parent)
+    name = f"tracestore-{uuid.uuid4().hex[:8]}"
+    (shm / name).symlink_to(secret)
+    err = _shm_write(sock, name, "t-symlink")
+    got = _read_back(sc, "t-symlink")
+    assert SECRET[:64] not in got, "the root-only file's bytes came back through Read"
+    _refused(err, name, "symlink")
+
+
+def test_hard_link_to_a_root_only_file_is_not_read(sidecar: tuple[Sidecar, Path, Path]) -> None:
+    """Same owner as the sidecar, regular file, 0600: only the link count gives it away."""
+    sc, sock, shm = sidecar
+    secret = _secret_file(shm.parent)
+    name = f"tracestore-{uuid.uuid4().hex[:8]}"
+    os.link(secret, shm / name)
+    err = _shm_write(sock, name, "t-hardlink")
+    assert SECRET[:64] not in _read_back(sc, "t-hardlink")
+    _refused(err, name, "one link")
+
+
+def test_fifo_does_not_block_the_pool_lock(sidecar: tuple[Sidecar, Path, Path]) -> None:
+    """A FIFO under a pool's name: opening it for reading waited for a writer forever, holding the
+    lock every new pool is mapped under, so each later same-host recorder hung."""
+    sc, sock, shm = sidecar
+    name = f"tracestore-{uuid.uuid4().hex[:8]}"
+    fifo = shm / name
+    os.mkfifo(fifo, 0o600)
+    try:
+        t0 = time.monotonic()
+        err = _shm_write(sock, name, "t-fifo", timeout=10)
+        assert time.monotonic() - t0 < 5
+        _refused(err, name, "regular file", "FIFO")
+        # the lock is free: a real recorder maps its own pool and its records arrive
+        rec = RolloutRecorder(f"unix://{sock}", SPEC, f"after-fifo-{uuid.uuid4().hex[:6]}", shm_dir=str(shm),
+                              staging_bytes=1 << 20, linger_s=0.0)  # fmt: skip
+        try:
+            rows = N_TOKENS * SITE.rows_per_token
+            codes = np.full((rows, SITE.code_bytes), 0x5A, np.uint8)
+            scales = np.full((rows, SITE.scale_bytes), 0x21, np.uint8)
+            assert rec.record_forward([("t-after-fifo", 0, N_TOKENS)], {SITE.name: SiteOutput(codes, scales, 0.5)})
+            assert rec.flush(15), rec.stats
+        finally:
+            rec.close(5)
+        assert _read_back(sc, "t-after-fifo") == codes.tobytes() + scales.tobytes()
+    finally:
+        _unblock(fifo)
+
+
+def _unblock(fifo: Path) -> None:
+    """Release a reader stuck opening ``fifo`` (the sidecar before this fix), so the test ends."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody is waiting on it
+        return
+    os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("what", "make", "expect"),
+    [
+        ("world-readable", lambda p: _file(p, 0o644), "mode 0644"),
+        ("group-writable", lambda p: _file(p, 0o620), "mode 0620"),
+        ("setuid", lambda p: _file(p, 0o4600), "mode 4600"),
+        ("another owner", lambda p: _file(p, 0o600, uid=54321), "owned by uid 54321"),
+        ("a directory", lambda p: p.mkdir(mode=0o700), "a directory"),
+        ("a character device", lambda p: os.mknod(p, 0o600 | stat.S_IFCHR, os.makedev(1, 5)), "character device"),
+        ("too small", lambda p: _file(p, 0o600, size=1024), "1024 bytes"),
+    ],
+)
+@root_only
+def test_pools_of_the_wrong_kind_owner_mode_or_size_are_refused(
+    sidecar: tuple[Sidecar, Path, Path], what: str, make: Any, expect: str
+) -> None:
+    sc, sock, shm = sidecar
+    name = f"tracestore-{uuid.uuid4().hex[:8]}"
+    make(shm / name)
+    traj = f"t-{uuid.uuid4().hex[:8]}"
+    err = _shm_write(sock, name, traj)
+    assert SECRET[:64] not in _read_back(sc, traj)
+    _refused(err, name, expect)
+
+
+def _file(path: Path, mode: int, *, uid: int | None = None, size: int = len(SECRET)) -> None:
+    path.write_bytes(SECRET[:size])
+    os.chmod(path, mode)
+    if uid is not None:
+        os.chown(path, uid, -1)
+
+
+@pytest.mark.parametrize("name", ["tracestore-..", "tracestore-../secret", "../tracestore-x", "tracestore-a/b", "x"])
+def test_pool_names_outside_the_directory_are_refused(tmp_path: Path, name: str) -> None:
+    pools = ShmPools(str(tmp_path / "shm"))
+    with pytest.raises(ValidationError, match="must match"):
+        pools.view(name, 0, 1)
+
+
+def test_pool_larger_than_the_limit_is_refused(tmp_path: Path) -> None:
+    pool = StagingPool(4 << 20, shared=True, shm_dir=str(tmp_path))
+    try:
+        assert pool.name is not None
+        with pytest.raises(ValidationError, match=r"4194304 bytes: expected 4096 to 1048576"):
+            ShmPools(str(tmp_path), max_pool_bytes=1 << 20).view(pool.name, 0, 1)
+        small = ShmPools(str(tmp_path), max_pool_bytes=8 << 20)
+        assert bytes(small.view(pool.name, 0, 4)) == b"\0\0\0\0"
+        small.close()
+    finally:
+        pool.close()
+
+
+@root_only
+def test_with_a_socket_group_only_group_readable_pools_of_that_group_are_read(tmp_path: Path) -> None:
+    """A sidecar whose socket admits a group reads only pools that group may read: a 0600 pool
+    (even the sidecar's own) would otherwise be readable through the sidecar by every member."""
+    pools = ShmPools(str(tmp_path), group=54320)
+    own = StagingPool(1 << 20, shared=True, shm_dir=str(tmp_path))
+    grouped = StagingPool(1 << 20, shared=True, shm_dir=str(tmp_path), group=54320)
+    try:
+        assert own.name is not None and grouped.name is not None
+        with pytest.raises(PermissionDeniedError, match=r"expected group 54320, group-readable \(0640\)"):
+            pools.view(own.name, 0, 1)
+        assert stat.S_IMODE(os.stat(grouped.path or "").st_mode) == 0o640
+        assert len(pools.view(grouped.name, 0, 8)) == 8
+    finally:
+        pools.close()
+        own.close()
+        grouped.close()
+
+
+def test_sweep_of_dead_pools_neither_blocks_on_a_fifo_nor_follows_a_symlink(tmp_path: Path) -> None:
+    """A new recorder sweeps pool-named files of dead recorders; one that is a FIFO hung it in
+    open() forever, one that is a symlink was opened through to its target."""
+    fifo = tmp_path / f"tracestore-pool-{uuid.uuid4().hex}"
+    link = tmp_path / f"tracestore-pool-{uuid.uuid4().hex}"
+    os.mkfifo(fifo, 0o600)
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * 4096)
+    link.symlink_to(target)
+    made: list[StagingPool] = []
+    t = threading.Thread(target=lambda: made.append(StagingPool(1 << 16, shared=True, shm_dir=str(tmp_path))))
+    t.start()
+    t.join(5)
+    hung = t.is_alive()
+    if hung:
+        _unblock(fifo)
+        t.join(5)
+    for p in made:
+        p.close()
+    assert not hung, "creating a staging pool hung on a FIFO in its directory"
+    assert fifo.exists() and link.is_symlink() and target.read_bytes() == b"x" * 4096
