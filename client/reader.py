@@ -109,6 +109,7 @@ class GuidanceReader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
         self._channel: Any = None
         self._process: Any = None
+        self.last_report: ReadReport | None = None  # of the latest read() / read_host()
         if not isinstance(process, int) or process < 0:  # (bool is an int: True is one child)
             raise ConfigError(f"process must be False, True or a number of child processes, got {process!r}")
         if process and (self.sidecar or source.startswith("memory://")):
@@ -149,16 +150,23 @@ class GuidanceReader:
                 self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())
 
     def read(self, plan: PlanLike) -> dict[str, Any]:
-        """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``)."""
+        """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``).
+        The result's ``report`` (also :attr:`last_report`) says which share of its rows falls back
+        to RTN (:class:`ReadReport`)."""
         key = _plan_key(plan)
         with self._lock:
             fut = self._pending.pop(key, None)
         staged = fut.result() if fut is not None else self._staged(plan)
-        return {name: self._to_guidance(rows) for name, rows in staged.items()}
+        report = read_report(plan, {name: (rows.site, rows.valid.numpy()) for name, rows in staged.items()})
+        self.last_report = report
+        return Rows({name: self._to_guidance(rows) for name, rows in staged.items()}, report)
 
     def read_host(self, plan: PlanLike) -> dict[str, HostRows]:
-        """The same rows as numpy arrays (no torch needed)."""
-        return self._fetch(plan)
+        """The same rows as numpy arrays (no torch needed), with the same ``report``."""
+        rows_of = self._fetch(plan)
+        report = read_report(plan, {name: (rows.site, rows.valid) for name, rows in rows_of.items()})
+        self.last_report = report
+        return Rows(rows_of, report)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -344,6 +352,44 @@ class GuidanceReader:
             token_scales=t(rows.token_scales),
             valid=t(rows.valid),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadReport:
+    """Which rows of one read fall back to RTN: ``rows`` counts the plan's rows that are not padding,
+    summed over the sites read, ``unguided_rows`` those of them without a record (no record
+    stored, masked, or the final position of a sealed trajectory, unrecorded by design)."""
+
+    rows: int
+    unguided_rows: int
+
+    @property
+    def unguided_fraction(self) -> float:
+        return self.unguided_rows / self.rows if self.rows else 0.0
+
+
+class Rows(dict):  # type: ignore[type-arg]
+    """A read's ``{site: rows}`` with its :class:`ReadReport` as ``report``."""
+
+    def __init__(self, rows: dict[str, Any], report: ReadReport) -> None:
+        super().__init__(rows)
+        self.report = report
+
+
+def read_report(plan: PlanLike, valid: dict[str, tuple[SiteSpec, np.ndarray]]) -> ReadReport:
+    """The :class:`ReadReport` of ``plan`` from each site's ``(spec, valid)``."""
+    if not isinstance(plan, MicrobatchPlan):
+        plan = MicrobatchPlan(plan)
+    real = np.ones(plan.n_tokens, dtype=bool)
+    for i, seg in enumerate(plan.segments):
+        if seg.trajectory is None:
+            real[int(plan.offsets[i]) : int(plan.offsets[i + 1])] = False
+    rows = unguided = 0
+    for site, v in valid.values():
+        mask = np.repeat(real, site.rows_per_token)
+        rows += int(mask.sum())
+        unguided += int((mask & ~np.asarray(v, dtype=bool)).sum())
+    return ReadReport(rows, unguided)
 
 
 @dataclasses.dataclass

@@ -94,7 +94,9 @@ def test_rank_plans_cover_each_token_once(layout: TrainerLayout, step: list[tupl
         assert rp.token_map() == want, (c, layout)
         assert rp.plan.n_tokens == len(want)
         # the reader only looks up guided refs' tokens; unguided ones are padding in the plan
-        looked_up = [(s.trajectory, t) for s in rp.plan.segments if s.trajectory for t in range(s.token_start, s.token_end)]
+        looked_up = [
+            (s.trajectory, t) for s in rp.plan.segments if s.trajectory for t in range(s.token_start, s.token_end)
+        ]
         guided_ids = {r.stored_id for r in refs if r.guided}
         assert looked_up == [x for x in want if x[0] in guided_ids]
         assert rp.real_tokens == sum(1 for t, _ in want if t is not None)
