@@ -175,6 +175,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--storage-timeout", type=float, default=float(e("--storage-timeout", 60.0)))
     p.add_argument("--shm-dir", default=e("--shm-dir", "/dev/shm"), help="where writers' staging pools live")
     p.add_argument(
+        "--socket-group",
+        type=_opt_str,
+        default=e("--socket-group", None),
+        help="group (name or gid) of --unix-socket: its members may connect; staging pools must be 0640 in it",
+    )
+    p.add_argument(
+        "--socket-mode",
+        type=lambda v: None if _opt_str(v) is None else int(v, 8),
+        default=e("--socket-mode", None),
+        help="octal mode of --unix-socket (default 0660 with --socket-group, else 0600)",
+    )
+    p.add_argument(
         "--dedupe-versions",
         type=int,
         default=int(e("--dedupe-versions", 4)),
@@ -224,6 +236,8 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         grace_s=ns.grace,
         storage_timeout_s=ns.storage_timeout,
         shm_dir=ns.shm_dir,
+        socket_group=ns.socket_group,
+        socket_mode=ns.socket_mode,
         dedupe_versions=ns.dedupe_versions,
     )
 

@@ -68,6 +68,10 @@ class ServerConfig:
     grace_s: float = 30.0
     storage_timeout_s: float = 60.0
     shm_dir: str = "/dev/shm"
+    # The unix socket's group (name or gid; its members may connect and their shm pools are read)
+    # and mode (None: 0660 with a socket_group, else 0600). Checked when the socket is bound.
+    socket_group: str | None = None
+    socket_mode: int | None = None
     dedupe_versions: int = 4
 
     def __post_init__(self) -> None:

@@ -49,7 +49,8 @@ from .auth import (
 from .config import ServerConfig
 from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics
-from .wire import ShmPools, parse_seal, parse_write, scan_write, seal_message, wal_parser
+from .shm import ShmPools
+from .wire import parse_seal, parse_write, scan_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -406,20 +407,117 @@ class TraceStoreService:
 
 
 def _claim_unix_socket(path: str) -> None:
-    """Remove a stale socket file; refuse one a live server still answers on."""
+    """Remove a stale socket (one nobody listens on: left over from a crash); refuse one a live
+    server still answers on, and anything at ``path`` that is not a socket (a regular file,
+    directory or symlink there is never removed)."""
     import socket
+    import stat
 
-    if not os.path.exists(path):
+    from .shm import file_kind
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    except OSError as exc:
+        raise ConfigError(f"cannot check --unix-socket {path}: {exc.strerror}") from exc
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(
+            f"--unix-socket {path} exists and is {file_kind(st.st_mode)}, not a socket; it is left alone: "
+            "remove it or choose another path"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: left over from a crash
+    except ConnectionRefusedError:
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # still the socket checked above
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise ConfigError(f"cannot remove the stale unix socket {path}: {exc.strerror}") from exc
         return
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot tell whether a server listens on unix socket {path} ({exc.strerror}); remove it or choose "
+            "another --unix-socket"
+        ) from exc
     finally:
         probe.close()
     raise ConfigError(f"unix socket {path} is in use by a running server; choose another --unix-socket")
+
+
+def _socket_access(cfg: ServerConfig) -> tuple[int | None, int]:
+    """The unix socket's group (None: the sidecar's own) and mode, from ``socket_group`` and
+    ``socket_mode``. Other users (the mode's last digit) are never admitted: they would reach
+    every run, and no shared-memory pool could be checked against them (server/shm.py)."""
+    gid = None
+    if cfg.socket_group is not None:
+        name = str(cfg.socket_group)
+        if name.isdigit():
+            gid = int(name)
+        else:
+            import grp
+
+            try:
+                gid = grp.getgrnam(name).gr_gid
+            except KeyError:
+                raise ConfigError(f"socket_group {name!r} (--socket-group) is not a group on this host") from None
+    mode = (0o660 if gid is not None else 0o600) if cfg.socket_mode is None else cfg.socket_mode
+    if not isinstance(mode, int) or mode < 0 or mode & ~0o770:
+        raise ConfigError(
+            f"socket_mode (--socket-mode) must be at most 0770 (nothing for other users), got {mode!r}: admit "
+            "local users through --socket-group"
+        )
+    return gid, mode
+
+
+def _bind_unix_socket(server: grpc.Server, path: str, gid: int | None, mode: int) -> os.stat_result:
+    """Listen on unix socket ``path`` with group ``gid`` and ``mode`` from the first moment anyone
+    can reach it: bound inside a fresh 0700 directory next to ``path``, given its group and mode
+    there, then hard-linked to ``path`` (which never replaces anything that appeared there since
+    :func:`_claim_unix_socket`). Returns the socket's stat."""
+    import tempfile
+
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        private = tempfile.mkdtemp(prefix=".ts-", dir=parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on unix socket {path}: {exc}") from exc
+    tmp = os.path.join(private, "s")
+    try:
+        if len(os.fsencode(tmp)) > 107:  # sun_path holds 108 bytes with the NUL
+            raise ConfigError(
+                f"unix socket path {path} is too long: it is bound first as {tmp} ({len(os.fsencode(tmp))} bytes, "
+                "at most 107); choose a shorter --unix-socket"
+            )
+        try:
+            server.add_insecure_port(f"unix:{tmp}")
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on unix socket {path}") from exc
+        try:
+            if gid is not None:
+                os.chown(tmp, -1, gid)
+            os.chmod(tmp, mode)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot give unix socket {path} group {gid} and mode {mode:04o} ({exc.strerror}): the sidecar's "
+                "user must be a member of --socket-group"
+            ) from exc
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ConfigError(f"{path} appeared while the sidecar bound it; choose another --unix-socket") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on unix socket {path}: {exc.strerror}") from exc
+        return os.lstat(path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.rmdir(private)
 
 
 class Sidecar:
@@ -501,11 +599,13 @@ class Sidecar:
                 f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
             ) from exc
         if cfg.unix_socket:
+            gid, mode = _socket_access(cfg)
             _claim_unix_socket(cfg.unix_socket)
-            try:
-                server.add_insecure_port(f"unix:{cfg.unix_socket}")
-            except RuntimeError as exc:
-                raise ConfigError(f"cannot listen on unix socket {cfg.unix_socket}") from exc
+            st = _bind_unix_socket(server, cfg.unix_socket, gid, mode)
+            self._socket_id = (st.st_dev, st.st_ino)
+            # Pools must be readable by everyone the socket admits (server/shm.py): its group, or
+            # only the sidecar's uid
+            self.shm.group = st.st_gid if mode & 0o020 else None
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -576,9 +676,12 @@ class Sidecar:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-        if self.config.unix_socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.unix_socket)
+        sock_id = getattr(self, "_socket_id", None)
+        if self.config.unix_socket and sock_id is not None:
+            with contextlib.suppress(OSError):  # only our own socket, not whatever took the path since
+                st = os.lstat(self.config.unix_socket)
+                if (st.st_dev, st.st_ino) == sock_id:
+                    os.unlink(self.config.unix_socket)
         return ok
 
     def wait(self) -> None:

@@ -130,6 +130,50 @@ def rss_kib(pid: int) -> tuple[int, int]:
     return got["VmRSS"], got["VmHWM"]
 
 
+def reset_hwm(pid: int) -> bool:
+    """Reset ``pid``'s peak RSS (VmHWM) to its current RSS (``5`` to /proc/PID/clear_refs, Linux >= 4.0;
+    needs the right to write it: root or the same user)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakSampler:
+    """Peak RSS of ``pid`` (KiB) over a ``with`` block: VmHWM reset at entry where allowed, else
+    VmRSS sampled every ``every`` s in a thread (which may miss a short spike)."""
+
+    def __init__(self, pid: int, every: float = 0.005) -> None:
+        self.pid, self.every = pid, every
+        self.base = rss_kib(pid)[0]
+        self.peak = self.base
+        self.hwm = reset_hwm(pid)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, KeyError):
+                self.peak = max(self.peak, rss_kib(self.pid)[0])
+            time.sleep(self.every)
+
+    def __enter__(self) -> PeakSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+        if self.hwm:
+            with contextlib.suppress(OSError, KeyError):
+                self.peak = max(self.peak, rss_kib(self.pid)[1])
+
+    @property
+    def grown_mib(self) -> float:
+        return (self.peak - self.base) / 1024
+
+
 class StartError(AssertionError):
     def __init__(self, rc: int | None, log: str) -> None:
         super().__init__(f"tracestore serve exited with {rc} before it was ready:\n{log[-3000:]}")

@@ -110,13 +110,17 @@ def test_serves_with_no_configuration(tmp_path: Path) -> None:
 
 
 def test_second_server_on_the_same_port_or_socket_is_refused(tmp_path: Path) -> None:
+    import socket
+
     from tracestore.server.config import ServerConfig
     from tracestore.server.service import Sidecar
 
     from tracestore.errors import ConfigError
 
     sock = str(tmp_path / "s.sock")
-    Path(sock).write_text("")  # a stale socket file from a crash is taken over
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(sock)  # a stale socket left by a crash (bound, nobody listens) is taken over
+    stale.close()
     a = Sidecar(ServerConfig(storage="memory://dup", wal_dir=None, port=0, metrics_port=None, unix_socket=sock)).start()
     try:
         with pytest.raises(ConfigError, match="cannot listen"):

@@ -1,0 +1,107 @@
+"""5. An S3 outage: moto's standalone S3 server (in this process, on a loopback port) is stopped
+mid-ingest and started again on the same port (moto keeps its state across stop/start). The sidecar
+keeps acknowledging from its WAL, the backlog rises and then drains; nothing acknowledged is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .harness import Background, Sidecar, Writer, converged, free_port, row, verify, wait_until
+
+OUTAGE_S = 5.0
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    return {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-west-2"},
+        "config_kwargs": {"connect_timeout": 1.0, "read_timeout": 2.0, "retries": {"max_attempts": 1}},
+    }
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_s3_outage_backlog_rises_and_drains(tmp_path: Path) -> None:
+    moto = pytest.importorskip("moto.server", reason="needs moto[server]>=5.2.5 (the dev extra)")
+    s3fs = pytest.importorskip("s3fs", reason="needs the s3 extra")
+    r = row("5 S3 outage (moto stopped/started)")
+    port = free_port()
+    server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    bucket = f"ts-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**_options(endpoint)).mkdir(bucket)
+    url = f"s3://{bucket}/root"
+    sc = Sidecar(
+        tmp_path, storage=url, storage_options=_options(endpoint),
+        flags=["--flush-interval", "0.2", "--storage-timeout", "3", "--memory-budget-mib", "64",
+               "--max-message-mib", "4", "--backpressure-timeout", "1", "--wal-segment-mib", "4", "--grace", "10"],
+    )  # fmt: skip
+    w = Writer("s3-w", trajs=4, tokens=128, window=4)
+    problems: list[str] = []
+    up = True
+    try:
+        sc.start()
+        idle = sc.rss()[0]
+        with Background(w, sc.address, session_s=3.0, pace_s=0.02) as bg:
+            if not wait_until(lambda: sc.stat().shards_committed > 0, 20):
+                problems.append("no shard committed before the outage")
+            bg.phase = "outage"
+            acked0 = len(w.acked)
+            server.stop()
+            up = False
+            peak_backlog = 0
+            t_end = time.monotonic() + OUTAGE_S
+            while time.monotonic() < t_end:
+                with contextlib.suppress(Exception):
+                    peak_backlog = max(peak_backlog, sc.stat(timeout=2).backlog_bytes)
+                time.sleep(0.2)
+            acked_in_outage = len(w.acked) - acked0
+            server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            server.start()
+            up = True
+            bg.phase = "after"
+            time.sleep(1.0)
+        r.trials = 1
+        if peak_backlog == 0:
+            problems.append("the backlog did not rise during the outage")
+        if acked_in_outage == 0:
+            problems.append("nothing was acknowledged during the outage (the WAL should carry it)")
+        w.drain(sc.address, timeout=30)
+        t0 = time.monotonic()
+        if not wait_until(lambda: converged(sc, w.writer), 40, 0.2):
+            r.wedged = 1
+            problems.append(f"backlog did not drain after S3 came back: {sc.stat()}")
+        else:
+            r.add_note(f"drained {time.monotonic() - t0:.1f} s after restart")
+        r.rss_mib = (sc.rss()[1] - idle) / 1024
+        r.add_note(f"backlog peak {peak_backlog >> 20} MiB, {acked_in_outage} msgs acked in outage")
+        bad = {c: n for c, n in bg.codes.get("outage", {}).items() if c not in ("RESOURCE_EXHAUSTED", "CLIENT_TIMEOUT")}
+        if bad:
+            problems.append(f"clients got {bad} during the outage")
+        if sc.terminate(30) != 0:
+            problems.append("SIGTERM exit code not 0")
+    finally:
+        sc.kill()
+        if not up:
+            server = moto.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            server.start()
+    try:
+        chk = verify(url, w.acked_recs, _options(endpoint))
+    finally:
+        server.stop()
+    r.acked, r.lost, r.duplicated = chk.acked, chk.lost_total, chk.duplicated
+    for p in ([str(chk)] if not chk.ok() else []) + problems:
+        r.add_note(p[:150])
+    assert chk.ok(), chk
+    assert not problems, "\n".join(problems)
