@@ -33,14 +33,21 @@ process during its measurement, and the rate those would allow if both were spre
 the box's cores (``cpu_bound_GBps``): on 2 shared cores, a bound no overlap can beat. The
 memory:// sidecars are fresh in every repetition (a memory:// store keeps every shard in RAM).
 
-Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode]``; prints a
-table, appends to ``bench/results/bench_ingest.jsonl``.
+``--only auth`` (not part of the default run) measures what TLS and bearer tokens cost: the durable
+TCP sidecar (file://, WAL fsync acks) started plainly and with ``--tls-cert/--tls-key
+--auth-tokens`` (certificates made for the run, the recorder sending its token as call
+credentials over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order,
+each round one sample of each ratio to the plain sidecar.
+
+Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode|auth]``;
+prints a table, appends to ``bench/results/bench_ingest.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -371,13 +378,14 @@ class Flight:
 
 
 def run_recorder(
-    address: str, n_fwd: int, tag: str, outputs: dict[str, Any], cpu: CpuMeter | None = None
+    address: str, n_fwd: int, tag: str, outputs: dict[str, Any], cpu: CpuMeter | None = None, **creds: Any
 ) -> tuple[float, dict[str, int]]:
     """Stream ``n_fwd`` forwards through a fresh recorder; B/s from the first timed forward to the
-    last ack (``cpu``: measures both processes over that window)."""
+    last ack (``cpu``: measures both processes over that window; ``creds``: the recorder's
+    ``channel_credentials``/``token``)."""
     from tracestore.client import RolloutRecorder
 
-    rec = RolloutRecorder(address, SPEC, f"bench-{tag}", staging_bytes=256 << 20, batch_bytes=MSG)
+    rec = RolloutRecorder(address, SPEC, f"bench-{tag}", staging_bytes=256 << 20, batch_bytes=MSG, **creds)
     need = fwd_bytes() + 4096
     # warm-up forward (connection, run declaration)
     rec.record_forward([(f"{tag}-warm-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
@@ -401,14 +409,14 @@ def run_recorder(
     return n_fwd * fwd_bytes() / dt, stats
 
 
-def settle(address: str, timeout: float = 300.0) -> None:
+def settle(address: str, timeout: float = 300.0, **creds: Any) -> None:
     """Wait until a sidecar has committed its backlog, so its shard writing does not steal the CPU
     from the next measurement (2 cores here)."""
-    import grpc
+    from tracestore.client.transport import channel
 
     from tracestore.v1 import tracestore_pb2 as pb
 
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, **creds) as ch:
         stat = ch.unary_unary("/tracestore.v1.TraceStore/Stat")
         deadline = time.monotonic() + timeout
         while pb.StatResponse.FromString(stat(pb.StatRequest().SerializeToString())).backlog_bytes:
@@ -710,20 +718,94 @@ def bench_decode(ns: Any) -> int:
     return 0
 
 
+def bench_auth(ns: Any) -> int:
+    """The durable TCP sidecar without and with TLS + bearer tokens, alternating pairs."""
+    import grpc
+    from tracestore.server.auth import write_test_pki
+    from tracestore.server.testing import ServeProcess
+
+    total = ns.mib << 20
+    n_fwd = max(1, total // fwd_bytes())
+    outputs = forward_outputs()
+    samples: dict[str, list[float]] = {}
+    cpus: dict[str, list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-auth-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        d = Path(tmp)
+        pki = write_test_pki(d / "pki")
+        token = os.urandom(24).hex()
+        (d / "tokens").write_text(f"sha256:{hashlib.sha256(token.encode()).hexdigest()} write:*,read:*,admin bench\n")
+        quiet = ["--metrics-port", "off"]
+        plain = ServeProcess(d / "plain", flags=quiet).start()
+        tokens = ServeProcess(d / "tokens-only", flags=[*quiet, "--auth-tokens", str(d / "tokens")]).start()
+        secure = ServeProcess(d / "tls", flags=[*quiet, "--tls-cert", str(pki["server"]), "--tls-key",
+                              str(pki["server_key"]), "--auth-tokens", str(d / "tokens")]).start()  # fmt: skip
+        tls = {"channel_credentials": grpc.ssl_channel_credentials(pki["ca"].read_bytes()), "token": token}
+        sides: list[tuple[str, ServeProcess, dict[str, Any]]] = [
+            ("ours-grpc-durable (WAL fsync ack), plaintext, no auth", plain, {}),
+            ("ours-grpc-durable (WAL fsync ack), TLS + bearer token", secure, tls),
+            ("ours-grpc-durable (WAL fsync ack), plaintext loopback + bearer token", tokens, {"token": token}),
+        ]
+        ratios: dict[str, list[float]] = {}
+        try:
+            for _name, sp, creds in sides:  # warm-up: connection, run declaration, the sidecar's heap
+                run_recorder(sp.address, n_fwd, f"warm-{len(creds)}", outputs, **creds)
+                settle(sp.address, **creds)
+            for r in range(ns.repeat):
+                rates = {}
+                for name, sp, creds in sides if r % 2 == 0 else sides[::-1]:
+                    assert sp.proc is not None
+                    cpu = CpuMeter(sp.proc.pid)
+                    rates[name] = run_recorder(sp.address, n_fwd, f"a{r}-{len(creds)}", outputs, cpu, **creds)[0]
+                    settle(sp.address, **creds)
+                    samples.setdefault(name, []).append(rates[name])
+                    cpus.setdefault(name, []).append((cpu.client, cpu.server))
+                for check, side in (("TLS + token / plaintext, durable TCP ingest", 1),
+                                    ("token only (loopback) / plaintext, durable TCP ingest", 2)):  # fmt: skip
+                    ratios.setdefault(check, []).append(rates[sides[side][0]] / rates[sides[0][0]])
+                print(f"round {r + 1}/{ns.repeat} done", file=sys.stderr)
+        finally:
+            for sp in (plain, tokens, secure):
+                sp.kill()
+    mib = n_fwd * fwd_bytes() >> 20
+    rows: list[dict[str, Any]] = [
+        dict(provider=k, GBps=statistics.median(v) / 1e9, min_GBps=min(v) / 1e9, max_GBps=max(v) / 1e9, n=len(v),
+             MiB=mib, client_cpu_s=statistics.median(c for c, _ in cpus[k]),
+             server_cpu_s=statistics.median(s for _, s in cpus[k]))
+        for k, v in samples.items()
+    ]  # fmt: skip
+    checks = [
+        dict(check=k, median_ratio=statistics.median(v), min_ratio=min(v), max_ratio=max(v), target=0.9,
+             met="yes" if statistics.median(v) >= 0.9 else "NO")
+        for k, v in ratios.items()
+    ]  # fmt: skip
+    m = machine()
+    print(f"# bench_ingest --only auth on {m.get('cpu')} ({m.get('cores')} cores), {mib} MiB per measurement, "
+          f"{ns.repeat} rounds (order alternating); load average at the end {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s"])
+    print()
+    print_table(checks, ["check", "median_ratio", "min_ratio", "max_ratio", "target", "met"])
+    if not ns.no_save:
+        print(f"\nappended to {append_results('bench_ingest', [*rows, *checks])}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=192, help="record bytes per measured ingest")
     ap.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (ratios per repetition)")
     ap.add_argument("--no-save", action="store_true")
-    ap.add_argument("--only", choices=("all", "ingest", "read", "decode"), default="all",
+    ap.add_argument("--only", choices=("all", "ingest", "read", "decode", "auth"), default="all",
                     help="ingest: the ingest providers; read: ingest untimed into one durable sidecar, then time "
-                    "the reads; decode: the decode-step caller time (default: ingest and read)")  # fmt: skip
+                    "the reads; decode: the decode-step caller time; auth: durable TCP ingest without and with "
+                    "TLS + tokens (default: ingest and read)")  # fmt: skip
     ap.add_argument("--decode", action="store_true", help="alias of --only decode")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement (--decode)")
     ap.add_argument("--step-ms", type=float, default=25.0, help="sleep between decode steps (--decode)")
     ns = ap.parse_args()
     if ns.decode or ns.only == "decode":
         return bench_decode(ns)
+    if ns.only == "auth":
+        return bench_auth(ns)
     ingest, read = ns.only in ("all", "ingest"), ns.only in ("all", "read")
     from tracestore.server.testing import ServeProcess
 
