@@ -1,1 +1,1 @@
-"""tracestore.server — see design.md."""
+"""tracestore.server — the sidecar (``tracestore serve``); see docs/operations.md and docs/protocol.md."""

@@ -160,11 +160,11 @@ class ServerConfig:
                 )
 
     def grpc_options(self) -> list[tuple[str, Any]]:
-        """Channel arguments set deliberately (reliability.md, gRPC traps)."""
+        """Channel arguments set deliberately (docs/protocol.md, "Transport")."""
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
-            # BDP probing let 100 slow streams grow the server by ~1.7 GiB (reliability.md); we bound
+            # BDP probing let 100 slow streams grow the server by ~1.7 GiB (measured); we bound
             # in-flight bytes with our own budget instead.
             ("grpc.http2.bdp_probe", 0),
             # Otherwise a second server silently binds the same port.

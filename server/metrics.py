@@ -1,4 +1,4 @@
-"""Prometheus metrics of the sidecar (design.md §9). Names here are a contract with deploy/.
+"""Prometheus metrics of the sidecar (listed in docs/operations.md, "Metrics"). Names here are a contract with deploy/.
 
 One registry per server instance (tests run several servers in one process). Every label value
 comes from a fixed set the server chooses, never from a client: ``method`` (RPC names), ``code``

@@ -58,7 +58,7 @@ READ_SLICE_BYTES = 4 << 20
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an exception (reliability.md's table)."""
+    """The gRPC status for an exception (the table in docs/protocol.md, "Status codes")."""
     if isinstance(exc, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, PermissionDeniedError):

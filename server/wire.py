@@ -1,7 +1,7 @@
 """Parsing of Write/Seal requests into engine messages (the shared-memory pools are in ``shm.py``).
 
 Parsing happens inside the handler (raw bytes in, explicit ``FromString``) so malformed input is
-INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (reliability.md).
+INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (docs/protocol.md, "Transport").
 """
 
 from __future__ import annotations
