@@ -38,7 +38,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tracestore import faults
-from tracestore.errors import ConflictError, CorruptionError, LimitError, TraceStoreError, ValidationError
+from tracestore.errors import (
+    ConflictError,
+    CorruptionError,
+    LimitError,
+    PermissionDeniedError,
+    TraceStoreError,
+    ValidationError,
+)
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal
 
 from .config import ServerConfig
@@ -48,7 +55,7 @@ from .wal import Checked, Part, WriteAheadLog
 log = logging.getLogger("tracestore.server")
 
 # WAL entry types
-DATA, STATE, PLAN, DONE = 1, 2, 3, 4
+DATA, STATE, PLAN, DONE, OWNER = 1, 2, 3, 4, 5
 # Why the sidecar reports itself unhealthy (health NOT_SERVING, Stat.degraded, a metric): a fixed set.
 DEGRADED_REASONS = ("wal_failed", "flusher_dead", "flusher_stalled", "storage_refusing")
 INGEST_QUIET_S = 0.2  # seconds without a new message that count as a pause in ingest
@@ -145,6 +152,7 @@ class WriterState:
     pending: deque[Message] = dataclasses.field(default_factory=deque)
     pending_bytes: int = 0
     listeners: set[Waker] = dataclasses.field(default_factory=set)
+    owner: str | None = None  # the authenticated identity that first used this writer id (durable)
 
 
 class Engine:
@@ -185,6 +193,8 @@ class Engine:
         self._flush_busy_since: float | None = None  # when the flusher's current commit began
         self._refusing_since: float | None = None  # first failed commit since the last good one
         self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
+        # (run, version, trajectory) -> identity whose writer first wrote it (with authentication on)
+        self._traj_owner: dict[tuple[str, int, str], str] = {}
         self.shards_committed = 0
         self.wal: WriteAheadLog | None = None
         self._flusher: threading.Thread | None = None
@@ -255,7 +265,7 @@ class Engine:
         return replayed
 
     def _snapshot(self) -> list[tuple[int, bytes]]:
-        states = [[w.run, w.writer, w.epoch, w.received_seq, w.shard_next] for w in self.writers.values()]
+        states = [[w.run, w.writer, w.epoch, w.received_seq, w.shard_next, w.owner] for w in self.writers.values()]
         return [(STATE, json.dumps({"writers": states}).encode())]
 
     def _state(self, run: str, writer: str) -> WriterState:
@@ -269,8 +279,9 @@ class Engine:
 
     def _replay_entry(self, segment: int, kind: int, payload: bytes) -> int:
         if kind == STATE:
-            for run, writer, epoch, seq, shard_next in json.loads(payload)["writers"]:
+            for run, writer, epoch, seq, shard_next, *owner in json.loads(payload)["writers"]:
                 st = self._state(run, writer)
+                st.owner = st.owner or (owner[0] if owner else None)
                 if (epoch, seq) > (st.epoch, st.received_seq):
                     st.epoch, st.received_seq = epoch, seq
                     st.durable_seq = st.committed_seq = seq
@@ -294,12 +305,15 @@ class Engine:
             # request again: drop them again, or the flush would store them twice.
             with contextlib.suppress(ConflictError):
                 self._check_conflicts(msg)
-            self._remember(msg)
+            self._remember(msg, st.owner)
             st.epoch, st.received_seq, st.durable_seq = msg.epoch, msg.seq, msg.seq
             self._enqueue(st, msg)
             return 1
         info = json.loads(payload)
         st = self._state(info["run"], info["writer"])
+        if kind == OWNER:
+            st.owner = info["identity"]
+            return 0
         if kind == PLAN:
             ids = {tuple(x) for x in info["messages"]}
             for m in st.pending:
@@ -395,13 +409,23 @@ class Engine:
             self._held_bytes.pop(pool, None)
 
     def submit(
-        self, msg: Message, wal_parts: Sequence[Part], reserved: int = 0, hold: tuple[str, int] | None = None
+        self,
+        msg: Message,
+        wal_parts: Sequence[Part],
+        reserved: int = 0,
+        hold: tuple[str, int] | None = None,
+        identity: str | None = None,
     ) -> tuple[WriterState, bool]:
         """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
         ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). ``hold``:
         (pool, its bytes) of a writer that keeps its staging until released: with a WAL, the
         message's shared-memory payload is then read in place until its shard is committed
-        (:meth:`_hold`). Without ``hold`` the caller has made the payload its own (or has no WAL)."""
+        (:meth:`_hold`). Without ``hold`` the caller has made the payload its own (or has no WAL).
+        ``identity``: the authenticated caller (None with authentication off). A writer id belongs
+        to the identity that first used it, and a trajectory to the identity that first wrote it:
+        another identity can neither fence that writer (new epochs, huge epochs) nor write the
+        trajectory's records, seals or links, nor link a trajectory of its own to it
+        (:class:`PermissionDeniedError`)."""
         if reserved:
             self.unreserve(reserved)
         deadline = time.monotonic() + self.config.backpressure_timeout_s
@@ -422,6 +446,8 @@ class Engine:
                         f"{msg.writer} of run {msg.run} is refused: use fewer writer ids, or raise --max-writers"
                     )
                 st = self._state(msg.run, msg.writer)
+                if identity is not None:
+                    self._check_owner(st, msg, identity)
                 dup = self._check_sequence(st, msg)
                 if dup:
                     self.metrics.ingest_duplicates.inc()
@@ -433,12 +459,18 @@ class Engine:
                 self._await_room(deadline, first=not waited, detail="nothing of this message was accepted")
                 waited = True
             self._check_conflicts(msg)
+            claim = identity is not None and st.owner is None
             if self.wal is not None:
+                if claim:  # the claim is durable no later than the message that makes it
+                    info = {"run": st.run, "writer": st.writer, "identity": identity}
+                    self.wal.append(OWNER, [json.dumps(info).encode()])
                 segment, ticket = self.wal.append(DATA, wal_parts)
                 msg.segment, msg.ticket, msg.wal_parts = segment, ticket, wal_parts
                 self._acks.append((ticket, st, msg))
                 self.metrics.wal_bytes.set(self.wal.nbytes)
-            self._remember(msg)
+            if claim:
+                st.owner = identity
+            self._remember(msg, identity)
             if msg.shm_bytes:
                 self.shm_in_use += msg.shm_bytes
                 self.metrics.shm_in_use.set(self.shm_in_use)
@@ -459,6 +491,30 @@ class Engine:
             if st.pending_bytes >= self.shard_bytes:
                 self._kick.notify_all()
             return st, False
+
+    def _check_owner(self, st: WriterState, msg: Message, identity: str) -> None:
+        """Lock held: ``identity`` may send this message (see :meth:`submit`)."""
+        if st.owner is not None and st.owner != identity:
+            raise PermissionDeniedError(
+                f"writer {msg.writer} of run {msg.run} belongs to another identity; use a writer id of your own"
+            )
+        targets = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
+        targets += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
+        targets += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
+        for key in dict.fromkeys(targets):
+            owner = self._traj_owner.get(key)
+            if owner is not None and owner != identity:
+                raise PermissionDeniedError(
+                    f"trajectory {key[2]} v{key[1]} of run {key[0]} was written by another identity; "
+                    "its records, seal and links are not yours to write"
+                )
+        for link in msg.links:
+            owner = self._traj_owner.get((link.run, link.policy_version, link.source))
+            if owner is not None and owner != identity:
+                raise PermissionDeniedError(
+                    f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
+                    "another identity wrote"
+                )
 
     def _check_sequence(self, st: WriterState, msg: Message) -> bool:
         if msg.epoch < st.epoch:
@@ -522,7 +578,14 @@ class Engine:
                 )
         msg.chunks, msg.crcs = fresh, fresh_crcs  # identical resends of single chunks are dropped here
 
-    def _remember(self, msg: Message) -> None:
+    def _remember(self, msg: Message, identity: str | None = None) -> None:
+        if identity is not None:
+            keys = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
+            keys += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
+            keys += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
+            for key in keys:
+                self._see_version(key[0], key[1])
+                self._traj_owner.setdefault(key, identity)
         for c, crc in zip(msg.chunks, msg.crcs, strict=True):
             self._see_version(c.run, c.policy_version)
             bisect.insort(
@@ -556,7 +619,7 @@ class Engine:
         # once dropped the state of every real version and let conflicting bytes in.
         del versions[: len(versions) - self.config.dedupe_versions]
         floor = versions[0]
-        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links)
+        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links, self._traj_owner)
         for d in stores:
             for key in [k for k in d if k[0] == run and k[1] < floor]:
                 del d[key]
@@ -818,7 +881,7 @@ class Engine:
         for w in self.writers.values():
             f = first.get(id(w))
             epoch, seq = (f.epoch, f.seq - 1) if f is not None else (w.epoch, w.received_seq)
-            states.append([w.run, w.writer, epoch, seq, w.shard_next])
+            states.append([w.run, w.writer, epoch, seq, w.shard_next, w.owner])
         try:
             self.wal.recover([(STATE, json.dumps({"writers": states}).encode())])
             while self._done_backlog:

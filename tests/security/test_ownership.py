@@ -1,0 +1,90 @@
+"""Writer ids and trajectories belong to the identity that first used them (authentication on).
+
+Two callers may both write run-a. Before ownership existed, either could fence the other's writer
+forever with one message of epoch 2**64-1, write records into the other's trajectories (so the
+owner got ALREADY_EXISTS), or redirect the other's trajectory to its own bytes with a prefix link.
+Each attack is a real gRPC call against a sidecar with a WAL; the claims survive a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from tracestore.server.config import ServerConfig
+from tracestore.server.service import Sidecar
+from tracestore.server.testing import SPEC, make_chunk, write_request
+
+from tracestore.records import PrefixLink
+from tracestore.store import Store
+from tracestore.v1 import tracestore_pb2 as pb
+
+TOKENS = {"alice": secrets.token_urlsafe(24), "mallory": secrets.token_urlsafe(24)}
+
+
+def _sidecar(tmp: Path) -> Sidecar:
+    lines = [
+        f"sha256:{hashlib.sha256(t.encode()).hexdigest()} write:{SPEC.run},read:{SPEC.run} {n}"
+        for n, t in TOKENS.items()
+    ]
+    (tmp / "tokens").write_text("\n".join(lines) + "\n")
+    cfg = ServerConfig(storage=f"file://{tmp / 'data'}", wal_dir=str(tmp / "wal"), port=0, metrics_port=None,
+                       flush_interval_s=0.05, auth_tokens=str(tmp / "tokens"))  # fmt: skip
+    return Sidecar(cfg).start()
+
+
+def _write(port: int, who: str, reqs: Sequence[pb.WriteRequest]) -> str:
+    """Stream the requests as ``who``; the final status code name ("OK" once all were acked)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = ch.stream_stream("/tracestore.v1.TraceStore/Write")
+        want = reqs[-1].sequence
+        try:
+            for raw in call(
+                iter([r.SerializeToString() for r in reqs]),
+                metadata=(("authorization", f"Bearer {TOKENS[who]}"),),
+                timeout=20,
+            ):
+                ack = pb.WriteResponse.FromString(raw)
+                if ack.durable_sequence >= want and ack.epoch == reqs[-1].epoch:
+                    return "OK"
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "no ack"
+
+
+def test_another_identity_cannot_fence_write_or_link_into_what_is_not_its_own(tmp_path: Path) -> None:
+    Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
+    sc = _sidecar(tmp_path)
+    try:
+        assert _write(sc.port, "alice", [write_request(1, [make_chunk("t-alice", 0, 4)], writer="w-alice")]) == "OK"
+        assert _write(sc.port, "mallory", [write_request(1, [make_chunk("t-evil", 0, 4)], writer="w-mallory")]) == "OK"
+        # fencing alice's writer with the largest epoch
+        fence = write_request(1, [make_chunk("t-m1", 0, 4)], writer="w-alice", epoch=2**64 - 1)
+        assert _write(sc.port, "mallory", [fence]) == "PERMISSION_DENIED"
+        # alice's session goes on at epoch 1
+        assert _write(sc.port, "alice", [write_request(2, [make_chunk("t-alice", 4, 4)], writer="w-alice")]) == "OK"
+        # records squatted into alice's trajectory (other tokens, so no byte conflict would stop it)
+        squat = write_request(2, [make_chunk("t-alice", 8, 4)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [squat]) == "PERMISSION_DENIED"
+        # alice's trajectory redirected to mallory's bytes through a prefix link
+        hijack = write_request(2, links=[PrefixLink(SPEC.run, 0, "t-alice", "t-evil", 4)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [hijack]) == "PERMISSION_DENIED"
+        # a trajectory of mallory's own that reuses alice's records as its prefix
+        borrow = write_request(2, links=[PrefixLink(SPEC.run, 0, "t-m2", "t-alice", 4)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [borrow]) == "PERMISSION_DENIED"
+        # mallory's own writer still works after the refusals
+        ok = write_request(2, [make_chunk("t-evil", 4, 4)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [ok]) == "OK"
+    finally:
+        sc.stop(5)
+    # the writer id's owner is durable: a restarted sidecar (WAL replay) still refuses mallory
+    sc = _sidecar(tmp_path)
+    try:
+        again = write_request(1, [make_chunk("t-m3", 0, 4)], writer="w-alice", epoch=7)
+        assert _write(sc.port, "mallory", [again]) == "PERMISSION_DENIED"
+        assert _write(sc.port, "alice", [write_request(3, [make_chunk("t-alice", 8, 4)], writer="w-alice")]) == "OK"
+    finally:
+        sc.stop(5)
