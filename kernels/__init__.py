@@ -1,6 +1,7 @@
 """tracestore.kernels — GPU kernels for record capture (rollout) and guided rounding (training).
 
-design.md §5. Rollout side (CuPy CUDA kernels on torch's current stream, graph-capturable):
+docs/integration.md ("GPU capture", "Applying guidance"). Rollout side (CuPy CUDA kernels on torch's
+current stream, graph-capturable):
 :func:`record_from_activations`, :func:`record_from_codes`, :func:`record_kv_pages`,
 :func:`compute_global_scale`, writing into a :class:`RecordBuffer`. Training side
 (``torch.library`` custom ops with fake and straight-through autograd): :func:`guided_fp4`,

@@ -18,7 +18,7 @@ from tracestore.errors import MissingExtraError
 
 from ._source import SOURCE
 
-# -fmad=false: the reference rounds after every multiply; a contracted a*b+c would not (numerics.md §3).
+# -fmad=false: the reference rounds after every multiply; a contracted a*b+c would not (docs/numerics.md §3).
 # --ftz=false: subnormal scales (E8M0 2^-127) and activations must not be flushed to zero; the first
 # device run without it lost them in the MX guided tests. IEEE division and square root throughout.
 _OPTIONS = ("--std=c++17", "-fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")

@@ -1,4 +1,4 @@
-"""The guided-rounding decision table, generated from the torch reference (numerics.md §7).
+"""The guided-rounding decision table, generated from the torch reference (docs/numerics.md §7).
 
 For ``a = |z| < 6`` every quantity §7 compares — codewords m_k, candidate midpoints, RTN
 boundaries (the paper rule's give-up) — is a multiple of 0.25, so the chosen magnitude is

@@ -1,6 +1,6 @@
 """CUDA C source of every tracestore kernel (compiled by NVRTC through CuPy, see ``_launch.py``).
 
-Arithmetic follows shared/numerics.md bit for bit: explicit ``__fmul_rn``/``__fdiv_rn`` and
+Arithmetic follows docs/numerics.md bit for bit: explicit ``__fmul_rn``/``__fdiv_rn`` and
 ``-fmad=false`` (a fused multiply-add would round once where the reference rounds twice), NaN-
 propagating block amax (PTX ``max.NaN``, where ``fmaxf`` would drop a NaN, §3), and no CUDA
 headers (bf16/fp16 conversions are PTX ``cvt``), so NVRTC needs no include path.
@@ -95,7 +95,7 @@ __device__ __forceinline__ void store_block(u8* __restrict__ p, const float* v);
    0.5: spacing 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]. For a6 = min(a, 6) the magic number
    M = 1.5·2^(E+22), E = max(exponent(a6), 0), has exactly that spacing as its ulp, and a6 + M stays
    in M's binade, so one add rounds a6 onto the grid in the add's own rounding mode (RN: ties to
-   the even multiple = the even code, numerics.md §2; RD/RU: the bracket ends of §7). The low
+   the even multiple = the even code, docs/numerics.md §2; RD/RU: the bracket ends of §7). The low
    mantissa bits of the sum count multiples n of the spacing, and code = n + 2E, so the parity of
    the sum's last bit is the parity of the code. Verified against the torch reference on 8M values
    including every tie and its neighbouring ulps (and by the GPU tests). */
@@ -135,7 +135,7 @@ __device__ __forceinline__ u32 rtn_sum_fmul(float a) { return magic_sum(fminf(a,
    exponent. Checked against a nearest-even E2M1 table on 2M values and every tie ±3 ulps. */
 __device__ __forceinline__ u32 rtn_mag_sum(u32 t) { return (t & 7u) + (t >> 22) - 299u; }
 
-/* TRACE's choice for b = 1, rule "bracket" (numerics.md §7): of the bracket ends
+/* TRACE's choice for b = 1, rule "bracket" (docs/numerics.md §7): of the bracket ends
    k- <= a <= k+ the one whose code has the recorded low bit; a on a codeword is that codeword
    (then both directed sums agree), a >= 6 saturates. ``bitv``'s bit 0 is the record bit (the
    rest is ignored). Returns the magnitude m. */
@@ -147,7 +147,7 @@ __device__ __forceinline__ float guided_b1_mag(float a, u32 bitv) {
     return __fadd_rn(__uint_as_float(t), -M);
 }
 
-/* NaN-propagating running max of |v| (PTX max.NaN, sm_80+): numerics.md §3 wants a NaN amax. */
+/* NaN-propagating running max of |v| (PTX max.NaN, sm_80+): docs/numerics.md §3 wants a NaN amax. */
 __device__ __forceinline__ float absmax_nan(float m, float v) {
     float r;
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
@@ -225,7 +225,7 @@ __device__ __forceinline__ float e8m0_decode(u32 b) {
     return b == 0xFFu ? __uint_as_float(0x7FC00000u) : pow2i((int)b - 127);
 }
 
-/* numerics.md §4: E8M0 byte from a block amax (>= 0 or NaN). */
+/* docs/numerics.md §4: E8M0 byte from a block amax (>= 0 or NaN). */
 __device__ __forceinline__ u32 mx_scale_byte(float amax, int rceil) {
     if (!(amax <= FLT_MAX_F)) return 0xFFu;
     if (amax == 0.f) return 0u;
@@ -242,7 +242,7 @@ __device__ __forceinline__ u32 mx_scale_byte(float amax, int rceil) {
     return (u32)(k + 127);
 }
 
-/* Decode-side g as the reference resolves it: 0 or non-finite -> 1 (numerics.md §3). */
+/* Decode-side g as the reference resolves it: 0 or non-finite -> 1 (docs/numerics.md §3). */
 __device__ __forceinline__ float sane_g(float g) {
     return (fabsf(g) <= FLT_MAX_F && g != 0.f) ? g : 1.f;
 }
@@ -361,7 +361,7 @@ __global__ void amax_abs(const u8* __restrict__ x, i64 n16 /* 16-byte words */, 
     if ((threadIdx.x & 31) == 0 && m) atomicMax(amax_bits, m);
 }
 
-/* g = amax/2688 in float32, 0 or non-finite -> 1 (numerics.md §3), written over the amax bits. */
+/* g = amax/2688 in float32, 0 or non-finite -> 1 (docs/numerics.md §3), written over the amax bits. */
 __global__ void finalize_g(float* __restrict__ g) {
     float amax = __uint_as_float(*reinterpret_cast<u32*>(g));
     *g = sane_g(__fdiv_rn(amax, 2688.f));
@@ -539,7 +539,7 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
 }
 
 __device__ __forceinline__ i64 swizzled_offset(u32 r, u32 c, u32 cols_padded) {
-    /* numerics.md §5 */
+    /* docs/numerics.md §5 */
     return ((i64)(r >> 7) * (cols_padded >> 2) + (c >> 2)) * 512 + (r & 31u) * 16 + ((r & 127u) >> 5) * 4 + (c & 3u);
 }
 
@@ -571,7 +571,7 @@ __device__ __forceinline__ u32 nibble_lsbs16(u64 w) {
    ng = nb / G groups per row, row = fast_div(idx, div_m, div_sh). PAIR (G = 2, scale buffers
    2-byte aligned with even strides): the two scale bytes move as one 2-byte load and store — they
    are adjacent in both layouts, since blk0 is even and a swizzled 4-column group starts at an
-   even offset (numerics.md §5). */
+   even offset (docs/numerics.md §5). */
 template <int BLK, int BITS, int SWZ, int G, int PAIR>
 __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const u8* __restrict__ scales, i64 s_stride,
                              u32 n_rows, u32 ng, u32 div_m, u32 div_sh, u8* __restrict__ codes_out, i64 c_stride,
@@ -640,7 +640,7 @@ __global__ void record_kv(const u8* __restrict__ pool, i64 pool_page, i64 pool_s
 
 /* ---------------------------------------------------------------- training side */
 
-/* numerics.md §8: RTN fake-quant of one block with the training side's own block scale and the
+/* docs/numerics.md §8: RTN fake-quant of one block with the training side's own block scale and the
    (sane) record g — the fallback for rows without a record and blocks with a NaN scale byte. */
 template <int FMT, int BLK>
 __device__ __forceinline__ void rtn_block(const float* v, float gr, float* out) {
@@ -748,7 +748,7 @@ __global__ void guided_b1(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u3
     }
 }
 
-/* TRACE guided rounding (numerics.md §7) for every b and rule, and RTN fake-quant (MODE 1), one
+/* TRACE guided rounding (docs/numerics.md §7) for every b and rule, and RTN fake-quant (MODE 1), one
    thread per block.
 
    z = x / s exactly as the reference rounds it, without a division per element: a per-block

@@ -1,4 +1,4 @@
-"""Training-side TRACE rounding and RTN fake-quant as PyTorch custom ops (design.md §5).
+"""Training-side TRACE rounding and RTN fake-quant as PyTorch custom ops (docs/integration.md, "Applying guidance").
 
 ``tracestore::guided_fp4`` and ``tracestore::rtn_fp4`` are ``torch.library`` custom ops with a
 CPU kernel (the torch reference in ``tracestore.guided``), a CUDA kernel (``_source.py``'s
@@ -199,7 +199,7 @@ def _check_index(t: torch.Tensor | None, name: str, n: int, dtype: torch.dtype, 
 def guided_fp4(
     x: torch.Tensor, guidance: Guidance, rows: torch.Tensor | None = None, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """TRACE rounding of ``x`` [..., width] toward the rollout's records (numerics.md §7, §8).
+    """TRACE rounding of ``x`` [..., width] toward the rollout's records (docs/numerics.md §7, §8).
 
     ``guidance`` holds M record rows; x's row i uses guidance row ``rows[i]`` (int64[N], e.g. the
     token permutation of an expert dispatch) or row i when ``rows`` is None (then M == N).
@@ -304,7 +304,7 @@ _rtn_fp4_op.register_autograd(_ste_backward, setup_context=_setup_guided)
 def rtn_fp4(
     x: torch.Tensor, fmt: FP4Format | str = "nvfp4", global_scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:
-    """Plain FP4 fake quantization (numerics.md §2–§4) in x's dtype; backward straight-through.
+    """Plain FP4 fake quantization (docs/numerics.md §2–§4) in x's dtype; backward straight-through.
 
     ``global_scale`` (NVFP4, decode-side): a float, a one-element float32 tensor, or None =
     amax(|x|)/2688 of this tensor. Example: ``y = rtn_fp4(x, "mxfp4")``.

@@ -1,4 +1,4 @@
-"""Rollout-side record capture (design.md §5): activations / engine FP4 codes / paged KV -> records.
+"""Rollout-side record capture (docs/integration.md): activations / engine FP4 codes / paged KV -> records.
 
 Anatomy: a static :class:`RecordBuffer` slab per site (allocated once, before any graph
 capture) and three launchers that write a forward's rows into it at ``row_offset``. On a GPU each
@@ -216,7 +216,7 @@ def record_from_activations(
     row_offset: int = 0,
     global_scale: torch.Tensor | float | None = None,
 ) -> RecordBuffer:
-    """RTN-quantize activations as the engine would and record them (numerics.md §3, §4, §6).
+    """RTN-quantize activations as the engine would and record them (docs/numerics.md §3, §4, §6).
 
     ``x`` [N, width] float32/bfloat16/float16 (or [..., width], contiguous); writes rows
     ``[row_offset, row_offset+N)`` of ``out``: packed low-b bits, scale bytes, g per row, and the
@@ -305,8 +305,8 @@ def record_from_codes(
     """Record the engine's own packed FP4 codes (element 2j in the low nibble) and scale bytes.
 
     ``packed_fp4`` uint8[N, width/2]; ``scales`` uint8[N, width/block] row-major, or for
-    ``scale_layout="swizzled128x4"`` CUTLASS's swizzled buffer (any shape, R'·C' bytes, numerics.md
-    §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor or float).
+    ``scale_layout="swizzled128x4"`` CUTLASS's swizzled buffer (any shape, R'·C' bytes,
+    docs/numerics.md §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor or float).
     Writes rows ``[row_offset, row_offset+N)`` of ``out`` and returns them.
     """
     width, fmt, bits = site_params(site)
