@@ -27,6 +27,9 @@ import functools
 import itertools
 import logging
 import operator
+import os
+import random
+import stat
 import struct
 import sys
 import threading
@@ -37,13 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError
+from tracestore.errors import (
+    ConfigError,
+    DTypeError,
+    PermissionDeniedError,
+    ShapeError,
+    TraceStoreError,
+    ValidationError,
+)
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.checksum import chunk_checksum_parts
 from tracestore.v1.convert import inline_chunk_parts, len_field, link_to_pb, run_spec_to_pb, seal_to_pb
 
-from .staging import StagingPool
+from .staging import GROUP_ENV, StagingPool
 from .transport import channel, method, resolve_token
 
 log = logging.getLogger("tracestore.client")
@@ -63,6 +73,11 @@ _LONG_SEGMENT = 32
 
 # gRPC codes (by name, so this module does not need grpc at import time)
 _CONTENT_ERRORS = {"INVALID_ARGUMENT", "ALREADY_EXISTS", "DATA_LOSS", "NOT_FOUND", "PERMISSION_DENIED"}
+
+
+class WriterFencedError(TraceStoreError, RuntimeError):
+    """Another recorder took this writer id over with a newer epoch (or something wrote under it
+    with an epoch this recorder cannot pass): this recorder stops (``RolloutRecorder.error``)."""
 
 
 @dataclasses.dataclass
@@ -158,6 +173,18 @@ class RolloutRecorder:
     with CUDA now (default: when torch is already imported and sees a GPU). ``linger_s``: how long
     small (decode) forwards may wait to be coalesced with later ones (a window of up to 16 x
     ``batch_bytes``, a quarter of the pool) before they are sent; ``flush`` sends at once.
+    ``shm_group``: the group (name or gid) of the shared-memory staging pool, made 0640 for a
+    sidecar running as another user of that group; default ``$TRACESTORE_SHM_GROUP``, else the
+    unix socket's group when that socket admits its group (a sidecar started with
+    ``--socket-group``), else none (0600).
+
+    Reconnects wait ``reconnect_backoff_s * 2**n`` seconds (n: attempts since the last
+    acknowledgement), at most ``min(reconnect_cap_s, give_up_s / 4)``, each wait drawn uniformly
+    below that bound (full jitter: recorders cut off together do not return together). A sidecar
+    that refuses this writer for good stops the recorder: PERMISSION_DENIED, or an older epoch than
+    the writer's session there (another instance took the writer id over). Then :attr:`error`
+    says why (logged once), every trajectory not yet sealed is unguided and later calls record
+    nothing (``record_forward`` and ``finish`` return False, ``flush`` returns False at once).
     ``channel_credentials`` (``grpc.ChannelCredentials``, e.g. ``grpc.ssl_channel_credentials(ca)``)
     or a ``grpcs://host:port`` address: TLS; ``token`` (default ``$TRACESTORE_TOKEN``): the bearer
     token sent with every call (see :func:`tracestore.client.transport.channel`).
@@ -174,7 +201,10 @@ class RolloutRecorder:
         batch_bytes: int = 4 << 20,
         shared_memory: bool | None = None,
         shm_dir: str = "/dev/shm",
+        shm_group: int | str | None = None,
         give_up_s: float = 30.0,
+        reconnect_backoff_s: float = 0.05,
+        reconnect_cap_s: float = 10.0,
         epoch: int | None = None,
         connect: bool = True,
         pin: bool | None = None,
@@ -206,9 +236,17 @@ class RolloutRecorder:
         self._out_bytes = 0  # bytes the sender took off the queue (written by the sender only)
         self._urgent = False
         self.give_up_s = float(give_up_s)
+        self.reconnect_backoff_s = float(reconnect_backoff_s)
+        self.reconnect_cap_s = float(reconnect_cap_s)
+        if not 0 < self.reconnect_backoff_s <= self.reconnect_cap_s:
+            raise ConfigError(
+                f"need 0 < reconnect_backoff_s <= reconnect_cap_s, got {reconnect_backoff_s}, {reconnect_cap_s}"
+            )
         self.epoch = int(epoch) if epoch is not None else time.time_ns()
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
-        self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir)
+        if shared and shm_group is None and not os.environ.get(GROUP_ENV):
+            shm_group = _socket_group(address)
+        self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir, group=shm_group)
         self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)
         # Pin at start-up, not at the first forward (pinning GBs takes seconds, users.md #7); by
         # default only when the engine already uses torch, so CPU-only engines never import it.
@@ -248,6 +286,10 @@ class RolloutRecorder:
         self._busy = False  # the sender holds items it took off the queue and has not numbered yet
         self._connected = False
         self._down_since: float | None = time.monotonic()
+        # Why the recorder stopped for good (fenced, refused): set once, by the sender thread
+        self.error: TraceStoreError | None = None
+        self._stop_reason = ""
+        self._acks_seen = 0  # acknowledgements that covered messages (they reset the backoff)
         self.stats: dict[str, int] = dict(
             chunks=0,
             bytes=0,
@@ -322,6 +364,9 @@ class RolloutRecorder:
             nt = rows * 4 if out.token_scales is not None else 0
             plans.append((name, site, out, total, nc, ns, nt))
             total += -(-(nc + ns + nt + 4) // 64) * 64
+        if self.error is not None and segs:
+            self._mark_unguided(list(trajs), self._stop_reason)
+            return False
         if self._closed or not segs or (self._unguided and self._unguided.issuperset(trajs)):
             return False
         # one reservation for the whole forward: it is staged whole or not at all
@@ -348,7 +393,8 @@ class RolloutRecorder:
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
         v = self.policy_version if policy_version is None else int(policy_version)
-        self._queue.append(PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens))
+        if self.error is None:  # (a stopped recorder's queue has no reader)
+            self._queue.append(PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens))
 
     def finish(self, trajectory: str, n_tokens: int, sites: Sequence[str] | None = None) -> bool:
         """Seal ``trajectory`` (``n_tokens`` = its full length; the last position is unrecorded by
@@ -357,6 +403,9 @@ class RolloutRecorder:
         the forwards queued before it."""
         validate_id("trajectory", trajectory)
         _bounded_put(self._finished, trajectory, (int(n_tokens), self._version_of.get(trajectory, self.policy_version)))
+        if self.error is not None:  # stopped: nothing is sealed, and its queue has no reader
+            self._mark_unguided([trajectory], self._stop_reason)
+            return False
         if trajectory in self._unguided:
             self._queue.append(_Finish(trajectory, -1, None))  # forget its bookkeeping, in order
             return False
@@ -372,12 +421,15 @@ class RolloutRecorder:
         self.policy_version = int(version)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything queued is durably acknowledged; True on success within ``timeout``."""
+        """Wait until everything queued is durably acknowledged; True on success within ``timeout``
+        (False at once when the recorder stopped: :attr:`error`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._urgent = True  # send now, do not linger
             self._wake.notify_all()
-            while self._queue or self._unacked or self._busy:
+            while self._queue or self._unacked or self._busy or self.error is not None:
+                if self.error is not None:
+                    return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -875,35 +927,108 @@ class RolloutRecorder:
         return pieces, extras
 
     def _run(self) -> None:
-        backoff = 0.05
         shm = self.pool.name is not None
         ch = None
+        failures = 0  # attempts since the last acknowledgement: the backoff's exponent
         while True:
             with self._lock:
-                if self._closed:
+                if self._closed or self.error is not None:
                     break
+            acks = self._acks_seen
+            wait = 0.0
             try:
                 if ch is None:
                     ch = channel(self.address, *self._credentials)
                 self._stream(ch, shm)
-                backoff = 0.05
             except _StreamError as exc:
-                self._on_stream_error(exc)
+                session = self._session_epoch(ch) if exc.code == "FAILED_PRECONDITION" else None
+                self._on_stream_error(exc, session)
                 if exc.code == "RESOURCE_EXHAUSTED":
-                    time.sleep(max(exc.retry_after, 0.05))
-                elif exc.code not in _CONTENT_ERRORS and exc.code != "FAILED_PRECONDITION":
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0, max(0.05, self.give_up_s / 4))
-                    if exc.code == "UNAVAILABLE" and ch is not None:
-                        ch.close()
-                        ch = None
+                    wait = exc.retry_after
+                if exc.code == "UNAVAILABLE" and ch is not None:
+                    ch.close()
+                    ch = None
             except Exception as exc:  # noqa: BLE001 - never let the sender die
                 log.exception("recorder sender error: %s", exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+            with self._lock:
+                if self._closed or self.error is not None:
+                    break
+            # Every attempt that ended (refused, cut off, or ended by a draining sidecar) waits
+            # before the next: without acknowledgements in between the wait grows, so a writer
+            # the sidecar keeps refusing never spins on reconnects and resends (the engine's GIL).
+            failures = 0 if self._acks_seen != acks else failures + 1
+            cap = min(self.reconnect_cap_s, max(self.reconnect_backoff_s, self.give_up_s / 4))
+            bound = min(cap, self.reconnect_backoff_s * 2.0 ** min(failures, 40))
+            self._pause(max(wait, random.uniform(0.0, bound)))
             self._give_up_if_down()
         if ch is not None:
             ch.close()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the recorder is closed meanwhile."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(left)
+
+    def _session_epoch(self, ch: Any) -> int | None:
+        """The epoch of this writer's session at the sidecar (``Stat``), None if unknown."""
+        if ch is None:
+            return None
+        try:
+            stat_call = method(ch, "Stat", "unary_unary")
+            raw = stat_call(pb.StatRequest(run=self.run_spec.run).SerializeToString(), timeout=5)
+            for w in pb.StatResponse.FromString(raw).writers:
+                if w.run == self.run_spec.run and w.writer == self.writer:
+                    return int(w.epoch)
+        except Exception as exc:  # noqa: BLE001 - unknown: treated as a gap (a new epoch)
+            log.warning("recorder %s: cannot read its session's epoch from the sidecar: %s", self.writer, exc)
+        return None
+
+    def _drop_pending(self) -> set[str]:
+        """Drop every unacknowledged message and queued item, releasing their staging; return
+        their trajectories. Under ``self._lock``, on the sender thread."""
+        lost: set[str] = set()
+        for out in self._unacked:
+            lost |= out.trajectories
+            self._release(out)
+        self._unacked.clear()
+        while self._queue:
+            item = self._queue.popleft()
+            if isinstance(item, _Forward):
+                lost.update(t for t, _, _ in item.segs)
+                if item.region.event is not None:  # a device copy may still be landing there
+                    item.region.event.synchronize()
+                self.pool.release(item.region.offset)
+                self._out_bytes += item.nbytes
+                continue
+            lost.add(item.trajectory)
+            if isinstance(item, _Finish):
+                self._sites_of.pop(item.trajectory, None)
+                self._version_of.pop(item.trajectory, None)
+            if isinstance(item, _Piece):
+                self._out_bytes += item.nbytes
+                item.region.refs -= 1
+                if item.region.refs == 0:
+                    self.pool.release(item.region.offset)
+        return lost
+
+    def _stop_for_good(self, error: TraceStoreError, reason: str) -> None:
+        """The sidecar will never take this writer's messages: stop sending, drop what is pending
+        and mark every trajectory not yet sealed unguided. Under ``self._lock``, sender thread."""
+        if self.error is not None:
+            return
+        self._stop_reason = reason
+        self.error = error
+        log.error("recorder %s stops: %s", self.writer, error)
+        lost = self._drop_pending() | set(self._sites_of)  # the latter: recorded, not sealed
+        self._sites_of.clear()
+        self._version_of.clear()
+        self._mark_unguided(lost, reason)
+        self._wake.notify_all()
 
     def _give_up_if_down(self) -> None:
         with self._lock:
@@ -919,29 +1044,7 @@ class RolloutRecorder:
             ages += [p.queued for p in queued if isinstance(p, _Piece | _Forward)]
             if ages and time.monotonic() - min(ages) < self.give_up_s:
                 return
-            lost: set[str] = set()
-            for out in self._unacked:
-                lost |= out.trajectories
-                self._release(out)
-            self._unacked.clear()
-            while self._queue:
-                item = self._queue.popleft()
-                if isinstance(item, _Forward):
-                    lost.update(t for t, _, _ in item.segs)
-                    if item.region.event is not None:  # a device copy may still be landing there
-                        item.region.event.synchronize()
-                    self.pool.release(item.region.offset)
-                    self._out_bytes += item.nbytes
-                    continue
-                lost.add(item.trajectory)
-                if isinstance(item, _Finish):
-                    self._sites_of.pop(item.trajectory, None)
-                    self._version_of.pop(item.trajectory, None)
-                if isinstance(item, _Piece):
-                    self._out_bytes += item.nbytes
-                    item.region.refs -= 1
-                    if item.region.refs == 0:
-                        self.pool.release(item.region.offset)
+            lost = self._drop_pending()
             # a fresh epoch: sequence restarts at 1, no gap with what the sidecar has
             self.epoch = max(self.epoch + 1, time.time_ns())
             self._next_seq = 1
@@ -1074,6 +1177,8 @@ class RolloutRecorder:
             self._down_since = None
             if epoch != self.epoch:
                 return
+            if self._unacked and self._unacked[0].seq <= durable:
+                self._acks_seen += 1  # acknowledged messages: the sidecar takes this writer's records
             # Held messages of earlier epochs: a sidecar copies them out before it accepts a new
             # epoch's first message (or it is not the one that held them), so this ack frees them.
             while self._unreleased and self._unreleased[0].req.epoch != epoch:
@@ -1093,13 +1198,32 @@ class RolloutRecorder:
             self._acked = max(self._acked, durable)
             self._wake.notify_all()
 
-    def _on_stream_error(self, exc: _StreamError) -> None:
+    def _on_stream_error(self, exc: _StreamError, session_epoch: int | None = None) -> None:
+        """A Write stream ended with ``exc``; ``session_epoch``: the epoch of this writer's session
+        at the sidecar, when the error was FAILED_PRECONDITION and it could be read."""
         with self._lock:
             self._connected = False
             if self._down_since is None:
                 self._down_since = time.monotonic()
             self.stats["reconnects"] += 1
-            if exc.code in _CONTENT_ERRORS and exc.failed_seq is not None:
+            if exc.code == "PERMISSION_DENIED":
+                self._stop_for_good(
+                    PermissionDeniedError(
+                        f"the sidecar at {self.address} refused writer {self.writer} of run {self.run_spec.run}: "
+                        f"{exc.details}"
+                    ),
+                    "permission_denied",
+                )
+            elif exc.code == "FAILED_PRECONDITION" and session_epoch is not None and session_epoch > self.epoch:
+                self._stop_for_good(
+                    WriterFencedError(
+                        f"writer {self.writer} of run {self.run_spec.run} is fenced at {self.address}: its session "
+                        f"there has epoch {session_epoch}, newer than this recorder's {self.epoch} (another "
+                        f"instance took this writer id over); give each instance its own writer id"
+                    ),
+                    "fenced",
+                )
+            elif exc.code in _CONTENT_ERRORS and exc.failed_seq is not None:
                 # The sidecar refused one message for its content: drop it, mark its trajectories
                 # unguided and renumber the later ones (the sidecar accepted none of them).
                 self._down_since = None
@@ -1198,4 +1322,22 @@ def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> N
         raise DTypeError(f"{name} must have dtype {dtype}, got {dt if dt is not None else ''}")
 
 
-__all__ = ["RolloutRecorder", "SiteOutput"]
+def _socket_group(address: str) -> int | None:
+    """The group of the sidecar's unix socket at ``address`` when the socket admits that group
+    and this process is in it (then the sidecar reads only pools of that group, server/shm.py)."""
+    if not address.startswith("unix:"):
+        return None
+    path = address.removeprefix("unix:")
+    if path.startswith("//"):
+        path = path[2:]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or not st.st_mode & stat.S_IWGRP:
+        return None
+    mine = st.st_gid == os.getegid() or st.st_gid in os.getgroups() or os.geteuid() == 0
+    return st.st_gid if mine else None
+
+
+__all__ = ["RolloutRecorder", "SiteOutput", "WriterFencedError"]
