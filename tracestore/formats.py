@@ -1,6 +1,6 @@
 """FP4 formats as frozen objects, the E2M1 table and the scale-byte tables (numpy only, no torch).
 
-Everything here is normative per ``shared/numerics.md``; the torch reference in
+Everything here is normative per ``docs/numerics.md``; the torch reference in
 :mod:`tracestore.fp4` and the GPU kernels build on these constants.
 """
 
@@ -13,14 +13,14 @@ import numpy as np
 
 from tracestore.errors import ConfigError
 
-# numerics.md §1: magnitude code k = code & 7 -> m_k. Code bit 3 is the sign; code 8 is -0.
+# docs/numerics.md §1: magnitude code k = code & 7 -> m_k. Code bit 3 is the sign; code 8 is -0.
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# RTN boundaries between neighbouring magnitudes (numerics.md §2); a tie goes to the even code.
+# RTN boundaries between neighbouring magnitudes (docs/numerics.md §2); a tie goes to the even code.
 E2M1_BOUNDARIES: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E2M1_MAX = 6.0
 SIGN_BIT = 8
 MAGNITUDE_MASK = 7
-NAN_CODE = 7  # numerics.md §2 [choice]: NaN -> code 7 (+6)
+NAN_CODE = 7  # docs/numerics.md §2 [choice]: NaN -> code 7 (+6)
 
 E4M3_MAX = 448.0
 E4M3_MAX_BYTE = 0x7E
@@ -72,7 +72,7 @@ class FP4Format:
 
     ``NVFP4``: block 16, E4M3 scales plus a float32 decode-side global scale per tensor.
     ``MXFP4``: block 32, E8M0 scales, shared exponent by ``scale_rule`` (``floor`` = OCP MX spec,
-    ``rceil`` = TE/FlashInfer/cuBLAS recipe), see numerics.md §4.
+    ``rceil`` = TE/FlashInfer/cuBLAS recipe), see docs/numerics.md §4.
     """
 
     name: FormatName
@@ -112,7 +112,7 @@ class FP4Format:
         return table[np.asarray(scales, dtype=np.uint8)]
 
     def is_nan_scale(self, scales: np.ndarray) -> np.ndarray:
-        """True where a scale byte is NaN (such a record falls back to RTN, numerics.md §8)."""
+        """True where a scale byte is NaN (such a record falls back to RTN, docs/numerics.md §8)."""
         s = np.asarray(scales, dtype=np.uint8)
         if self.name == "nvfp4":
             return (s & 0x7F) == E4M3_NAN_BYTE

@@ -1,4 +1,4 @@
-"""CPU reference of FP4 quantization (torch), bit-exact to ``shared/numerics.md`` §1–§4.
+"""CPU reference of FP4 quantization (torch), bit-exact to ``docs/numerics.md`` §1–§4.
 
 Readable first: every kernel in ``tracestore.kernels`` is tested against these functions.
 They are plain torch ops, so they also run (slowly) on a GPU and under ``torch.compile``.
@@ -83,7 +83,7 @@ def resolve_global_scale(x: torch.Tensor, global_scale: float | torch.Tensor | N
 def rtn_codes(z: torch.Tensor) -> torch.Tensor:
     """Round float32 values to E2M1 codes (uint8), ties to the even code, saturating at 6.
 
-    -0.0 keeps its sign (code 8); NaN -> code 7 (numerics.md §2).
+    -0.0 keeps its sign (code 8); NaN -> code 7 (docs/numerics.md §2).
     """
     z = z.float()
     a = z.abs()
@@ -150,7 +150,7 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
 
 
 def mx_scale_bytes(amax: torch.Tensor, rule: str) -> torch.Tensor:
-    """Per-block E8M0 byte from the block's amax (float32), numerics.md §4."""
+    """Per-block E8M0 byte from the block's amax (float32), docs/numerics.md §4."""
     amax = amax.float()
     if rule == "floor":
         k = _floor_log2(amax) - 2
@@ -167,7 +167,7 @@ def mx_scale_bytes(amax: torch.Tensor, rule: str) -> torch.Tensor:
 
 
 def _block_amax(xb: torch.Tensor) -> torch.Tensor:
-    # torch.amax propagates NaN (CUDA's fmaxf would drop it, numerics.md §3).
+    # torch.amax propagates NaN (CUDA's fmaxf would drop it, docs/numerics.md §3).
     return xb.abs().amax(dim=-1)
 
 
@@ -219,7 +219,7 @@ def scale_values(scales: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
 def dequantize_codes(
     codes: torch.Tensor, scales: torch.Tensor, global_scale: float | torch.Tensor, fmt: FP4Format | str
 ) -> torch.Tensor:
-    """``m(code) * float(sf) * g`` in float32, in that order (numerics.md §3)."""
+    """``m(code) * float(sf) * g`` in float32, in that order (docs/numerics.md §3)."""
     fmt = get_format(fmt)
     check_uint8(codes, "codes")
     check_uint8(scales, "scales")

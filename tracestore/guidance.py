@@ -39,11 +39,11 @@ def _shape(t: Any, name: str) -> tuple[int, ...]:
 class Guidance:
     """Records aligned row-for-row to a training microbatch (one site).
 
-    ``codes`` uint8[N, width*bits/8] packed low-b code bits (numerics.md §6), ``scales``
+    ``codes`` uint8[N, width*bits/8] packed low-b code bits (docs/numerics.md §6), ``scales``
     uint8[N, width/block] raw rollout scale bytes (row-major), ``global_scale`` the rollout's
     decode-side g: float32[N] (one per row: rows come from different forwards) or a float,
     ``token_scales`` optional float32[N], ``valid`` optional bool[N] (False: no record, the row
-    falls back to RTN, numerics.md §8). ``rule`` is "bracket" (default) or "paper" (§7).
+    falls back to RTN, docs/numerics.md §8). ``rule`` is "bracket" (default) or "paper" (§7).
     """
 
     codes: torch.Tensor

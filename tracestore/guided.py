@@ -1,4 +1,4 @@
-"""TRACE guided rounding and RTN fake-quant (torch CPU reference), numerics.md §7–§8.
+"""TRACE guided rounding and RTN fake-quant (torch CPU reference), docs/numerics.md §7–§8.
 
 Both return ``x``'s dtype and have a straight-through backward (dy/dx = 1).
 """
@@ -169,14 +169,14 @@ def guided_round(
     valid: torch.Tensor | None = None,
     fallback_global_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """TRACE rounding of ``x`` [..., D] toward the rollout's recorded codes (numerics.md §7).
+    """TRACE rounding of ``x`` [..., D] toward the rollout's recorded codes (docs/numerics.md §7).
 
     ``packed`` uint8[..., D*bits/8] (from :func:`pack_bits`), ``scales`` uint8[..., D/block] raw
     rollout scale bytes, ``global_scale`` the rollout's decode-side g (NVFP4), optional
     ``token_scales`` float32[...]. Returns ``x``'s dtype; backward is straight-through.
 
     Values not backed by a record — rows where ``valid`` is False, blocks whose scale byte is NaN —
-    fall back to RTN with the training side's own block scales (numerics.md §8) and decode-side
+    fall back to RTN with the training side's own block scales (docs/numerics.md §8) and decode-side
     global scale ``fallback_global_scale`` (default: the record's ``global_scale``) **[choice]**:
     one pass, no tensor-wide amax, identical on the GPU kernels.
 
@@ -222,7 +222,7 @@ def guided_round(
             y = y * token_scales.float().reshape(*lead, 1, 1)
         y = torch.where(s == 0, torch.where(torch.signbit(xf), -0.0, 0.0), y)
         y = torch.where(torch.isnan(xf), xf, y)
-        # numerics.md §8: NaN scale bytes and invalid rows fall back to RTN with our own scales.
+        # docs/numerics.md §8: NaN scale bytes and invalid rows fall back to RTN with our own scales.
         fallback = torch.isnan(sf).unsqueeze(-1).expand_as(y)
         if valid is not None:
             fallback = fallback | (~valid.bool()).reshape(*lead, 1, 1)

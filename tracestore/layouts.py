@@ -1,4 +1,4 @@
-"""Block-scale layouts (numerics.md §5): row-major ⇄ CUTLASS's swizzled 128×4 tiles.
+"""Block-scale layouts (docs/numerics.md §5): row-major ⇄ CUTLASS's swizzled 128×4 tiles.
 
 Logical ``S[r, c]`` of an ``R × C`` scale matrix lives at byte
 ``((r//128)·(C'/4) + c//4)·512 + (r%32)·16 + ((r%128)//32)·4 + c%4`` of the swizzled buffer, rows

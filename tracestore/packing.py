@@ -1,4 +1,4 @@
-"""Bit packing of FP4 codes (torch reference), numerics.md §1 and §6.
+"""Bit packing of FP4 codes (torch reference), docs/numerics.md §1 and §6.
 
 * ``pack_bits``/``unpack_bits``: the record's low ``b`` bits per value, element ``i``'s bits at
   bit offsets ``i*b .. i*b+b-1`` of the row, least significant first (numpy
