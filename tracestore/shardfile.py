@@ -3,7 +3,7 @@ behind the writers, and the primitives that let two writers fill one file (Linux
 
 :class:`ShardFile` is what :meth:`tracestore.fsutil.Storage.publish_stream` hands the shard
 encoder; the temp file is then fsynced, linked into place create-only and its directory fsynced
-there (shared/reliability.md: never a partial object).
+there (never a partial object: docs/data-model.md, "Storage layout").
 """
 
 from __future__ import annotations

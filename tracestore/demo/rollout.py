@@ -5,7 +5,7 @@ NVFP4 and a per-forward decode-side global scale ``g = amax/2688`` of that forwa
 inference engine does; the dequantized value is what the model consumes. The full 4-bit codes,
 scale bytes and ``g`` of every forward are kept (and handed to ``on_forward`` for recording).
 A rollout runs forwards for positions 0..n-2 only: the last sampled token never enters the model
-(design.md §4).
+(docs/data-model.md, "Trajectory seals").
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def _run(cfg: DemoConfig, out: pathlib.Path | None, progress: Progress | None) -
     moe_rows = fidelity.layer_table(modes, stats, cfg.model.layers, "mlp.input")
     kv_rows = {kind: fidelity.layer_table(modes, stats, cfg.model.layers, f"attn.{kind}") for kind in ("k", "v")}
     checks = fidelity.expectations(modes, moe_rows, logprob)
-    # bytes one token costs on the wire/storage per TRACE mode (numerics.md §6: b + 8/16 bits per value)
+    # bytes one token costs on the wire/storage per TRACE mode (docs/numerics.md §6: b + 8/16 bits per value)
     record_bytes = {
         m.name: sum(
             tr.y.shape[-1] * m.bits // 8 + tr.y.shape[-1] // fmt.block

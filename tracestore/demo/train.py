@@ -3,7 +3,7 @@
 Modes (``MODES``): BF16 reference (no quantization), vanilla RTN QAT (every site RTN with the
 trainer's own global scale), and TRACE (``guided_round`` with the rollout's records at recorded
 sites, RTN elsewhere). Positions without a record — the last token of each trajectory never
-entered a rollout forward — fall back to RTN with the trainer's own scales (numerics.md §8).
+entered a rollout forward — fall back to RTN with the trainer's own scales (docs/numerics.md §8).
 """
 
 from __future__ import annotations
