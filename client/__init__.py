@@ -1,4 +1,4 @@
-"""tracestore.client — the rollout recorder and the trainer's guidance reader (design.md §7).
+"""tracestore.client — the rollout recorder and the trainer's guidance reader (docs/integration.md).
 
 ``import tracestore.client`` loads neither torch nor grpc: the recorder and reader import them
 lazily where a GPU tensor or a sidecar connection needs them.

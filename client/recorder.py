@@ -248,7 +248,7 @@ class RolloutRecorder:
             shm_group = _socket_group(address)
         self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir, group=shm_group)
         self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)
-        # Pin at start-up, not at the first forward (pinning GBs takes seconds, users.md #7); by
+        # Pin at start-up, not at the first forward (pinning GBs takes seconds; a failure shows then); by
         # default only when the engine already uses torch, so CPU-only engines never import it.
         self.pinned = False
         if pin or (pin is None and "torch" in sys.modules):

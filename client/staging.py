@@ -6,7 +6,8 @@ carries only offsets (reserve -> copy -> commit -> release when durable). The fi
 that group: the sidecar reads only pools that everyone its unix socket admits could read
 (server/shm.py). With a CUDA device the
 pool is registered once at start-up (``cudaHostRegister``) so copies into it are truly async; a
-failure to pin is reported then, not mid-rollout (users.md #7). Fixed size, never grows: when it
+failure to pin is reported then, not mid-rollout (docs/integration.md, RolloutRecorder). Fixed size,
+never grows: when it
 is full the recorder refuses the forward (marks it unguided) instead of blocking the engine.
 """
 
