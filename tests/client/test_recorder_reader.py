@@ -205,7 +205,7 @@ def test_staging_full_refuses_without_blocking(served: ServeProcess) -> None:
 
 
 def test_record_forward_never_waits_for_the_sender(served: ServeProcess) -> None:
-    """users.md #2: the engine thread must not wait while the sender holds the recorder's lock (it
+    """No rollout slowdown: the engine thread must not wait while the sender holds the recorder's lock (it
     expands, coalesces and serializes under it); a decode step costs the same with the sender busy.
     Before the fix record_forward took that lock: this call waited the full hold."""
     import threading

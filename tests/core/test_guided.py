@@ -1,4 +1,4 @@
-"""guided_round / rtn_fake_quant: numerics.md §7 invariants on random data, gradients, errors."""
+"""guided_round / rtn_fake_quant: docs/numerics.md §9 invariants on random data, gradients, errors."""
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 
 def _flush_tiny(x: np.ndarray) -> np.ndarray:
     # Invariant 1 needs s_enc = 1/g and s_enc/sf finite (tensor amax >~ 1e-35): for smaller tensors
-    # numerics.md §3 clamps enc at FLT_MAX while z = x/s does not, so the two sides disagree by design.
+    # docs/numerics.md §3 clamps enc at FLT_MAX while z = x/s does not, so the two sides disagree by design.
     return np.where(np.abs(x) < 1e-30, np.float32(0), x)
 
 

@@ -21,7 +21,7 @@ def test_pack_unpack_round_trip_and_numpy_layout(codes, bits):
     width = codes.shape[1]
     assert packed.shape == (codes.shape[0], (width * bits + 7) // 8)
     assert torch.equal(unpack_bits(packed, bits, width), c & ((1 << bits) - 1) if bits < 4 else c)
-    # numerics.md §6: numpy packbits(bitorder="little") of the bit-planes, row by row
+    # docs/numerics.md §6: numpy packbits(bitorder="little") of the bit-planes, row by row
     low = codes & ((1 << bits) - 1) if bits < 4 else codes
     planes = ((low[..., None] >> np.arange(bits)) & 1).reshape(codes.shape[0], -1)
     expected = np.packbits(planes, axis=-1, bitorder="little")

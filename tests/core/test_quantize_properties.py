@@ -18,7 +18,7 @@ BOUND = {"nvfp4": 1.0, "mxfp4(floor)": 2.0, "mxfp4(rceil)": 1.0}
 
 def _flush_tiny(x: np.ndarray) -> np.ndarray:
     # A tensor amax below ~8e-36 makes g = amax/2688 so small that s_enc = 1/g overflows to inf, and
-    # numerics.md §3's sf = E4M3(amax_block * (s_enc/6)) is then NaN (0 * inf) for an all-zero block,
+    # docs/numerics.md §3's sf = E4M3(amax_block * (s_enc/6)) is then NaN (0 * inf) for an all-zero block,
     # not the 0x00 its comment promises: a corner of the spec (hypothesis found [1.5e-40, 0, ...]),
     # kept as the reference and the kernels compute it and left out of this bound.
     return np.where(np.abs(x) < 1e-30, np.float32(0), x)

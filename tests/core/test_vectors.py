@@ -1,4 +1,4 @@
-"""Every case in shared/vectors/public.json, reproduced exactly."""
+"""Every case in tests/vectors/public.json (docs/numerics.md §11), reproduced exactly."""
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def test_nvfp4_blocks(name):
 
 
 def test_nvfp4_divide_vs_multiply_near_tie():
-    """numerics.md §3: multiplying by enc (not dividing by sf*g) decides block 1, element 3 -> code 9."""
+    """docs/numerics.md §3: multiplying by enc (not dividing by sf*g) decides block 1, element 3 -> code 9."""
     case = V["nvfp4_two_blocks"]
     q = quantize(torch.tensor(case["x"]), NVFP4, global_scale=case["g"])
     assert q.codes[16 + 3].item() == 9 == case["codes"][19]

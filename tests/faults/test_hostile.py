@@ -1,5 +1,5 @@
 """8. Hostile requests: a table of malformed, oversized and adversarial messages, each answered with
-the documented status (reliability.md: bad input INVALID_ARGUMENT, wrong order FAILED_PRECONDITION,
+the documented status (docs/protocol.md, "Status codes": bad input INVALID_ARGUMENT, wrong order FAILED_PRECONDITION,
 conflicting bytes ALREADY_EXISTS, over a limit RESOURCE_EXHAUSTED, corrupted DATA_LOSS, unknown run
 NOT_FOUND); then a time-bounded fuzz (random mutations of valid messages on every RPC,
 ``TRACESTORE_FUZZ_S`` seconds, 20 by default) beside a good writer that loses nothing, the sidecar

@@ -93,7 +93,7 @@ def test_cpu_rows_mask_token_scales(gen):
 
 
 def test_cpu_identity_invariant(gen):
-    """numerics.md §7 invariant 1: training x == rollout x -> output == rollout's dequantized value."""
+    """docs/numerics.md §9 invariant 1: training x == rollout x -> output == rollout's dequantized value."""
     for fmt, bits, rule in itertools.product(FORMATS, [1, 2, 4], ["bracket", "paper"]):
         xr = torch.randn(4, 64, generator=gen)
         q = quantize(xr, FORMATS[fmt], None)
@@ -210,7 +210,7 @@ def test_gpu_guided_rows_mask_token_scales(decide, gen):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gpu_guided_region_boundaries(fmt, decide, gen):
     """x = z·s exactly for z on every multiple of 0.25 (MX: s = 4; NVFP4: scale byte 1.5, g = 1),
-    plus the float neighbours of those x: every tie and bracket edge of numerics.md §2/§7, every
+    plus the float neighbours of those x: every tie and bracket edge of docs/numerics.md §2/§7, every
     recorded code, and the kernel's near-grid exact-division path."""
     f = FORMATS[fmt]
     grid = torch.arange(0, 28, dtype=torch.float32) * 0.25

@@ -228,7 +228,7 @@ def test_gpu_record_variants_exact(record_variant, fmt, dtype, bits, gen):
 
 
 def e2m1_tie_values(dtype: torch.dtype) -> torch.Tensor:
-    """Every E2M1 codeword and rounding tie (numerics.md §2) and their neighbours 1 and 2 ulps either
+    """Every E2M1 codeword and rounding tie (docs/numerics.md §2) and their neighbours 1 and 2 ulps either
     side in ``dtype``, both signs, ±0 and the dtype's smallest subnormals; all |v| <= 6."""
     base = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0]).to(dtype)
     iv = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]

@@ -1,6 +1,7 @@
 """Out-of-process sidecar: SIGKILL at random points mid-stream and restart, repeatedly; SIGTERM drains.
 
-Pass criteria (reliability.md): every acknowledged record is readable afterwards, byte for byte;
+Pass criteria (docs/operations.md, "What survives what"): every acknowledged record is readable afterwards,
+byte for byte;
 resends create no duplicates (manifest entries = distinct chunks); every shard has its manifest.
 """
 

@@ -94,7 +94,7 @@ def test_s3_outage_then_recovery():
             store.write_shard(RUN, 0, "w0", 1, [second])
         assert time.monotonic() - t0 < 20.0
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()  # moto keeps its state across restarts in one process (reliability.md)
+        server.start()  # moto keeps its state across restarts in one process (ThreadedMotoServer does)
         store.write_shard(RUN, 0, "w0", 1, [second])  # the retried flush goes through
         res = StoreReader(store, RUN).read([("t0", 0, 8), ("t1", 0, 8)], sites=[SITES[0].name])
         np.testing.assert_array_equal(res[SITES[0].name].codes, np.concatenate([first.codes, second.codes]))
