@@ -90,7 +90,7 @@ class ScaleModel:
     """E4M3 block-scale bytes with the statistics of real NVFP4 quantization, generated fast.
 
     Block amax = per-token sigma (lognormal) x max|N(0,1)| over 16 values (drawn from 2^20 real
-    samples) x 20 on the blocks holding a site's 16 outlier channels; bytes per numerics.md §3
+    samples) x 20 on the blocks holding a site's 16 outlier channels; bytes per docs/numerics.md §3
     (``sf = E4M3(amax / (6 g))``, g = amax / 2688 of the chunk, nearest E4M3 value).
     """
 
