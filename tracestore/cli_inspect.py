@@ -1,10 +1,20 @@
 """``tracestore inspect URL``: summarize stored records, and ``--validate`` them (exit 1 on any problem).
 
 The summary lists runs, policy versions, writers, shards, bytes, sites, tokens and seals. With
-``--validate`` every shard is read in full: its whole-file crc32 against the manifest, every page
-checksum and every chunk checksum; every sealed trajectory must have a record for every token of
-every sealed site (except its final position, unrecorded by design). Any corrupt or missing
-record is printed and the exit status is 1.
+``--validate`` every manifest's checksum is verified and every shard is read in full: its
+whole-file crc32 against the manifest, every page checksum, every key column and every chunk's
+byte lengths and checksum; every sealed trajectory must have a record for every token of every
+sealed site (except its final position, unrecorded by design), following its prefix links, each
+checked against its source. Any corrupt or missing record is printed and the exit status is 1.
+
+Validation works on whole columns (:class:`tracestore.shards.ManifestColumns`,
+:func:`tracestore.shards.verify_shard`), never one Python object per chunk: a decode shard holds
+~300,000 chunks. Shards are verified in ``--jobs`` worker processes (default: one per core) once
+a version holds more than :data:`PARALLEL_MIN_BYTES` of them, while this process reads the next
+manifests; a large local shard is split between workers by row groups. A worker is started as
+``python -c`` with a small bootstrap and gets its work as pickles over a socketpair. Completeness comes from the
+manifests alone (the chunks were just verified); only trajectories whose chunks overlap within a
+version are read once more, to compare the overlapping bytes.
 
 Example::
 
@@ -14,13 +24,28 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
+import concurrent.futures
+import contextlib
+import dataclasses
 import json
+import os
+import pickle
+import queue
+import socket
+import subprocess
 import sys
+import threading
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from tracestore.errors import TraceStoreError
+from tracestore.errors import CorruptionError, TraceStoreError
+
+PARALLEL_MIN_BYTES = 256 << 20
+"""Shards of a version are verified in worker processes once they add up to this many bytes
+(below it, starting the processes costs more than it saves)."""
+SPLIT_BYTES = 32 << 20  # a local shard is cut into units of at least this size, one per worker at most
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,13 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Summarize a tracestore storage URL (sizes, sites, tokens, completeness). "
         "With --validate, read every shard and exit 1 on any corrupt or missing record. "
         "Env twins: TRACESTORE_RUN, TRACESTORE_VERSION, TRACESTORE_TRAJECTORY, "
-        "TRACESTORE_STORAGE_OPTIONS, TRACESTORE_TIMEOUT.",
+        "TRACESTORE_STORAGE_OPTIONS, TRACESTORE_TIMEOUT, TRACESTORE_JOBS.",
     )
     p.add_argument("url", help="storage URL, e.g. file://./tracestore-data or s3://bucket/prefix")
     p.add_argument("--run", default=env_default("--run", None), help="only this run")
     p.add_argument("--version", type=int, default=env_default("--version", None), help="only this policy version")
     p.add_argument("--trajectory", default=env_default("--trajectory", None), help="show one trajectory's coverage")
     p.add_argument("--validate", action="store_true", help="verify all checksums and seals; exit 1 on any problem")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=int(env_default("--jobs", 0)),
+        help="worker processes verifying shards (default 0: one per core; 1: none)",
+    )
     p.add_argument(
         "--storage-options",
         default=env_default("--storage-options", None),
@@ -71,71 +102,503 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def validate_version(store: object, run: str, version: int, out: TextIO) -> int:
-    """Verify every shard and sealed trajectory of one version; print problems, return their count."""
-    from tracestore.fsutil import CountingFile
-    from tracestore.plan import MicrobatchPlan
-    from tracestore.reader import StoreReader
+# ---------------------------------------------------------------------------- one version's manifests
+
+
+@dataclasses.dataclass
+class _Coverage:
+    """What the chunks of one version cover, per (trajectory, site): merged token intervals."""
+
+    intervals: dict[tuple[str, str], tuple[list[int], list[int]]]  # sorted, disjoint starts / ends
+    overlapping: set[tuple[str, str]]  # chunks overlap without being the same chunk twice
+    ends: dict[str, int]  # largest token end of any site, per trajectory
+
+
+class _Version:
+    """The manifests of one (run, version) as columns; ``corrupt``: (path, message) of those that
+    do not load. ``on_manifest(m)`` is called for each manifest as soon as it is loaded."""
+
+    def __init__(self, store: Any, run: str, version: int, on_manifest: Callable[[Any], None] | None = None) -> None:
+        from tracestore.shards import ManifestColumns, shard_name
+
+        self.run, self.version = run, version
+        self.manifests: list[ManifestColumns] = []
+        self.corrupt: list[tuple[str, str]] = []
+        for path in store.manifest_paths(run, version):
+            try:
+                m = ManifestColumns.from_json(store.storage.cat(path), where=f"{store.url}/{path}")
+                writer = path.split("/")[-2]
+                if (m.run, m.policy_version, m.writer, f"{shard_name(m.seq)}.manifest.json") != (
+                    run,
+                    version,
+                    writer,
+                    path.rsplit("/", 1)[-1],
+                ):
+                    raise CorruptionError(
+                        f"manifest {path} describes run {m.run} v{m.policy_version} {m.writer}/{m.seq}"
+                    )
+            except TraceStoreError as exc:
+                self.corrupt.append((path, str(exc)))
+                continue
+            self.manifests.append(m)
+            if on_manifest is not None:
+                on_manifest(m)
+        self._coverage: _Coverage | None = None
+
+    @property
+    def seals(self) -> dict[str, Any]:
+        """The largest seal of each trajectory."""
+        out: dict[str, Any] = {}
+        for m in self.manifests:
+            for s in m.seals:
+                if s.trajectory not in out or s.n_tokens > out[s.trajectory].n_tokens:
+                    out[s.trajectory] = s
+        return out
+
+    def coverage(self) -> _Coverage:
+        if self._coverage is None:
+            self._coverage = self._cover()
+        return self._coverage
+
+    def _cover(self) -> _Coverage:
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        ms = [m for m in self.manifests if len(m)]
+        if not ms:
+            return _Coverage({}, set(), {})
+        traj = pc.dictionary_encode(pa.chunked_array([m.trajectory for m in ms]).combine_chunks())
+        site = pc.dictionary_encode(pa.chunked_array([m.site for m in ms]).combine_chunks())
+        t = traj.indices.to_numpy().astype(np.int64)
+        s = site.indices.to_numpy().astype(np.int64)
+        start = np.concatenate([m.token_start for m in ms])
+        end = start + np.concatenate([m.n_tokens for m in ms])
+        crc = np.concatenate([m.checksum for m in ms])
+        tnames, snames = traj.dictionary.to_pylist(), site.dictionary.to_pylist()
+        order = np.lexsort((crc, end, start, s, t))
+        t, s, start, end, crc = t[order], s[order], start[order], end[order], crc[order]
+        pair = t * len(snames) + s
+        first = np.ones(len(pair), bool)
+        first[1:] = pair[1:] != pair[:-1]
+        group = np.cumsum(first) - 1
+        big = np.int64(1) << 40  # token indices are far below it
+        reach = np.maximum.accumulate(group * big + end) - group * big  # running max end within each pair
+        prev = np.empty_like(reach)
+        prev[0] = 0
+        prev[1:] = reach[:-1]
+        new = first | (start > prev)  # an interval starts here (after a gap or at the pair's start)
+        overlap = ~first & (start < prev)
+        same = np.zeros(len(pair), bool)
+        same[1:] = (start[1:] == start[:-1]) & (end[1:] == end[:-1]) & (crc[1:] == crc[:-1]) & ~first[1:]
+        overlapping = {(tnames[t[i]], snames[s[i]]) for i in np.flatnonzero(overlap & ~same).tolist()}
+        heads = np.flatnonzero(new)
+        lasts = np.append(heads[1:] - 1, len(pair) - 1)
+        intervals: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        for i, a, b in zip(heads.tolist(), start[heads].tolist(), reach[lasts].tolist(), strict=True):
+            key = (tnames[t[i]], snames[s[i]])
+            starts, ends = intervals.setdefault(key, ([], []))
+            starts.append(a)
+            ends.append(b)
+        max_end = np.zeros(len(tnames), np.int64)
+        np.maximum.at(max_end, t, end)
+        ends_of = dict(zip(tnames, max_end.tolist(), strict=True))
+        return _Coverage(intervals, overlapping, ends_of)
+
+    def links(self) -> Any:
+        """A :class:`~tracestore.reader.LinkIndex` of this version (links, seals, chunk extents)."""
+        from tracestore.reader import LinkIndex
+
+        index = LinkIndex(self.run)
+        for t, end in self.coverage().ends.items():
+            index.holds(t, self.version, end)
+        for m in self.manifests:
+            for seal in m.seals:
+                index.add_seal(seal)
+            for link in m.links:
+                index.add_link(link, m.where)
+        return index
+
+
+def _missing(cov: _Coverage, owner: str, site: str, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The token ranges of [lo, hi) that no chunk of ``owner``'s ``site`` covers."""
+    starts, ends = cov.intervals.get((owner, site), ([], []))
+    out = []
+    at = lo
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while at < hi and i < len(starts):
+        if ends[i] <= at:
+            i += 1
+            continue
+        if starts[i] > at:
+            out.append((at, min(starts[i], hi)))
+        at = max(at, ends[i])
+        i += 1
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+# ---------------------------------------------------------------------------- shard verification
+
+
+@dataclasses.dataclass
+class _Unit:
+    """Row groups of one shard to verify (picklable: runs in a worker process)."""
+
+    url: str
+    storage_options: dict[str, Any]
+    timeout: float
+    local_path: str | None  # the file on local disk, else read through the storage
+    cols: Any  # ManifestColumns of the row groups to verify
+    where: str
+    whole: bool  # also check the whole file's size and crc32 against the manifest
+    sites: dict[str, tuple[int, int, int]]
+
+
+_STORAGE: dict[tuple[str, str, float], Any] = {}
+
+
+def _verify_unit(u: _Unit) -> list[str]:
+    """The problems found in one unit (``CORRUPT ...`` lines without the prefix)."""
+    import pyarrow as pa
+
     from tracestore.records import crc32
-    from tracestore.shards import open_parquet, read_entries
+    from tracestore.shards import verify_shard
+
+    m = u.cols
+    problems = []
+    try:
+        if u.local_path is not None:
+            f: Any = pa.memory_map(u.local_path)
+        else:
+            from tracestore.fsutil import Storage
+
+            key = (u.url, json.dumps(u.storage_options, sort_keys=True, default=str), u.timeout)
+            storage = _STORAGE.get(key)
+            if storage is None:
+                storage = _STORAGE[key] = Storage(u.url, u.storage_options, timeout=u.timeout)
+            f = pa.BufferReader(storage.cat(m.shard))
+    except FileNotFoundError:
+        return [f"shard {u.where} listed in manifest {m.where} is gone"]
+    except (OSError, TraceStoreError) as exc:
+        return [f"shard {u.where}: cannot be read ({exc})"]
+    try:
+        if u.whole:
+            size = f.size()
+            crc = crc32(f.read_buffer(size)) if size == m.shard_bytes else None
+            f.seek(0)
+            if size != m.shard_bytes or crc != m.shard_crc32:
+                got = f"{size} B" + (f" crc32 {crc:#010x}" if crc is not None else "")
+                problems.append(f"shard {u.where}: {got}, manifest says {m.shard_bytes} B crc32 {m.shard_crc32:#010x}")
+        problem = verify_shard(f, m, u.where, sites=u.sites)
+        if problem is not None:
+            problems.append(problem)
+    finally:
+        f.close()
+    return problems
+
+
+_LEN_BYTES = 8
+# A worker is ``python -c`` with this bootstrap, not a multiprocessing child: multiprocessing's
+# spawn runs the caller's ``__main__`` again (a script without a main guard would re-run itself).
+_BOOT = (
+    "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
+    "from tracestore.cli_inspect import _worker_main; _worker_main(int(sys.argv[1]))"
+)
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(len(data).to_bytes(_LEN_BYTES, "little") + data)
+
+
+def _recv(sock: socket.socket) -> Any:
+    head = _recv_exact(sock, _LEN_BYTES)
+    return pickle.loads(_recv_exact(sock, int.from_bytes(head, "little")))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise EOFError("the other end closed")
+        view = view[got:]
+    return buf
+
+
+def _worker_main(fd: int) -> None:
+    """A verification worker: verify each unit its parent sends, answer with the problems, exit
+    when the parent closes the socket (or dies)."""
+    sock = socket.socket(fileno=fd)
+    while True:
+        try:
+            unit = _recv(sock)
+        except EOFError:
+            return
+        try:
+            result = _verify_unit(unit)
+        except Exception as exc:  # noqa: BLE001 - reported as the unit's problem
+            result = [f"shard {unit.where}: verification failed ({type(exc).__name__}: {exc})"]
+        _send(sock, result)
+
+
+class _Workers:
+    """``n`` worker processes, each fed units by one thread of this process (which waits on its
+    socket without the GIL). A worker that cannot start or dies reports its unit as a problem; the
+    next unit starts a new one."""
+
+    def __init__(self, n: int) -> None:
+        self.queue: queue.SimpleQueue[tuple[concurrent.futures.Future[list[str]], _Unit] | None]
+        self.queue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._serve, name=f"tracestore-validate-{i}", daemon=True)
+                        for i in range(n)]  # fmt: skip
+        for t in self.threads:
+            t.start()  # each starts its worker now, while the caller goes on loading manifests
+
+    def submit(self, unit: _Unit) -> concurrent.futures.Future[list[str]]:
+        fut: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+        self.queue.put((fut, unit))
+        return fut
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
+
+    @staticmethod
+    def _start() -> tuple[subprocess.Popen[bytes], socket.socket] | str:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(child.fileno()), json.dumps(sys.path)],
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            parent.close()
+            return f"could not start a validation worker ({sys.executable}): {exc}"
+        finally:
+            child.close()
+        return proc, parent
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _serve(self) -> None:
+        worker = self._start()
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                fut, unit = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                if isinstance(worker, str):
+                    fut.set_result([f"shard {unit.where}: not verified: {worker}"])
+                    worker = self._start()
+                    continue
+                try:
+                    _send(worker[1], unit)
+                    fut.set_result(_recv(worker[1]))
+                except (OSError, EOFError, pickle.UnpicklingError) as exc:
+                    self._stop(*worker)
+                    code = worker[0].returncode
+                    fut.set_result([f"shard {unit.where}: not verified: its worker exited (code {code}) ({exc})"])
+                    worker = self._start()
+        finally:
+            if not isinstance(worker, str):
+                self._stop(*worker)
+
+
+class _Verifier:
+    """Verifies the shards of one version as their manifests load: in this process, or in
+    ``workers`` (when given) for a version of at least ``parallel_min_bytes`` on storage."""
+
+    def __init__(
+        self,
+        store: Any,
+        run: str,
+        version: int,
+        workers: Callable[[], _Workers] | None = None,
+        parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+    ) -> None:
+        self.store = store
+        self.sites = {s.name: (s.code_bytes, s.scale_bytes, s.rows_per_token) for s in store.get_run(run).sites}
+        self.local = bool(store.storage.local)
+        self.workers: _Workers | None = None
+        # (memory:// lives in this process only)
+        if (
+            workers is not None
+            and not store.url.startswith("memory:")
+            and store.storage.du(f"{run}/v{version}") >= parallel_min_bytes
+        ):
+            self.workers = workers()
+        self.results: list[list[str] | concurrent.futures.Future[list[str]]] = []
+
+    def _units(self, m: Any) -> list[_Unit]:
+        st = self.store.storage
+        where = f"{self.store.url}/{m.shard}"
+        local = st.full(m.shard) if self.local else None
+        n = len(m.row_groups)
+        parts = 1
+        if local is not None and self.workers is not None:
+            parts = max(1, min(len(self.workers.threads), n, m.shard_bytes // SPLIT_BYTES))
+        cuts = [round(i * n / parts) for i in range(parts + 1)]
+        units = []
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            units.append(_Unit(self.store.url, st.storage_options, st.timeout, local, m.groups(a, b), where, a == 0,
+                               self.sites))  # fmt: skip
+        return units
+
+    def submit(self, m: Any) -> None:
+        if m.shard is None:
+            return
+        for u in self._units(m):
+            self.results.append(_verify_unit(u) if self.workers is None else self.workers.submit(u))
+
+    def problems(self) -> list[str]:
+        out = []
+        for r in self.results:
+            out += r if isinstance(r, list) else r.result()
+        return out
+
+
+def _jobs(jobs: int | None) -> int:
+    if jobs:
+        return jobs
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def validate_version(
+    store: object,
+    run: str,
+    version: int,
+    out: TextIO,
+    *,
+    jobs: int | None = None,
+    parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+    loaded: _Version | None = None,
+    verifier: _Verifier | None = None,
+) -> int:
+    """Verify every manifest, shard and sealed trajectory of one version; print problems, return
+    their count. ``jobs``: worker processes, used when the version holds ``parallel_min_bytes``
+    or more (default: one per core; 1: none); ``loaded``/``verifier``: the version already loaded
+    with its shards submitted as they loaded (what :func:`run` does)."""
     from tracestore.store import Store
 
     if not isinstance(store, Store):
         raise TypeError("validate_version needs a Store")
-    problems = 0
-    for path in store.manifest_paths(run, version):
-        try:
-            m = store.read_manifest(path)
-        except TraceStoreError as exc:
-            print(f"CORRUPT {path}: {exc}", file=out)
-            problems += 1
-            continue
-        if m.shard is None:
-            continue
-        where = f"{store.url}/{m.shard}"
-        try:
-            data = store.storage.cat(m.shard)
-            if len(data) != m.shard_bytes or crc32(data) != m.shard_crc32:
-                print(
-                    f"CORRUPT shard {where}: {len(data)} B crc32 {crc32(data):#010x}, manifest says "
-                    f"{m.shard_bytes} B crc32 {m.shard_crc32:#010x}",
-                    file=out,
-                )
-                problems += 1
-            import io
+    own: list[_Workers] = []
+    n = _jobs(jobs)
 
-            pf = open_parquet(CountingFile(io.BytesIO(data)), where)
-            read_entries(pf, m, list(m.chunks), where)
-        except TraceStoreError as exc:
-            print(f"CORRUPT {exc}", file=out)
+    def workers() -> _Workers:
+        own.append(_Workers(n))
+        return own[0]
+
+    try:
+        if verifier is None:
+            verifier = _Verifier(store, run, version, workers if n > 1 else None, parallel_min_bytes)
+        if loaded is None:
+            loaded = _Version(store, run, version, verifier.submit)
+        problems = 0
+        for path, msg in loaded.corrupt:
+            print(f"CORRUPT {path}: {msg}", file=out)
             problems += 1
-    reader = StoreReader(store, run)
-    reader.refresh([version])
-    seals: dict[str, Any] = {}
-    for m in store.manifests(run, version):
-        for s in m.seals:
-            if s.trajectory not in seals or s.n_tokens > seals[s.trajectory].n_tokens:
-                seals[s.trajectory] = s
+        try:
+            problems += _check_sealed(store, loaded, out)
+        finally:
+            for p in verifier.problems():
+                print(f"CORRUPT {p}", file=out)
+                problems += 1
+    finally:
+        for w in own:
+            w.close()
+    return problems
+
+
+def _check_sealed(store: Any, v: _Version, out: TextIO) -> int:
+    """Every sealed trajectory has a record for every token of every sealed site (its final
+    position excepted), through its prefix links; from the manifests, reading only where chunks
+    of one version overlap (their bytes must agree)."""
+    from tracestore.plan import MicrobatchPlan
+    from tracestore.reader import StoreReader
+
+    seals = v.seals
+    if not seals:
+        return 0
+    cov = v.coverage()
+    links = v.links()
+    problems = 0
+    reader: StoreReader | None = None
     for traj, seal in sorted(seals.items()):
         try:
-            res = reader.read(
-                MicrobatchPlan([(traj, 0, seal.n_tokens)]),
-                versions=[version],
-                sites=seal.sites,
-                on_missing="error",
-                refresh=False,
-            )
-            del res
+            pieces = links.resolve(traj, 0, seal.n_tokens, {v.version}, "error")
         except TraceStoreError as exc:
             print(f"MISSING sealed trajectory {traj}: {exc}", file=out)
             problems += 1
+            continue
+        missing = []
+        overlaps = False
+        for site in seal.sites:
+            bad: list[tuple[int, int]] = []
+            for owner, lo, hi in pieces:
+                assert owner is not None  # on_missing="error" raises instead
+                overlaps = overlaps or (owner, site) in cov.overlapping
+                bad += _missing(cov, owner, site, lo, hi)
+            bad = [(a, min(b, seal.n_tokens - 1)) for a, b in _ranges(bad) if a < seal.n_tokens - 1]
+            if bad:
+                spans = ", ".join(f"[{a}, {b})" for a, b in bad[:8])
+                missing.append(f"trajectory {traj} site {site} tokens {spans}")
+        if missing:
+            more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
+            msg = f"run {v.run} versions [{v.version}]: no record for " + "; ".join(missing[:20]) + more
+            print(f"MISSING sealed trajectory {traj}: {msg}", file=out)
+            problems += 1
+            continue
+        if overlaps:  # chunks of one version overlap: a read compares their bytes
+            try:
+                if reader is None:
+                    reader = StoreReader(store, v.run)
+                    reader.refresh([v.version])
+                reader.read(
+                    MicrobatchPlan([(traj, 0, seal.n_tokens)]),
+                    versions=[v.version],
+                    sites=seal.sites,
+                    on_missing="error",
+                    refresh=False,
+                )
+            except TraceStoreError as exc:
+                print(f"MISSING sealed trajectory {traj}: {exc}", file=out)
+                problems += 1
+    if reader is not None:
+        reader.close()
     return problems
+
+
+# ---------------------------------------------------------------------------- the command
 
 
 def run(ns: argparse.Namespace) -> int:
     from tracestore.store import Store
 
     out = sys.stdout
+    started: list[_Workers] = []
     try:
         options = None
         if ns.storage_options:
@@ -145,6 +608,13 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"tracestore inspect: --storage-options is not JSON: {exc}", file=sys.stderr)
                 return 2
         store = Store(ns.url, options, timeout=ns.timeout)
+        jobs = _jobs(getattr(ns, "jobs", 0))
+
+        def workers() -> _Workers:  # started once, for the first version large enough; then shared
+            if not started:
+                started.append(_Workers(jobs))
+            return started[0]
+
         runs = [ns.run] if ns.run else store.list_runs()
         if not runs:
             print(f"{ns.url}: no runs", file=out)
@@ -160,45 +630,48 @@ def run(ns: argparse.Namespace) -> int:
                     file=out,
                 )
             for v in versions:
-                problems += _summarize_version(store, run_id, v, ns.trajectory, out)
-                if ns.validate:
-                    n = validate_version(store, run_id, v, out)
-                    print(f"  v{v}: validation {'OK' if n == 0 else f'FAILED ({n} problems)'}", file=out)
-                    problems += n
+                verifier = _Verifier(store, run_id, v, workers if jobs > 1 else None) if ns.validate else None
+                loaded = _Version(store, run_id, v, None if verifier is None else verifier.submit)
+                try:
+                    _summarize_version(loaded, ns.trajectory, out)
+                finally:
+                    if verifier is not None:
+                        n = validate_version(store, run_id, v, out, loaded=loaded, verifier=verifier)
+                        print(f"  v{v}: validation {'OK' if n == 0 else f'FAILED ({n} problems)'}", file=out)
+                        problems += n
         return 1 if (ns.validate and problems) else 0
     except TraceStoreError as exc:
         print(f"tracestore inspect: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for w in started:
+            w.close()
 
 
-def _summarize_version(store: object, run_id: str, v: int, trajectory: str | None, out: TextIO) -> int:
-    from tracestore.store import Store
-
-    if not isinstance(store, Store):
-        raise TypeError("needs a Store")
-    manifests = store.manifests(run_id, v)
-    writers = {m.writer for m in manifests}
-    shard_bytes = sum(m.shard_bytes for m in manifests)
-    payload = sum(e.nbytes for m in manifests for e in m.chunks)
-    n_chunks = sum(len(m.chunks) for m in manifests)
-    tokens: dict[str, dict[str, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
-    for m in manifests:
-        for e in m.chunks:
-            tokens[e.trajectory][e.site].append((e.token_start, e.token_end))
-    seals = {s.trajectory: s for m in manifests for s in m.seals}
-    links = {x.trajectory: x for m in manifests for x in m.links}
-    trajs = set(tokens) | set(seals) | set(links)
+def _summarize_version(v: _Version, trajectory: str | None, out: TextIO) -> None:
+    ms = v.manifests
+    writers = {m.writer for m in ms}
+    shard_bytes = sum(m.shard_bytes for m in ms)
+    payload = sum(int(m.nbytes.sum()) for m in ms)
+    n_chunks = sum(len(m) for m in ms)
+    cov = v.coverage()
+    seals = v.seals
+    links = {x.trajectory: x for m in ms for x in m.links}
+    trajs = set(cov.ends) | set(seals) | set(links)
     site_tokens: dict[str, int] = defaultdict(int)
-    for per_site in tokens.values():
-        for site, rs in per_site.items():
-            site_tokens[site] += sum(b - a for a, b in _ranges(rs))
+    per_traj: dict[str, dict[str, list[tuple[int, int]]]] = defaultdict(dict)
+    for (t, site), (starts, ends) in cov.intervals.items():
+        site_tokens[site] += sum(b - a for a, b in zip(starts, ends, strict=True))
+        if t == trajectory:
+            per_traj[t][site] = list(zip(starts, ends, strict=True))
     all_tokens = sum(site_tokens.values())
     per_token = f", {shard_bytes / max(1, max(site_tokens.values(), default=1)):.0f} B/token" if site_tokens else ""
+    corrupt = f", {len(v.corrupt)} manifests that do not load" if v.corrupt else ""
     print(
-        f"  v{v}: {len(writers)} writers, {len(manifests)} shards, {_bytes(shard_bytes)} on storage "
+        f"  v{v.version}: {len(writers)} writers, {len(ms)} shards, {_bytes(shard_bytes)} on storage "
         f"({_bytes(payload)} payload), {n_chunks} chunks, {len(trajs)} trajectories "
         f"({len(seals)} sealed, {len(trajs) - len(seals)} open), {len(links)} prefix links, "
-        f"{all_tokens} site-tokens{per_token}",
+        f"{all_tokens} site-tokens{per_token}{corrupt}",
         file=out,
     )
     for site in sorted(site_tokens):
@@ -207,13 +680,12 @@ def _summarize_version(store: object, run_id: str, v: int, trajectory: str | Non
         seal = seals.get(trajectory)
         link = links.get(trajectory)
         print(
-            f"  trajectory {trajectory} (v{v}): "
+            f"  trajectory {trajectory} (v{v.version}): "
             + (f"sealed at {seal.n_tokens} tokens, sites {list(seal.sites)}" if seal else "not sealed")
             + (f"; tokens [0, {link.n_tokens}) linked to {link.source}" if link else ""),
             file=out,
         )
-        for site, rs in sorted(tokens.get(trajectory, {}).items()):
-            print(f"    {site}: {_fmt_ranges(_ranges(rs))}", file=out)
+        for site, rs in sorted(per_traj.get(trajectory, {}).items()):
+            print(f"    {site}: {_fmt_ranges(rs)}", file=out)
         if trajectory not in trajs:
-            print(f"    no records, seal or link for {trajectory} in v{v}", file=out)
-    return 0
+            print(f"    no records, seal or link for {trajectory} in v{v.version}", file=out)

@@ -284,6 +284,20 @@ class Storage:
 
         return self.call(f"list {rel}", _find)
 
+    def du(self, rel: str) -> int:
+        """Bytes of all files below ``rel`` (0 when absent)."""
+
+        def _du() -> int:
+            path = self.full(rel)
+            if hasattr(self.fs, "invalidate_cache"):
+                self.fs.invalidate_cache(path)
+            try:
+                return int(self.fs.du(path, total=True))
+            except FileNotFoundError:
+                return 0
+
+        return self.call(f"list {rel}", _du)
+
     def open_read(self, rel: str) -> Any:
         """A binary file handle for ranged reads (no read-ahead cache: pyarrow asks for exact ranges)."""
         kw: dict[str, Any] = {} if self.local else {"cache_type": "none", "block_size": 1 << 20}

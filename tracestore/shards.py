@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tracestore import pqconcat
@@ -50,6 +52,7 @@ from tracestore.arrow import (
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
 from tracestore.pagecrc import verify_pages
 from tracestore.records import (
+    _CHECKSUM_TAG,
     PrefixLink,
     RecordChunk,
     TrajectorySeal,
@@ -951,3 +954,371 @@ def _verify_pool() -> concurrent.futures.ThreadPoolExecutor:
             max_workers=min(VERIFY_WORKERS, os.cpu_count() or 1), thread_name_prefix="tracestore-crc"
         )
     return _POOL
+
+
+# ---------------------------------------------------------------------------- full validation
+# Checking every chunk of a shard at once (``tracestore inspect --validate``): the manifest as
+# columns, and every chunk's checksum from a few passes over the decoded columns instead of one
+# Python object per chunk (a decode shard holds ~300,000 chunks of one token).
+
+_ENTRY_INTS = ("token_start", "n_tokens", "n_rows", "row_group", "row", "checksum", "nbytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestColumns:
+    """A manifest with its chunk index as columns (:meth:`from_json`), rows in shard order.
+
+    ``trajectory`` and ``site`` are Arrow string arrays; the other entry fields int64 arrays. The
+    entries of one row group are consecutive (``row`` counts from 0 in each), which
+    :meth:`from_json` checks, so :meth:`groups` is a slice.
+    """
+
+    where: str
+    run: str
+    policy_version: int
+    writer: str
+    seq: int
+    shard: str | None
+    shard_bytes: int
+    shard_crc32: int
+    row_groups: tuple[int, ...]
+    trajectory: pa.StringArray
+    site: pa.StringArray
+    token_start: np.ndarray
+    n_tokens: np.ndarray
+    n_rows: np.ndarray
+    row_group: np.ndarray
+    row: np.ndarray
+    checksum: np.ndarray
+    nbytes: np.ndarray
+    seals: tuple[TrajectorySeal, ...]
+    links: tuple[PrefixLink, ...]
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> ManifestColumns:
+        """Decode a manifest (checksum verified, :func:`manifest_dict`) into columns;
+        CorruptionError naming ``where`` if it does not decode or its entries are not in row order."""
+        d = manifest_dict(data, where)
+        try:
+            c = d["chunks"]
+            ints = {k: np.array(c[k], dtype=np.int64) for k in _ENTRY_INTS}
+            traj, site = pa.array(c["trajectory"], pa.string()), pa.array(c["site"], pa.string())
+            n = len(traj)
+            if len(site) != n or traj.null_count or site.null_count or any(a.shape != (n,) for a in ints.values()):
+                raise ValueError("chunk columns of different lengths or with nulls")
+            row_groups = tuple(int(x) for x in d["row_groups"])
+            m = cls(
+                where,
+                str(d["run"]),
+                int(d["policy_version"]),
+                str(d["writer"]),
+                int(d["seq"]),
+                d["shard"],
+                int(d["shard_bytes"]),
+                int(d["shard_crc32"]),
+                row_groups,
+                traj,
+                site,
+                ints["token_start"],
+                ints["n_tokens"],
+                ints["n_rows"],
+                ints["row_group"],
+                ints["row"],
+                ints["checksum"],
+                ints["nbytes"],
+                tuple(TrajectorySeal.from_dict(s) for s in d["seals"]),
+                tuple(PrefixLink.from_dict(x) for x in d["links"]),
+            )
+        except (ValueError, KeyError, TypeError, OverflowError, pa.ArrowException) as exc:
+            raise CorruptionError(f"manifest {where} does not decode ({exc})") from exc
+        sizes = np.array(row_groups, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
+        if (
+            (sizes < 1).any()
+            or int(sizes.sum()) != len(traj)
+            or (len(traj) and m.shard is None)
+            or not np.array_equal(m.row_group, np.repeat(np.arange(len(sizes)), sizes))
+            or not np.array_equal(m.row, np.arange(len(traj)) - np.repeat(starts, sizes))
+        ):
+            raise CorruptionError(f"manifest {where}: its chunk entries do not list the row groups' rows in order")
+        owned: tuple[TrajectorySeal | PrefixLink, ...] = (*m.seals, *m.links)
+        for item in owned:
+            if item.run != m.run or item.policy_version != m.policy_version:
+                raise CorruptionError(f"manifest {where} of run {m.run} v{m.policy_version} holds {item!r}")
+        return m
+
+    def __len__(self) -> int:
+        return len(self.trajectory)
+
+    def groups(self, g0: int, g1: int) -> ManifestColumns:
+        """The entries of row groups ``[g0, g1)`` only (everything else unchanged)."""
+        a, b = int(sum(self.row_groups[:g0])), int(sum(self.row_groups[:g1]))
+        cut: dict[str, Any] = {k: getattr(self, k)[a:b] for k in ("trajectory", "site", *_ENTRY_INTS)}
+        return dataclasses.replace(self, **cut)
+
+    def describe(self, j: int) -> str:
+        return (
+            f"chunk (trajectory {self.trajectory[j]}, site {self.site[j]}, tokens "
+            f"[{self.token_start[j]}, {self.token_start[j] + self.n_tokens[j]})) in row group "
+            f"{self.row_group[j]} row {self.row[j]}"
+        )
+
+
+_HEAD = np.dtype(
+    [("pv", "<i8"), ("ts", "<i8"), ("nt", "<i8"), ("nr", "<i8"), ("cb", "<i8"), ("sb", "<i8"), ("g", "<f4")]
+)  # the packed "<qqqqqqf" of the chunk checksum's head (tracestore.records._checksum_head)
+VALIDATE_BATCH_BYTES = 64 << 20  # row groups decoded at once by verify_shard
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift_tables(n: int) -> np.ndarray:
+    """Byte tables of the GF(2)-linear map ``c -> crc32_combine(c, 0, n)`` (uint32 [4, 256])."""
+    cols = [crc32_combine(1 << i, 0, n) for i in range(32)]
+    b = np.arange(256, dtype=np.uint32)
+    out = np.zeros((4, 256), dtype=np.uint32)
+    for k in range(4):
+        for i in range(8):
+            out[k] ^= ((b >> i) & 1) * np.uint32(cols[8 * k + i])
+    return out
+
+
+def crc32_combine_many(crc1: np.ndarray, crc2: np.ndarray | int, len2: np.ndarray | int) -> np.ndarray:
+    """``crc32_combine`` elementwise (uint32 arrays; ``len2`` int64 or one length for all): the
+    CRC-32 of each ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``, one table lookup per
+    byte of ``crc1``."""
+    crc1 = np.asarray(crc1, dtype=np.uint32)
+    out = np.empty_like(crc1)
+    lens = np.asarray(len2, dtype=np.int64)
+    one = lens.ndim == 0 or not lens.size or lens.min() == lens.max()
+    for n in [int(lens.flat[0]) if lens.size else 0] if one else np.unique(lens).tolist():
+        t = _shift_tables(n)
+        sel = slice(None) if one else lens == n
+        x = crc1[sel]
+        y = t[0][x & 255]
+        y ^= t[1][(x >> 8) & 255]
+        y ^= t[2][(x >> 16) & 255]
+        y ^= t[3][x >> 24]
+        out[sel] = y
+    out ^= np.asarray(crc2, dtype=np.uint32)
+    return out
+
+
+def _binary_parts(col: pa.ChunkedArray) -> list[tuple[np.ndarray, memoryview, np.ndarray | None]]:
+    """Per Arrow chunk of a (large_)binary column: value offsets (n + 1), the data buffer, and
+    the validity (bool) when there are nulls."""
+    out = []
+    for arr in col.chunks:
+        if arr.type == pa.binary():
+            arr = arr.cast(pa.large_binary())
+        _, off_buf, data_buf = arr.buffers()
+        offsets = np.frombuffer(off_buf, dtype=np.int64)[arr.offset : arr.offset + len(arr) + 1]
+        valid = arr.is_valid().to_numpy(zero_copy_only=False) if arr.null_count else None
+        out.append((offsets, memoryview(data_buf if data_buf is not None else b""), valid))
+    return out
+
+
+def _first_false(ok: np.ndarray) -> int | None:
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else None
+
+
+def verify_shard(
+    source: Any,
+    cols: ManifestColumns,
+    where: str,
+    *,
+    sites: dict[str, tuple[int, int, int]] | None = None,
+    use_threads: bool = False,
+) -> str | None:
+    """Fully verify the row groups of a shard that ``cols`` lists (all of the manifest's, or a
+    slice from :meth:`ManifestColumns.groups`); return the first problem found, or None.
+
+    ``source``: the shard file (a memory map or any ``pyarrow`` readable file). Every page
+    checksum of those row groups (Arrow's decoder), every key column and stored checksum against
+    the manifest, every chunk's byte lengths against its row count (and against
+    ``sites[name] = (code_bytes, scale_bytes, rows_per_token)`` when given), and every chunk's
+    checksum (:func:`tracestore.records.chunk_checksum`), computed over whole columns at once.
+    The whole file's crc32 is not checked here (the caller has the bytes).
+    """
+    try:
+        pf = pq.ParquetFile(source, page_checksum_verification=True)
+        version = schema_version_of(pf.schema_arrow)
+        md = pf.metadata
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        return f"shard {where}: not a readable Parquet file ({exc})"
+    if version != SCHEMA_VERSION:
+        return f"shard {where}: schema version {version}, this tracestore reads {SCHEMA_VERSION}"
+    if md.num_row_groups != len(cols.row_groups):
+        return (
+            f"shard {where}: has {md.num_row_groups} row groups, its manifest lists {len(cols.row_groups)} "
+            "(file replaced or truncated)"
+        )
+    for g, n in enumerate(cols.row_groups):
+        if md.row_group(g).num_rows != n:
+            return f"shard {where}: row group {g} holds {md.row_group(g).num_rows} rows, manifest says {n}"
+    if not len(cols):
+        return None
+    groups = np.unique(cols.row_group).tolist()
+    batches: list[list[int]] = [[]]
+    acc = 0
+    sizes = np.bincount(cols.row_group, weights=cols.nbytes)
+    for g in groups:
+        if batches[-1] and acc + sizes[g] > VALIDATE_BATCH_BYTES:
+            batches.append([])
+            acc = 0
+        batches[-1].append(g)
+        acc += sizes[g]
+    lo = 0
+    for batch in batches:
+        hi = lo + sum(cols.row_groups[g] for g in batch)
+        try:
+            table = pf.read_row_groups(batch, use_threads=use_threads)
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            return f"shard {where}: row groups {batch[0]}-{batch[-1]} fail to decode: {exc}"
+        problem = _verify_rows(table, cols, lo, hi, where, sites)
+        if problem is not None:
+            return problem
+        del table
+        lo = hi
+    return None
+
+
+def _verify_rows(
+    table: pa.Table, cols: ManifestColumns, lo: int, hi: int, where: str, sites: dict[str, tuple[int, int, int]] | None
+) -> str | None:
+    """Check rows ``[lo, hi)`` of ``cols`` against ``table`` (their decoded row groups)."""
+    n = hi - lo
+    if table.num_rows != n:
+        return f"shard {where}: rows {lo}-{hi} decode to {table.num_rows} rows"
+    for name in CHUNK_SCHEMA.names:
+        if name != "token_scales" and table.column(name).null_count:
+            j = _first_false(table.column(name).is_valid().to_numpy(zero_copy_only=False))
+            return f"shard {where}: {cols.describe(lo + (j or 0))}: {name} is null"
+    # 1. the key columns and the stored checksum are the manifest's
+    traj, site = cols.trajectory[lo:hi], cols.site[lo:hi]
+    start, ntok, nrows = cols.token_start[lo:hi], cols.n_tokens[lo:hi], cols.n_rows[lo:hi]
+    expect_crc = cols.checksum[lo:hi]
+    ok = (
+        pc.equal(table.column("run"), cols.run).to_numpy(zero_copy_only=False)
+        & (table.column("policy_version").to_numpy() == cols.policy_version)
+        & pc.equal(table.column("trajectory"), traj).to_numpy(zero_copy_only=False)
+        & pc.equal(table.column("site"), site).to_numpy(zero_copy_only=False)
+        & (table.column("token_start").to_numpy() == start)
+        & (table.column("n_tokens").to_numpy() == ntok)
+        & (table.column("n_rows").to_numpy() == nrows)
+        & (table.column("checksum").to_numpy().astype(np.int64) == expect_crc)
+    )
+    j = _first_false(ok)
+    if j is not None:
+        got = tuple(table.column(k)[j].as_py() for k in ("trajectory", "site", "token_start"))
+        stored = table.column("checksum")[j].as_py()
+        return (
+            f"shard {where}: {cols.describe(lo + j)} holds {got} (checksum {stored:#010x}, "
+            f"manifest {int(expect_crc[j]):#010x}): wrong file in place?"
+        )
+    # 2. byte lengths: whole rows, and the site's layout
+    codes, scales, tscales = (table.column(k) for k in ("codes", "scales", "token_scales"))
+    if not [len(a) for a in codes.chunks] == [len(a) for a in scales.chunks] == [len(a) for a in tscales.chunks]:
+        codes, scales, tscales = (pa.chunked_array([c.combine_chunks()]) for c in (codes, scales, tscales))
+    parts = list(zip(_binary_parts(codes), _binary_parts(scales), _binary_parts(tscales), strict=True))
+    clen = np.concatenate([np.diff(c[0]) for c, _, _ in parts])
+    slen = np.concatenate([np.diff(s[0]) for _, s, _ in parts])
+    tlen = np.concatenate([np.diff(t[0]) for _, _, t in parts])
+    has_ts = np.concatenate([np.ones(len(t[0]) - 1, bool) if t[2] is None else t[2] for _, _, t in parts])
+    ok = (ntok > 0) & (nrows >= ntok)
+    nr = np.maximum(nrows, 1)
+    cb, sb = clen // nr, slen // nr
+    ok &= (clen % nr == 0) & (slen % nr == 0) & (~has_ts | (tlen == 4 * nrows))
+    tcodes, scodes = pc.dictionary_encode(traj), pc.dictionary_encode(site)
+    s_index = scodes.indices.to_numpy().astype(np.int64)
+    snames = scodes.dictionary.to_pylist()
+    if sites is not None:
+        layout = np.array([sites.get(name, (-1, -1, -1)) for name in snames], dtype=np.int64).reshape(-1, 3)[s_index]
+        ok &= (cb == layout[:, 0]) & (sb == layout[:, 1]) & (nrows == ntok * layout[:, 2])
+    j = _first_false(ok)
+    if j is not None:
+        return (
+            f"shard {where}: {cols.describe(lo + j)}: {clen[j]} code and {slen[j]} scale bytes in {nrows[j]} rows "
+            "do not match the site's layout"
+        )
+    # 3. every chunk's checksum (tracestore.records.chunk_checksum: tag and key strings, the packed
+    # numbers, codes, scales, token scales), from CRCs of the parts combined column-wise: one CRC
+    # call per codes and scales value; the head's CRC by linearity from the bytes that differ
+    # between chunks
+    n_sites = len(snames)
+    key = tcodes.indices.to_numpy().astype(np.int64) * n_sites + s_index
+    uniq, inverse = np.unique(key, return_inverse=True)
+    tnames = tcodes.dictionary.to_pylist()
+    prefix = np.array(
+        [
+            crc32(_CHECKSUM_TAG + f"{cols.run}\0{tnames[k // n_sites]}\0{snames[k % n_sites]}\0".encode())
+            for k in uniq.tolist()
+        ],
+        dtype=np.uint32,
+    )[inverse.reshape(-1)]
+    head = np.empty(n, _HEAD)
+    head["pv"] = cols.policy_version
+    head["ts"], head["nt"], head["nr"], head["cb"], head["sb"] = start, ntok, nrows, cb, sb
+    head["g"] = table.column("global_scale").to_numpy()
+    step = _HEAD.itemsize
+    actual = crc32_combine_many(prefix, _crc_fixed_rows(head), np.full(n, step))
+    crc_c = np.concatenate([_crc_values(cv, co) for (co, cv, _), _, _ in parts])
+    crc_s = np.concatenate([_crc_values(sv, so) for _, (so, sv, _), _ in parts])
+    actual = crc32_combine_many(crc32_combine_many(actual, crc_c, clen), crc_s, slen)
+    tail = np.full(n, crc32(b"\0"), np.uint32)  # no token scales: one b"\0"
+    if has_ts.any():
+        crc_t = np.concatenate([_crc_values(tv, to, tvalid) for _, _, (to, tv, tvalid) in parts])
+        one = np.full(int(has_ts.sum()), crc32(b"\1"), np.uint32)
+        tail[has_ts] = crc32_combine_many(one, crc_t[has_ts], tlen[has_ts])
+    actual = crc32_combine_many(actual, tail, np.where(has_ts, 1 + tlen, 1))
+    j = _first_false(actual.astype(np.int64) == expect_crc)
+    if j is not None:
+        return (
+            f"shard {where}: {cols.describe(lo + j)}: checksum mismatch "
+            f"(stored {int(expect_crc[j]):#010x}, computed {int(actual[j]):#010x})"
+        )
+    return None
+
+
+def _crc_values(data: memoryview, offsets: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    """CRC-32 of every value ``data[offsets[i]:offsets[i + 1]]`` (0 where ``valid`` is False)."""
+    o = offsets.tolist()
+    out = np.array([crc32(data[a:b]) for a, b in zip(o, o[1:])], dtype=np.uint32).reshape(-1)  # noqa: B905
+    if valid is not None:
+        out[~valid] = 0
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _byte_table(n: int, i: int) -> np.ndarray:
+    """uint32[256]: the part of the CRC-32 of an ``n``-byte string that byte ``i`` adds, per value
+    (``crc32(b at i, zeros elsewhere) ^ crc32(n zeros)``; the CRC is affine in the bytes)."""
+    z = bytearray(n)
+    base = crc32(bytes(z))
+    out = np.empty(256, dtype=np.uint32)
+    for b in range(256):
+        z[i] = b
+        out[b] = crc32(bytes(z)) ^ base
+    return out
+
+
+def _crc_fixed_rows(rows: np.ndarray) -> np.ndarray:
+    """CRC-32 of every row of a structured array of fixed-size records: the first row's, plus, by
+    linearity, the table contributions of the bytes where a row differs from it (few, for chunk
+    heads: the token start's low bytes, the global scale)."""
+    n, width = len(rows), rows.dtype.itemsize
+    if n == 0:
+        return np.zeros(0, dtype=np.uint32)
+    raw = rows.view(np.uint8).reshape(n, width)
+    ref = raw[0]
+    acc = np.full(n, crc32(ref.tobytes()), dtype=np.uint32)
+    fields: Mapping[str, Any] = rows.dtype.fields or {}
+    for name, (_, at, *_) in fields.items():
+        col = rows[name]
+        if col.min() == col.max():
+            continue
+        for i in range(at, at + col.dtype.itemsize):
+            diff = raw[:, i] ^ ref[i]
+            if diff.any():
+                acc ^= _byte_table(width, i)[diff]
+    return acc
