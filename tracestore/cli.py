@@ -17,6 +17,7 @@ from typing import Any
 SUBCOMMAND_MODULES = (
     "tracestore.cli_selftest",
     "tracestore.cli_inspect",
+    "tracestore.cli_check",
     "tracestore.server.cli",
     "tracestore.demo.cli",
 )

@@ -1,0 +1,230 @@
+"""``tracestore check URL --refs refs.jsonl`` (or ``--plan plan.json --run RUN``): fail-loud alignment check.
+
+For every trajectory (a TraceRef's stored id, or a plan segment) and every site it reports
+``recorded`` tokens (a record was read), ``unrecorded_final`` (the final position of a sealed
+trajectory, unrecorded by design), ``missing`` tokens (no record, not the final position),
+``wrong_version`` tokens (a record of another policy version than the ref's, or than the
+trajectory's seal for a plan; refs are read across every stored version, newest winning, as a
+step mixing versions reads them) and ``via_links`` tokens (served through prefix links, each link
+checked against its source by the reader). Refs are first checked against their seals: run, a seal
+of the stored id in the ref's version, its token count and its site set
+(:func:`tracestore.client.traceref.check_refs`). Unguided refs are listed (their rows train with
+RTN) and are not misalignment.
+
+Exit status: 0 when everything is aligned, 1 on any misalignment (a ref problem, a missing or
+wrong-version token, a read error such as a corrupt shard or a failing prefix link), 2 on usage
+errors. ``--json`` prints one JSON object instead of the table.
+
+Example::
+
+    tracestore check file://./tracestore-data --refs step-17.refs.jsonl
+    tracestore check s3://bucket/trace --run run-1 --plan rank3.plan.json --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from tracestore.errors import TraceStoreError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from tracestore.cli import env_default
+
+    p = sub.add_parser(
+        "check",
+        help="check TraceRefs or a plan against storage; exit 1 on any misalignment",
+        description="Report, per trajectory and site, tokens with records, the final positions "
+        "(unrecorded by design), missing tokens, tokens of a wrong policy version and tokens served "
+        "through prefix links; exit 1 on any misalignment. Env twins: TRACESTORE_RUN, "
+        "TRACESTORE_STORAGE_OPTIONS.",
+    )
+    p.add_argument("url", help="storage URL, e.g. file://./tracestore-data or s3://bucket/prefix")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--refs", help="JSON-lines file of TraceRefs ('-': standard input)")
+    src.add_argument(
+        "--plan",
+        help='JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
+        "(null trajectory: padding)",
+    )
+    p.add_argument("--run", default=env_default("--run", None), help="the run (required with --plan)")
+    p.add_argument("--versions", default=None, help="comma-separated policy versions a --plan reads (default: all)")
+    p.add_argument("--sites", default=None, help="comma-separated sites to check (default: all of the run's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--storage-options",
+        default=env_default("--storage-options", None),
+        help="JSON object passed to fsspec untouched",
+    )
+    p.set_defaults(func=run)
+
+
+def _load_refs(path: str) -> list[Any]:
+    from tracestore.client.traceref import read_jsonl
+
+    if path == "-":
+        return read_jsonl(sys.stdin)
+    return read_jsonl(path)
+
+
+def _load_plan(path: str) -> list[tuple[str | None, int, int]]:
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    segs = d.get("segments") if isinstance(d, dict) else d
+    if not isinstance(segs, list):
+        raise ValueError(f"{path}: expected a list of [trajectory, token_start, token_end] or {{'segments': [...]}}")
+    return [(s[0], int(s[1]), int(s[2])) for s in segs]
+
+
+def check(
+    url: str,
+    *,
+    refs: Sequence[Any] | None = None,
+    plan: Sequence[tuple[str | None, int, int]] | None = None,
+    run: str | None = None,
+    versions: Sequence[int] | None = None,
+    sites: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report ``tracestore check`` prints (``report["ok"]``: aligned)."""
+    import numpy as np
+
+    from tracestore.client.traceref import check_refs
+    from tracestore.plan import MicrobatchPlan
+    from tracestore.reader import LinkIndex, StoreReader
+    from tracestore.store import Store
+
+    if (refs is None) == (plan is None):
+        raise ValueError("give refs or a plan")
+    if refs is not None:
+        runs = sorted({r.run for r in refs})
+        if run is None:
+            if len(runs) != 1:
+                raise ValueError(f"the refs name runs {runs}: pass --run")
+            run = runs[0]
+    if run is None:
+        raise ValueError("--run is required with --plan")
+    store = Store(url, storage_options)
+    report: dict[str, Any] = {"url": url, "run": run, "problems": [], "trajectories": [], "unguided": []}
+    with StoreReader(store, run) as reader:
+        spec = reader.spec
+        site_names = list(spec.site_names) if sites is None else [spec.site(s).name for s in sites]
+        all_versions = reader.versions()
+        work: list[tuple[str, int, int, set[int], int | None]] = []  # (stored id, a, b, versions, ref version)
+        if refs is not None:
+            report["problems"] += check_refs(refs, reader, strict=False)
+            for r in refs:
+                if r.run != run:
+                    continue
+                if not r.guided:
+                    report["unguided"].append({"trajectory": r.stored_id, "reason": r.reason, "tokens": r.n_tokens})
+                    continue
+                # all versions, newest winning as in a read of a step that mixes versions: a record of
+                # the trajectory in another version than its ref's shows up as wrong_version
+                work.append((r.stored_id, 0, r.n_tokens, set(all_versions), r.policy_version))
+        else:
+            vs = set(all_versions if versions is None else versions)
+            assert plan is not None
+            for t, a, b in MicrobatchPlan(plan).segments:
+                if t is not None:
+                    work.append((t, a, b, vs, None))
+        report["segments"] = len(work)
+        reader.refresh(all_versions)
+        links = LinkIndex(run)
+        for v in all_versions:
+            for path in store.manifest_paths(run, v):
+                links.add_manifest(f"{store.url}/{path}", store.read_manifest(path))
+        for stored, a, b, vs, ref_version in work:
+            entry: dict[str, Any] = {"trajectory": stored, "tokens": [a, b], "sites": {}}
+            report["trajectories"].append(entry)
+            present = sorted(vs & set(all_versions))
+            if not present:
+                report["problems"].append(f"{stored}: no records in versions {sorted(vs)}")
+                entry["error"] = "no such version"
+                continue
+            seal = reader.seal(stored, present)
+            expect_v = ref_version if ref_version is not None else (seal.policy_version if seal is not None else None)
+            try:
+                pieces = links.resolve(stored, a, b, set(present), "mask")
+                via = sum(hi - lo for owner, lo, hi in pieces if owner != stored)
+                res = reader.read([(stored, a, b)], versions=present, sites=site_names, on_missing="mask")
+            except TraceStoreError as exc:
+                report["problems"].append(f"{stored} tokens [{a}, {b}): {type(exc).__name__}: {exc}")
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                continue
+            final = seal.n_tokens - 1 if seal is not None else None
+            for name in site_names:
+                rows = res[name]
+                k = rows.site.rows_per_token
+                valid = rows.valid.reshape(-1, k).all(axis=1)
+                pv = rows.policy_version.reshape(-1, k)[:, 0]
+                toks = np.arange(a, b)
+                is_final = toks == final if final is not None else np.zeros(b - a, bool)
+                missing = ~valid & ~is_final
+                wrong = valid & (pv != expect_v) if expect_v is not None else np.zeros(b - a, bool)
+                s = {
+                    "recorded": int(valid.sum()),
+                    "unrecorded_final": int((~valid & is_final).sum()),
+                    "missing": int(missing.sum()),
+                    "wrong_version": int(wrong.sum()),
+                    "via_links": via,
+                }
+                entry["sites"][name] = s
+                if s["missing"]:
+                    first = [int(x) for x in toks[missing][:8]]
+                    report["problems"].append(f"{stored} site {name}: {s['missing']} missing tokens, e.g. {first}")
+                if s["wrong_version"]:
+                    got = sorted({int(x) for x in pv[wrong]})
+                    report["problems"].append(
+                        f"{stored} site {name}: {s['wrong_version']} tokens of versions {got}, expected v{expect_v}"
+                    )
+    report["ok"] = not report["problems"]
+    return report
+
+
+def _print(report: dict[str, Any], out: TextIO) -> None:
+    print(f"run {report['run']} at {report['url']}: {report['segments']} trajectories checked", file=out)
+    for e in report["trajectories"]:
+        a, b = e["tokens"]
+        if "error" in e:
+            print(f"  {e['trajectory']} [{a}, {b}): ERROR {e['error']}", file=out)
+            continue
+        for name, s in e["sites"].items():
+            flag = "" if not (s["missing"] or s["wrong_version"]) else "  <-- misaligned"
+            print(
+                f"  {e['trajectory']} [{a}, {b}) {name}: recorded {s['recorded']}, final {s['unrecorded_final']}, "
+                f"missing {s['missing']}, wrong version {s['wrong_version']}, via links {s['via_links']}{flag}",
+                file=out,
+            )
+    for u in report["unguided"]:
+        print(f"  {u['trajectory']}: unguided ({u['reason']}), {u['tokens']} tokens train with RTN", file=out)
+    for p in report["problems"]:
+        print(f"PROBLEM: {p}", file=out)
+    print("OK: aligned" if report["ok"] else f"MISALIGNED: {len(report['problems'])} problems", file=out)
+
+
+def run(ns: argparse.Namespace) -> int:
+    try:
+        opts = json.loads(ns.storage_options) if ns.storage_options else None
+        report = check(
+            ns.url,
+            refs=_load_refs(ns.refs) if ns.refs else None,
+            plan=_load_plan(ns.plan) if ns.plan else None,
+            run=ns.run,
+            versions=[int(v) for v in ns.versions.split(",")] if ns.versions else None,
+            sites=ns.sites.split(",") if ns.sites else None,
+            storage_options=opts,
+        )
+    except (ValueError, OSError, TraceStoreError) as exc:
+        print(f"tracestore check: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if ns.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print(report, sys.stdout)
+    return 0 if report["ok"] else 1
