@@ -30,11 +30,13 @@ class ServerConfig:
     never take the threads a health probe needs. Only :attr:`reading_streams` streams wait for
     their next message at once (each has ``max_message_bytes`` of the memory budget reserved for
     it); the others wait with nothing read, their bytes held back at the client by HTTP/2 flow
-    control. ``max_read_bytes``: the largest Read (plan rows x row bytes of the sites read), and a
-    Read holds its size against the memory budget while it runs. ``max_writers``/``max_runs``:
-    writer sessions and runs one sidecar keeps. ``storage_unhealthy_s``: storage refusing every
-    commit this long marks the sidecar degraded (health NOT_SERVING). ``wal_retry_s``: pause
-    between attempts to recover a failed write-ahead log.
+    control. One ``max_message_bytes`` more stays reserved for the whole run: gRPC copies each
+    received message out of its buffers once (one at a time, on its polling thread), so for a
+    moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
+    row bytes of the sites read), and a Read holds its size against the memory budget while it
+    runs. ``max_writers``/``max_runs``: writer sessions and runs one sidecar keeps.
+    ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
+    (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
     """
 
     storage: str = "file://./tracestore-data"
@@ -98,10 +100,11 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
-        if self.max_message_bytes > self.memory_budget_bytes:
+        if 2 * self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
-                f"max_message_bytes ({self.max_message_bytes}) must not exceed memory_budget_bytes "
-                f"({self.memory_budget_bytes}): one message could never be admitted"
+                f"max_message_bytes ({self.max_message_bytes}) must be at most half of memory_budget_bytes "
+                f"({self.memory_budget_bytes}): the budget keeps room for one message being copied out of "
+                "gRPC's buffers besides the messages being read"
             )
 
     @property

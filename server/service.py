@@ -13,7 +13,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, Literal
 
@@ -26,12 +27,14 @@ from tracestore.errors import (
     ConfigError,
     ConflictError,
     CorruptionError,
+    LimitError,
     MissingRecordsError,
     NotFoundError,
     PermissionDeniedError,
     StorageError,
     TraceStoreError,
     UnauthenticatedError,
+    ValidationError,
 )
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
@@ -46,15 +49,21 @@ from .auth import (
     require_see,
     require_write,
 )
-from .config import ServerConfig
-from .engine import DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
-from .metrics import Metrics
+from .config import HEALTH_THREADS, ServerConfig
+from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
+from .metrics import Metrics, storage_op, unguided_reason
 from .shm import ShmPools
 from .wire import parse_seal, parse_write, scan_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
 READ_SLICE_BYTES = 4 << 20
+# A Write stream that has waited this long for its next message while other streams wait for a turn
+# to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
+READ_TURN_IDLE_S = 2.0
+HEALTH_PERIOD_S = 1.0  # how often the health status follows Engine.degraded()
+RETRY_AFTER_LIMIT_MS = 1000  # retry hint with a refusal for a count limit (streams, concurrent calls)
+INT64_MAX = (1 << 63) - 1
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -63,7 +72,7 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, PermissionDeniedError):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, OverBudgetError):
+    if isinstance(exc, OverBudgetError | LimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, SequenceError):
         return grpc.StatusCode.FAILED_PRECONDITION
@@ -80,14 +89,130 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
+    """Bytes a Read's output takes (per row of each site read: codes and scales of the column range,
+    policy version, global scale, token scale, valid and stale flags), computed from the request
+    alone; raises ValidationError for what no read could serve (undeclared or repeated sites,
+    negative versions, empty or negative token ranges, column ranges outside a site)."""
+    declared = set(spec.site_names)
+    for name in sites:
+        if name not in declared:
+            raise ValidationError(
+                f"run {spec.run} declares no site {name[:200]!r}; expected sites among {sorted(declared)}"
+            )
+    if len(set(sites)) != len(sites):
+        raise ValidationError(f"expected each site once in the Read request, got {sites}")
+    bad = [v for v in req.versions if v < 0]
+    if bad:
+        raise ValidationError(f"expected policy versions >= 0 in the Read request, got {bad[:10]}")
+    tokens = 0
+    for i, seg in enumerate(req.plan):
+        if not 0 <= seg.token_start < seg.token_end:
+            raise ValidationError(
+                f"plan segment {i} ({seg.trajectory[:200]!r}): expected 0 <= token_start < token_end, "
+                f"got [{seg.token_start}, {seg.token_end})"
+            )
+        tokens += seg.token_end - seg.token_start  # a Python int: no overflow, however large
+    nbytes = 0
+    for name in sites:
+        site = spec.site(name)
+        width = site.width
+        if req.has_columns:
+            if not 0 <= req.column_start < req.column_end <= site.width:
+                raise ValidationError(
+                    f"site {name}: expected a column range within [0, {site.width}], got "
+                    f"[{req.column_start}, {req.column_end})"
+                )
+            width = req.column_end - req.column_start
+        row = width * site.bits // 8 + width // site.fmt.block + 8 + 4 + 4 + 1 + 1
+        nbytes += tokens * site.rows_per_token * row
+    return nbytes
+
+
 def _details(exc: BaseException) -> str:
     if status_of(exc) is grpc.StatusCode.INTERNAL:
         return f"internal error ({type(exc).__name__}); see the sidecar log"
     return str(exc)[:2000]
 
 
+class ReadTurns:
+    """Turns to read a message, first come first served: a Write stream takes one before it asks
+    gRPC for its next message and gives it back once the message has arrived. There are only as
+    many as the memory budget covers at ``max_message_bytes`` each (a message arrives whole, up to
+    that size, once it is asked for), so the streams without one wait with nothing read."""
+
+    def __init__(self, turns: int, on_waiting: Callable[[int], None] | None = None) -> None:
+        self.free = turns
+        self._queue: deque[object] = deque()
+        self._cond = threading.Condition()
+        self._on_waiting = on_waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.25) -> bool:
+        """Wait for a turn (in arrival order); False once ``give_up()`` is true (polled)."""
+        me = object()
+        with self._cond:
+            if self.free > 0 and not self._queue:
+                self.free -= 1
+                return True
+            self._queue.append(me)
+            self._changed()
+            try:
+                while not (self.free > 0 and self._queue[0] is me):
+                    if give_up():
+                        return False
+                    self._cond.wait(poll_s)
+                self.free -= 1
+                return True
+            finally:
+                self._queue.remove(me)
+                self._changed()
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._cond:
+            self.free += 1
+            self._cond.notify_all()
+
+    def _changed(self) -> None:
+        if self._on_waiting is not None:
+            self._on_waiting(len(self._queue))
+
+
+class CallSlots:
+    """A count limit taken without waiting: ``take()`` is False when all ``limit`` are in use."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.limit:
+                return False
+            self.used += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.used -= 1
+
+
 class TraceStoreService:
-    """Handlers of tracestore.v1.TraceStore over one :class:`Engine`."""
+    """Handlers of tracestore.v1.TraceStore over one :class:`Engine`.
+
+    Threads: each open Write stream holds one gRPC worker thread (and two of its own) for its
+    whole life, so at most ``max_streams`` are admitted; Read and Seal, which can run long, take at
+    most ``workers - HEALTH_THREADS`` threads together; what remains answers health checks and Stat.
+    Memory: a Write stream reserves ``max_message_bytes`` of the engine's budget before it asks
+    for a message and keeps only the message's size once it has arrived (plus one
+    ``max_message_bytes`` reserved for good: gRPC's copy of the message it is delivering); a Read
+    reserves its output size before it reads storage and releases it when its stream ends.
+    """
 
     def __init__(self, engine: Engine, metrics: Metrics, shm: ShmPools, config: ServerConfig) -> None:
         self.engine = engine
@@ -97,6 +222,13 @@ class TraceStoreService:
         self._readers: dict[str, Any] = {}
         self._readers_lock = threading.Lock()
         self.draining = False
+        self.streams = CallSlots(config.max_streams)
+        self.long_calls = CallSlots(max(1, config.workers - HEALTH_THREADS))
+        self.turns = ReadTurns(config.reading_streams, on_waiting=metrics.waiting_streams.set)
+        # gRPC copies each message it receives out of its buffers into a bytes object, one message at
+        # a time: for that moment the message takes twice its size. Room for the second copy of
+        # the largest message stays reserved as long as the service runs.
+        self.copy_room = engine.reserve(config.max_message_bytes)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -139,9 +271,25 @@ class TraceStoreService:
     # -- Write ------------------------------------------------------------------------------------
 
     def write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Bidirectional stream: each message in, acks of the highest durable sequence out."""
+        """Bidirectional stream: each message in, acks of the highest durable sequence out. At most
+        ``max_streams`` at once: one more is refused at once, before it takes anything."""
+        if not self.streams.take():
+            limit = LimitError(
+                f"{self.streams.limit} Write streams are open on this sidecar, its limit (max_streams, "
+                "--max-streams); retry later, share a stream per process, or raise the limit"
+            )
+            self._fail(context, "Write", limit, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
+        try:
+            yield from self._write(requests, context)
+        finally:
+            self.streams.give()
+
+    def _write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         waker = Waker()
         box: dict[str, Any] = {"state": None, "epoch": None, "error": None, "failed_seq": None, "done": False}
+        # when the receiver asked gRPC for the next message (None: not waiting for one),
+        # and whether the consumer is working on a message
+        box.update(reading_since=None, busy=False)
         local = context.peer().startswith("unix:")
         shm = self.shm.view if local else None
         self.metrics.active_streams.inc()
@@ -162,19 +310,34 @@ class TraceStoreService:
         # Two threads per stream: one takes messages off the wire (after reserving budget for them),
         # one parses and admits them, so receiving message n+1 overlaps processing message n.
         handoff: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=1)
-        size = {"estimate": 1 << 20}  # the next message's size: the last one's
+        bound = self.config.max_message_bytes  # gRPC delivers no bigger message
+
+        def give_up_turn() -> bool:
+            return box["error"] is not None or self.draining or not context.is_active()
 
         def receive() -> None:
             it = iter(requests)
             try:
                 while box["error"] is None:
-                    reserved = self.engine.reserve(size["estimate"])
+                    # Once asked for a message, gRPC takes in all of it (flow control opens the window
+                    # to its size): ask only with a turn and room in the budget for the largest one.
+                    if not self.turns.acquire(give_up_turn):
+                        break
                     try:
-                        raw = next(it)
-                    except BaseException:
-                        self.engine.unreserve(reserved)
-                        raise
-                    handoff.put((raw, reserved))
+                        reserved = self.engine.reserve(bound)
+                        box["reading_since"] = time.monotonic()
+                        try:
+                            raw = next(it)
+                        except BaseException:
+                            self.engine.unreserve(reserved)
+                            raise
+                    finally:
+                        box["reading_since"] = None
+                        self.turns.release()
+                    keep = min(reserved, max(len(raw), 1))  # what the message holds from here on
+                    if keep < reserved:
+                        self.engine.unreserve(reserved - keep)
+                    handoff.put((raw, keep))
             except StopIteration:
                 pass
             except grpc.RpcError:
@@ -188,7 +351,9 @@ class TraceStoreService:
         def consume() -> None:
             try:
                 while True:
+                    box["busy"] = False
                     item = handoff.get()
+                    box["busy"] = True
                     if item is None:
                         break
                     raw, reserved = item
@@ -202,7 +367,6 @@ class TraceStoreService:
                             raw, run_spec, shm, path="shm" if local else "grpc", declare=declare
                         )  # fmt: skip
                         seq = req.sequence
-                        size["estimate"] = max(msg.nbytes, 4096)
                         hold = None
                         if msg.shm_chunks and self.engine.wal is not None:
                             # Durable at the WAL fsync, before its shard is written: a writer that keeps
@@ -212,7 +376,7 @@ class TraceStoreService:
                             else:
                                 msg.own_shm()
                         for u in req.unguided:
-                            self.metrics.unguided_trajectories.labels((u.reason or "unknown")[:32]).inc(u.count)
+                            self.metrics.unguided_trajectories.labels(unguided_reason(u.reason)).inc(u.count)
                         reserved_left = 0
                         st, _dup = self.engine.submit(msg, wal_parts, reserved, hold)
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
@@ -255,9 +419,11 @@ class TraceStoreService:
                             epoch=epoch, durable_sequence=durable, received_sequence=received,
                             released_sequence=released,
                         ).SerializeToString()  # fmt: skip
-                    if (done or self.draining) and err is None and durable >= received:
-                        break  # on shutdown: end the stream once all it sent is durable
-                elif done and err is None:
+                    if (done or self.draining or self._idle_while_others_wait(box, handoff)) and (
+                        err is None and durable >= received
+                    ):
+                        break  # on shutdown (or to let a waiting stream read): once all it sent is durable
+                elif err is None and (done or self._idle_while_others_wait(box, handoff)):
                     break
                 if err is not None:
                     meta = {} if box["failed_seq"] is None else {"tracestore-failed-sequence": str(box["failed_seq"])}
@@ -270,9 +436,37 @@ class TraceStoreService:
             if box["state"] is not None:
                 self.engine.unlisten(box["state"], waker)
 
+    def _idle_while_others_wait(self, box: dict[str, Any], handoff: queue.Queue[Any]) -> bool:
+        """A stream's turn to read is wasted: it has waited READ_TURN_IDLE_S for a message that has not
+        come, everything it took is processed, and other streams wait for a turn."""
+        since = box["reading_since"]
+        return (
+            since is not None
+            and self.turns.waiting > 0
+            and time.monotonic() - since > READ_TURN_IDLE_S
+            and not box["busy"]
+            and handoff.empty()
+        )
+
     # -- Seal -------------------------------------------------------------------------------------
 
+    def _refuse_busy(self, context: grpc.ServicerContext, method: str) -> None:
+        limit = LimitError(
+            f"{self.long_calls.limit} Read and Seal calls are running on this sidecar, its limit (workers - "
+            f"{HEALTH_THREADS}, --workers {self.config.workers}); retry later"
+        )
+        self._fail(context, method, limit, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
+
     def seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """Unary twin of a Write message; returns once it is durable (one of the long-call slots)."""
+        if not self.long_calls.take():
+            self._refuse_busy(context, "Seal")
+        try:
+            return self._seal(raw, context)
+        finally:
+            self.long_calls.give()
+
+    def _seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             req = parse_seal(raw)
             require_write(self._caller(), req.run)
@@ -303,9 +497,22 @@ class TraceStoreService:
     # -- Read -------------------------------------------------------------------------------------
 
     def read(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Plan-aligned rows, in slices of about READ_SLICE_BYTES. The whole output is held against
+        the memory budget from before storage is read until the stream ends."""
+        if not self.long_calls.take():
+            self._refuse_busy(context, "Read")
+        reserved = [0]
+        try:
+            yield from self._read(raw, context, reserved)
+        finally:
+            if reserved[0]:
+                self.engine.unreserve(reserved[0])
+            self.long_calls.give()
+
+    def _read(self, raw: bytes, context: grpc.ServicerContext, reserved: list[int]) -> Iterator[bytes]:
         t0 = time.monotonic()
         try:
-            rows_by_site = self._read_rows(raw)
+            rows_by_site = self._read_rows(raw, reserved)
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Read", exc, {})
             return
@@ -341,7 +548,7 @@ class TraceStoreService:
         self.metrics.read_latency.observe(time.monotonic() - t0)
         self.metrics.requests.labels("Read", "OK").inc()
 
-    def _read_rows(self, raw: bytes) -> list[tuple[str, Any]]:
+    def _read_rows(self, raw: bytes, reserved: list[int]) -> list[tuple[str, Any]]:
         from tracestore.plan import MicrobatchPlan
         from tracestore.reader import StoreReader
         from tracestore.records import validate_id
@@ -353,11 +560,20 @@ class TraceStoreService:
         require_read(self._caller(), req.run)
         validate_id("run", req.run)
         spec = self.engine.run_spec(req.run)
+        sites = list(req.sites) or list(spec.site_names)
+        nbytes = read_size(req, spec, sites)  # checks the request; before anything is read or allocated
+        if nbytes > self.config.read_limit_bytes:
+            raise LimitError(
+                f"the read plan needs {nbytes} bytes of output, over this sidecar's limit of "
+                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib, at most the memory "
+                "budget); read fewer tokens or sites at a time"
+            )
+        plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
         # Read-your-writes: commit what this sidecar holds before reading storage.
         if not self.engine.flush(self.config.storage_timeout_s):
             raise StorageError("could not commit pending records before the read (storage is behind); retry")
-        plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
-        sites = list(req.sites) or list(spec.site_names)
+        # the output, and the slices of it being serialized and sent
+        reserved[0] = self.engine.reserve(nbytes + 3 * READ_SLICE_BYTES)
         on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
         with self._readers_lock:
@@ -403,7 +619,12 @@ class TraceStoreService:
             writers=[pb.WriterState(**w) for w in s["writers"]],
             storage_url=self.config.storage if who.admin else "",
             run_spec=spec,
+            degraded=self.degraded(),
         ).SerializeToString()
+
+    def degraded(self) -> list[str]:
+        """Why the engine reports itself unhealthy (its fixed set of reasons); empty: healthy."""
+        return list(self.engine.degraded())
 
 
 def _claim_unix_socket(path: str) -> None:
@@ -542,13 +763,14 @@ class Sidecar:
         self.service: TraceStoreService | None = None
         self.health = health.HealthServicer()
         self._stopped = threading.Event()
+        self._serving: bool | None = None  # the health status last set (None: not yet)
         self._tls: ServerTls | None = None
         self._tokens: TokenFile | None = None
 
     def _storage_event(self, kind: str, op: str, detail: str) -> None:
-        # The store names the object ("write run-a/v0/..."): keep the operation word only, so the
-        # label stays bounded and never carries run/writer/trajectory ids (metrics.py contract).
-        name = op.split(" ", 1)[0][:32] or "unknown"
+        # The store names the object ("write run-a/v0/..."): keep the operation word only, one of a
+        # fixed set, so the label never carries run/writer/trajectory ids (metrics.py contract).
+        name = storage_op(op)
         if kind == "retry":
             self.metrics.storage_retries.labels(name).inc()
         else:
@@ -579,9 +801,10 @@ class Sidecar:
             needs = cfg.unix_needs_token
             interceptors.append(AuthInterceptor(self._tokens, unix_needs_token=needs, on_refused=refused))
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tracestore-rpc"),
+            # a thread per Write stream up to the cap, and `workers` more (health, Stat, Read, Seal)
+            futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="tracestore-rpc"),
             options=cfg.grpc_options(),
-            maximum_concurrent_rpcs=cfg.max_streams,
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             interceptors=interceptors,
         )
         server.add_generic_rpc_handlers((service.handler(),))
@@ -621,9 +844,34 @@ class Sidecar:
         server.start()
         self._server = server
         self._log_security()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._follow_health()
+        threading.Thread(target=self._health_loop, name="tracestore-health", daemon=True).start()
         return self
+
+    def _health_loop(self) -> None:
+        while not self._stopped.wait(HEALTH_PERIOD_S):
+            try:
+                self._follow_health()
+            except Exception:  # noqa: BLE001 - the loop outlives a failing check; the status stays
+                log.exception("health check of the engine failed")
+
+    def _follow_health(self) -> None:
+        """Health SERVING while the engine reports nothing wrong, NOT_SERVING while it does (a
+        shutdown's NOT_SERVING is final: the servicer ignores later sets); tracestore_degraded."""
+        assert self.service is not None
+        reasons = self.service.degraded()
+        for reason in DEGRADED_REASONS:
+            self.metrics.degraded.labels(reason).set(1 if reason in reasons else 0)
+        serving = not reasons
+        if serving != self._serving:
+            if not serving:
+                log.error("degraded (%s): health NOT_SERVING", ", ".join(reasons))
+            elif self._serving is not None:
+                log.warning("no longer degraded: health SERVING")
+        self._serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            self.health.set(name, status)
 
     def _log_security(self) -> None:
         cfg = self.config

@@ -164,11 +164,26 @@ def parse_write(
     """
     req, chunks, crc = scan_write(data)
     if declare is not None and req.HasField("run_spec"):
+        check_run_spec(req.run_spec)
         declare(req.run_spec)  # the run spec may ride along with any message
     if shm is not None and req.shm_pool:
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
     msg, blobs = _parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path)
     return req, msg, pack_wal_data(data if crc is None else Checked(data, crc), blobs)
+
+
+def check_run_spec(spec: pb.RunSpec) -> None:
+    """Refuse a declared site whose ``rows_per_token`` or ``bits`` is 0 (unset): the run's layout
+    would otherwise be guessed (1), and a run is immutable once declared."""
+    for s in spec.sites:
+        for name, value, expected in (
+            ("rows_per_token", s.rows_per_token, "token rows per token, 1 for most sites"),
+            ("bits", s.bits, "low code bits kept per value, 1..4"),
+        ):
+            if value < 1:
+                raise ValidationError(
+                    f"run {spec.run[:200]!r} site {s.name[:200]!r}: expected {name} >= 1 ({expected}), got {value}"
+                )
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
@@ -217,6 +232,11 @@ def _parse(
                 raise ValidationError("shared-memory references are accepted only over the local unix socket")
             if any(x is not None and len(x) for x in inline):
                 raise ValidationError(f"chunk of {c.trajectory!r}: set either shm or inline bytes, not both")
+            if c.shm.token_scales_offset and not c.has_token_scales:  # type: ignore[attr-defined]
+                raise ValidationError(
+                    f"chunk of {c.trajectory!r} site {c.site!r}: shm.token_scales_offset is set but has_token_scales "
+                    "is not; expected has_token_scales=true with token scales, or no token_scales_offset"
+                )
             if not (0 < c.n_tokens <= 1 << 24):
                 raise ValidationError(f"chunk of {c.trajectory!r}: n_tokens must be 1..2^24, got {c.n_tokens}")
             _, nc, ns, nt = payload_sizes(site, c.n_tokens, c.has_token_scales)
@@ -239,6 +259,11 @@ def _parse(
             empty = memoryview(b"")
             codes = inline[0] if inline[0] is not None else empty
             scales = inline[1] if inline[1] is not None else empty
+            if not c.has_token_scales and inline[2] is not None and len(inline[2]):
+                raise ValidationError(
+                    f"chunk of {c.trajectory!r} site {c.site!r}: {len(inline[2])} token_scales bytes sent but "
+                    "has_token_scales is not set; expected has_token_scales=true with token scales, or none"
+                )
             ts = (inline[2] if inline[2] is not None else empty) if c.has_token_scales else None
         chunk = chunk_from_parts(req.run, c, site, codes, scales, ts, cls=VerifiedChunk)
         if FAST:  # payload CRCs computed above (small chunks' here: protobuf parsed them)

@@ -73,8 +73,10 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
             ServerConfig(**{name: value})  # type: ignore[arg-type]
     # only as many streams wait for a message as half the budget covers at max_message_bytes each
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=2 << 20).reading_streams == 16
-    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=64 << 20).reading_streams == 1
-    assert ServerConfig(memory_budget_bytes=64 << 20).read_limit_bytes == 64 << 20
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=32 << 20).reading_streams == 1
+    with pytest.raises(ConfigError, match="at most half"):
+        ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=33 << 20)
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20).read_limit_bytes == 64 << 20
 
 
 def _free(port: int) -> bool:

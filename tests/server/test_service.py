@@ -24,12 +24,15 @@ from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
+from tracestore.errors import LimitError, PermissionDeniedError, UnauthenticatedError
 from tracestore.plan import MicrobatchPlan
 from tracestore.reader import StoreReader
 from tracestore.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.v1.convert import run_spec_to_pb
 
 MAX_MSG = 256 << 10
+INT64_MAX = (1 << 63) - 1
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,15 @@ def _set(field: str, value: Any) -> Any:
     return f
 
 
+def _declare(req: pb.WriteRequest, **site_fields: int) -> None:
+    """Make ``req`` declare a run of its own whose first site has ``site_fields`` set."""
+    req.run = "hostile-spec"
+    req.run_spec.CopyFrom(run_spec_to_pb(SPEC))
+    req.run_spec.run = "hostile-spec"
+    for k, v in site_fields.items():
+        setattr(req.run_spec.sites[0], k, v)
+
+
 HOSTILE = {
     "garbage-bytes": (lambda r: b"\xff\xfe\x00garbage" * 10, "INVALID_ARGUMENT", "not a valid"),
     "short-codes": (_set("codes", b"\0" * 31), "INVALID_ARGUMENT", "expected codes/scales"),
@@ -141,6 +153,11 @@ HOSTILE = {
     "bad-checksum": (_set("checksum", 12345), "DATA_LOSS", "checksum"),
     "nan-global-scale": (_set("global_scale", float("nan")), "INVALID_ARGUMENT", "global_scale"),
     "shm-over-tcp": (lambda r: r.chunks[0].shm.SetInParent(), "INVALID_ARGUMENT", "unix socket"),
+    # token scale bytes without the flag were silently dropped
+    "token-scales-without-flag": (_set("token_scales", b"\0" * 16), "INVALID_ARGUMENT", "has_token_scales"),
+    # a declared site with rows_per_token 0 (or bits 0) silently became 1
+    "rows-per-token-zero": (lambda r: _declare(r, rows_per_token=0), "INVALID_ARGUMENT", "rows_per_token >= 1"),
+    "bits-zero": (lambda r: _declare(r, bits=0), "INVALID_ARGUMENT", "bits >= 1"),
     "oversized": (_set("codes", b"\0" * (MAX_MSG + 10)), "RESOURCE_EXHAUSTED", ""),
 }
 
@@ -243,6 +260,115 @@ def test_read_rpc_errors(channel: grpc.Channel) -> None:
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in (e.value.details() or "")
 
 
+def _read_error(ch: grpc.Channel, req: pb.ReadRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        list(ch.unary_stream("/tracestore.v1.TraceStore/Read")(req.SerializeToString(), timeout=20))
+    return e.value
+
+
+def test_hostile_reads(channel: grpc.Channel, good: GoodWriter) -> None:
+    """What no read can serve is INVALID_ARGUMENT saying what was expected (an unknown site and a
+    negative version were NOT_FOUND); a plan too large to serve is RESOURCE_EXHAUSTED naming the
+    limit and the size, computed before anything is allocated (2^40 tokens was INTERNAL); the
+    server stays SERVING."""
+    seg = [pb.Segment(trajectory="good-0", token_start=0, token_end=6)]
+    cases = [
+        (pb.ReadRequest(run=SPEC.run, plan=seg, sites=["layers.99.x"]), "INVALID_ARGUMENT", "declares no site"),
+        (pb.ReadRequest(run=SPEC.run, plan=seg, versions=[-1]), "INVALID_ARGUMENT", "versions >= 0"),
+        (pb.ReadRequest(run=SPEC.run, plan=seg, sites=[SPEC.site_names[0]] * 2), "INVALID_ARGUMENT", "each site once"),
+        (pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory="good-0", token_start=5, token_end=2)]),
+         "INVALID_ARGUMENT", "token_start < token_end"),
+        (pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory="good-0", token_start=-3, token_end=2)]),
+         "INVALID_ARGUMENT", "token_start < token_end"),
+        (pb.ReadRequest(run=SPEC.run, plan=seg, has_columns=True, column_start=0, column_end=4096),
+         "INVALID_ARGUMENT", "column range"),
+        (pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory="good-0", token_start=0, token_end=1 << 40)]),
+         "RESOURCE_EXHAUSTED", "max_read_bytes"),
+        # two segments whose token counts overflow int64 when summed
+        (pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory="good-0", token_start=0, token_end=INT64_MAX)] * 2,
+                        on_missing=pb.ON_MISSING_MASK), "RESOURCE_EXHAUSTED", "max_read_bytes"),
+    ]  # fmt: skip
+    for req, code, words in cases:
+        err = _read_error(channel, req)
+        assert err.code().name == code, (req, err.code(), err.details())
+        assert words in (err.details() or ""), err.details()
+        assert "Traceback" not in (err.details() or "")
+    huge = _read_error(channel, cases[6][0])
+    assert str((1 << 40) * 84) in (huge.details() or ""), huge.details()  # the size (84 bytes a token here)
+    h = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert h.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unguided_reasons_are_a_fixed_label_set(channel: grpc.Channel, sidecar: Sidecar) -> None:
+    """Recorder-sent unguided reasons become metric labels only from a fixed set (anything else is
+    "other"): 300 messages with made-up reasons once made 300 series."""
+    from tracestore.server.metrics import UNGUIDED_REASONS
+
+    reqs = []
+    for i in range(1, 301):
+        req = write_request(i, [], writer="unguided-reporter")
+        req.unguided.add(reason=f"made-up-{i}-" + "x" * 40, count=1)
+        if i % 3 == 0:
+            req.unguided.add(reason="STAGING_FULL", count=2)
+        reqs.append(req.SerializeToString())
+    _, err = stream(channel, reqs)
+    assert err is None, err
+    text = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10).read().decode()
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("tracestore_unguided_trajectories_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            series[reason] = float(line.rsplit(" ", 1)[1])
+    assert set(series) <= UNGUIDED_REASONS, sorted(series)[:10]
+    assert series["other"] >= 300 and series["staging_full"] >= 200
+
+
+def test_status_codes_of_limits_and_auth() -> None:
+    from tracestore.server.service import status_of
+
+    assert status_of(LimitError("max_writers")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(PermissionDeniedError("not yours")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_of(UnauthenticatedError("no token")) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_storage_op_labels_are_a_fixed_set() -> None:
+    from tracestore.server.metrics import STORAGE_OPS, storage_op
+
+    assert storage_op("write run-a/v0/w/part-1.parquet") == "write"
+    assert storage_op("list run-a") == "list"
+    for op in ("run-a/v0/x", "", "evil-op-" + "y" * 100, "WRITE x"):
+        assert storage_op(op) == "other"
+    assert {"read", "write", "list", "delete", "other"} <= STORAGE_OPS
+
+
+def test_writer_and_run_limits(tmp_path: Path) -> None:
+    """max_writers / max_runs: a writer or run beyond them is refused with RESOURCE_EXHAUSTED
+    naming the limit, and the ones already there keep working."""
+    from tracestore.records import RunSpec
+
+    cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / "wal"), port=0, metrics_port=None,
+                       flush_interval_s=0.05, max_writers=2, max_runs=1)  # fmt: skip
+    sc = Sidecar(cfg).start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:
+            for w in ("w1", "w2"):
+                req = write_request(1, [make_chunk(f"lim-{w}", 0, 4)], writer=w, declare=True)
+                assert stream(ch, [req.SerializeToString()])[1] is None
+            _, err = stream(ch, [write_request(1, [make_chunk("lim-w3", 0, 4)], writer="w3").SerializeToString()])
+            assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            assert "max_writers" in (err.details() or ""), err.details()
+            other = RunSpec("run-b", SPEC.sites)
+            req = write_request(1, [make_chunk("b", 0, 4, spec=other)], writer="w1", declare=True, spec=other)
+            _, err = stream(ch, [req.SerializeToString()])
+            assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            assert "max_runs" in (err.details() or ""), err.details()
+            again = write_request(2, [make_chunk("lim-w1b", 0, 4)], writer="w1").SerializeToString()
+            acks, err = stream(ch, [again])
+            assert err is None and acks[-1].durable_sequence == 2, err
+    finally:
+        sc.stop(5)
+
+
 def test_refused_messages_return_their_reservation(tmp_path: Path) -> None:
     """Each stream reserves budget for the message it is about to read; a message refused at parse
     must give it back, or a hostile client sending garbage would shrink the budget of everyone
@@ -261,7 +387,8 @@ def test_refused_messages_return_their_reservation(tmp_path: Path) -> None:
             acks, err = stream(ch, good)
             assert err is None, err
             assert acks and acks[-1].durable_sequence == 1
-        assert sc.engine is not None
-        wait_for("reservations returned", lambda: sc.engine._reserved == 0)  # noqa: SLF001
+        assert sc.engine is not None and sc.service is not None
+        # all but the room kept for gRPC's copy of a message being received
+        wait_for("reservations returned", lambda: sc.engine._reserved == sc.service.copy_room)  # noqa: SLF001
     finally:
         sc.stop(5)
