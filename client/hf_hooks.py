@@ -1,26 +1,35 @@
-"""Hooks that see every MoE-block input and the K/V entering the KV cache of a Hugging Face model.
+"""Hooks that see every MoE-block input and the K/V entering the KV cache of a transformers model.
 
-Nothing in the model is edited or monkeypatched:
+Nothing in the model is edited or monkeypatched. Where the hooks go comes from the model's layout
+(:mod:`tracestore.client.hf_layouts`: decoder-layer list, attention module, MoE block, shared expert):
 
-- MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block (the module that owns the
-  ``experts``), which may replace the block's input (fake quantization).
-- K/V after the rotary embedding: transformers dispatches attention through
-  ``AttentionInterface`` by ``config._attn_implementation``; we register a wrapper of the model's
-  own implementation (``sdpa`` or ``eager``) under ``tracestore_<base>`` that receives the
-  post-RoPE key/value states. With a KV cache the key/value it receives already include the past,
-  so generation uses :meth:`HFSiteHooks.new_cache`, a ``DynamicCache`` whose ``update`` passes the
-  *new* K/V through the hook before they are stored (what an FP4 KV cache does); the attention
-  wrapper then leaves that layer alone for this call.
+- MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block, which may replace the
+  block's input (fake quantization). A shared expert that sits beside the block and takes the same
+  input gets the same replacement (one site, one callback call), as in an FP4 engine that quantizes
+  the MoE layer's input once for routed and shared experts; shared experts inside the block consume
+  its hooked input anyway.
+- K/V entering the KV cache: a forward pre-hook on each attention module that writes the cache
+  hands the module, in place of its cache argument, a tap whose ``update(first, second, layer_idx)``
+  passes the new tensors through the callback and then on to the real cache, or straight back when
+  the forward runs without one (a training forward, ``use_cache=False``). So the hooks see exactly
+  what the attention caches, post-RoPE K and V for multi-head attention and the normalized latent
+  and rotary key for MLA, once per new token, with a cache or without, in ``generate()`` with
+  whatever cache it makes, under any attention implementation. Layers without such an attention
+  (linear attention, Mamba) have no K/V sites, as dense layers have no MoE-input site.
 
-The callback ``fn(site, x)`` gets ``x`` as ``[batch, tokens, width]`` in the model's dtype
-(K/V heads flattened: ``width = kv_heads * head_dim``, so rows line up with the MoE-input sites'
-token rows) and returns a replacement of the same shape, or ``None`` to leave it unchanged.
+Sites are named ``layers.{i}.{suffix}`` with ``i`` the decoder layer's index: ``mlp.input`` (the
+MoE block's input), ``attn.k`` and ``attn.v`` (post-RoPE key and value rows, K/V heads flattened),
+and for MLA ``attn.kv_latent`` (the latent after ``kv_a_layernorm``, width kv_lora_rank) and
+``attn.k_rope`` (the post-RoPE rotary key, width qk_rope_head_dim).
+
+The callback ``fn(site, x)`` gets ``x`` as ``[batch, tokens, width]`` in the model's dtype (heads
+flattened: rows line up with the MoE-input sites' token rows) and returns a replacement of the same
+shape, or ``None`` to leave it unchanged.
 
 Example::
 
     hooks = HFSiteHooks(model, lambda site, x: rtn_fake_quant(x, NVFP4))
-    cache = hooks.new_cache()
-    out = model(input_ids, **hooks.cache_kwargs(cache), use_cache=True)
+    tokens = model.generate(input_ids, max_new_tokens=32, **hooks.cache_kwargs(hooks.new_cache()))
     hooks.remove()
 """
 
@@ -28,221 +37,222 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-import weakref
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tracestore.client.hf_layouts import KVStyle, Layout, SiteKind, decoder_layers, layout_for, text_config
 
-from tracestore.errors import ConfigError, ShapeError, require
+from tracestore.errors import ConfigError, DTypeError, ShapeError, require
 
 if TYPE_CHECKING:
     from torch import nn
 
-SiteKind = Literal["moe_input", "key", "value"]
 SiteFn = Callable[["HookedSite", torch.Tensor], "torch.Tensor | None"]
 
-_IMPL_PREFIX = "tracestore_"
-# attention module -> (hooks, layer index); weak so a dropped model frees its hooks
-_ATTN_OWNERS: weakref.WeakKeyDictionary[Any, tuple[HFSiteHooks, int]] = weakref.WeakKeyDictionary()
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value")
 
 
 @dataclasses.dataclass(frozen=True)
 class HookedSite:
-    """One hooked quantization site: ``name`` as in design.md §4 (``layers.3.mlp.input``,
-    ``layers.3.attn.k``), its ``kind``, decoder ``layer`` and ``width`` (values per token)."""
+    """One hooked quantization site: ``name`` (``layers.3.mlp.input``, ``layers.3.attn.k``, ...),
+    its record ``kind`` (``moe_input``, ``key``, ``value``, or ``other`` for MLA's latent),
+    decoder ``layer`` and ``width`` (values per token)."""
 
     name: str
     kind: SiteKind
     layer: int
     width: int
 
+    def spec(self, bits: int = 1, format: str = "nvfp4") -> Any:
+        """This site as a ``tracestore.records.SiteSpec`` (for a ``RunSpec``)."""
+        from tracestore.records import SiteSpec
 
-def site_name(layer: int, kind: SiteKind) -> str:
-    """The canonical site name for ``layer`` and ``kind``."""
-    suffix = {"moe_input": "mlp.input", "key": "attn.k", "value": "attn.v"}[kind]
+        return SiteSpec(self.name, self.kind, self.layer, self.width, format=format, bits=bits)
+
+
+def site_name(layer: int, kind_or_suffix: str) -> str:
+    """The site name for ``layer``: ``kind_or_suffix`` is ``moe_input``, ``key``, ``value`` or a
+    suffix such as ``attn.kv_latent``."""
+    suffix = {"moe_input": "mlp.input", "key": "attn.k", "value": "attn.v"}.get(kind_or_suffix, kind_or_suffix)
     return f"layers.{layer}.{suffix}"
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword under which ``model``'s forward takes its KV cache, bound to ``cache``."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ConfigError(
-            f"{type(model).__name__} has no decoder layers at .model.layers; expected a transformers "
-            "decoder-only causal LM (e.g. Qwen3MoeForCausalLM)"
+def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
+    """The attention forward's cache parameter: name and positional index (None: keyword only)."""
+    params = list(inspect.signature(attn.forward).parameters.values())
+    for name in _CACHE_ARGS:
+        for i, p in enumerate(params):
+            if p.name == name:
+                positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                return name, (i if positional else None)
+    raise ConfigError(
+        f"{where} ({type(attn).__name__}) takes no KV-cache argument ({' / '.join(_CACHE_ARGS)}); "
+        "its K/V cannot be hooked: pass kv=False, or a Layout whose attention path names the module that "
+        "writes the cache"
+    )
+
+
+class _CacheTap:
+    """What a hooked attention module sees as its KV cache: ``update`` passes the new tensors through
+    the hooks, then to the real cache (or back, when the forward has none); everything else is the
+    real cache's."""
+
+    def __init__(self, hooks: HFSiteHooks, layer: int, cache: Any, owner: str) -> None:
+        self._hooks, self._layer, self._cache, self._owner = hooks, layer, cache, owner
+
+    def update(self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        first, second = self._hooks._kv(self._layer, first, second)
+        if self._cache is None:
+            return first, second
+        return self._cache.update(first, second, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return 0 if self._cache is None else int(self._cache.get_seq_length(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("_cache")
+        if cache is None:
+            raise ConfigError(
+                f"{self.__dict__.get('_owner')} asked for {name!r} of its KV cache in a forward without one; "
+                "the K/V hooks only provide update() and get_seq_length() there: run the forward with a cache"
+            )
+        return getattr(cache, name)
+
+
+def _rows(site: HookedSite, t: torch.Tensor) -> torch.Tensor:
+    """[B, heads, T, hd] -> [B, T, heads*hd], checked against the site's width."""
+    if t.dim() != 4 or t.shape[1] * t.shape[3] != site.width:
+        raise ShapeError(
+            f"{site.name}: expected the cache update's tensor as [batch, heads, tokens, head_dim] with "
+            f"heads x head_dim = {site.width}, got {tuple(t.shape)}"
         )
-    return list(layers)
-
-
-def _moe_block(layer: nn.Module) -> nn.Module | None:
-    """The shallowest submodule that owns ``experts`` (the sparse-MoE block), or None (dense layer)."""
-    for _, module in sorted(layer.named_modules(), key=lambda kv: kv[0].count(".")):
-        if module is not layer and hasattr(module, "experts"):
-            return module
-    return None
-
-
-def _attention(layer: nn.Module) -> Any:
-    attn = getattr(layer, "self_attn", None)
-    if attn is None or not hasattr(attn, "layer_idx"):
-        raise ConfigError(f"{type(layer).__name__} has no self_attn with a layer_idx; cannot hook its K/V")
-    return attn
-
-
-def _kv_width(model: Any) -> int:
-    cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * int(head_dim)
-
-
-def _heads_to_rows(t: torch.Tensor) -> torch.Tensor:
-    """[B, heads, T, hd] -> [B, T, heads*hd]."""
     b, h, n, d = t.shape
     return t.transpose(1, 2).reshape(b, n, h * d)
-
-
-def _rows_to_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    b, n, w = t.shape
-    return t.reshape(b, n, heads, w // heads).transpose(1, 2)
-
-
-def _base_attention(impl: str, module: nn.Module) -> Callable[..., Any]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if impl == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise ConfigError(f"{type(module).__module__} defines no eager_attention_forward")
-        return fn  # type: ignore[no-any-return]
-    return ALL_ATTENTION_FUNCTIONS[impl]  # type: ignore[no-any-return]
-
-
-def _hooked_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any):
-    owner = _ATTN_OWNERS.get(module)
-    if owner is None:
-        raise ConfigError(
-            "a tracestore_* attention implementation ran on a module with no HFSiteHooks attached; "
-            "call model.set_attn_implementation('sdpa') after HFSiteHooks.remove()"
-        )
-    hooks, layer = owner
-    if layer in hooks._cached:  # the K/V went through the hooked cache on their way in
-        hooks._cached.discard(layer)
-    else:
-        key, value = hooks._kv(layer, key, value)
-    return _base_attention(hooks.base_impl, module)(module, query, key, value, *args, **kw)
-
-
-def _register_impl(base: str) -> str:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    name = _IMPL_PREFIX + base
-    AttentionInterface.register(name, _hooked_attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    return name
-
-
-def _hooked_cache_class() -> type:
-    from transformers.cache_utils import DynamicCache
-
-    class HookedCache(DynamicCache):
-        """A ``DynamicCache`` that passes each layer's new (post-RoPE) K/V through the hooks
-        before storing them."""
-
-        def __init__(self, hooks: HFSiteHooks, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self._tracestore_hooks = hooks
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kw: Any):
-            hooks = self._tracestore_hooks
-            key_states, value_states = hooks._kv(layer_idx, key_states, value_states)
-            hooks._cached.add(layer_idx)
-            return super().update(key_states, value_states, layer_idx, *args, **kw)
-
-    return HookedCache
 
 
 class HFSiteHooks:
     """Call ``fn(site, x)`` on every MoE-block input and on the K/V entering the KV cache.
 
-    ``layers`` limits the hooked decoder layers (default all); ``kv=False`` hooks MoE inputs only.
-    Works for transformers MoE causal LMs whose decoder layers sit at ``model.model.layers`` with
-    ``self_attn`` and a block owning ``experts`` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, ...).
-    Dense layers (no MoE block) get only K/V sites. Use as a context manager or call :meth:`remove`.
+    One line for any decoder-only MoE model of transformers, multimodal wrappers included (the hooks
+    resolve to the language model): ``HFSiteHooks(model, fn)``. ``layers`` limits the hooked decoder
+    layers (default all); ``kv=False`` hooks MoE inputs only; ``layout`` overrides the registered
+    :class:`~tracestore.client.hf_layouts.Layout`. Use as a context manager or call :meth:`remove`.
     """
 
-    def __init__(self, model: Any, fn: SiteFn, *, layers: Iterable[int] | None = None, kv: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        fn: SiteFn,
+        *,
+        layers: Iterable[int] | None = None,
+        kv: bool = True,
+        layout: Layout | None = None,
+    ) -> None:
         require("transformers", "demo")
         if not callable(fn):
             raise ConfigError(f"fn must be callable as fn(site, x), got {type(fn).__name__}")
         self.model = model
         self.fn = fn
-        decoder = _decoder_layers(model)
+        cfg = text_config(model)
+        self.model_type, self.layout = layout_for(model)
+        if layout is not None:
+            self.layout = layout
+        self.layers_path, decoder = decoder_layers(model, self.layout)
         wanted = range(len(decoder)) if layers is None else sorted(set(layers))
         for i in wanted:
             if not 0 <= i < len(decoder):
                 raise ConfigError(f"layer {i} is out of range: the model has {len(decoder)} decoder layers")
-        cfg = model.config.get_text_config()
-        self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        kv_width = _kv_width(model)
         self._sites: dict[str, HookedSite] = {}
+        self._order: dict[str, int] = {}
+        self._kv_sites: dict[int, tuple[HookedSite, HookedSite]] = {}
+        self._sharing: set[int] = set()  # layers whose shared expert sits beside the MoE block
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # such a layer -> (input, replacement)
         self._handles: list[Any] = []
-        self._cached: set[int] = set()
-        self._kv_layers: set[int] = set()
-        for i in wanted:
-            block = _moe_block(decoder[i])
-            if block is not None:
-                site = HookedSite(site_name(i, "moe_input"), "moe_input", i, int(cfg.hidden_size))
-                self._sites[site.name] = site
-                self._handles.append(block.register_forward_pre_hook(self._moe_pre_hook(site)))
-            if kv:
-                attn = _attention(decoder[i])
-                layer_idx = int(attn.layer_idx)
-                for kind in ("key", "value"):
-                    s = HookedSite(site_name(layer_idx, kind), kind, layer_idx, kv_width)  # type: ignore[arg-type]
-                    self._sites[s.name] = s
-                self._kv_layers.add(layer_idx)
-                _ATTN_OWNERS[attn] = (self, layer_idx)
-        self.previous_impl: str | None = None
-        self.base_impl = "sdpa"
-        if kv:
-            current = str(model.config._attn_implementation or "eager")
-            self.base_impl = current.removeprefix(_IMPL_PREFIX)
-            if self.base_impl not in ("sdpa", "eager"):
+        try:
+            for i in wanted:
+                self._hook_layer(i, decoder[i], cfg, kv)
+            if kv and wanted and not self._kv_sites and not any(self.layout.kv_free_mixer(decoder[i]) for i in wanted):
                 raise ConfigError(
-                    f"K/V hooks wrap the 'sdpa' or 'eager' attention implementation, the model uses "
-                    f"{current!r}; load it with attn_implementation='sdpa'"
+                    f"{self.model_type or type(model).__name__}: no hooked decoder layer has an attention module at "
+                    f"{self.layout.attention!r}; register its layout (tracestore.client.hf_layouts.register_layout)"
                 )
-            self.previous_impl = current
-            model.set_attn_implementation(_register_impl(self.base_impl))  # type: ignore[operator]
+        except BaseException:
+            self.remove()
+            raise
+
+    def _add(self, site: HookedSite) -> HookedSite:
+        self._order[site.name] = len(self._order)
+        self._sites[site.name] = site
+        return site
+
+    def _hook_layer(self, i: int, layer: nn.Module, cfg: Any, kv: bool) -> None:
+        where = f"{self.layers_path}.{i}"
+        block = self.layout.moe_block(layer)
+        if block is not None:
+            site = self._add(HookedSite(site_name(i, "moe_input"), "moe_input", i, int(cfg.hidden_size)))
+            self._handles.append(block.register_forward_pre_hook(self._moe_pre_hook(site, "MoE block")))
+            shared = self.layout.shared_expert(layer)
+            if shared is not None and not any(m is shared for m in block.modules()):
+                # beside the block: it takes the block's input, so it gets the same replacement
+                self._sharing.add(i)
+                self._handles.append(shared.register_forward_pre_hook(self._moe_pre_hook(site, "shared expert")))
+                self._handles.append(layer.register_forward_pre_hook(self._forget(i)))
+                self._handles.append(layer.register_forward_hook(self._forget(i)))
+        if not kv:
+            return
+        attn = self.layout.attention_module(layer)
+        if attn is None:
+            if self.layout.no_kv and self.layout.kv_free_mixer(layer) is None:
+                raise ConfigError(
+                    f"{where} ({type(layer).__name__}) has neither an attention module at {self.layout.attention!r} "
+                    f"nor an attention-less mixer at one of {list(self.layout.no_kv)}; its layout does not fit "
+                    f"this model ({self.model_type})"
+                )
+            return  # linear attention / Mamba: nothing enters a KV cache
+        style: KVStyle = self.layout.kv_style(attn)
+        widths = style.widths(cfg, attn)
+        first, second = (
+            self._add(HookedSite(site_name(i, suffix), kind, i, int(w)))
+            for (suffix, kind), w in zip(style.sites, widths, strict=True)
+        )
+        self._kv_sites[i] = (first, second)
+        param, pos = _cache_param(attn, f"{where}.{self.layout.attention}")
+        self._handles.append(
+            attn.register_forward_pre_hook(self._attn_pre_hook(i, param, pos, type(attn).__name__), with_kwargs=True)
+        )
 
     @property
     def sites(self) -> tuple[HookedSite, ...]:
-        """Hooked sites, in layer order (MoE input, then K, then V per layer)."""
-        order = {"moe_input": 0, "key": 1, "value": 2}
-        return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, order[s.kind])))
+        """Hooked sites in layer order (MoE input, then the two K/V sites in cache order)."""
+        return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, self._order[s.name])))
 
     def new_cache(self) -> Any:
-        """A fresh KV cache for generation whose new K/V pass through the hooks as they enter it."""
-        return _hooked_cache_class()(self, config=self.model.config)
+        """A fresh ``DynamicCache`` for the model. Any cache works: the hooks tap what the attention
+        writes into whichever cache its forward gets."""
+        from transformers.cache_utils import DynamicCache
+
+        return DynamicCache(config=self.model.config)
 
     def cache_kwargs(self, cache: Any) -> dict[str, Any]:
-        """``{name: cache}`` for the model's forward: ``cache`` (transformers >= 5.24 renames it) or
-        ``past_key_values`` (older 5.x, where an unknown ``cache=`` is silently ignored)."""
+        """``{name: cache}`` for the model's forward or ``generate()``: ``cache`` (transformers >= 5.24
+        renames it) or ``past_key_values`` (older 5.x, where an unknown ``cache=`` is silently ignored)."""
         return cache_kwargs(self.model, cache)
 
     def _apply(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor:
-        y = self.fn(site, x)
+        try:
+            y = self.fn(site, x)
+        except (ShapeError, DTypeError) as exc:
+            if site.name in str(exc):
+                raise
+            raise type(exc)(f"{site.name} (input {tuple(x.shape)}, {x.dtype}): {exc}") from exc
         if y is None:
             return x
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
@@ -250,35 +260,81 @@ class HFSiteHooks:
             raise ShapeError(f"hook for {site.name} must return None or a tensor of shape {tuple(x.shape)}, got {got}")
         return y.to(x.dtype)
 
-    def _moe_pre_hook(self, site: HookedSite) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            x = args[0]
-            if x.dim() != 3:
+    def _moe_value(self, site: HookedSite, x: torch.Tensor, what: str) -> torch.Tensor:
+        """The replacement of the MoE block's input; a shared expert beside the block that takes the
+        same tensor gets the same replacement (the callback runs once per layer and forward)."""
+        sharing = site.layer in self._sharing
+        memo = self._memo.get(site.layer) if sharing else None
+        if memo is not None:
+            seen, y = memo
+            if seen is x or (seen.shape == x.shape and torch.equal(seen, x)):
+                return y
+            raise ShapeError(
+                f"{site.name}: the {what} of layer {site.layer} received another tensor {tuple(x.shape)} than the "
+                f"{tuple(seen.shape)} its MoE block and shared expert share; the layout's shared path "
+                f"{self.layout.shared!r} does not fit this model"
+            )
+        if x.dim() != 3 or x.shape[-1] != site.width:
+            raise ShapeError(
+                f"{site.name}: expected the {what}'s input as [batch, tokens, {site.width}], got {tuple(x.shape)}"
+            )
+        y = self._apply(site, x)
+        if sharing:
+            self._memo[site.layer] = (x, y)
+        return y
+
+    def _moe_pre_hook(self, site: HookedSite, what: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if not args or not isinstance(args[0], torch.Tensor):
                 raise ShapeError(
-                    f"{site.name}: expected the MoE input as [batch, tokens, hidden], got {tuple(x.shape)}"
+                    f"{site.name}: the {what} was called without its input [batch, tokens, {site.width}] as "
+                    "the first positional argument"
                 )
-            return (self._apply(site, x), *args[1:])
+            return (self._moe_value(site, args[0], what), *args[1:])
 
         return hook
 
-    def _kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer not in self._kv_layers:
-            return key, value
-        k = self._apply(self._sites[site_name(layer, "key")], _heads_to_rows(key))
-        v = self._apply(self._sites[site_name(layer, "value")], _heads_to_rows(value))
-        return _rows_to_heads(k, self._kv_heads), _rows_to_heads(v, self._kv_heads)
+    def _forget(self, layer: int) -> Callable[..., None]:
+        def hook(module: nn.Module, *rest: Any) -> None:
+            self._memo.pop(layer, None)
+
+        return hook
+
+    def _attn_pre_hook(self, layer: int, param: str, pos: int | None, owner: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+            for name in _CACHE_ARGS:
+                if name in kwargs:
+                    kwargs[name] = _CacheTap(self, layer, kwargs[name], owner)
+                    return args, kwargs
+            if pos is not None and len(args) > pos:
+                args = (*args[:pos], _CacheTap(self, layer, args[pos], owner), *args[pos + 1 :])
+            else:
+                kwargs[param] = _CacheTap(self, layer, None, owner)
+            return args, kwargs
+
+        return hook
+
+    def _kv(self, layer: int, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sites = self._kv_sites.get(layer)
+        if sites is None:
+            return first, second
+        out = []
+        for site, t in zip(sites, (first, second), strict=True):
+            rows = _rows(site, t)
+            y = self._apply(site, rows)
+            if y is rows:
+                out.append(t)
+            else:
+                b, h, n, d = t.shape
+                out.append(y.reshape(b, n, h, d).transpose(1, 2))
+        return out[0], out[1]
 
     def remove(self) -> None:
-        """Detach every hook and restore the model's attention implementation."""
+        """Detach every hook."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for attn, (owner, _) in list(_ATTN_OWNERS.items()):
-            if owner is self:
-                del _ATTN_OWNERS[attn]
-        if self.previous_impl is not None:
-            self.model.set_attn_implementation(self.previous_impl)  # type: ignore[operator]
-            self.previous_impl = None
+        self._memo.clear()
 
     def __enter__(self) -> HFSiteHooks:
         return self
@@ -288,11 +344,11 @@ class HFSiteHooks:
 
 
 def site_outputs(records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], run_spec: Any) -> dict[str, Any]:
-    """``RolloutRecorder`` outputs for the sites of ``run_spec`` from full FP4 codes.
+    """``RolloutRecorder`` outputs for the sites of ``run_spec`` from one forward's full FP4 codes.
 
     ``records[site] = (codes uint8 [B, T, w] in 0..15, scales uint8 [B, T, w/block], g)``; each
-    declared site's low ``bits`` are packed (numerics.md §6) into rows ordered batch-major, which
-    matches segments ``[(trajectory_b, start, start+T) for b in batch]``.
+    declared site's low ``bits`` are packed (``tracestore.packing.pack_bits``) into rows ordered
+    batch-major, which matches segments ``[(trajectory_b, start, start+T) for b in batch]``.
     """
     from tracestore.client.recorder import SiteOutput
 
@@ -306,8 +362,16 @@ def site_outputs(records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], r
             )
         codes, scales, g = records[site.name]
         b, t, w = codes.shape
+        if w != site.width:
+            raise ShapeError(
+                f"run {run_spec.run} declares site {site.name} with width {site.width}, the model's is {w} "
+                f"(codes {tuple(codes.shape)})"
+            )
         out[site.name] = SiteOutput(pack_bits(codes.reshape(b * t, w), site.bits), scales.reshape(b * t, -1), g)
     return out
+
+
+Record = tuple[torch.Tensor, torch.Tensor, Any]  # (codes [B, T, w], scales [B, T, w/block], g)
 
 
 class FP4SiteRecorder:
@@ -315,17 +379,18 @@ class FP4SiteRecorder:
 
     Each site's input is quantized with a per-forward decode-side global scale (``quantize``:
     ``g = amax/2688`` of that forward's tensor), the model consumes the dequantized value, and
-    after the forward every recorder gets the sites its run declares (low ``bits`` packed).
-    Rows are batch-major: ``segments`` lists one ``(trajectory, start, end)`` per batch row.
-    This is the readable CPU/any-device path; ``tracestore.kernels.record_from_activations``
-    is the graph-safe GPU capture.
+    every model forward inside a :meth:`forward` block is handed to every recorder (the sites its
+    run declares, low ``bits`` packed) when the block exits cleanly: one forward, or a whole
+    ``generate()`` (prefill and every decode step, each with its own g). Rows are batch-major:
+    ``segments`` lists one ``(trajectory, start, end)`` per batch row. This is the readable
+    CPU/any-device path; ``tracestore.kernels.record_from_activations`` is the graph-safe GPU capture.
 
     Example::
 
         with FP4SiteRecorder(model, [recorder]) as fp4:
-            cache = fp4.hooks.new_cache()
-            with fp4.forward([("traj-0", 0, 12), ("traj-1", 0, 12)]):
-                model(input_ids=prompt, **fp4.hooks.cache_kwargs(cache), use_cache=True)
+            # positions 0 .. P+n-2 enter the model; the last sampled token never does
+            with fp4.forward([("traj-0", 0, None), ("traj-1", 0, None)]):
+                model.generate(prompt, max_new_tokens=n, **fp4.hooks.cache_kwargs(fp4.hooks.new_cache()))
     """
 
     def __init__(
@@ -337,24 +402,50 @@ class FP4SiteRecorder:
         fake_quant: bool = True,
         layers: Iterable[int] | None = None,
         kv: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         from tracestore.formats import get_format
 
         self.fmt = get_format(fmt)
         self.fake_quant = fake_quant
         self.recorders = list(recorders)
-        self.records: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.records: dict[str, Record] = {}
+        self._steps: list[dict[str, Record]] = []
         self._active = False
-        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv)
-        hooked = {s.name for s in self.hooks.sites}
-        for rec in self.recorders:
-            missing = [s.name for s in rec.run_spec.sites if s.name not in hooked]
-            if missing:
-                self.hooks.remove()
-                raise ConfigError(
-                    f"run {rec.run_spec.run} declares sites this model has no hook for: {missing[:4]}; "
-                    f"hooked sites are named like {sorted(hooked)[:3]}"
+        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout)
+        try:
+            bad = [s for s in self.hooks.sites if s.width % self.fmt.block]
+            if bad:
+                raise ShapeError(
+                    f"{self.fmt} quantizes blocks of {self.fmt.block} values; these sites' widths are not a multiple: "
+                    + ", ".join(f"{s.name} (width {s.width})" for s in bad[:6])
+                    + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
                 )
+            hooked = {s.name: s for s in self.hooks.sites}
+            for rec in self.recorders:
+                missing = [s.name for s in rec.run_spec.sites if s.name not in hooked]
+                if missing:
+                    raise ConfigError(
+                        f"run {rec.run_spec.run} declares sites this model has no hook for: {missing[:4]}; "
+                        f"hooked sites are named like {sorted(hooked)[:3]}"
+                    )
+                wrong = [
+                    f"{s.name} (declared {s.width}, model {hooked[s.name].width})"
+                    for s in rec.run_spec.sites
+                    if s.width != hooked[s.name].width
+                ]
+                if wrong:
+                    raise ShapeError(
+                        f"run {rec.run_spec.run} declares sites with widths the model does not have: {wrong[:4]}"
+                    )
+            self._step_hook = model.register_forward_pre_hook(self._new_step)
+        except BaseException:
+            self.hooks.remove()
+            raise
+
+    def _new_step(self, module: Any, args: Any) -> None:
+        if self._active:
+            self._steps.append({})
 
     def _site(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor | None:
         from tracestore.fp4 import dequantize, quantize
@@ -362,27 +453,90 @@ class FP4SiteRecorder:
         b, t, w = x.shape
         q = quantize(x.detach().reshape(b * t, w), self.fmt)
         if self._active:
-            self.records[site.name] = (q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1), float(q.global_scale))
+            if not self._steps or site.name in self._steps[-1]:  # a forward not entered through the model
+                self._steps.append({})
+            self._steps[-1][site.name] = (q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1), float(q.global_scale))
         return dequantize(q).reshape(b, t, w).to(x.dtype) if self.fake_quant else None
 
     @contextlib.contextmanager
-    def forward(self, segments: Sequence[tuple[str, int, int]]) -> Iterator[dict[str, Any]]:
-        """Around one model forward over ``segments``; records it when the block exits cleanly.
-        Yields this forward's ``{site: (codes, scales, g)}`` (filled once the forward ran)."""
+    def forward(self, segments: Sequence[tuple[str, int, int | None]]) -> Iterator[dict[str, Record]]:
+        """Around one model forward or a whole ``generate()`` over ``segments``; records every
+        forward when the block exits cleanly. Yields ``{site: (codes, scales, g)}``, filled on exit:
+        codes uint8 [B, positions, w] and scales of all the block's forwards in order, ``g`` the
+        float of a single forward, else float32 [B, positions] (each forward's g on its rows).
+
+        Over several forwards, ``segments`` is one ``(trajectory, start, end)`` per batch row with
+        ``end - start`` = the positions the forwards covered (``end=None``: whatever they covered);
+        forward k is recorded at positions ``start + (T_0 + ... + T_{k-1})`` onwards.
+        """
         self.records = {}
+        self._steps = []
         self._active = True
         try:
             yield self.records
         finally:
             self._active = False
+        steps = [s for s in self._steps if s]
+        self._steps = []
+        if not steps:
+            if self.recorders:
+                raise ConfigError("FP4SiteRecorder.forward: no model forward reached a hooked site inside the block")
+            return
+        per_step = _step_segments(list(segments), steps)
+        self.records.update(_concat(steps))
         for rec in self.recorders:
-            rec.record_forward(list(segments), site_outputs(self.records, rec.run_spec))
+            for step, segs in zip(steps, per_step, strict=True):
+                rec.record_forward(segs, site_outputs(step, rec.run_spec))
 
     def remove(self) -> None:
         self.hooks.remove()
+        handle = getattr(self, "_step_hook", None)
+        if handle is not None:
+            handle.remove()
 
     def __enter__(self) -> FP4SiteRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _step_segments(
+    segments: list[tuple[str, int, int | None]], steps: list[dict[str, Record]]
+) -> list[list[tuple[str, int, int]]]:
+    """Each forward's segments: one forward keeps ``segments`` as given; several split each batch
+    row's segment by the positions each forward covered."""
+    lengths = [next(iter(s.values()))[0].shape[1] for s in steps]
+    batch = next(iter(steps[0].values()))[0].shape[0]
+    total = sum(lengths)
+    rows_like = len(segments) == batch
+    if len(steps) == 1 and not any(end is None for _, _, end in segments):
+        return [[(t, int(start), int(end)) for t, start, end in segments]]  # type: ignore[arg-type]
+    bad = [s for s in segments if s[2] is not None and int(s[2]) - int(s[1]) != total]
+    if not rows_like or bad:
+        raise ConfigError(
+            f"the block ran {len(steps)} model forward(s) covering {total} positions per batch row "
+            f"({' + '.join(map(str, lengths[:8]))}{' + ...' if len(lengths) > 8 else ''}); segments must be one "
+            f"(trajectory, start, end) per batch row ({batch}) with end - start = {total} or end None, got "
+            f"{len(segments)} segment(s){', e.g. ' + repr(bad[0]) if bad else ''}"
+        )
+    out, offset = [], 0
+    for n in lengths:
+        out.append([(t, int(start) + offset, int(start) + offset + n) for t, start, _ in segments])
+        offset += n
+    return out
+
+
+def _concat(steps: list[dict[str, Record]]) -> dict[str, Record]:
+    if len(steps) == 1:
+        return dict(steps[0])
+    out: dict[str, Record] = {}
+    for name in steps[0]:
+        parts = [s[name] for s in steps if name in s]
+        if len(parts) != len(steps):
+            raise ConfigError(f"site {name} was recorded in {len(parts)} of the block's {len(steps)} forwards")
+        codes = torch.cat([p[0] for p in parts], dim=1)
+        scales = torch.cat([p[1] for p in parts], dim=1)
+        g = torch.cat([torch.full(p[0].shape[:2], p[2], dtype=torch.float32, device=p[0].device) for p in parts], 1)
+        out[name] = (codes, scales, g)
+    return out

@@ -1,5 +1,7 @@
 """HFSiteHooks on real (tiny, randomly initialised) transformers MoE models: every MoE-block input
-and the post-RoPE K/V entering the KV cache, with and without a cache, on four architectures."""
+and the post-RoPE K/V entering the KV cache, with and without a cache; the layout registry; errors
+that name the site; FP4SiteRecorder over whole generations. The per-architecture matrix is in
+test_hf_hooks_archs.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import HFSiteHooks, site_name  # noqa: E402
+from tracestore.client.hf_hooks import FP4SiteRecorder, HFSiteHooks, site_name  # noqa: E402
+from tracestore.client.hf_layouts import LAYOUTS, KVStyle, Layout, register_layout  # noqa: E402
 
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
 from tracestore.errors import ConfigError, ShapeError  # noqa: E402
@@ -106,15 +109,28 @@ def test_cache_path_transforms_each_new_kv_exactly_once(arch: str) -> None:
     assert torch.allclose(stored, 0.5 * c2.layers[0].values, atol=1e-6)
 
 
-def test_remove_restores_attention_and_stops_hooks() -> None:
+def test_remove_stops_hooks_and_the_attention_implementation_is_untouched() -> None:
     model = tiny()
     calls = []
     hooks = HFSiteHooks(model, lambda s, t: calls.append(s.name))
-    assert model.config._attn_implementation == "tracestore_sdpa"
-    hooks.remove()
     assert model.config._attn_implementation == "sdpa"
     model(input_ids=ids())
-    assert calls == []
+    assert len(calls) == 6
+    hooks.remove()
+    model(input_ids=ids())
+    assert len(calls) == 6
+
+
+def test_any_attention_implementation_and_any_cache_work() -> None:
+    """eager attention, and a plain DynamicCache that generate() makes itself: each new K/V row is
+    seen once, as it enters that cache."""
+    model = tiny()
+    model.set_attn_implementation("eager")
+    calls: list[tuple[str, int]] = []
+    with HFSiteHooks(model, lambda s, t: calls.append((s.name, t.shape[1]))), torch.no_grad():
+        model.generate(ids(2, 5), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert [n for name, n in calls if name == "layers.1.attn.v"] == [5, 1, 1]
 
 
 def test_moe_only_and_layer_subset() -> None:
@@ -145,23 +161,51 @@ def test_bad_inputs_raise_clear_errors() -> None:
         HFSiteHooks(model, lambda s, t: None, layers=[5])
     with pytest.raises(ConfigError, match="callable"):
         HFSiteHooks(model, "not a function")  # type: ignore[arg-type]
-    with HFSiteHooks(model, lambda s, t: t[..., :8]), pytest.raises(ShapeError, match="must return None or a tensor"):
-        model(input_ids=ids())
-    assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(ConfigError, match="decoder layers"):
+    with pytest.raises(ConfigError, match="no transformers config"):
         HFSiteHooks(torch.nn.Linear(2, 2), lambda s, t: None)
+    assert not model.model.layers[0].mlp._forward_pre_hooks  # a refused attach leaves nothing behind
 
 
-def test_fp4_site_recorder_records_a_generation_through_a_real_sidecar(tmp_path) -> None:  # noqa: ANN001
-    """Prefill + decode on a tiny model with FP4SiteRecorder → RolloutRecorder → `tracestore serve`
-    subprocess → file:// storage → GuidanceReader: the bytes read back are the ones quantized."""
+def test_site_errors_name_the_site_the_expected_and_the_seen_shape() -> None:
+    model = tiny()
+    with HFSiteHooks(model, lambda s, t: t[..., :8]), pytest.raises(ShapeError) as err:
+        model(input_ids=ids())
+    msg = "hook for layers.0.attn.k must return None or a tensor of shape (2, 7, 16), got (2, 7, 8)"
+    assert str(err.value) == msg
+
+    def bad_widths(cfg, attn):  # noqa: ANN001, ANN202 - a layout that declares the wrong K/V width
+        return 32, 16
+
+    wrong = Layout(kv=KVStyle("gqa", (("attn.k", "key"), ("attn.v", "value")), bad_widths))
+    with HFSiteHooks(model, lambda s, t: None, layout=wrong), pytest.raises(ShapeError) as err:
+        model(input_ids=ids())
+    msg = str(err.value)
+    assert msg.startswith("layers.0.attn.k: expected") and msg.endswith("heads x head_dim = 32, got (2, 1, 7, 16)")
+    # a format whose block does not divide a site's width: refused up front, every such site named
+    with pytest.raises(ShapeError, match=r"mxfp4.*blocks of 32.*layers\.0\.attn\.k \(width 16\)"):
+        FP4SiteRecorder(model, fmt="mxfp4")
+    # ... and when the callback itself meets it, the error names the site and its input shape
+    from tracestore.fp4 import quantize
+
+    def mxfp4(site, t):  # noqa: ANN001, ANN202
+        quantize(t, "mxfp4")
+
+    with HFSiteHooks(model, mxfp4), pytest.raises(ShapeError) as err:
+        model(input_ids=ids())
+    assert str(err.value).startswith("layers.0.attn.k (input (2, 7, 16), torch.float32): ")
+    assert "block size 32" in str(err.value)
+
+
+def test_fp4_site_recorder_records_a_whole_generate_through_a_real_sidecar(tmp_path) -> None:  # noqa: ANN001
+    """FP4SiteRecorder around generate() (prefill + every decode step) → RolloutRecorder → `tracestore
+    serve` subprocess → file:// storage → GuidanceReader: every position that entered a forward is read
+    back with the bytes and per-forward g it was quantized with."""
     pytest.importorskip("grpc", reason="the sidecar needs the server extra")
     from tracestore.client import GuidanceReader, RolloutRecorder
-    from tracestore.client.hf_hooks import FP4SiteRecorder
     from tracestore.server.testing import ServeProcess
 
     from tracestore.formats import NVFP4
-    from tracestore.fp4 import Quantized, dequantize
+    from tracestore.fp4 import dequantize_codes
     from tracestore.packing import pack_bits
     from tracestore.plan import MicrobatchPlan
     from tracestore.records import RunSpec, SiteSpec
@@ -174,45 +218,76 @@ def test_fp4_site_recorder_records_a_generation_through_a_real_sidecar(tmp_path)
             SiteSpec("layers.1.attn.v", "value", 1, 16, bits=4),
         ),
     )
-    x = ids(2, 6)
-    kept: list[dict] = []
     consumed: list[torch.Tensor] = []
     with ServeProcess(tmp_path / "sidecar") as sp:
         rec = RolloutRecorder(sp.address, spec, writer="w0")
         with FP4SiteRecorder(model, [rec]) as fp4, torch.no_grad():
             # registered after FP4SiteRecorder's hook, so it sees what the MoE block consumes
             grab = model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: consumed.append(a[0].clone()))
-            cache = fp4.hooks.new_cache()
-            for start, end in [(0, 4), (4, 5)]:  # the 6th token never enters a forward
-                with fp4.forward([("t0", start, end), ("t1", start, end)]) as got:
-                    model(input_ids=x[:, start:end], **fp4.hooks.cache_kwargs(cache), use_cache=True)
-                kept.append(dict(got))
+            with fp4.forward([("t0", 0, None), ("t1", 0, None)]) as got:
+                tokens = model.generate(ids(2, 4), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                        **fp4.hooks.cache_kwargs(fp4.hooks.new_cache()))  # fmt: skip
+            grab.remove()
+        assert tokens.shape == (2, 7)  # positions 0..5 entered a forward (4 + 1 + 1); the 7th never does
         for t in ("t0", "t1"):
-            rec.finish(t, 6)
+            rec.finish(t, 7)
         assert rec.flush(timeout=60)
         rec.close()
         storage = sp.storage
-    grab.remove()
-    # the MoE block consumed exactly the dequantized record
-    codes0, scales0, g0 = kept[0]["layers.1.mlp.input"]
-    assert torch.equal(dequantize(Quantized(codes0, scales0, g0, NVFP4)), consumed[0].float())
-    guidance = GuidanceReader(storage, "hooks-test", prefetch=False).read(MicrobatchPlan([("t0", 0, 6), ("t1", 0, 6)]))
+    assert [c.shape[1] for c in consumed] == [4, 1, 1]
+    codes, scales, g = got["layers.1.mlp.input"]
+    assert codes.shape == (2, 6, 32) and g.shape == (2, 6)
+    for step, (lo, hi) in enumerate([(0, 4), (4, 5), (5, 6)]):  # each forward consumed its dequantized record
+        deq = dequantize_codes(codes[:, lo:hi], scales[:, lo:hi], float(g[0, lo]), NVFP4)
+        assert torch.equal(deq, consumed[step].float()) and torch.all(g[:, lo:hi] == g[0, lo])
+    plan = MicrobatchPlan([("t0", 0, 7), ("t1", 0, 7)])
+    guidance = GuidanceReader(storage, "hooks-test", prefetch=False).read(plan)
     for name, bits in (("layers.1.mlp.input", 1), ("layers.1.attn.v", 4)):
-        g = guidance[name]
-        expect_codes = torch.cat([kept[0][name][0], kept[1][name][0]], dim=1)  # [2, 5, w]
-        expect_scales = torch.cat([kept[0][name][1], kept[1][name][1]], dim=1)
-        rows = g.codes.reshape(2, 6, -1)
-        assert torch.equal(rows[:, :5], pack_bits(expect_codes, bits)), name
-        assert torch.equal(g.scales.reshape(2, 6, -1)[:, :5], expect_scales), name
-        gs = torch.as_tensor(g.global_scale).reshape(2, 6)
-        assert torch.all(gs[:, :4] == kept[0][name][2]) and torch.all(gs[:, 4] == kept[1][name][2])
-        valid = g.valid.reshape(2, 6)
-        assert valid[:, :5].all() and not valid[:, 5].any()  # last position: unrecorded by design
+        rd = guidance[name]
+        assert torch.equal(rd.codes.reshape(2, 7, -1)[:, :6], pack_bits(got[name][0], bits)), name
+        assert torch.equal(rd.scales.reshape(2, 7, -1)[:, :6], got[name][1]), name
+        assert torch.equal(torch.as_tensor(rd.global_scale).reshape(2, 7)[:, :6], got[name][2]), name
+        valid = rd.valid.reshape(2, 7)
+        assert valid[:, :6].all() and not valid[:, 6].any()  # last position: unrecorded by design
+
+
+def test_fp4_site_recorder_splits_a_block_of_forwards_by_the_positions_each_covered() -> None:
+    """A hand-written decode loop inside one forward() block: each forward goes to the recorders at its
+    own positions with its own g; segments that do not add up are refused, naming what ran."""
+    model = tiny()
+    x = ids(2, 6)
+
+    class Capture:  # a RolloutRecorder stand-in: what record_forward receives
+        def __init__(self) -> None:
+            from tracestore.records import RunSpec, SiteSpec
+
+            self.run_spec = RunSpec("r", (SiteSpec("layers.0.attn.k", "key", 0, 16, bits=2),))
+            self.calls: list[tuple[list, dict]] = []
+
+        def record_forward(self, segments: list, outputs: dict) -> bool:
+            self.calls.append((segments, outputs))
+            return True
+
+    cap = Capture()
+    with FP4SiteRecorder(model, [cap]) as fp4, torch.no_grad():
+        cache = fp4.hooks.new_cache()
+        with fp4.forward([("a", 10, 15), ("b", 0, 5)]) as got:
+            for lo, hi in [(0, 3), (3, 4), (4, 5)]:
+                model(input_ids=x[:, lo:hi], **fp4.hooks.cache_kwargs(cache), use_cache=True)
+        assert [segs for segs, _ in cap.calls] == [
+            [("a", 10, 13), ("b", 0, 3)], [("a", 13, 14), ("b", 3, 4)], [("a", 14, 15), ("b", 4, 5)]
+        ]  # fmt: skip
+        assert [out["layers.0.attn.k"].codes.shape for _, out in cap.calls] == [(6, 4), (2, 4), (2, 4)]
+        k_g = got["layers.0.attn.k"][2]
+        assert [out["layers.0.attn.k"].global_scale for _, out in cap.calls] == [k_g[0, 0], k_g[0, 3], k_g[0, 4]]
+        refused = r"ran 2 model forward\(s\) covering 4 positions per batch row \(3 \+ 1\)"
+        with pytest.raises(ConfigError, match=refused), fp4.forward([("a", 0, 5), ("b", 0, 5)]):
+            for lo, hi in [(5, 8), (8, 9)]:
+                model(input_ids=ids(2, 9)[:, lo:hi], **fp4.hooks.cache_kwargs(cache), use_cache=True)
+        assert len(cap.calls) == 3  # nothing of the refused block was recorded
 
 
 def test_fp4_site_recorder_refuses_sites_the_model_does_not_have() -> None:
-    from tracestore.client.hf_hooks import FP4SiteRecorder
-
     from tracestore.records import RunSpec, SiteSpec
 
     pytest.importorskip("grpc", reason="RolloutRecorder needs the server extra")
@@ -227,3 +302,44 @@ def test_fp4_site_recorder_refuses_sites_the_model_does_not_have() -> None:
     finally:
         rec.close(timeout=5)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_new_architecture_is_one_declarative_line(monkeypatch) -> None:  # noqa: ANN001
+    """Granite-MoE-Shared without its registry entry: the default layout finds the MoE block but not
+    the shared expert beside it, which then consumes the layer's unquantized input. One line fixes it."""
+    model = build_model(
+        ModelSpec("granitemoeshared", layers=2, hidden=32, heads=2, kv_heads=1, experts=4, top_k=2, vocab=64), seed=1
+    )
+    layer = model.model.layers[1]
+
+    def consumed() -> tuple[torch.Tensor, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+        with HFSiteHooks(model, lambda s, t: t * 0.5 if s.kind == "moe_input" else None), torch.no_grad():
+            hs = [layer.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: seen.setdefault(p, a[0]))
+                  for p in ("block_sparse_moe", "shared_mlp")]  # fmt: skip
+            model(input_ids=ids(), use_cache=False)
+        for h in hs:
+            h.remove()
+        return seen["block_sparse_moe"], seen["shared_mlp"]
+
+    monkeypatch.delitem(LAYOUTS, "granitemoeshared")
+    block, shared = consumed()
+    assert not torch.allclose(block, shared)  # missed: the shared expert ate the unhooked input
+    register_layout("granitemoeshared", Layout(moe="block_sparse_moe", shared="shared_mlp"))
+    block, shared = consumed()
+    assert torch.equal(block, shared)
+
+
+def test_layouts_that_do_not_fit_are_refused_naming_the_layer() -> None:
+    jamba = build_model(
+        ModelSpec("jamba", layers=2, hidden=32, heads=2, kv_heads=1, experts=4, top_k=2, vocab=64), seed=1
+    )
+    with pytest.raises(
+        ConfigError, match=r"model\.layers\.0 \(JambaMambaDecoderLayer\) has neither an attention module"
+    ):
+        HFSiteHooks(jamba, lambda s, t: None, layout=Layout(moe="feed_forward", no_kv=("linear_attn",)))
+    with pytest.raises(ConfigError, match="no hooked decoder layer has an attention module at 'attn'"):
+        HFSiteHooks(tiny(), lambda s, t: None, layout=Layout(attention="attn"))
+    with pytest.raises(ConfigError, match="no decoder-layer list 'blocks'"):
+        HFSiteHooks(tiny(), lambda s, t: None, layout=Layout(layers="blocks"))
+    assert not any(m._forward_pre_hooks for m in jamba.modules())  # nothing left attached

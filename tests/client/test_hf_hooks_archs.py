@@ -1,0 +1,204 @@
+"""HFSiteHooks on every MoE architecture family of transformers the demo builds (tiny, randomly
+initialised, 2 layers, hidden 64): the one-liner attaches, ``generate()`` with the hooked cache
+gives the tokens it gives without hooks, every expected site is seen at every position, shared
+experts consume the hooked MoE input, MLA sites are what the cache holds, and TRACE on all layers
+(b = 1) reproduces the rollout's codes when the training forward sees the rollout's inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the hook helper needs torch")
+pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
+
+from tracestore.client.hf_hooks import FP4SiteRecorder, HFSiteHooks  # noqa: E402
+
+from tracestore.demo.model import ARCHS, ModelSpec, build_model  # noqa: E402
+from tracestore.demo.train import codes_on_grid  # noqa: E402
+from tracestore.formats import get_format  # noqa: E402
+from tracestore.guided import guided_round  # noqa: E402
+from tracestore.packing import pack_bits  # noqa: E402
+
+B, PROMPT, NEW = 2, 5, 4
+GQA = ("mlp.input", "attn.k", "attn.v")
+MLA = ("attn.kv_latent", "attn.k_rope")
+WIDTH = {"mlp.input": 64, "attn.k": 32, "attn.v": 32, "attn.kv_latent": 32, "attn.k_rope": 32}
+# arch -> the site suffixes of layers 0 and 1 (hidden 64, 2 heads, 1 K/V head of 32; MLA latent and
+# rotary key 32 wide). Dense first layer (DeepSeek); Mamba / linear attention first layer (hybrids).
+EXPECTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    **{a: (GQA, GQA) for a in ARCHS},
+    "deepseek_v2": (MLA, ("mlp.input", *MLA)),
+    "deepseek_v3": (MLA, ("mlp.input", *MLA)),
+    "jamba": (("mlp.input",), GQA),
+    "qwen3_next": (("mlp.input",), GQA),
+    "qwen3_5_moe": (("mlp.input",), GQA),
+}
+# arch -> the shared expert's path in a decoder layer (inside the MoE block, or beside it)
+SHARED = {
+    "qwen2_moe": "mlp.shared_expert",
+    "qwen3_next": "mlp.shared_expert",
+    "qwen3_5_moe": "mlp.shared_expert",
+    "deepseek_v2": "mlp.shared_experts",
+    "deepseek_v3": "mlp.shared_experts",
+    "llama4": "feed_forward.shared_expert",
+    "granitemoeshared": "shared_mlp",
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # noqa: ANN202 - tiny ops: extra threads only synchronise on the shared 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.cache
+def tiny(arch: str) -> object:
+    spec = ModelSpec(arch, layers=2, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, expert_hidden=32, vocab=64)
+    return build_model(spec, dtype=torch.float32, seed=1)
+
+
+def prompt() -> torch.Tensor:
+    return torch.randint(7, 64, (B, PROMPT), generator=torch.Generator().manual_seed(2))  # 3..6: VL special ids
+
+
+def generate(model, hooks: HFSiteHooks | None = None, n: int = NEW) -> torch.Tensor:  # noqa: ANN001
+    kw = hooks.cache_kwargs(hooks.new_cache()) if hooks is not None else {}
+    with torch.no_grad():
+        return model.generate(prompt(), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def layers_of(model) -> list:  # noqa: ANN001
+    from tracestore.client.hf_layouts import decoder_layers, layout_for
+
+    return decoder_layers(model, layout_for(model)[1])[1]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_generate_with_hooks_gives_the_same_tokens_and_sees_every_site_at_every_position(arch: str) -> None:
+    model = tiny(arch)
+    ref = generate(model)
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    with HFSiteHooks(model, lambda site, x: calls.append((site.name, tuple(x.shape)))) as hooks:  # the one-liner
+        expected = [f"layers.{i}.{s}" for i in (0, 1) for s in EXPECTED[arch][i]]
+        assert [s.name for s in hooks.sites] == expected
+        assert {s.name: s.width for s in hooks.sites} == {n: WIDTH[n.split(".", 2)[2]] for n in expected}
+        out = generate(model, hooks)
+    assert torch.equal(out, ref), "an identity callback changed the generation"
+    assert out.shape == (B, PROMPT + NEW)
+    for name in expected:  # one call per forward: the prompt, then one new position per decode step
+        shapes = [s for n, s in calls if n == name]
+        assert shapes == [(B, PROMPT, WIDTH[name.split(".", 2)[2]])] + [(B, 1, shapes[0][2])] * (NEW - 1), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_trace_on_all_layers_b1_reproduces_the_rollout_codes(arch: str, fmt: str) -> None:
+    """Rollout: FP4SiteRecorder around generate() (every decode step kept). Training: one teacher-forced
+    forward without a cache over the positions the rollout ran, guided_round (b = 1) at every site
+    with the rollout's records: the training side lands on the rollout's codes everywhere."""
+    model, f = tiny(arch), get_format(fmt)
+    with FP4SiteRecorder(model, fmt=fmt) as fp4, fp4.forward([("t0", 0, None), ("t1", 0, None)]) as rolled:
+        tokens = generate(model, fp4.hooks)
+    n = PROMPT + NEW - 1  # the last sampled token never enters a forward
+    assert sorted(rolled) == sorted(s.name for s in fp4.hooks.sites)
+    for name, (codes, scales, g) in rolled.items():
+        assert codes.shape == (B, n, WIDTH[name.split(".", 2)[2]]) and scales.shape[:2] == (B, n), name
+        assert g.shape == (B, n) and torch.all(g[:, PROMPT - 1] == g[:, 0]) and (g > 0).all(), name
+
+    trained: dict[str, torch.Tensor] = {}
+
+    def trace(site, x):  # noqa: ANN001, ANN202
+        codes, scales, g = rolled[site.name]
+        y = guided_round(x, pack_bits(codes, 1), scales, g, 1, f)
+        trained[site.name] = codes_on_grid(y, scales, g, f)
+        return y
+
+    with HFSiteHooks(model, trace), torch.no_grad():
+        model(input_ids=tokens[:, :n], use_cache=False)
+    assert sorted(trained) == sorted(rolled)
+    for name, codes in trained.items():
+        assert torch.equal(codes, rolled[name][0]), (name, int((codes != rolled[name][0]).sum()))
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED))
+def test_shared_expert_consumes_the_hooked_moe_input(arch: str) -> None:
+    """A callback that changes the MoE input (and counts its calls): the shared expert receives the
+    changed tensor, the one the routed experts' block consumed, and the callback runs once per layer
+    and forward; no site of its own."""
+    model = tiny(arch)
+    layer = max(i for i in (0, 1) if "mlp.input" in EXPECTED[arch][i])
+    decoder = layers_of(model)[layer]
+    moe_path = SHARED[arch].rsplit(".", 1)[0] if "." in SHARED[arch] else {"granitemoeshared": "block_sparse_moe"}[arch]
+    calls: list[str] = []
+
+    def halve(site, x):  # noqa: ANN001, ANN202
+        if site.kind == "moe_input":
+            calls.append(site.name)
+            return x * 0.5
+        return None
+
+    seen: dict[str, torch.Tensor] = {}
+    with HFSiteHooks(model, halve, layers=[layer]) as hooks, torch.no_grad():
+        assert not [s for s in hooks.sites if "shared" in s.name]
+        handles = [
+            decoder.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: seen.setdefault(p, a[0].clone()))
+            for p in (moe_path, SHARED[arch])
+        ]  # registered after the site hooks: they see what the modules consume
+        model(input_ids=prompt(), use_cache=False)
+    for h in handles:
+        h.remove()
+    block_in, shared_in = seen[moe_path], seen[SHARED[arch]]
+    assert torch.equal(shared_in.reshape(block_in.shape), block_in)
+    assert calls.count(f"layers.{layer}.mlp.input") == 1
+    # and it is the hooked value: half of what the block gets without hooks (only this layer is hooked)
+    with torch.no_grad():
+        plain: dict[str, torch.Tensor] = {}
+        h = decoder.get_submodule(moe_path).register_forward_pre_hook(lambda m, a: plain.setdefault("x", a[0].clone()))
+        model(input_ids=prompt(), use_cache=False)
+        h.remove()
+    assert torch.allclose(block_in, 0.5 * plain["x"])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_sites_are_the_normalized_latent_and_rotary_key_the_cache_holds(arch: str) -> None:
+    """MLA caches the latent after kv_a_layernorm (kv_lora_rank wide) and the post-RoPE rotary key
+    (qk_rope_head_dim wide), one "head" each: the sites see exactly those, and what the callback
+    returns is what the cache stores, both with a cache and in a training forward without one."""
+    model = tiny(arch)
+    cfg = model.config
+    attn = layers_of(model)[1].self_attn
+    normed: list[torch.Tensor] = []
+    handle = attn.kv_a_layernorm.register_forward_hook(lambda m, a, out: normed.append(out.detach().clone()))
+    seen: dict[str, torch.Tensor] = {}
+
+    def scale(site, x):  # noqa: ANN001, ANN202
+        seen[site.name] = x.clone()
+        return x * 0.25 if site.kind != "moe_input" else None
+
+    x = prompt()
+    with HFSiteHooks(model, scale, layers=[1]) as hooks, torch.no_grad():
+        widths = {s.name: s.width for s in hooks.sites if s.layer == 1}
+        assert widths == {"layers.1.mlp.input": 64, "layers.1.attn.kv_latent": cfg.kv_lora_rank,
+                          "layers.1.attn.k_rope": cfg.qk_rope_head_dim}  # fmt: skip
+        cache = hooks.new_cache()
+        model(input_ids=x, **hooks.cache_kwargs(cache), use_cache=True)
+        no_cache = dict(seen)
+        seen.clear()
+        model(input_ids=x, use_cache=False)
+    handle.remove()
+    assert torch.equal(no_cache["layers.1.attn.kv_latent"], normed[0].reshape(B, PROMPT, -1))
+    for name in ("layers.1.attn.kv_latent", "layers.1.attn.k_rope"):
+        assert torch.equal(seen[name], no_cache[name]), name  # training sees what the rollout cached
+    with torch.no_grad():
+        plain = HFSiteHooks(model, lambda s, t: None)
+        ref = plain.new_cache()
+        model(input_ids=x, **plain.cache_kwargs(ref), use_cache=True)
+        plain.remove()
+    stored, unhooked = cache.layers[1], ref.layers[1]
+    assert stored.keys.shape == (B, 1, PROMPT, cfg.kv_lora_rank) and stored.values.shape[-1] == cfg.qk_rope_head_dim
+    assert torch.equal(stored.keys, 0.25 * unhooked.keys) and torch.equal(stored.values, 0.25 * unhooked.values)
