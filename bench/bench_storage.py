@@ -30,10 +30,17 @@ carries the machine's 1-minute load average and CPU pressure measured before its
   of those trajectories' files; plus a pipeline-stage + tensor-parallel read (half the sites, half
   the columns) with the bytes it fetched;
 - ``footprint``: bytes on storage per token (shard + manifest) vs the 7,680 B target (+1%);
-- ``compression``: per-column codec alternatives (size ratio, encode and decode throughput).
+- ``compression``: per-column codec alternatives (size ratio, encode and decode throughput);
+- ``validate``: ``validate_version`` (what ``tracestore inspect --validate`` runs per version:
+  every manifest checksum, every page, key column, byte length and chunk checksum, and every
+  sealed trajectory's completeness) in MB/s of shard bytes, in one process and with one worker
+  process per core, vs raw ``pyarrow.parquet.read_table`` of the same files with page checksum
+  verification (Arrow's threads, and one thread), on two stores: decode shards (one-token chunks
+  of 256 sequences x 20 sites per step, ~300k chunks per 120 MB shard) and prefill shards (the
+  write case's 512-token chunks). ``cpu_ms`` there adds the worker processes' CPU.
 
-Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5]``; prints
-tables and appends rows to ``bench/results/bench_storage.jsonl``.
+Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5] [--cases validate]``;
+prints tables and appends rows to ``bench/results/bench_storage.jsonl``.
 """
 
 from __future__ import annotations
@@ -409,6 +416,126 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     return rows
 
 
+def decode_shard(run: str, seqs: int, steps: int, first_step: int, seed: int) -> list[RecordChunk]:
+    """One-token chunks of ``steps`` decode steps of ``seqs`` sequences at every site (what a
+    sidecar's shard of decode steps holds): views of two random arrays, so building them is cheap."""
+    rng = np.random.default_rng(seed)
+    n = steps * seqs * N_SITES
+    codes = rng.integers(0, 256, (n, SPEC.sites[0].code_bytes), dtype=np.uint8)
+    scales = rng.integers(0, 256, (n, SPEC.sites[0].scale_bytes), dtype=np.uint8)
+    chunks = []
+    k = 0
+    for step in range(first_step, first_step + steps):
+        for q in range(seqs):
+            for s in SPEC.sites:
+                chunks.append(
+                    RecordChunk(run, 0, f"seq-{q:04d}", s.name, step, 1, codes[k : k + 1], scales[k : k + 1], 1.0)
+                )
+                k += 1
+    return chunks
+
+
+def bench_validate(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    import io as _io
+    import resource
+
+    from tracestore.cli_inspect import validate_version
+    from tracestore.records import TrajectorySeal
+
+    cores = len(os.sched_getaffinity(0))
+    rows: list[dict[str, Any]] = []
+    stores = {}
+    # decode: args.validate_shards shards of args.decode_steps steps each
+    url = f"file://{workdir}/validate-decode"
+    store = Store(url)
+    store.put_run(SPEC)
+    seqs = 256
+    for i in range(args.validate_shards):
+        chunks = decode_shard(SPEC.run, seqs, args.decode_steps, i * args.decode_steps, seed=100 + i)
+        store.write_shard(SPEC.run, 0, "w0", i, chunks)
+        del chunks
+    sites = tuple(s.name for s in SPEC.sites)
+    n_tokens = args.validate_shards * args.decode_steps + 1
+    seals = [TrajectorySeal(SPEC.run, 0, f"seq-{q:04d}", n_tokens, sites) for q in range(seqs)]
+    store.write_shard(SPEC.run, 0, "w0", 1 << 20, [], seals=seals)
+    stores["decode (1-token chunks)"] = store
+    # prefill: the write case's step, in args.validate_shards shards of distinct trajectories
+    url = f"file://{workdir}/validate-prefill"
+    store = Store(url)
+    store.put_run(SPEC)
+    for i in range(args.validate_shards):
+        chunks = [
+            RecordChunk(
+                c.run, 0, f"{c.trajectory}-{i}", c.site, c.token_start, c.n_tokens, c.codes, c.scales, c.global_scale
+            )
+            for c in make_step(args.trajectories, args.tokens, args.chunk_tokens, random_scales=False, seed=200 + i)
+        ]
+        store.write_shard(SPEC.run, 0, "w0", i, chunks)
+        seals = [TrajectorySeal(SPEC.run, 0, t, args.tokens + 1, sites) for t in sorted({c.trajectory for c in chunks})]
+        store.write_shard(SPEC.run, 0, "w1", i, [], seals=seals)
+        del chunks
+    stores[f"prefill ({args.chunk_tokens}-token chunks)"] = store
+
+    for kind, store in stores.items():
+        manifests = store.manifests(SPEC.run, 0)
+        files = [store.storage.full(m.shard) for m in manifests if m.shard]
+        shard_bytes = sum(m.shard_bytes for m in manifests)
+        n_chunks = sum(len(m.chunks) for m in manifests)
+        store._manifests.clear()  # every provider reads the manifests from disk
+
+        def ours(jobs: int, st: Store = store) -> None:
+            out = _io.StringIO()
+            n = validate_version(Store(st.url), SPEC.run, 0, out, jobs=jobs, parallel_min_bytes=0)
+            assert n == 0, out.getvalue()
+
+        def raw(threads: bool, fs: list[str] = files) -> None:
+            for f in fs:
+                pq.read_table(f, page_checksum_verification=True, use_threads=threads)
+
+        providers = {
+            "ours validate_version, 1 process": lambda: ours(1),
+            f"ours validate_version, {cores} worker processes": lambda: ours(cores),
+            "raw pq.read_table + page crc (Arrow threads)": lambda: raw(True),
+            "raw pq.read_table + page crc, 1 thread": lambda: raw(False),
+        }
+        load_before = machine_load()
+        times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in providers}
+        rng = random.Random(20261202)
+        for _ in range(args.validate_repeat):
+            order = list(providers)
+            rng.shuffle(order)
+            for name in order:
+                ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                c0, t0 = time.process_time(), time.perf_counter()
+                providers[name]()
+                wall = time.perf_counter() - t0
+                ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                child = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+                times[name][0].append(wall)
+                times[name][1].append(time.process_time() - c0 + child)
+        raw_w = times["raw pq.read_table + page crc (Arrow threads)"][0]
+        for name, (ws, cs) in times.items():
+            rows.append(
+                {
+                    "case": "validate",
+                    "store": kind,
+                    "provider": name,
+                    "shards": len(files),
+                    "chunks": n_chunks,
+                    "shard_MiB": round(shard_bytes / 2**20, 1),
+                    "median_ms": round(_median(ws) * 1e3, 1),
+                    "min_ms": round(min(ws) * 1e3, 1),
+                    "spread": _spread(ws),
+                    "cpu_ms": round(_median(cs) * 1e3, 1),
+                    "MB_per_s": round(shard_bytes / 1e6 / _median(ws), 1),
+                    "MB_per_s_best": round(shard_bytes / 1e6 / min(ws), 1),
+                    "ratio_vs_raw": round(_median(raw_w) / _median(ws), 3),
+                    **load_before,
+                }
+            )
+    return rows
+
+
 def _footprint(name: str, nbytes: int, tokens: int) -> dict[str, Any]:
     per = nbytes / tokens
     return {
@@ -474,14 +601,25 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=8192, help="real quantized tokens for the compression table")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results")
+    ap.add_argument("--cases", default="write,compression,validate", help="comma list of write, compression, validate")
+    ap.add_argument("--validate-shards", type=int, default=4, help="shards per store in the validate case")
+    ap.add_argument("--decode-steps", type=int, default=30, help="decode steps per shard (256 x 20 chunks each)")
+    ap.add_argument("--validate-repeat", type=int, default=5)
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
     workdir = Path(tempfile.mkdtemp(prefix="bench-storage-", dir=args.dir))
+    rows: list[dict[str, Any]] = []
     try:
-        rows = bench_write_read(args, workdir)
+        if "write" in cases:
+            rows += bench_write_read(args, workdir)
+        if "validate" in cases:
+            rows += bench_validate(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    comp = bench_compression(args)
+    comp = bench_compression(args) if "compression" in cases else []
     config = {"trajectories": args.trajectories, "tokens": args.tokens, "chunk_tokens": args.chunk_tokens}
+    if "validate" in cases:
+        config = {**config, "validate_shards": args.validate_shards, "decode_steps": args.decode_steps}
     for case, cols in (
         (
             "write",
@@ -493,11 +631,18 @@ def main() -> None:
             + ["ratio_vs_ours", "ratio_min"],
         ),
         ("footprint", ["provider", "bytes", "tokens", "bytes_per_token", "target", "ok"]),
+        (
+            "validate",
+            ["store", "provider", "shards", "chunks", "shard_MiB", "median_ms", "min_ms", "cpu_ms", "MB_per_s"]
+            + ["MB_per_s_best", "ratio_vs_raw"],
+        ),
     ):
-        print(f"\n== {case} ({config})")
-        print_table([r for r in rows if r["case"] == case], cols)
-    print("\n== compression alternatives per column")
-    print_table(comp, ["column", "codec", "raw_MiB", "size_ratio", "encode_MiB_per_s", "decode_MiB_per_s"])
+        if any(r["case"] == case for r in rows):
+            print(f"\n== {case} ({config})")
+            print_table([r for r in rows if r["case"] == case], cols)
+    if comp:
+        print("\n== compression alternatives per column")
+        print_table(comp, ["column", "codec", "raw_MiB", "size_ratio", "encode_MiB_per_s", "decode_MiB_per_s"])
     if not args.no_save:
         path = append_results("bench_storage", [{**r, **config} for r in rows + comp])
         print(f"\nappended {len(rows) + len(comp)} rows to {path}")

@@ -42,7 +42,7 @@ from typing import Any, TextIO
 
 from tracestore.errors import CorruptionError, TraceStoreError
 
-PARALLEL_MIN_BYTES = 256 << 20
+PARALLEL_MIN_BYTES = 512 << 20
 """Shards of a version are verified in worker processes once they add up to this many bytes
 (below it, starting the processes costs more than it saves)."""
 SPLIT_BYTES = 32 << 20  # a local shard is cut into units of at least this size, one per worker at most
@@ -363,6 +363,24 @@ class _Workers:
         self.queue.put((fut, unit))
         return fut
 
+    def help(self) -> None:
+        """Verify queued units in this thread until none is left (the caller has nothing else to
+        do meanwhile: one process more for the same cores)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # closing: leave it to the workers
+                self.queue.put(None)
+                return
+            fut, unit = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(_verify_unit(unit))
+                except Exception as exc:  # noqa: BLE001 - reported as the unit's problem
+                    fut.set_result([f"shard {unit.where}: verification failed ({type(exc).__name__}: {exc})"])
+
     def close(self) -> None:
         for _ in self.threads:
             self.queue.put(None)
@@ -471,6 +489,8 @@ class _Verifier:
 
     def problems(self) -> list[str]:
         out = []
+        if self.workers is not None:
+            self.workers.help()
         for r in self.results:
             out += r if isinstance(r, list) else r.result()
         return out
