@@ -12,6 +12,9 @@ MiB = 1 << 20
 # of them, so health checks and Stat always find a thread.
 HEALTH_THREADS = 4
 MIN_WORKERS = HEALTH_THREADS + 4
+# A Read's reply goes out in slices of about this size; while one is sent it exists ~3 times (the
+# rows' bytes, the message, its serialization).
+READ_SLICE_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +119,16 @@ class ServerConfig:
 
     @property
     def read_limit_bytes(self) -> int:
-        """The largest Read served: ``max_read_bytes``, and never more than the memory budget."""
-        return min(self.max_read_bytes, self.memory_budget_bytes)
+        """The largest Read served: ``max_read_bytes``, and never more than the budget can hold
+        beside the room kept for a received message: a Read holds its output and the slices of it
+        being sent (:meth:`read_reservation`)."""
+        room = self.memory_budget_bytes - self.max_message_bytes
+        return min(self.max_read_bytes, max(room - 3 * READ_SLICE_BYTES, room // 4))
+
+    @staticmethod
+    def read_reservation(nbytes: int) -> int:
+        """What a Read of ``nbytes`` of output holds against the memory budget while it runs."""
+        return nbytes + 3 * min(nbytes, READ_SLICE_BYTES)
 
     @property
     def rpc_threads(self) -> int:

@@ -49,7 +49,7 @@ from .auth import (
     require_see,
     require_write,
 )
-from .config import HEALTH_THREADS, ServerConfig
+from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
 from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics, storage_op, unguided_reason
 from .shm import ShmPools
@@ -57,13 +57,11 @@ from .wire import parse_seal, parse_write, scan_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
-READ_SLICE_BYTES = 4 << 20
 # A Write stream that has waited this long for its next message while other streams wait for a turn
 # to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
 READ_TURN_IDLE_S = 2.0
 HEALTH_PERIOD_S = 1.0  # how often the health status follows Engine.degraded()
 RETRY_AFTER_LIMIT_MS = 1000  # retry hint with a refusal for a count limit (streams, concurrent calls)
-INT64_MAX = (1 << 63) - 1
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -565,15 +563,15 @@ class TraceStoreService:
         if nbytes > self.config.read_limit_bytes:
             raise LimitError(
                 f"the read plan needs {nbytes} bytes of output, over this sidecar's limit of "
-                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib, at most the memory "
-                "budget); read fewer tokens or sites at a time"
+                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the memory "
+                "budget holds beside one received message); read fewer tokens or sites at a time"
             )
         plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
         # Read-your-writes: commit what this sidecar holds before reading storage.
         if not self.engine.flush(self.config.storage_timeout_s):
             raise StorageError("could not commit pending records before the read (storage is behind); retry")
         # the output, and the slices of it being serialized and sent
-        reserved[0] = self.engine.reserve(nbytes + 3 * READ_SLICE_BYTES)
+        reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
         on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
         with self._readers_lock:

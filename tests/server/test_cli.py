@@ -76,7 +76,11 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=32 << 20).reading_streams == 1
     with pytest.raises(ConfigError, match="at most half"):
         ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=33 << 20)
-    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20).read_limit_bytes == 64 << 20
+    # the largest read fits the budget beside the room kept for a received message, replies included
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20).read_limit_bytes == 48 << 20
+    for budget, message in ((64 << 20, 4 << 20), (4 << 20, 1 << 20), (1 << 30, 64 << 20), (256 << 20, 128 << 20)):
+        cfg = ServerConfig(memory_budget_bytes=budget, max_message_bytes=message)
+        assert 0 < cfg.read_reservation(cfg.read_limit_bytes) <= budget - message, (budget, message)
 
 
 def _free(port: int) -> bool:
