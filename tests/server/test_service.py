@@ -158,6 +158,8 @@ HOSTILE = {
     # a declared site with rows_per_token 0 (or bits 0) silently became 1
     "rows-per-token-zero": (lambda r: _declare(r, rows_per_token=0), "INVALID_ARGUMENT", "rows_per_token >= 1"),
     "bits-zero": (lambda r: _declare(r, bits=0), "INVALID_ARGUMENT", "bits >= 1"),
+    # tokens ending past int64 were accepted (token_end wrapped negative downstream)
+    "token-range-past-int64": (_set("token_start", INT64_MAX - 2), "INVALID_ARGUMENT", "end past 2^63 - 1"),
     "oversized": (_set("codes", b"\0" * (MAX_MSG + 10)), "RESOURCE_EXHAUSTED", ""),
 }
 
