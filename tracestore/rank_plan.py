@@ -224,7 +224,8 @@ class RankPlan:
         from tracestore.client.traceref import check_refs
 
         if check:
-            check_refs([r for r in self.refs if r.guided], reader)
+            check_refs([r for r in self.refs if r.guided], reader)  # refreshes the refs' versions
+            kw.setdefault("refresh", False)
         res = reader.read(
             self.plan,
             versions=self.versions or None,
