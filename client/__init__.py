@@ -4,6 +4,7 @@
 lazily where a GPU tensor or a sidecar connection needs them.
 
     from tracestore.client import RolloutRecorder, SiteOutput, GuidanceReader
+    from tracestore.client import TraceRef, attempt_id   # handles an RL framework carries
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ _LAZY = {
     "SiteOutput": "tracestore.client.recorder",
     "GuidanceReader": "tracestore.client.reader",
     "StagingPool": "tracestore.client.staging",
+    "TraceRef": "tracestore.client.traceref",
+    "attempt_id": "tracestore.client.traceref",
 }
 
 __all__ = list(_LAZY)
