@@ -202,3 +202,19 @@ def test_mla_sites_are_the_normalized_latent_and_rotary_key_the_cache_holds(arch
     stored, unhooked = cache.layers[1], ref.layers[1]
     assert stored.keys.shape == (B, 1, PROMPT, cfg.kv_lora_rank) and stored.values.shape[-1] == cfg.qk_rope_head_dim
     assert torch.equal(stored.keys, 0.25 * unhooked.keys) and torch.equal(stored.values, 0.25 * unhooked.values)
+
+
+def test_demo_arch_flag_names_every_arch_and_runs_mla_and_hybrids() -> None:
+    from tracestore.cli import build_parser
+    from tracestore.demo.run import DemoConfig, run_demo
+
+    demo = build_parser()._subparsers._group_actions[0].choices["demo"]  # type: ignore[union-attr]
+    arch_help = next(a.help for a in demo._actions if "--arch" in a.option_strings)
+    assert all(a in arch_help for a in ARCHS), [a for a in ARCHS if a not in arch_help]
+    for arch in ("deepseek_v3", "jamba"):  # MLA sites; a layer without attention
+        spec = ModelSpec(arch, layers=2, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, expert_hidden=32, vocab=64)
+        results = run_demo(DemoConfig(model=spec, trajectories=2, prompt=4, tokens=3, transport="memory", device="cpu"))
+        assert [r["layer"] for r in results["moe_input"]] == ([1] if arch == "deepseek_v3" else [0, 1])
+        assert results["record_bytes_per_token"]["trace_all"] == sum(  # every site of every layer recorded
+            WIDTH[s] // 8 + WIDTH[s] // 16 for i in (0, 1) for s in EXPECTED[arch][i]
+        )

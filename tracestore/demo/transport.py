@@ -23,7 +23,8 @@ from tracestore.demo.rollout import ForwardRecord, Rollout
 from tracestore.demo.train import Mode, SiteGuidance
 from tracestore.errors import ConfigError, StorageError
 
-KINDS = {"mlp.input": "moe_input", "attn.k": "key", "attn.v": "value"}
+# site-name suffix -> record kind (MLA caches a latent and a rotary key instead of K and V)
+KINDS = {"mlp.input": "moe_input", "attn.k": "key", "attn.v": "value", "attn.kv_latent": "other", "attn.k_rope": "key"}
 
 
 def service_available() -> str | None:
