@@ -245,6 +245,8 @@ class TraceStoreService:
             log.exception("internal error in %s", method, exc_info=exc)
         if isinstance(exc, OverBudgetError):
             meta["retry-after-ms"] = str(int(exc.retry_after_s * 1000))
+        elif isinstance(exc, LimitError):  # a count limit (streams, calls, writers, runs) may free up
+            meta.setdefault("retry-after-ms", str(RETRY_AFTER_LIMIT_MS))
         self.metrics.rejected.labels(code.name).inc()
         if isinstance(exc, CorruptionError):
             self.metrics.checksum_failures.inc()
@@ -276,7 +278,7 @@ class TraceStoreService:
                 f"{self.streams.limit} Write streams are open on this sidecar, its limit (max_streams, "
                 "--max-streams); retry later, share a stream per process, or raise the limit"
             )
-            self._fail(context, "Write", limit, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
+            self._fail(context, "Write", limit, {})
         try:
             yield from self._write(requests, context)
         finally:
@@ -453,7 +455,7 @@ class TraceStoreService:
             f"{self.long_calls.limit} Read and Seal calls are running on this sidecar, its limit (workers - "
             f"{HEALTH_THREADS}, --workers {self.config.workers}); retry later"
         )
-        self._fail(context, method, limit, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
+        self._fail(context, method, limit, {})
 
     def seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         """Unary twin of a Write message; returns once it is durable (one of the long-call slots)."""

@@ -359,6 +359,7 @@ def test_writer_and_run_limits(tmp_path: Path) -> None:
             _, err = stream(ch, [write_request(1, [make_chunk("lim-w3", 0, 4)], writer="w3").SerializeToString()])
             assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             assert "max_writers" in (err.details() or ""), err.details()
+            assert "retry-after-ms" in dict(err.trailing_metadata() or ())
             other = RunSpec("run-b", SPEC.sites)
             req = write_request(1, [make_chunk("b", 0, 4, spec=other)], writer="w1", declare=True, spec=other)
             _, err = stream(ch, [req.SerializeToString()])
