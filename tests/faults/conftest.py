@@ -35,9 +35,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     rep = outcome.get_result()
     if rep.when == "call" or (rep.when == "setup" and not rep.passed):
         verdict = "pass" if rep.passed else "skip" if rep.skipped else "FAIL"
+        crash = getattr(getattr(rep, "longrepr", None), "reprcrash", None)
+        reason = (crash.message.strip().splitlines() or [""])[0] if crash is not None else ""
         for r in RESULTS:
             if r.nodeid == item.nodeid:
                 r.outcome = verdict
+                if verdict != "pass" and not r.note and reason:
+                    r.note = reason[:160]  # an exception the test did not note itself
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

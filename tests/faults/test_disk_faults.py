@@ -26,7 +26,7 @@ BASE_FLAGS = [
     "--wal-segment-mib", "1", "--flush-interval", "0.2", "--memory-budget-mib", "32", "--max-message-mib", "4",
     "--backpressure-timeout", "1", "--storage-timeout", "5", "--wal-retry", "0.5", "--grace", "10",
 ]  # fmt: skip
-FAIL_WINDOW_S = 3.0  # how long the fault lasts once the sidecar noticed it
+FAIL_WINDOW_S = 1.5  # how long the fault lasts once the sidecar noticed it
 NOTICE_S = 10.0  # bound for NOT_SERVING after the fault starts (storage: --storage-unhealthy + this)
 RECOVER_S = 20.0  # bound for SERVING and acknowledgements again once the fault is gone
 OK_FAULT_CODES = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CLIENT_TIMEOUT"}
@@ -138,7 +138,7 @@ SHIM_CASES = [
 def test_disk_fault(target: str, err: str, ops: str, tmp_path: Path, shim: Path) -> None:
     r = row(f"4 {target} {err} ({ops} fail)")
     trigger = tmp_path / "fault-on"
-    sc = Sidecar(tmp_path, flags=[*BASE_FLAGS, "--storage-unhealthy", "2"])
+    sc = Sidecar(tmp_path, flags=[*BASE_FLAGS, "--storage-unhealthy", "1"])
     pattern = f"{sc.wal_dir}/" if target == "wal" else f"{sc.data_dir}/"
     sc.env = {
         "LD_PRELOAD": str(shim), "FAULTSHIM_PATTERN": pattern, "FAULTSHIM_TRIGGER": str(trigger),
@@ -168,7 +168,7 @@ def test_wal_on_full_tmpfs(tmp_path: Path) -> None:
         pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {exc}")
     r = row("4 wal ENOSPC (real tmpfs)")
     filler = mnt / "filler"
-    sc = Sidecar(tmp_path, wal_dir=mnt / "wal", flags=[*BASE_FLAGS, "--storage-unhealthy", "2"])
+    sc = Sidecar(tmp_path, wal_dir=mnt / "wal", flags=[*BASE_FLAGS, "--storage-unhealthy", "1"])
     w = Writer("disk-tmpfs", trajs=4, tokens=256, window=4)
 
     def fill() -> None:

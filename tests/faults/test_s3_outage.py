@@ -15,7 +15,7 @@ import pytest
 
 from .harness import Background, Sidecar, Writer, converged, free_port, row, verify, wait_until
 
-OUTAGE_S = 5.0
+OUTAGE_S = 3.0
 
 
 def _options(endpoint: str) -> dict[str, Any]:

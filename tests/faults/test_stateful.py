@@ -37,7 +37,7 @@ from .harness import SPEC, Rec, make_recs, row
 
 WRITERS = ("sm-a", "sm-b")
 DURABLE_S = 10.0
-EXAMPLES = int(os.environ.get("TRACESTORE_STATEFUL_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("TRACESTORE_STATEFUL_EXAMPLES", "15"))
 STATS: Counter[str] = Counter()
 
 

@@ -22,7 +22,7 @@ from .harness import WRITE, Msg, Sidecar, Writer, converged, make_recs, row, ver
 
 BUDGET_MIB = 64
 STREAMS = 300
-MESSAGES = 3  # per stream, ~250 KiB each: ~220 MiB offered against a 64 MiB budget
+MESSAGES = 3  # per stream, ~185 KiB each: ~160 MiB offered against a 64 MiB budget
 REFUSE_BOUND_S = 30.0  # a stream neither acknowledged nor refused by then is left hanging
 
 
@@ -49,7 +49,7 @@ def test_300_streams_storage_down_memory_bounded(tmp_path: Path) -> None:
         idle = sc.rss()[0]
         for k in range(STREAMS):
             writer = f"flood-{k}"
-            msgs = [Msg(i, make_recs(writer, i, trajs=4, tokens=1024, version=1)) for i in range(MESSAGES)]
+            msgs = [Msg(i, make_recs(writer, i, trajs=4, tokens=768, version=1)) for i in range(MESSAGES)]
             for seq, m in enumerate(msgs, start=1):
                 m.epoch, m.seq = 1, seq
             sent[writer] = msgs
