@@ -354,10 +354,16 @@ def _wait_published(
 # ---------------------------------------------------------------------------------------- checking
 
 
-def check_refs(refs: Iterable[TraceRef], reader: StoreReader, *, strict: bool = True) -> list[str]:
+def check_refs(
+    refs: Iterable[TraceRef], reader: StoreReader, *, strict: bool = True, missing: str = "error"
+) -> list[str]:
     """Check guided ``refs`` against what ``reader``'s store holds: the run, a seal of the stored id
     in the ref's version with the ref's token count and site set. Returns the problems (empty: all
-    fine); with ``strict`` raises the first as ValidationError / MissingRecordsError."""
+    fine); with ``strict`` raises the first as ValidationError / MissingRecordsError.
+    ``missing="skip"``: a ref with no seal on storage is not a problem (its rows are then found
+    missing by the read, and masked or refused there)."""
+    if missing not in ("error", "skip"):
+        raise ConfigError(f"missing must be 'error' or 'skip', got {missing!r}")
     problems: list[tuple[type[Exception], str]] = []
     spec = reader.spec
     digests: dict[frozenset[str], str] = {}
@@ -378,9 +384,10 @@ def check_refs(refs: Iterable[TraceRef], reader: StoreReader, *, strict: bool = 
             continue
         seal = reader.seal(r.stored_id, {r.policy_version})
         if seal is None:
-            problems.append(
-                (MissingRecordsError, f"{where}: storage has no seal of {r.stored_id} in v{r.policy_version}")
-            )
+            if missing == "error":
+                problems.append(
+                    (MissingRecordsError, f"{where}: storage has no seal of {r.stored_id} in v{r.policy_version}")
+                )
             continue
         if seal.n_tokens != r.n_tokens:
             problems.append(

@@ -158,7 +158,8 @@ class TrainerLayout:
 class RankRead:
     """A rank's rows: ``rows[site]`` (:class:`~tracestore.reader.SiteRows`, plan order), and what
     fell back to RTN. ``rows_total`` counts non-padding rows over the sites read;
-    ``unguided_rows`` those without a record: unguided refs, masked missing records and the final
+    ``unguided_rows`` those without a record: unguided refs, masked missing records (``missing_rows``;
+    ``missing_refs``: guided refs whose trajectory has no seal on storage at all) and the final
     positions of sealed trajectories (unrecorded by design, ``exempt_rows``)."""
 
     plan: RankPlan
@@ -168,6 +169,7 @@ class RankRead:
     missing_rows: int
     exempt_rows: int
     unguided_ref_rows: int
+    missing_refs: list[str] = dataclasses.field(default_factory=list)  # guided refs with no seal stored
 
     def __getitem__(self, site: str) -> SiteRows:
         return self.result[site]
@@ -223,9 +225,14 @@ class RankPlan:
         refused (ValidationError)."""
         from tracestore.client.traceref import check_refs
 
+        guided = [r for r in self.refs if r.guided]
+        missing: list[str] = []
         if check:
-            check_refs([r for r in self.refs if r.guided], reader)  # refreshes the refs' versions
+            # refreshes the refs' versions; a ref without a seal is missing, not misaligned: its rows
+            # are masked and counted with on_missing="rtn", refused with "error"
+            check_refs(guided, reader, missing="skip" if self.on_missing == "rtn" else "error")
             kw.setdefault("refresh", False)
+            missing = [r.stored_id for r in guided if reader.seal(r.stored_id, {r.policy_version}) is None]
         res = reader.read(
             self.plan,
             versions=self.versions or None,
@@ -246,7 +253,9 @@ class RankPlan:
             rows_total += int(real.sum()) + self.unguided_tokens * k
             unguided += int((real & ~r.valid).sum()) + self.unguided_tokens * k
             ref_rows += self.unguided_tokens * k
-        return RankRead(self, res, rows_total, unguided, res.stats.missing_rows, res.stats.exempt_rows, ref_rows)
+        return RankRead(
+            self, res, rows_total, unguided, res.stats.missing_rows, res.stats.exempt_rows, ref_rows, missing
+        )
 
     def _padding_tokens(self) -> np.ndarray:
         pad = np.zeros(self.plan.n_tokens, dtype=bool)

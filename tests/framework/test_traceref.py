@@ -161,6 +161,13 @@ def test_recorder_refs_attempts_and_reads(served: ServeProcess) -> None:
             check_refs([TraceRef("other", 0, "p1", 0, 6, refs[1].sites)], reader)
         with pytest.raises(MissingRecordsError, match="no seal"):
             check_refs([TraceRef(SPEC.run, 0, "p1", 1, 6, refs[1].sites)], reader)
+        # a guided ref whose trajectory never reached storage: RTN rows and a count, or an error
+        ghost = TraceRef(SPEC.run, 0, "ghost", 0, 4, refs[1].sites)
+        got = rank_plan([refs[1], ghost], TrainerLayout(), run_spec=SPEC).read(reader)
+        assert got.missing_refs == ["ghost::a0"] and got.missing_rows == 4 * (1 + 1 + 2)
+        assert got.unguided_rows == (4 + 1) * (1 + 1 + 2)  # ghost's rows + refs[1]'s final position
+        with pytest.raises(MissingRecordsError, match="no seal of ghost::a0"):
+            rank_plan([refs[1], ghost], TrainerLayout(), run_spec=SPEC, on_missing="error").read(reader)
         wrong_sites = TraceRef(SPEC.run, 0, "p1", 0, 6, site_digest(SPEC, [SPEC.sites[0].name]))
         assert "site digest" in check_refs([wrong_sites], reader, strict=False)[0]
     # GuidanceReader reports the share of rows without a record
