@@ -262,6 +262,10 @@ class TraceStoreService:
     def _caller(self) -> Any:
         return caller(self.config.auth_tokens is not None)
 
+    def _identity(self, who: Any) -> str | None:
+        """The name writer ids and trajectories are owned by (None with authentication off)."""
+        return who.name if self.config.auth_tokens is not None else None
+
     def _storage_names(self) -> list[str]:
         """How error messages may spell the storage location: its URL and its root path."""
         root = getattr(getattr(self.engine.store, "storage", None), "root", "") or ""
@@ -378,7 +382,7 @@ class TraceStoreService:
                         for u in req.unguided:
                             self.metrics.unguided_trajectories.labels(unguided_reason(u.reason)).inc(u.count)
                         reserved_left = 0
-                        st, _dup = self.engine.submit(msg, wal_parts, reserved, hold)
+                        st, _dup = self.engine.submit(msg, wal_parts, reserved, hold, self._identity(who))
                     except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                         # A message refused before submit gives its reservation back (else each
                         # malformed message shrank the budget of every stream for good)
@@ -474,7 +478,7 @@ class TraceStoreService:
             wal = pb.WriteRequest(
                 run=req.run, writer=req.writer, epoch=req.epoch, sequence=req.sequence, seals=req.seals, links=req.links
             ).SerializeToString()
-            st, _ = self.engine.submit(msg, pack_wal_data(wal, []))
+            st, _ = self.engine.submit(msg, pack_wal_data(wal, []), identity=self._identity(self._caller()))
             deadline = time.monotonic() + max(1.0, context.time_remaining() or self.config.grace_s)
             waker = Waker()
             self.engine.listen(st, waker)
