@@ -19,7 +19,11 @@ the guidance alignment, which is what this pipeline checks, is the same).
 
 Checks (:func:`run`, returned in the summary, asserted by tests/framework/test_ray_pipeline.py):
 every rank's guidance rows equal the rollout's records of exactly its tokens (RTN rows exactly
-where the trajectory is unguided, padding, or at its final position); each rank's reader holds
+where the trajectory is unguided, padding, or at its final position), and in the forward the
+trained FP4 codes keep the recorded low bits (``agreement`` per site: 1.0 on the data-parallel
+ranks, whose full-sequence forward reproduces the rollout's activations; ~0.98-1.0 on the CP
+ranks, whose chunk-local attention moves them slightly; rows aligned to the wrong tokens would
+agree on about half); each rank's reader holds
 only its slice (the Arrow memory it keeps is its output buffer); killing one rollout actor's
 sidecar in the middle of a rollout leaves that rollout's trajectories unguided in their refs
 while every ref handed out before stays readable.
@@ -158,6 +162,8 @@ class GuidedSiteHook:
 
     def __init__(self, guidance: dict[str, Any], index: Any) -> None:
         self.guidance, self.index = guidance, index
+        # per site: the share of recorded values whose trained FP4 code keeps the rollout's low bits
+        self.agreement: dict[str, float] = {}
 
     def __call__(self, site: Any, x: Any) -> Any:
         import torch
@@ -176,7 +182,16 @@ class GuidedSiteHook:
         scales = torch.from_numpy(rows.scales)[idx]
         g = torch.from_numpy(rows.global_scale)[idx]
         valid = torch.from_numpy(rows.valid)[idx] & has
-        return guided_round(x, codes, scales, g, rows.site.bits, NVFP4, valid=valid, fallback_global_scale=g_own)
+        y = guided_round(x, codes, scales, g, rows.site.bits, NVFP4, valid=valid, fallback_global_scale=g_own)
+        if bool(valid.any()):
+            from tracestore.demo.train import codes_on_grid
+            from tracestore.packing import unpack_bits
+
+            bits = rows.site.bits
+            got = codes_on_grid(y.detach(), scales, g, NVFP4) & ((1 << bits) - 1)
+            want = unpack_bits(codes, bits, x.shape[-1])
+            self.agreement[site.name] = float((got == want)[valid].float().mean())
+        return y
 
 
 class Trainer:
@@ -261,6 +276,7 @@ class Trainer:
             slice_bytes=slice_bytes,
             rows_total=got.rows_total,
             unguided_fraction=got.unguided_fraction,
+            agreement=hook.agreement,
             plan_tokens=rp.n_tokens,
         )
 
@@ -418,7 +434,8 @@ def run(workdir: str, *, n_rollout: int = 2, batch: int = 3, num_cpus: int = 4) 
                     ranks=[
                         dict(group=g, coord=res["coord"], loss=res["loss"], plan_tokens=res["plan_tokens"],
                              slice_bytes=res["slice_bytes"], held_bytes=res["held_bytes"],
-                             unguided_fraction=round(res["unguided_fraction"], 4))
+                             unguided_fraction=round(res["unguided_fraction"], 4),
+                             agreement={k: round(v, 4) for k, v in res["agreement"].items()})
                         for (g, _), res in zip(trainers, results, strict=True)
                     ],
                 )

@@ -46,6 +46,13 @@ def test_ray_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert len(step["ranks"]) == 4
         for rank in step["ranks"]:
             assert rank["held_bytes"] <= 2 * rank["slice_bytes"] + (256 << 10)
+    # in the forward, the trained codes keep the recorded low bits: exactly on the DP ranks (their
+    # full-sequence forward is the rollout's), nearly on the CP ranks (chunk-local attention)
+    for rank in v0["ranks"]:
+        assert rank["agreement"], rank
+        floor = 0.999 if rank["group"] == "dp2-padded" else 0.95
+        assert min(rank["agreement"].values()) >= floor, rank
+        assert rank["agreement"]["layers.0.attn.k"] >= 0.999  # K/V of layer 0: no attention before them
     # a DP rank trains only the unguided rollout's samples in step 1: all its rows are RTN
     assert any(r["unguided_fraction"] == 1.0 for r in v1["ranks"])
     # everything acknowledged stays readable, the killed actor's step-0 refs included
