@@ -572,7 +572,8 @@ class TraceStoreService:
                 f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the memory "
                 "budget holds beside one received message); read fewer tokens or sites at a time"
             )
-        plan = MicrobatchPlan([(s.trajectory, s.token_start, s.token_end) for s in req.plan])
+        # (an empty trajectory id is a padding segment: the client sends None that way)
+        plan = MicrobatchPlan([(s.trajectory or None, s.token_start, s.token_end) for s in req.plan])
         # Read-your-writes: commit what this sidecar holds before reading storage.
         if not self.engine.flush(self.config.storage_timeout_s):
             raise StorageError("could not commit pending records before the read (storage is behind); retry")

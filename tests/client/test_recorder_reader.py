@@ -396,3 +396,22 @@ def test_prefill_forwards_are_sent_at_once_whatever_batch_bytes(served: ServePro
         host = reader.read_host([(t, 0, 40) for t in trajs])
     for s in SPEC.sites:
         assert host[s.name].codes.tobytes() == out[s.name].codes.tobytes(), s.name
+
+
+def test_padding_segments_read_through_the_sidecar(served: ServeProcess) -> None:
+    """A padded plan (None segments) reads the same through the sidecar as from storage (the sidecar
+    refused the empty trajectory id the client sends for padding with INVALID_ARGUMENT)."""
+    rec = RolloutRecorder(served.address, SPEC, "writer-padding")
+    ro = Rollout(2, 3, 2, seed=4)
+    ro.traj = lambda i: f"pad-{i}"  # type: ignore[method-assign]
+    _record(rec, ro, links=False)
+    assert rec.flush(30)
+    rec.close()
+    plan = [("pad-0", 0, 4), (None, 0, 3), ("pad-1", 1, 3)]
+    got = {}
+    for source in (served.address, served.storage):
+        with GuidanceReader(source, SPEC.run, sites=["layers.20.mlp.input"]) as reader:
+            got[source] = reader.read(plan)["layers.20.mlp.input"]
+        assert got[source].valid.tolist() == [True] * 4 + [False] * 3 + [True] * 2
+    a, b = got[served.address], got[served.storage]
+    assert a.codes.numpy().tobytes() == b.codes.numpy().tobytes()
