@@ -126,6 +126,7 @@ class Message:
     wal_parts: Sequence[Part] | None = None
     ticket: int = 0  # WAL ticket of the DATA entry
     plan_ticket: int = 0  # WAL ticket of the PLAN entry that gave it ``shard_seq``
+    reservation_held: int = 0  # budget its stream reserved for it, held until it is admitted
 
     def own_shm(self) -> None:
         """Replace the payload views this message holds into a writer's shared-memory pool by
@@ -417,7 +418,7 @@ class Engine:
         identity: str | None = None,
     ) -> tuple[WriterState, bool]:
         """Admit one message; returns (writer state, duplicate). Raises on gaps, conflicts, no room.
-        ``reserved``: bytes this caller reserved with :meth:`reserve` (released here). ``hold``:
+        ``reserved``: bytes this caller reserved with :meth:`reserve` (taken over here). ``hold``:
         (pool, its bytes) of a writer that keeps its staging until released: with a WAL, the
         message's shared-memory payload is then read in place until its shard is committed
         (:meth:`_hold`). Without ``hold`` the caller has made the payload its own (or has no WAL).
@@ -426,8 +427,20 @@ class Engine:
         another identity can neither fence that writer (new epochs, huge epochs) nor write the
         trajectory's records, seals or links, nor link a trajectory of its own to it
         (:class:`PermissionDeniedError`)."""
-        if reserved:
-            self.unreserve(reserved)
+        # The caller's reservation stays this message's room while it waits for admission (given
+        # back first, the message sat in memory uncounted while it waited), and becomes its share
+        # of ``in_use`` when it is admitted.
+        try:
+            return self._submit(msg, wal_parts, reserved, hold, identity)
+        finally:
+            if msg.reservation_held:
+                self.unreserve(msg.reservation_held)
+                msg.reservation_held = 0
+
+    def _submit(
+        self, msg: Message, wal_parts: Sequence[Part], held: int, hold: tuple[str, int] | None, identity: str | None
+    ) -> tuple[WriterState, bool]:
+        msg.reservation_held = held
         deadline = time.monotonic() + self.config.backpressure_timeout_s
         if msg.nbytes > self.config.memory_budget_bytes:
             raise OverBudgetError(
@@ -452,9 +465,8 @@ class Engine:
                 if dup:
                     self.metrics.ingest_duplicates.inc()
                     return st, True
-                if self.in_use + self._reserved + msg.nbytes <= self.config.memory_budget_bytes or (
-                    self.in_use + self._reserved == 0
-                ):
+                others = self._reserved - held
+                if self.in_use + others + msg.nbytes <= self.config.memory_budget_bytes or self.in_use + others == 0:
                     break
                 self._await_room(deadline, first=not waited, detail="nothing of this message was accepted")
                 waited = True
@@ -482,6 +494,10 @@ class Engine:
             if hold is not None and self.wal is not None and msg.shm_chunks:
                 self._hold(st, msg, *hold)
             st.received_seq = msg.seq
+            self._reserved -= held  # counted in in_use from here on
+            msg.reservation_held = 0
+            if held > msg.nbytes:
+                self._room.notify_all()
             self._enqueue(st, msg)
             self.metrics.ingest_records.labels(msg.path).inc(sum(c.n_rows for c in msg.chunks))
             self.metrics.ingest_chunks.labels(msg.path).inc(len(msg.chunks))

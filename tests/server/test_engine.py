@@ -227,3 +227,47 @@ def test_dedupe_state_is_bounded_to_the_newest_versions(memory_url: str) -> None
             _submit(eng, write_request(7, [make_chunk("t5", 0, 4, seed=9, version=5)]))
     finally:
         eng.close()
+
+
+def test_a_message_waiting_for_room_keeps_its_streams_reservation(tmp_path: Path) -> None:
+    """While a received message waits for room it is in memory: its stream's reservation must stay
+    counted until the message is admitted or refused (it was given back before the wait, so other
+    streams could read more messages into memory meanwhile)."""
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the store needs a directory: every shard write fails")
+    url = f"file://{tmp_path / 'data' / 'root'}"
+    cfg = ServerConfig(storage=url, wal_dir=None, port=0, metrics_port=None, memory_budget_bytes=16384,
+                       max_message_bytes=4096, backpressure_timeout_s=2.0, flush_interval_s=0.01)  # fmt: skip
+    store = Store(url, timeout=5, retries=0)
+    eng = Engine(cfg, store, Metrics())
+    eng.runs[SPEC.run] = SPEC
+    eng.start(wal_parser(eng.run_spec))
+    try:
+        seq = 0
+        size = parse_write(write_request(1, [make_chunk("t0", 0, 8)]).SerializeToString(), eng.run_spec, None)[1].nbytes
+        while eng.in_use + size <= cfg.memory_budget_bytes:  # fill the budget (storage is down)
+            seq += 1
+            _submit(eng, write_request(seq, [make_chunk(f"t{seq}", 0, 8)]))
+        raw = write_request(seq + 1, [make_chunk("waiting", 0, 8)]).SerializeToString()
+        _, msg, parts = parse_write(raw, eng.run_spec, None)
+        reserved = msg.nbytes
+        with eng._lock:  # what a stream holds once reserve() let it read this message
+            eng._reserved += reserved
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(_try(lambda: eng.submit(msg, parts, reserved))))
+        t.start()
+        time.sleep(0.5)  # the message waits for room
+        assert t.is_alive(), result
+        assert eng._reserved == reserved  # still counted while it waits
+        t.join()
+        assert isinstance(result[0], OverBudgetError)  # storage never came back: refused ...
+        assert eng._reserved == 0  # ... and only then given back
+    finally:
+        eng.close()
+
+
+def _try(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001
+        return exc
