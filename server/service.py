@@ -61,6 +61,11 @@ SERVICE = "tracestore.v1.TraceStore"
 # to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
 READ_TURN_IDLE_S = 2.0
 HEALTH_PERIOD_S = 1.0  # how often the health status follows Engine.degraded()
+# The health service name for liveness probes: NOT_SERVING only for what a restart mends (the
+# flusher thread died). A full WAL device or a storage outage is not mended by a restart, and an
+# unready rollout pod would stop its engine's traffic: probes watch this name, alerts the others.
+LIVENESS = "tracestore.v1.Liveness"
+RESTART_MENDS = ("flusher_dead",)
 RETRY_AFTER_LIMIT_MS = 1000  # retry hint with a refusal for a count limit (streams, concurrent calls)
 
 
@@ -874,9 +879,10 @@ class Sidecar:
             elif self._serving is not None:
                 log.warning("no longer degraded: health SERVING")
         self._serving = serving
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        up, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
-            self.health.set(name, status)
+            self.health.set(name, up if serving else down)
+        self.health.set(LIVENESS, down if any(r in RESTART_MENDS for r in reasons) else up)
 
     def _log_security(self) -> None:
         cfg = self.config

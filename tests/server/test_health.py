@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracestore.server.config import ServerConfig
 from tracestore.server.engine import DEGRADED_REASONS
-from tracestore.server.service import HEALTH_PERIOD_S, SERVICE, Sidecar
+from tracestore.server.service import HEALTH_PERIOD_S, LIVENESS, SERVICE, Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.store import Store
@@ -63,6 +63,9 @@ def test_health_follows_the_engine(tmp_path: Path) -> None:
             assert acks, "the write was not acknowledged (the WAL takes it while storage refuses)"
             wait_for("health NOT_SERVING", lambda: _statuses(ch) == {NOT_SERVING}, timeout=15)
             assert list(_stat(ch).degraded) == ["storage_refusing"]
+            # a restart does not mend storage: the liveness name (what pod probes watch) stays SERVING
+            live = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5)
+            assert live.status == SERVING
             gauges = _gauges(sc.metrics_port)
             assert gauges["storage_refusing"] == 1.0
             assert {r: v for r, v in gauges.items() if r != "storage_refusing"} == dict.fromkeys(
@@ -75,7 +78,7 @@ def test_health_follows_the_engine(tmp_path: Path) -> None:
         sc.stop(2)
         stopped = True
         time.sleep(2 * HEALTH_PERIOD_S)  # the health loop would have run again by now
-        for name in ("", SERVICE):
+        for name in ("", SERVICE, LIVENESS):
             assert sc.health.Check(health_pb2.HealthCheckRequest(service=name), None).status == NOT_SERVING
     finally:
         if not stopped:
