@@ -37,7 +37,8 @@ memory:// sidecars are fresh in every repetition (a memory:// store keeps every 
 TCP sidecar (file://, WAL fsync acks) started plainly and with ``--tls-cert/--tls-key
 --auth-tokens`` (certificates made for the run, the recorder sending its token as call
 credentials over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order,
-each round one sample of each ratio to the plain sidecar.
+each round one sample of each ratio to the plain sidecar; and ``raw-grpc`` plaintext vs TLS in the
+same rounds (what TLS costs grpcio itself on the box).
 
 Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode|auth]``;
 prints a table, appends to ``bench/results/bench_ingest.jsonl``.
@@ -94,9 +95,9 @@ def fwd_bytes() -> int:
 # -- baselines in child processes ------------------------------------------------------------------
 
 
-def _serve_sink(sink: Any, port_q: Any, stop: Any) -> None:
+def _serve_sink(sink: Any, port_q: Any, stop: Any, tls_dir: str | None = None) -> None:
     """Serve ``sink`` as the client-streaming ``/bench.Sink/Put`` on a loopback port (sent to the
-    parent through ``port_q``) until ``stop`` is set."""
+    parent through ``port_q``) until ``stop`` is set; over TLS with ``tls_dir``'s server.pem/.key."""
     from concurrent import futures
 
     import grpc
@@ -105,13 +106,17 @@ def _serve_sink(sink: Any, port_q: Any, stop: Any) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("bench.Sink", {"Put": grpc.stream_unary_rpc_method_handler(sink)}),)
     )
-    port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    if tls_dir is None:
+        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    else:
+        pair = (Path(tls_dir, "server.key").read_bytes(), Path(tls_dir, "server.pem").read_bytes())
+        port_q.put(server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair])))
     server.start()
     stop.wait()
     server.stop(1)
 
 
-def _raw_grpc_server(port_q: Any, stop: Any) -> None:
+def _raw_grpc_server(port_q: Any, stop: Any, tls_dir: str | None = None) -> None:
     from tracestore.server.cli import tune_malloc
 
     # The allocator settings our sidecar runs with (tune_malloc): with glibc's defaults every
@@ -126,7 +131,7 @@ def _raw_grpc_server(port_q: Any, stop: Any) -> None:
             n += len(m)
         return str(n).encode()
 
-    _serve_sink(sink, port_q, stop)
+    _serve_sink(sink, port_q, stop, tls_dir)
 
 
 def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
@@ -237,10 +242,16 @@ class _SinkClient:
     """A client streaming pre-serialized ``MSG``-byte messages to a sink on ``port`` of the server
     process ``pid`` (one warm-up call first); calling it with a byte count returns B/s."""
 
-    def _connect(self, port: int, pid: int) -> None:
+    def _connect(self, port: int, pid: int, credentials: Any = None) -> None:
         import grpc
 
-        self.ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        target = f"127.0.0.1:{port}"
+        self.ch = (
+            grpc.insecure_channel(target, options)
+            if credentials is None
+            else grpc.secure_channel(target, credentials, options)
+        )
         self.put = self.ch.stream_unary("/bench.Sink/Put")
         self.msg = os.urandom(MSG)
         self.put(iter([self.msg]))  # warm up the connection
@@ -261,12 +272,18 @@ class RawGrpc(_SinkClient):
     """The transport ceiling: a sink server process and a client streaming pre-serialized messages
     (``directory``: the durable floor's sink instead, :func:`_floor_server`, its WAL there)."""
 
-    def __init__(self, directory: Path | None = None) -> None:
-        if directory is None:
-            self.proc, self.stop, port = _spawn(_raw_grpc_server)
-        else:
+    def __init__(self, directory: Path | None = None, tls_dir: Path | None = None) -> None:
+        credentials = None
+        if directory is not None:
             self.proc, self.stop, port = _spawn(_floor_server, str(directory))
-        self._connect(port, self.proc.pid)
+        elif tls_dir is not None:  # the same ceiling over TLS (tls_dir: write_test_pki's files)
+            import grpc
+
+            self.proc, self.stop, port = _spawn(_raw_grpc_server, str(tls_dir))
+            credentials = grpc.ssl_channel_credentials((tls_dir / "ca.pem").read_bytes())
+        else:
+            self.proc, self.stop, port = _spawn(_raw_grpc_server)
+        self._connect(port, self.proc.pid, credentials)
 
     def close(self) -> None:
         self.ch.close()
@@ -746,6 +763,7 @@ def bench_auth(ns: Any) -> int:
             ("ours-grpc-durable (WAL fsync ack), plaintext loopback + bearer token", tokens, {"token": token}),
         ]
         ratios: dict[str, list[float]] = {}
+        raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
         try:
             for _name, sp, creds in sides:  # warm-up: connection, run declaration, the sidecar's heap
                 run_recorder(sp.address, n_fwd, f"warm-{len(creds)}", outputs, **creds)
@@ -759,13 +777,22 @@ def bench_auth(ns: Any) -> int:
                     settle(sp.address, **creds)
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
-                for check, side in (("TLS + token / plaintext, durable TCP ingest", 1),
-                                    ("token only (loopback) / plaintext, durable TCP ingest", 2)):  # fmt: skip
-                    ratios.setdefault(check, []).append(rates[sides[side][0]] / rates[sides[0][0]])
+                for name, raw in raws if r % 2 == 0 else raws[::-1]:
+                    rates[name] = raw(total)
+                    samples.setdefault(name, []).append(rates[name])
+                    cpus.setdefault(name, []).append((raw.cpu.client, raw.cpu.server))
+                for check, a, b in (
+                    ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0]),
+                    ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0]),
+                    ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0]),
+                ):
+                    ratios.setdefault(check, []).append(rates[a] / rates[b])
                 print(f"round {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:
             for sp in (plain, tokens, secure):
                 sp.kill()
+            for _, raw in raws:
+                raw.close()
     mib = n_fwd * fwd_bytes() >> 20
     rows: list[dict[str, Any]] = [
         dict(provider=k, GBps=statistics.median(v) / 1e9, min_GBps=min(v) / 1e9, max_GBps=max(v) / 1e9, n=len(v),
@@ -774,8 +801,9 @@ def bench_auth(ns: Any) -> int:
         for k, v in samples.items()
     ]  # fmt: skip
     checks = [
-        dict(check=k, median_ratio=statistics.median(v), min_ratio=min(v), max_ratio=max(v), target=0.9,
-             met="yes" if statistics.median(v) >= 0.9 else "NO")
+        dict(check=k, median_ratio=statistics.median(v), min_ratio=min(v), max_ratio=max(v),
+             target=None if k.startswith("raw") else 0.9,
+             met="n/a" if k.startswith("raw") else "yes" if statistics.median(v) >= 0.9 else "NO")
         for k, v in ratios.items()
     ]  # fmt: skip
     m = machine()
