@@ -16,7 +16,10 @@ chunk's own checksum is verified on every read (:func:`read_chunks`).
 
 The manifest (small JSON, written after the shard) lists every chunk's key, row group and
 checksum; readers use it to fetch only the row groups they need and to detect swapped or
-truncated files. It is canonical JSON (sorted keys, no whitespace) whose first member,
+truncated files. Its chunk index is columns of little-endian integers in base64 (the smallest
+unsigned width that holds each column) and, for trajectory and site, a list of distinct names
+plus each chunk's index into it; the entries list the row groups' rows in order, so row group and
+row are not stored. The manifest is canonical JSON (sorted keys, no whitespace) whose first member,
 ``"checksum": "crc32:<8 hex digits>"``, is the CRC-32 of the canonical JSON of every other member
 (the file's bytes with that member left out: ``{`` followed by everything after its comma). It
 is verified on every load (:meth:`Manifest.from_json`), so a damaged manifest is a
@@ -25,6 +28,8 @@ is verified on every load (:meth:`Manifest.from_json`), so a damaged manifest is
 
 from __future__ import annotations
 
+import base64
+import binascii
 import concurrent.futures
 import dataclasses
 import functools
@@ -63,7 +68,7 @@ from tracestore.records import (
 from tracestore.v1.checksum import crc32_held
 
 MANIFEST_FORMAT = "tracestore.manifest"
-MANIFEST_VERSION = 2  # 2: the manifest carries a checksum over its content (1 had none)
+MANIFEST_VERSION = 2  # 2: a checksum over the content, the chunk index as binary columns (1: neither)
 _CHECKSUM_HEAD = b'{"checksum":"crc32:'
 _CHECKSUM_END = len(_CHECKSUM_HEAD) + 10  # 8 hex digits, '",'
 SHARD_META_KEY = b"tracestore.shard"
@@ -133,65 +138,35 @@ class Manifest:
     links: tuple[PrefixLink, ...]
 
     def to_json(self) -> bytes:
-        cols: dict[str, list[Any]] = {f.name: [] for f in dataclasses.fields(ChunkEntry)}
-        for c in self.chunks:
-            for k in cols:
-                cols[k].append(getattr(c, k))
-        d = {
-            "format": MANIFEST_FORMAT,
-            "manifest_version": MANIFEST_VERSION,
-            "schema_version": SCHEMA_VERSION,
-            "run": self.run,
-            "policy_version": self.policy_version,
-            "writer": self.writer,
-            "seq": self.seq,
-            "shard": self.shard,
-            "shard_bytes": self.shard_bytes,
-            "shard_crc32": self.shard_crc32,
-            "row_groups": list(self.row_groups),
-            "chunks": cols,
-            "seals": [s.to_dict() for s in self.seals],
-            "links": [x.to_dict() for x in self.links],
+        ints = {k: np.array([getattr(c, k) for c in self.chunks], dtype=np.int64) for k in _ENTRY_INTS}
+        row_group, row = _rows_in_order(self.row_groups)
+        got = (np.array([c.row_group for c in self.chunks], np.int64), np.array([c.row for c in self.chunks], np.int64))
+        if not (np.array_equal(got[0], row_group) and np.array_equal(got[1], row)):
+            raise ValidationError("manifest chunk entries must list the row groups' rows in order")
+        d = _header(self)
+        d["chunks"] = {
+            "count": len(self.chunks),
+            "trajectory": _encode_names([c.trajectory for c in self.chunks]),
+            "site": _encode_names([c.site for c in self.chunks]),
+            **{k: _encode_ints(v) for k, v in ints.items()},
         }
-        body = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
-        # "checksum" sorts before every other key, so this is the canonical JSON of the whole manifest
-        return b'%s%08x",%s' % (_CHECKSUM_HEAD, crc32(body), body[1:])
+        return _canonical(d)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Decode a manifest, verifying its checksum first; CorruptionError naming ``where`` if the
         bytes are damaged, not a v2 manifest, or describe seals or links of another run or version."""
-        d = manifest_dict(data, where)
-        try:
-            cols = d["chunks"]
-            names = [f.name for f in dataclasses.fields(ChunkEntry)]
-            chunks = tuple(ChunkEntry(*vals) for vals in zip(*(cols[n] for n in names), strict=True))
-            m = cls(
-                d["run"],
-                int(d["policy_version"]),
-                d["writer"],
-                int(d["seq"]),
-                d["shard"],
-                int(d["shard_bytes"]),
-                int(d["shard_crc32"]),
-                tuple(int(n) for n in d["row_groups"]),
-                chunks,
-                tuple(TrajectorySeal.from_dict(s) for s in d["seals"]),
-                tuple(PrefixLink.from_dict(x) for x in d["links"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptionError(
-                f"manifest {where} does not decode ({exc}); expected a tracestore manifest v{MANIFEST_VERSION}"
-            ) from exc
-        owned: tuple[TrajectorySeal | PrefixLink, ...] = (*m.seals, *m.links)
-        for item in owned:
-            if item.run != m.run or item.policy_version != m.policy_version:
-                kind = "seal" if isinstance(item, TrajectorySeal) else "prefix link"
-                raise CorruptionError(
-                    f"manifest {where} of run {m.run} v{m.policy_version} holds a {kind} of run {item.run} "
-                    f"v{item.policy_version} ({item.trajectory})"
-                )
-        return m
+        c = ManifestColumns.from_json(data, where)
+        cols = [c.trajectory.to_pylist(), c.site.to_pylist()]
+        cols += [
+            getattr(c, k).tolist()
+            for k in ("token_start", "n_tokens", "n_rows", "row_group", "row", "checksum", "nbytes")
+        ]
+        chunks = tuple(ChunkEntry(*vals) for vals in zip(*cols, strict=True))
+        return cls(
+            c.run, c.policy_version, c.writer, c.seq, c.shard, c.shard_bytes, c.shard_crc32, c.row_groups,
+            chunks, c.seals, c.links,
+        )  # fmt: skip
 
     @property
     def trajectories(self) -> set[str]:
@@ -199,6 +174,81 @@ class Manifest:
         out.update(s.trajectory for s in self.seals)
         out.update(x.trajectory for x in self.links)
         return out
+
+
+_ENTRY_INTS = ("token_start", "n_tokens", "n_rows", "checksum", "nbytes")  # stored; row group and row are not
+_INT_WIDTHS = {"<u2": 1 << 16, "<u4": 1 << 32, "<u8": 1 << 64}
+
+
+def _header(m: Manifest | ManifestColumns) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "manifest_version": MANIFEST_VERSION,
+        "schema_version": SCHEMA_VERSION,
+        "run": m.run,
+        "policy_version": m.policy_version,
+        "writer": m.writer,
+        "seq": m.seq,
+        "shard": m.shard,
+        "shard_bytes": m.shard_bytes,
+        "shard_crc32": m.shard_crc32,
+        "row_groups": list(m.row_groups),
+        "seals": [s.to_dict() for s in m.seals],
+        "links": [x.to_dict() for x in m.links],
+    }
+
+
+def _canonical(d: dict[str, Any]) -> bytes:
+    body = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    # "checksum" sorts before every other key, so this is the canonical JSON of the whole manifest
+    return b'%s%08x",%s' % (_CHECKSUM_HEAD, crc32(body), body[1:])
+
+
+def _encode_ints(a: np.ndarray) -> dict[str, str]:
+    """Integers >= 0 as ``{"dtype": "<u2"|"<u4"|"<u8", "data": base64 of the little-endian values}``."""
+    top = int(a.max()) if a.size else 0
+    if a.size and int(a.min()) < 0:
+        raise ValidationError(f"manifest integers must be >= 0, got {int(a.min())}")
+    dtype = next(k for k, bound in _INT_WIDTHS.items() if top < bound)
+    return {"dtype": dtype, "data": base64.b64encode(a.astype(dtype).tobytes()).decode()}
+
+
+def _decode_ints(obj: Any, n: int, name: str) -> np.ndarray:
+    if not isinstance(obj, dict) or obj.get("dtype") not in _INT_WIDTHS or not isinstance(obj.get("data"), str):
+        raise ValueError(f"chunk column {name} is not {{dtype, data}}")
+    raw = base64.b64decode(obj["data"], validate=True)
+    a = np.frombuffer(raw, obj["dtype"])
+    if a.shape != (n,):
+        raise ValueError(f"chunk column {name} holds {a.size} values, expected {n}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) >= 1 << 63:
+        raise ValueError(f"chunk column {name} holds a value past int64")
+    return a.astype(np.int64)
+
+
+def _encode_names(names: Sequence[str]) -> dict[str, Any]:
+    """Strings as their distinct values (first appearance order) and each one's index."""
+    index: dict[str, int] = {}
+    codes = np.array([index.setdefault(x, len(index)) for x in names], dtype=np.int64)
+    return {"values": list(index), "index": _encode_ints(codes)}
+
+
+def _decode_names(obj: Any, n: int, name: str) -> pa.StringArray:
+    if not isinstance(obj, dict) or not isinstance(obj.get("values"), list):
+        raise ValueError(f"chunk column {name} is not {{values, index}}")
+    values = pa.array(obj["values"], pa.string())
+    index = _decode_ints(obj.get("index"), n, f"{name} index")
+    if values.null_count or (n and int(index.max()) >= len(values)):
+        raise ValueError(f"chunk column {name}: an index past its {len(values)} values")
+    out = values.take(pa.array(index))
+    assert isinstance(out, pa.StringArray)
+    return out
+
+
+def _rows_in_order(row_groups: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(row group, row) of every entry when the entries list the row groups' rows in order."""
+    sizes = np.array(row_groups, dtype=np.int64).reshape(-1)
+    starts = np.cumsum(sizes) - sizes
+    return np.repeat(np.arange(len(sizes)), sizes), np.arange(int(sizes.sum())) - np.repeat(starts, sizes)
 
 
 def manifest_dict(data: bytes, where: str) -> dict[str, Any]:
@@ -961,16 +1011,14 @@ def _verify_pool() -> concurrent.futures.ThreadPoolExecutor:
 # columns, and every chunk's checksum from a few passes over the decoded columns instead of one
 # Python object per chunk (a decode shard holds ~300,000 chunks of one token).
 
-_ENTRY_INTS = ("token_start", "n_tokens", "n_rows", "row_group", "row", "checksum", "nbytes")
-
 
 @dataclasses.dataclass(frozen=True)
 class ManifestColumns:
     """A manifest with its chunk index as columns (:meth:`from_json`), rows in shard order.
 
     ``trajectory`` and ``site`` are Arrow string arrays; the other entry fields int64 arrays. The
-    entries of one row group are consecutive (``row`` counts from 0 in each), which
-    :meth:`from_json` checks, so :meth:`groups` is a slice.
+    entries list the row groups' rows in order (``row`` counts from 0 in each), so
+    :meth:`groups` is a slice. :class:`Manifest` decodes through this (one entry object per chunk).
     """
 
     where: str
@@ -997,16 +1045,18 @@ class ManifestColumns:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> ManifestColumns:
         """Decode a manifest (checksum verified, :func:`manifest_dict`) into columns;
-        CorruptionError naming ``where`` if it does not decode or its entries are not in row order."""
+        CorruptionError naming ``where`` if it does not decode to a well-formed manifest."""
         d = manifest_dict(data, where)
         try:
             c = d["chunks"]
-            ints = {k: np.fromiter(c[k], np.int64, len(c[k])) for k in _ENTRY_INTS}
-            traj, site = pa.array(c["trajectory"], pa.string()), pa.array(c["site"], pa.string())
-            n = len(traj)
-            if len(site) != n or traj.null_count or site.null_count or any(a.shape != (n,) for a in ints.values()):
-                raise ValueError("chunk columns of different lengths or with nulls")
+            n = c["count"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"chunk count {n!r}")
+            ints = {k: _decode_ints(c[k], n, k) for k in _ENTRY_INTS}
             row_groups = tuple(int(x) for x in d["row_groups"])
+            if any(x < 1 for x in row_groups) or sum(row_groups) != n:
+                raise ValueError(f"row groups {row_groups[:8]} do not hold the {n} chunks")
+            row_group, row = _rows_in_order(row_groups)
             m = cls(
                 where,
                 str(d["run"]),
@@ -1017,34 +1067,32 @@ class ManifestColumns:
                 int(d["shard_bytes"]),
                 int(d["shard_crc32"]),
                 row_groups,
-                traj,
-                site,
+                _decode_names(c["trajectory"], n, "trajectory"),
+                _decode_names(c["site"], n, "site"),
                 ints["token_start"],
                 ints["n_tokens"],
                 ints["n_rows"],
-                ints["row_group"],
-                ints["row"],
+                row_group,
+                row,
                 ints["checksum"],
                 ints["nbytes"],
                 tuple(TrajectorySeal.from_dict(s) for s in d["seals"]),
                 tuple(PrefixLink.from_dict(x) for x in d["links"]),
             )
-        except (ValueError, KeyError, TypeError, OverflowError, pa.ArrowException) as exc:
-            raise CorruptionError(f"manifest {where} does not decode ({exc})") from exc
-        sizes = np.array(row_groups, dtype=np.int64)
-        starts = np.cumsum(sizes) - sizes
-        if (
-            (sizes < 1).any()
-            or int(sizes.sum()) != len(traj)
-            or (len(traj) and m.shard is None)
-            or not np.array_equal(m.row_group, np.repeat(np.arange(len(sizes)), sizes))
-            or not np.array_equal(m.row, np.arange(len(traj)) - np.repeat(starts, sizes))
-        ):
-            raise CorruptionError(f"manifest {where}: its chunk entries do not list the row groups' rows in order")
+            if n and not isinstance(m.shard, str):
+                raise ValueError("chunks but no shard")
+        except (ValueError, KeyError, TypeError, OverflowError, binascii.Error, pa.ArrowException) as exc:
+            raise CorruptionError(
+                f"manifest {where} does not decode ({exc}); expected a tracestore manifest v{MANIFEST_VERSION}"
+            ) from exc
         owned: tuple[TrajectorySeal | PrefixLink, ...] = (*m.seals, *m.links)
         for item in owned:
             if item.run != m.run or item.policy_version != m.policy_version:
-                raise CorruptionError(f"manifest {where} of run {m.run} v{m.policy_version} holds {item!r}")
+                kind = "seal" if isinstance(item, TrajectorySeal) else "prefix link"
+                raise CorruptionError(
+                    f"manifest {where} of run {m.run} v{m.policy_version} holds a {kind} of run {item.run} "
+                    f"v{item.policy_version} ({item.trajectory})"
+                )
         return m
 
     def __len__(self) -> int:
@@ -1053,7 +1101,8 @@ class ManifestColumns:
     def groups(self, g0: int, g1: int) -> ManifestColumns:
         """The entries of row groups ``[g0, g1)`` only (everything else unchanged)."""
         a, b = int(sum(self.row_groups[:g0])), int(sum(self.row_groups[:g1]))
-        cut: dict[str, Any] = {k: getattr(self, k)[a:b] for k in ("trajectory", "site", *_ENTRY_INTS)}
+        names = ("trajectory", "site", "row_group", "row", *_ENTRY_INTS)
+        cut: dict[str, Any] = {k: getattr(self, k)[a:b] for k in names}
         return dataclasses.replace(self, **cut)
 
     def describe(self, j: int) -> str:
