@@ -16,7 +16,10 @@ Seal of matching runs), ``read:<run glob>`` (Read), ``admin`` (Stat of every run
 URL; it grants neither reads nor writes). Globs are :func:`fnmatch.fnmatchcase` patterns. A
 presented token is hashed and compared with every digest in the file (``hmac.compare_digest``, no
 early exit). Tokens are never logged; a caller is named by the file's ``name`` column, else by the
-first 8 hex digits of its digest. Health and reflection stay open (probes need them).
+first 8 hex digits of its digest. The name is the caller's identity: writer ids and trajectories
+belong to the identity that first used them, so tokens listed under one name act as one caller
+(rotate a token by listing the new one under the old name, then removing the old one). Health and
+reflection stay open (probes need them).
 
 Unix-socket peers: grpcio reports such a peer only as ``unix:`` (no uid/gid: the peer credentials
 of the socket are not exposed to Python), so callers cannot be told apart by uid there and the
@@ -156,6 +159,7 @@ def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]
         log.warning("token file %s is writable by every user: anyone on this host can add a token", p)
     entries: list[tuple[bytes, Identity]] = []
     seen: set[bytes] = set()
+    unnamed: set[str] = set()
     for n, line in enumerate(text.splitlines(), start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
@@ -175,6 +179,10 @@ def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]
         seen.add(digest)
         write, read, admin = parse_scopes(fields[1], where)
         name = fields[2] if len(fields) == 3 else f"sha256:{m.group(1)[:8].lower()}"
+        if len(fields) == 2:
+            if name in unnamed:  # two tokens would be one identity by chance
+                raise ConfigError(f"{where}: two unnamed tokens share the digest prefix {name}; name them")
+            unnamed.add(name)
         if not _NAME.fullmatch(name):
             raise ConfigError(f"{where}: name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ : + -")
         entries.append((digest, Identity(name, write, read, admin)))

@@ -338,6 +338,7 @@ def test_token_file_format(tmp_path: Path) -> None:
         (token_line("a", "write:*") + "\n" + token_line("a", "read:*"), "listed twice"),
         ("uid:1000 write:*", "not supported"),
         ("plain-token write:*", "expected 'sha256:"),
+        ("sha256:" + "ab" * 32 + " read:*\nsha256:" + "ab" * 4 + "cd" * 28 + " read:*", "share the digest prefix"),
     ):
         p.write_text(bad + "\n")
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
