@@ -1,4 +1,15 @@
-"""Fault suite fixtures and the results table printed at the end of the session (CI's log shows it)."""
+"""The fault suite: ``tracestore serve`` as a subprocess on loopback under crashes, disk and storage
+faults and hostile input (marker ``faults``; ``python -m pytest -m faults``, ~3-4 min on 2 cores).
+Its results table (per scenario: trials, acknowledged record chunks, lost, duplicated, wedged, peak
+RSS - idle RSS of the sidecar) is printed at the end of the session, so CI's log shows it.
+
+Knobs (environment): ``TRACESTORE_FUZZ_S`` (fuzz seconds, 20), ``TRACESTORE_FUZZ_SEED`` (replay a
+fuzz run; the seed is in the table), ``TRACESTORE_STATEFUL_EXAMPLES`` (15),
+``TRACESTORE_STATEFUL_SHRINK=1`` (shrink a stateful failure), ``FAULTS_SIDECAR_PYTHONPATH`` (run
+another checkout's sidecar, e.g. ``git archive <commit>`` unpacked with ``tracestore/{server,client,
+kernels}`` symlinked to its top-level dirs: a check that the suite fails an older, known-bad build).
+Needs gcc for the LD_PRELOAD shim (faultshim.c); the real-tmpfs ENOSPC test needs mount rights.
+"""
 
 from __future__ import annotations
 
