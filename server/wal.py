@@ -137,6 +137,19 @@ def _entry_at(data: bytes | memoryview, pos: int) -> tuple[int, int] | None:
     return kind, end
 
 
+SECTOR = 512  # the device writes whole sectors: a torn write zero-fills from a sector boundary on
+
+
+def _zeroed_from_a_sector(data: bytes, pos: int) -> bool:
+    """Whether everything from some sector boundary after ``pos`` to the end is zero: what a write
+    cut short by a crash leaves of a complete-looking entry (the file's size covers blocks whose data
+    never reached the device, which read back as zeros). A complete entry with a wrong checksum and
+    no such zero tail is damage to bytes that were written, possibly acknowledged."""
+    end = len(data.rstrip(b"\0"))
+    boundary = -(-max(end, pos + 1) // SECTOR) * SECTOR
+    return boundary < len(data)
+
+
 def _intact_after(data: bytes, start: int) -> int | None:
     """Offset of the first intact entry at or after ``start`` (any byte offset), or None. Candidates
     are offsets whose header names a known entry type (1..15) and a length that fits in the file;
@@ -285,13 +298,20 @@ class WriteAheadLog:
                 length = HEADER.unpack_from(data, pos)[0]
                 bad = "truncated entry" if pos + HEADER.size + length > len(data) else "checksum mismatch"
             later = _intact_after(data, pos + 1)
-            if last and later is None:
+            if last and later is None and (bad != "checksum mismatch" or _zeroed_from_a_sector(data, pos)):
                 log.warning(
                     "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
                     "never acknowledged)", seg.path, len(data) - pos, pos, bad,
                 )  # fmt: skip
                 return pos
-            where = "an older segment" if not last else f"the newest segment, with an intact entry at byte {later}"
+            where = (
+                "an older segment"
+                if not last
+                else f"the newest segment, with an intact entry at byte {later}"
+                if later is not None
+                else "the newest segment's last entry, which is complete (a torn write leaves it short or "
+                "zero-filled from a sector on)"
+            )
             raise CorruptionError(
                 f"write-ahead log segment {seg.path} is corrupt at byte {pos} ({bad}) in {where}: the entries "
                 "from there on may hold acknowledged records, so the sidecar will not start and has changed "

@@ -127,7 +127,10 @@ def test_corruption_in_an_older_segment_is_refused(tmp_path: Path) -> None:
         list(WriteAheadLog(tmp_path).replay())
 
 
-def test_flipped_byte_in_the_newest_segment_drops_only_the_tail(tmp_path: Path) -> None:
+def test_flipped_byte_in_the_newest_segments_last_entry_is_refused(tmp_path: Path) -> None:
+    """A complete last entry with a wrong checksum was written (and perhaps acknowledged): not a torn
+    tail (a torn write leaves an entry short or zero-filled from a sector on), so replay refuses and
+    the file keeps every byte."""
     wal = WriteAheadLog(tmp_path)
     list(wal.replay())
     wal.start()
@@ -138,7 +141,9 @@ def test_flipped_byte_in_the_newest_segment_drops_only_the_tail(tmp_path: Path) 
     data = bytearray(seg.read_bytes())
     data[-3] ^= 0x01
     seg.write_bytes(bytes(data))
-    assert _entries(WriteAheadLog(tmp_path)) == [(1, b"\0" * 10), (1, b"\1" * 10)]
+    with pytest.raises(CorruptionError, match="checksum mismatch"):
+        _entries(WriteAheadLog(tmp_path))
+    assert seg.read_bytes() == bytes(data)
 
 
 def test_delete_before_keeps_the_active_segment(tmp_path: Path) -> None:

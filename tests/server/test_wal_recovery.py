@@ -389,3 +389,40 @@ def test_writer_and_run_limits(memory_url: str) -> None:
             eng.run_spec("another-run")
     finally:
         eng.close()
+
+
+def test_a_flipped_byte_in_the_complete_last_entry_is_corruption_not_a_torn_tail(tmp_path: Path) -> None:
+    """The newest segment's last entry is all there but one byte differs: it was written (and may
+    have been acknowledged), so replay refuses instead of cutting it as a torn tail."""
+    wal = WriteAheadLog(tmp_path)
+    list(wal.replay())
+    wal.start()
+    for i in range(5):
+        wal.append(1, [os.urandom(3000 + i)])
+    wal.close()
+    seg = _newest(tmp_path)
+    data = bytearray(seg.read_bytes())
+    data[_offset_of(seg, 4) + HEADER.size + 1000] ^= 0x01
+    seg.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError, match="last entry, which is complete"):
+        list(WriteAheadLog(tmp_path).replay())
+    assert seg.read_bytes() == bytes(data)
+
+
+def test_a_last_entry_zero_filled_from_a_sector_is_a_torn_tail(tmp_path: Path) -> None:
+    """A crash after the file grew but before the last entry's later sectors reached the device:
+    those sectors read back as zeros. That entry was never acknowledged: it is cut."""
+    payloads = _log_with(tmp_path, 3)
+    wal = WriteAheadLog(tmp_path)
+    list(wal.replay())
+    wal.start()
+    wal.append(1, [os.urandom(5000)])
+    wal.close()
+    seg = _newest(tmp_path)
+    data = bytearray(seg.read_bytes())
+    start = _offset_of(seg, 0)  # the newest segment holds just that entry
+    cut = -(-(start + 2000) // 512) * 512
+    data[cut:] = bytes(len(data) - cut)
+    seg.write_bytes(bytes(data))
+    assert [p for _, _, p in WriteAheadLog(tmp_path).replay()] == payloads
+    assert seg.stat().st_size == start
