@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "tracestore.cli_inspect",
     "tracestore.cli_check",
     "tracestore.server.cli",
+    "tracestore.server.cli_health",
     "tracestore.demo.cli",
 )
 
