@@ -10,8 +10,9 @@ Nothing in the model is edited or monkeypatched. Where the hooks go comes from t
   its hooked input anyway.
 - K/V entering the KV cache: a forward pre-hook on each attention module that writes the cache
   hands the module, in place of its cache argument, a tap whose ``update(first, second, layer_idx)``
-  passes the new tensors through the callback and then on to the real cache, or straight back when
-  the forward runs without one (a training forward, ``use_cache=False``). So the hooks see exactly
+  passes the new tensors through the callback and then on to the cache: the forward's own, or in a
+  forward without one (a training forward, ``use_cache=False``) a scratch cache that lives for that
+  forward, so the attention runs the code and values it runs in a prefill. So the hooks see exactly
   what the attention caches, post-RoPE K and V for multi-head attention and the normalized latent
   and rotary key for MLA, once per new token, with a cache or without, in ``generate()`` with
   whatever cache it makes, under any attention implementation. Layers without such an attention
@@ -38,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +89,11 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
 
 def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
     """The attention forward's cache parameter: name and positional index (None: keyword only)."""
+    if isinstance(attn, torch.nn.ModuleList):
+        raise ConfigError(
+            f"{where} is a list of {len(attn)} attention modules; one attention per decoder layer is supported "
+            "(pass kv=False to hook MoE inputs only)"
+        )
     params = list(inspect.signature(attn.forward).parameters.values())
     for name in _CACHE_ARGS:
         for i, p in enumerate(params):
@@ -94,7 +101,7 @@ def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
                 positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                 return name, (i if positional else None)
     raise ConfigError(
-        f"{where} ({type(attn).__name__}) takes no KV-cache argument ({' / '.join(_CACHE_ARGS)}); "
+        f"{where} takes no KV-cache argument ({' / '.join(_CACHE_ARGS)}); "
         "its K/V cannot be hooked: pass kv=False, or a Layout whose attention path names the module that "
         "writes the cache"
     )
@@ -102,29 +109,19 @@ def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
 
 class _CacheTap:
     """What a hooked attention module sees as its KV cache: ``update`` passes the new tensors through
-    the hooks, then to the real cache (or back, when the forward has none); everything else is the
-    real cache's."""
+    the hooks and on to the real cache; everything else is the real cache's. In a forward without a
+    cache the real one is a scratch cache that lives for that forward (what a prefill would fill), so
+    the attention runs the same code with the same values as it does in generation."""
 
-    def __init__(self, hooks: HFSiteHooks, layer: int, cache: Any, owner: str) -> None:
-        self._hooks, self._layer, self._cache, self._owner = hooks, layer, cache, owner
+    def __init__(self, hooks: HFSiteHooks, layer: int, cache: Any) -> None:
+        self._hooks, self._layer, self._cache = hooks, layer, cache
 
     def update(self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
         first, second = self._hooks._kv(self._layer, first, second)
-        if self._cache is None:
-            return first, second
         return self._cache.update(first, second, layer_idx, *args, **kwargs)
 
-    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return 0 if self._cache is None else int(self._cache.get_seq_length(*args, **kwargs))
-
     def __getattr__(self, name: str) -> Any:
-        cache = self.__dict__.get("_cache")
-        if cache is None:
-            raise ConfigError(
-                f"{self.__dict__.get('_owner')} asked for {name!r} of its KV cache in a forward without one; "
-                "the K/V hooks only provide update() and get_seq_length() there: run the forward with a cache"
-            )
-        return getattr(cache, name)
+        return getattr(self.__dict__["_cache"], name)
 
 
 def _rows(site: HookedSite, t: torch.Tensor) -> torch.Tensor:
@@ -141,9 +138,11 @@ def _rows(site: HookedSite, t: torch.Tensor) -> torch.Tensor:
 class HFSiteHooks:
     """Call ``fn(site, x)`` on every MoE-block input and on the K/V entering the KV cache.
 
-    One line for any decoder-only MoE model of transformers, multimodal wrappers included (the hooks
-    resolve to the language model): ``HFSiteHooks(model, fn)``. ``layers`` limits the hooked decoder
-    layers (default all); ``kv=False`` hooks MoE inputs only; ``layout`` overrides the registered
+    One line for the decoder-only MoE models of transformers, multimodal wrappers included (the hooks
+    resolve to the language model): ``HFSiteHooks(model, fn)``. Not supported, with an error saying
+    so: experts held by the decoder layer itself (Gemma 4) and several attention modules in one
+    decoder layer (LongCat-Flash). ``layers`` limits the hooked decoder layers (default all);
+    ``kv=False`` hooks MoE inputs only, ``moe=False`` K/V only; ``layout`` overrides the registered
     :class:`~tracestore.client.hf_layouts.Layout`. Use as a context manager or call :meth:`remove`.
     """
 
@@ -155,6 +154,7 @@ class HFSiteHooks:
         layers: Iterable[int] | None = None,
         kv: bool = True,
         layout: Layout | None = None,
+        moe: bool = True,
     ) -> None:
         require("transformers", "demo")
         if not callable(fn):
@@ -175,11 +175,27 @@ class HFSiteHooks:
         self._kv_sites: dict[int, tuple[HookedSite, HookedSite]] = {}
         self._sharing: set[int] = set()  # layers whose shared expert sits beside the MoE block
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # such a layer -> (input, replacement)
+        self._pending: set[int] = set()  # layers whose attention is running and has not written K/V yet
         self._handles: list[Any] = []
+        self._kv_free: dict[int, str] = {}
+        self._scratch_cache: Any = None  # the K/V of a forward run without a cache, for that forward
         try:
+            if kv:
+                parent = self.layers_path.rpartition(".")[0]
+                backbone = model.get_submodule(parent) if parent else model
+                self._handles.append(backbone.register_forward_pre_hook(self._drop_scratch))
+                self._handles.append(backbone.register_forward_hook(self._drop_scratch))
             for i in wanted:
-                self._hook_layer(i, decoder[i], cfg, kv)
-            if kv and wanted and not self._kv_sites and not any(self.layout.kv_free_mixer(decoder[i]) for i in wanted):
+                self._hook_layer(i, decoder[i], cfg, kv, moe)
+            moe_layers = {s.layer for s in self._sites.values() if s.kind == "moe_input"}
+            inline = [i for i in wanted if moe and i not in moe_layers and hasattr(decoder[i], "experts")]
+            if inline:
+                raise ConfigError(
+                    f"{self.layers_path}.{inline[0]} ({type(decoder[inline[0]]).__name__}) holds its experts itself: "
+                    "there is no MoE block module whose input is the layer's [batch, tokens, hidden] MoE input, "
+                    "and this layout is not supported (moe=False hooks the K/V only)"
+                )
+            if kv and wanted and not self._kv_sites and not self._kv_free:
                 raise ConfigError(
                     f"{self.model_type or type(model).__name__}: no hooked decoder layer has an attention module at "
                     f"{self.layout.attention!r}; register its layout (tracestore.client.hf_layouts.register_layout)"
@@ -193,30 +209,35 @@ class HFSiteHooks:
         self._sites[site.name] = site
         return site
 
-    def _hook_layer(self, i: int, layer: nn.Module, cfg: Any, kv: bool) -> None:
+    def _hook_layer(self, i: int, layer: nn.Module, cfg: Any, kv: bool, moe: bool) -> None:
         where = f"{self.layers_path}.{i}"
-        block = self.layout.moe_block(layer)
+        block = self.layout.moe_block(layer) if moe else None
         if block is not None:
             site = self._add(HookedSite(site_name(i, "moe_input"), "moe_input", i, int(cfg.hidden_size)))
             self._handles.append(block.register_forward_pre_hook(self._moe_pre_hook(site, "MoE block")))
-            shared = self.layout.shared_expert(layer)
-            if shared is not None and not any(m is shared for m in block.modules()):
+            shared = self.layout.shared_expert(layer, block)
+            if shared is not None and not any(m is shared[1] for m in block.modules()):
                 # beside the block: it takes the block's input, so it gets the same replacement
                 self._sharing.add(i)
-                self._handles.append(shared.register_forward_pre_hook(self._moe_pre_hook(site, "shared expert")))
+                what = f"shared expert {shared[0]}"
+                self._handles.append(shared[1].register_forward_pre_hook(self._moe_pre_hook(site, what)))
                 self._handles.append(layer.register_forward_pre_hook(self._forget(i)))
                 self._handles.append(layer.register_forward_hook(self._forget(i)))
         if not kv:
             return
+        why = self.layout.kv_free(cfg, i, layer)
+        if why is not None:
+            self._kv_free[i] = why  # linear attention / Mamba / conv: nothing enters a KV cache
+            return
         attn = self.layout.attention_module(layer)
         if attn is None:
-            if self.layout.no_kv and self.layout.kv_free_mixer(layer) is None:
+            if self.layout.no_kv:
                 raise ConfigError(
                     f"{where} ({type(layer).__name__}) has neither an attention module at {self.layout.attention!r} "
                     f"nor an attention-less mixer at one of {list(self.layout.no_kv)}; its layout does not fit "
                     f"this model ({self.model_type})"
                 )
-            return  # linear attention / Mamba: nothing enters a KV cache
+            return
         style: KVStyle = self.layout.kv_style(attn)
         widths = style.widths(cfg, attn)
         first, second = (
@@ -224,10 +245,10 @@ class HFSiteHooks:
             for (suffix, kind), w in zip(style.sites, widths, strict=True)
         )
         self._kv_sites[i] = (first, second)
-        param, pos = _cache_param(attn, f"{where}.{self.layout.attention}")
-        self._handles.append(
-            attn.register_forward_pre_hook(self._attn_pre_hook(i, param, pos, type(attn).__name__), with_kwargs=True)
-        )
+        owner = f"{where}.{self.layout.attention} ({type(attn).__name__})"
+        param, pos = _cache_param(attn, owner)
+        self._handles.append(attn.register_forward_pre_hook(self._attn_pre_hook(i, param, pos), with_kwargs=True))
+        self._handles.append(attn.register_forward_hook(self._attn_post_hook(i, owner)))
 
     @property
     def sites(self) -> tuple[HookedSite, ...]:
@@ -235,11 +256,26 @@ class HFSiteHooks:
         return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, self._order[s.name])))
 
     def new_cache(self) -> Any:
-        """A fresh ``DynamicCache`` for the model. Any cache works: the hooks tap what the attention
-        writes into whichever cache its forward gets."""
-        from transformers.cache_utils import DynamicCache
+        """A fresh KV cache for the model: a ``DynamicCache``, or the model's own cache class where it
+        has one (MiniMax). Any cache works: the hooks tap what the attention writes into whichever
+        cache its forward gets, so ``generate()`` needs none passed."""
+        from transformers.cache_utils import Cache, DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        supports = getattr(self.model, "_supports_default_dynamic_cache", None)
+        if supports is None or supports():
+            return DynamicCache(config=self.model.config)
+        module = sys.modules[type(self.model).__module__]
+        own = [
+            c
+            for c in vars(module).values()
+            if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == module.__name__
+        ]
+        if len(own) != 1:
+            raise ConfigError(
+                f"{type(self.model).__name__} does not take a DynamicCache and defines {len(own)} cache classes; "
+                "pass no cache (the model makes its own)"
+            )
+        return own[0]()
 
     def cache_kwargs(self, cache: Any) -> dict[str, Any]:
         """``{name: cache}`` for the model's forward or ``generate()``: ``cache`` (transformers >= 5.24
@@ -300,21 +336,51 @@ class HFSiteHooks:
 
         return hook
 
-    def _attn_pre_hook(self, layer: int, param: str, pos: int | None, owner: str) -> Callable[..., Any]:
+    def _attn_pre_hook(self, layer: int, param: str, pos: int | None) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-            for name in _CACHE_ARGS:
-                if name in kwargs:
-                    kwargs[name] = _CacheTap(self, layer, kwargs[name], owner)
-                    return args, kwargs
-            if pos is not None and len(args) > pos:
-                args = (*args[:pos], _CacheTap(self, layer, args[pos], owner), *args[pos + 1 :])
+            self._pending.add(layer)
+            idx = getattr(module, "layer_idx", layer)
+            name = next((n for n in _CACHE_ARGS if n in kwargs), None)
+            if name is not None:
+                kwargs[name] = _CacheTap(self, layer, kwargs[name] if kwargs[name] is not None else self._scratch(idx))
+            elif pos is not None and len(args) > pos:
+                cache = args[pos] if args[pos] is not None else self._scratch(idx)
+                args = (*args[:pos], _CacheTap(self, layer, cache), *args[pos + 1 :])
             else:
-                kwargs[param] = _CacheTap(self, layer, None, owner)
+                kwargs[param] = _CacheTap(self, layer, self._scratch(idx))
             return args, kwargs
 
         return hook
 
+    def _scratch(self, idx: Any) -> Any:
+        """This forward's scratch cache (a fresh one where layer ``idx`` already holds K/V: a new
+        forward that did not pass through the backbone, or a recomputed layer)."""
+        scratch = self._scratch_cache
+        layers = getattr(scratch, "layers", [])
+        if scratch is None or (
+            isinstance(idx, int) and idx < len(layers) and getattr(layers[idx], "is_initialized", False)
+        ):
+            scratch = self._scratch_cache = self.new_cache()
+        return scratch
+
+    def _drop_scratch(self, *args: Any) -> None:
+        self._scratch_cache = None
+
+    def _attn_post_hook(self, layer: int, owner: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if layer in self._pending:
+                self._pending.discard(layer)
+                names = " and ".join(s.name for s in self._kv_sites[layer])
+                raise ConfigError(
+                    f"{owner} ran without writing new K/V into its cache, so {names} would never be seen; if this "
+                    "layer keeps no KV cache of its own (linear attention, K/V shared with another layer), leave it "
+                    "out (layers=...) or name its type in the layout's no_kv_types"
+                )
+
+        return hook
+
     def _kv(self, layer: int, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._pending.discard(layer)
         sites = self._kv_sites.get(layer)
         if sites is None:
             return first, second
@@ -335,6 +401,8 @@ class HFSiteHooks:
             h.remove()
         self._handles.clear()
         self._memo.clear()
+        self._pending.clear()
+        self._scratch_cache = None
 
     def __enter__(self) -> HFSiteHooks:
         return self

@@ -9,15 +9,19 @@ finds what it hooks, as dotted attribute paths:
   resolves to ``model.language_model`` and ``DbrxForCausalLM`` (``layers="blocks"``) to ``transformer``;
   vision towers are never entered.
 - ``attention``: relative to a decoder layer, the attention module that writes the KV cache. A layer
-  without it has no K/V sites (linear attention, Mamba: the layer's mixer is one of ``no_kv``),
-  just as a layer whose ``moe`` path owns no ``experts`` (a dense MLP) has no MoE-input site.
-- ``moe``: relative to a decoder layer, the sparse-MoE block (the module that owns ``experts``);
-  ``None`` takes the shallowest submodule that owns ``experts``.
-- ``shared``: relative to a decoder layer, the shared expert, if any. Inside the MoE block (Qwen2-MoE,
-  DeepSeek, Llama 4, Qwen3-Next) it already consumes the block's hooked input. Beside the block
+  whose type in the config is one of ``no_kv_types`` (``linear_attention``, ``mamba``, ``conv``...)
+  or whose mixer is one of the paths in ``no_kv`` has no K/V sites, just as a layer whose ``moe``
+  path holds a dense MLP has no MoE-input site. An attention module that runs without writing
+  K/V into its cache is an error naming the layer (its sites would never be seen).
+- ``moe``: relative to a decoder layer, the sparse-MoE block (a module with ``experts`` or a
+  ``router``; JetMoE's has a router and parallel-expert linears); ``None`` takes the shallowest
+  submodule that owns ``experts``.
+- ``shared``: relative to a decoder layer, the shared expert, if any (``AUTO``: a child of the layer
+  named like ``shared*mlp`` / ``shared*expert``). Inside the MoE block (Qwen2-MoE, DeepSeek,
+  Llama 4, Qwen3-Next) it already consumes the block's hooked input. Beside the block
   (Granite-MoE-Shared's ``shared_mlp``) it gets the same values as the MoE-input site: FP4 engines
   quantize the MoE layer's input once and feed it to routed and shared experts alike, so the shared
-  expert has no site of its own.
+  expert has no site of its own (a shared expert that receives another tensor is an error).
 - ``kv``: how the two tensors the attention passes to ``cache.update`` become sites (:data:`GQA`
   or :data:`MLA`; ``None`` picks MLA when the attention module has ``kv_lora_rank``).
 
@@ -102,9 +106,19 @@ def get_path(root: Any, path: str) -> Any:
     return node
 
 
+AUTO = "auto"
+"""``Layout.shared = AUTO``: a direct child of the decoder layer named like ``shared*mlp`` /
+``shared*expert`` that sits beside the MoE block is its shared expert."""
+
+NO_KV_TYPES = ("linear_attention", "mamba", "mamba2", "conv", "mlp", "moe")
+"""Per-layer types (``config.layer_types`` / ``config.layers_block_type``) of layers without a KV cache."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Module paths of one architecture (see the module docstring for each field)."""
+    """Module paths of one architecture (see the module docstring for each field). ``no_kv_types``:
+    a layer whose type in the config (``layer_types`` or ``layers_block_type``) is one of these has
+    no K/V sites, even where its mixer sits at ``attention`` (MiniMax's lightning attention)."""
 
     layers: str = "layers"
     attention: str = "self_attn"
@@ -112,19 +126,27 @@ class Layout:
     shared: str | None = None
     kv: KVStyle | None = GQA
     no_kv: tuple[str, ...] = ()
+    no_kv_types: tuple[str, ...] = NO_KV_TYPES
 
     def moe_block(self, layer: nn.Module) -> nn.Module | None:
-        """The layer's sparse-MoE block, or None (a dense layer)."""
+        """The layer's sparse-MoE block (a module with ``experts`` or a ``router``), or None (dense)."""
         if self.moe is None:
             for _, module in sorted(layer.named_modules(), key=lambda kv: kv[0].count(".")):
                 if module is not layer and hasattr(module, "experts"):
                     return module
             return None
         block = get_path(layer, self.moe)
-        return block if block is not None and hasattr(block, "experts") else None
+        return block if block is not None and (hasattr(block, "experts") or hasattr(block, "router")) else None
 
-    def shared_expert(self, layer: nn.Module) -> nn.Module | None:
-        return None if self.shared is None else get_path(layer, self.shared)
+    def shared_expert(self, layer: nn.Module, block: nn.Module) -> tuple[str, nn.Module] | None:
+        """``(path, module)`` of the layer's shared expert, or None."""
+        if self.shared == AUTO:
+            for name, child in layer.named_children():
+                if child is not block and "shared" in name and ("mlp" in name or "expert" in name):
+                    return name, child
+            return None
+        module = None if self.shared is None else get_path(layer, self.shared)
+        return None if module is None else (str(self.shared), module)
 
     def attention_module(self, layer: nn.Module) -> nn.Module | None:
         return get_path(layer, self.attention)
@@ -134,15 +156,24 @@ class Layout:
             return self.kv
         return MLA if hasattr(attn, "kv_lora_rank") else GQA
 
-    def kv_free_mixer(self, layer: nn.Module) -> str | None:
-        """The path of the layer's attention-less token mixer (one of ``no_kv``), if it has one."""
-        return next((p for p in self.no_kv if get_path(layer, p) is not None), None)
+    def kv_free(self, cfg: Any, index: int, layer: nn.Module) -> str | None:
+        """Why decoder layer ``index`` has no KV cache (its type in the config, or its attention-less
+        mixer at one of ``no_kv``), or None."""
+        for attr in ("layer_types", "layers_block_type"):
+            try:
+                types = getattr(cfg, attr, None)
+            except Exception:  # a property that cannot answer for this config
+                types = None
+            if isinstance(types, (list, tuple)) and index < len(types) and types[index] in self.no_kv_types:
+                return f"config.{attr}[{index}] = {types[index]!r}"
+        mixer = next((p for p in self.no_kv if get_path(layer, p) is not None), None)
+        return None if mixer is None else f"its mixer at {mixer!r}"
 
 
-DEFAULT = Layout(moe=None, kv=None)
+DEFAULT = Layout(moe=None, shared=AUTO, kv=None)
 """Layout of an unregistered architecture: ``layers``, ``self_attn``, the shallowest submodule
-owning ``experts``, MLA when the attention has ``kv_lora_rank``; layers without ``self_attn`` are
-skipped for K/V (the hooks refuse a model where no layer has one)."""
+owning ``experts``, an ``AUTO`` shared expert, MLA when the attention has ``kv_lora_rank``; layers
+without ``self_attn`` are skipped for K/V (the hooks refuse a model where no layer has one)."""
 
 _HYBRID_LINEAR = ("linear_attn",)
 
@@ -163,6 +194,11 @@ LAYOUTS: dict[str, Layout] = {
     "llama4_text": Layout(moe="feed_forward", shared="feed_forward.shared_expert"),
     "jamba": Layout(moe="feed_forward", no_kv=("mamba",)),
     "dbrx": Layout(layers="blocks", attention="norm_attn_norm.attn", moe="ffn"),
+    "minimax": Layout(),  # linear-attention layers (config.layer_types) have their lightning attention at self_attn
+    "jetmoe": Layout(attention="self_attention"),
+    "granitemoehybrid": Layout(moe="block_sparse_moe", shared="shared_mlp", no_kv=("mamba",)),
+    "lfm2_moe": Layout(moe="feed_forward", no_kv=("conv",)),
+    "nemotron_h": Layout(attention="mixer", moe="mixer"),  # one mixer per layer, typed by layers_block_type
 }
 """Registered layouts by the text config's ``model_type`` (the ones the test suite runs)."""
 

@@ -305,8 +305,8 @@ def test_fp4_site_recorder_refuses_sites_the_model_does_not_have() -> None:
 
 
 def test_a_new_architecture_is_one_declarative_line(monkeypatch) -> None:  # noqa: ANN001
-    """Granite-MoE-Shared without its registry entry: the default layout finds the MoE block but not
-    the shared expert beside it, which then consumes the layer's unquantized input. One line fixes it."""
+    """Granite-MoE-Shared's shared expert sits beside the MoE block: a layout that does not name it
+    leaves it eating the layer's unquantized input; one line (or the default layout's AUTO) fixes it."""
     model = build_model(
         ModelSpec("granitemoeshared", layers=2, hidden=32, heads=2, kv_heads=1, experts=4, top_k=2, vocab=64), seed=1
     )
@@ -322,10 +322,13 @@ def test_a_new_architecture_is_one_declarative_line(monkeypatch) -> None:  # noq
             h.remove()
         return seen["block_sparse_moe"], seen["shared_mlp"]
 
-    monkeypatch.delitem(LAYOUTS, "granitemoeshared")
+    monkeypatch.setitem(LAYOUTS, "granitemoeshared", Layout(moe="block_sparse_moe"))  # restored after the test
     block, shared = consumed()
     assert not torch.allclose(block, shared)  # missed: the shared expert ate the unhooked input
     register_layout("granitemoeshared", Layout(moe="block_sparse_moe", shared="shared_mlp"))
+    block, shared = consumed()
+    assert torch.equal(block, shared)
+    monkeypatch.delitem(LAYOUTS, "granitemoeshared")  # unregistered: the default layout finds it (AUTO)
     block, shared = consumed()
     assert torch.equal(block, shared)
 
@@ -337,9 +340,42 @@ def test_layouts_that_do_not_fit_are_refused_naming_the_layer() -> None:
     with pytest.raises(
         ConfigError, match=r"model\.layers\.0 \(JambaMambaDecoderLayer\) has neither an attention module"
     ):
-        HFSiteHooks(jamba, lambda s, t: None, layout=Layout(moe="feed_forward", no_kv=("linear_attn",)))
+        HFSiteHooks(jamba, lambda s, t: None, layout=Layout(moe="feed_forward", no_kv=("linear_attn",), no_kv_types=()))
     with pytest.raises(ConfigError, match="no hooked decoder layer has an attention module at 'attn'"):
         HFSiteHooks(tiny(), lambda s, t: None, layout=Layout(attention="attn"))
     with pytest.raises(ConfigError, match="no decoder-layer list 'blocks'"):
         HFSiteHooks(tiny(), lambda s, t: None, layout=Layout(layers="blocks"))
     assert not any(m._forward_pre_hooks for m in jamba.modules())  # nothing left attached
+
+
+def test_an_attention_that_writes_no_kv_is_an_error_not_a_silent_gap() -> None:
+    """MiniMax's lightning (linear) attention sits at self_attn like its softmax attention; its layer
+    type in the config keeps it free of K/V sites. A layout that ignores the types hooks it, and the
+    first forward says that its sites would never be seen."""
+    model = build_model(
+        ModelSpec("minimax", layers=2, hidden=32, heads=2, kv_heads=1, experts=4, top_k=2, vocab=64), seed=1
+    )
+    with HFSiteHooks(model, lambda s, t: None) as hooks:
+        assert [s.name for s in hooks.sites if s.layer == 1] == ["layers.1.mlp.input"]
+    blind = Layout(no_kv_types=())
+    with HFSiteHooks(model, lambda s, t: None, layout=blind), pytest.raises(ConfigError) as err, torch.no_grad():
+        model(input_ids=ids())
+    assert str(err.value).startswith(
+        "model.layers.1.self_attn (MiniMaxLightningAttention) ran without writing new K/V into its cache, so "
+        "layers.1.attn.k and layers.1.attn.v would never be seen"
+    )
+
+
+def test_experts_held_by_the_decoder_layer_itself_are_refused() -> None:
+    """A decoder layer that owns its experts with no MoE block module (Gemma 4's layout): refused with
+    the reason, not hooked without its MoE input; moe=False still hooks its K/V."""
+    model = tiny()
+    layer = model.model.layers[0]
+    layer.experts = layer.mlp.experts  # a layer shaped like Gemma 4's: experts on the layer itself
+    try:
+        with pytest.raises(ConfigError, match=r"model\.layers\.0 \(Qwen3MoeDecoderLayer\) holds its experts itself"):
+            HFSiteHooks(model, lambda s, t: None, layout=Layout(moe="router"))
+        with HFSiteHooks(model, lambda s, t: None, moe=False) as hooks:
+            assert [s.kind for s in hooks.sites] == ["key", "value"] * 2
+    finally:
+        del layer.experts

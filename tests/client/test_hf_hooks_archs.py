@@ -34,16 +34,22 @@ EXPECTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "jamba": (("mlp.input",), GQA),
     "qwen3_next": (("mlp.input",), GQA),
     "qwen3_5_moe": (("mlp.input",), GQA),
+    "granitemoehybrid": (("mlp.input",), GQA),
+    "lfm2_moe": (("mlp.input",), GQA),
+    "minimax": (GQA, ("mlp.input",)),  # lightning (linear) attention in layer 1
+    "nemotron_h": (("mlp.input",), ("attn.k", "attn.v")),  # one mixer per layer: MoE, then attention
 }
-# arch -> the shared expert's path in a decoder layer (inside the MoE block, or beside it)
+# arch -> (MoE block, shared expert) paths in a decoder layer: the shared expert inside the block, or beside it
 SHARED = {
-    "qwen2_moe": "mlp.shared_expert",
-    "qwen3_next": "mlp.shared_expert",
-    "qwen3_5_moe": "mlp.shared_expert",
-    "deepseek_v2": "mlp.shared_experts",
-    "deepseek_v3": "mlp.shared_experts",
-    "llama4": "feed_forward.shared_expert",
-    "granitemoeshared": "shared_mlp",
+    "qwen2_moe": ("mlp", "mlp.shared_expert"),
+    "qwen3_next": ("mlp", "mlp.shared_expert"),
+    "qwen3_5_moe": ("mlp", "mlp.shared_expert"),
+    "deepseek_v2": ("mlp", "mlp.shared_experts"),
+    "deepseek_v3": ("mlp", "mlp.shared_experts"),
+    "llama4": ("feed_forward", "feed_forward.shared_expert"),
+    "nemotron_h": ("mixer", "mixer.shared_experts"),
+    "granitemoeshared": ("block_sparse_moe", "shared_mlp"),
+    "granitemoehybrid": ("block_sparse_moe", "shared_mlp"),
 }
 
 
@@ -133,7 +139,7 @@ def test_shared_expert_consumes_the_hooked_moe_input(arch: str) -> None:
     model = tiny(arch)
     layer = max(i for i in (0, 1) if "mlp.input" in EXPECTED[arch][i])
     decoder = layers_of(model)[layer]
-    moe_path = SHARED[arch].rsplit(".", 1)[0] if "." in SHARED[arch] else {"granitemoeshared": "block_sparse_moe"}[arch]
+    moe_path, shared_path = SHARED[arch]
     calls: list[str] = []
 
     def halve(site, x):  # noqa: ANN001, ANN202
@@ -147,12 +153,12 @@ def test_shared_expert_consumes_the_hooked_moe_input(arch: str) -> None:
         assert not [s for s in hooks.sites if "shared" in s.name]
         handles = [
             decoder.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: seen.setdefault(p, a[0].clone()))
-            for p in (moe_path, SHARED[arch])
+            for p in (moe_path, shared_path)
         ]  # registered after the site hooks: they see what the modules consume
         model(input_ids=prompt(), use_cache=False)
     for h in handles:
         h.remove()
-    block_in, shared_in = seen[moe_path], seen[SHARED[arch]]
+    block_in, shared_in = seen[moe_path], seen[shared_path]
     assert torch.equal(shared_in.reshape(block_in.shape), block_in)
     assert calls.count(f"layers.{layer}.mlp.input") == 1
     # and it is the hooked value: half of what the block gets without hooks (only this layer is hooked)

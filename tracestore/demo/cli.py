@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--arch", default=e("--arch", "qwen3_moe"), help="transformers MoE model type: qwen3_moe "
                    "(default), qwen2_moe, mixtral, olmoe, phimoe, gpt_oss, granitemoe, granitemoeshared, dbrx, "
-                   "deepseek_v2, deepseek_v3 (MLA), llama4 (text), jamba (Mamba hybrid), qwen3_next, qwen3_5_moe "
-                   "(linear-attention hybrids), qwen3_vl_moe (vision-language)")  # fmt: skip
+                   "jetmoe, deepseek_v2, deepseek_v3 (MLA), llama4 (text), jamba, granitemoehybrid, nemotron_h "
+                   "(Mamba hybrids), qwen3_next, qwen3_5_moe, minimax (linear-attention hybrids), lfm2_moe "
+                   "(convolution hybrid), qwen3_vl_moe (vision-language)")  # fmt: skip
     p.add_argument("--layers", type=int, default=int(e("--layers", 8)), help="decoder layers (default 8)")
     p.add_argument("--hidden", type=int, default=int(e("--hidden", 512)), help="hidden size (default 512)")
     p.add_argument("--heads", type=int, default=int(e("--heads", 8)), help="attention heads (default 8)")

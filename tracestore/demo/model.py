@@ -76,6 +76,30 @@ def _llama4(spec: ModelSpec) -> dict[str, Any]:
     return {"intermediate_size_mlp": 2 * spec.expert_hidden, "moe_layers": list(range(spec.layers))}
 
 
+def _alternate(spec: ModelSpec, first: str, second: str) -> list[str]:
+    return [first if i % 2 == 0 else second for i in range(spec.layers)]
+
+
+def _minimax(spec: ModelSpec) -> dict[str, Any]:
+    # full attention and lightning (linear) attention alternate; every layer is MoE
+    return {"layer_types": _alternate(spec, "full_attention", "linear_attention")}
+
+
+def _granite_hybrid(spec: ModelSpec) -> dict[str, Any]:
+    # Mamba-2 and attention layers alternate; every layer is MoE with a shared MLP beside the block
+    return {"layer_types": _alternate(spec, "linear_attention", "attention"), "mamba_n_heads": spec.heads,
+            "shared_intermediate_size": spec.expert_hidden, "mamba_d_head": spec.head_dim, "mamba_expand": 1,
+            "mamba_d_state": 8, "mamba_chunk_size": 8}  # fmt: skip
+
+
+def _nemotron_h(spec: ModelSpec) -> dict[str, Any]:
+    # one mixer per layer: MoE, attention, Mamba-2, MoE, ...
+    pattern = ("moe", "full_attention", "linear_attention", "moe")
+    return {"layers_block_type": [pattern[i % 4] for i in range(spec.layers)], "n_shared_experts": 1,
+            "moe_shared_expert_intermediate_size": spec.expert_hidden, "mamba_num_heads": spec.heads,
+            "mamba_head_dim": spec.head_dim, "n_groups": 1, "ssm_state_size": 8, "chunk_size": 8}  # fmt: skip
+
+
 def _dbrx(spec: ModelSpec) -> dict[str, Any]:
     return {
         "d_model": spec.hidden,
@@ -104,9 +128,20 @@ ARCHS: dict[str, Arch] = {
     "qwen3_5_moe": Arch("num_experts", "moe_intermediate_size", _linear_attention, model_type="qwen3_5_moe_text"),
     "dbrx": Arch(None, None, _dbrx),
     "qwen3_vl_moe": Arch("num_experts", "moe_intermediate_size", multimodal=True),
+    "minimax": Arch("num_local_experts", "intermediate_size", _minimax),
+    "granitemoehybrid": Arch("num_local_experts", "intermediate_size", _granite_hybrid),
+    "lfm2_moe": Arch(
+        "num_experts",
+        "moe_intermediate_size",
+        lambda spec: {"layer_types": _alternate(spec, "conv", "full_attention"), "num_dense_layers": 0},
+    ),
+    "nemotron_h": Arch("n_routed_experts", "moe_intermediate_size", _nemotron_h),
+    "jetmoe": Arch("num_local_experts", "intermediate_size", lambda spec: {"kv_channels": spec.head_dim}),
 }
 """``--arch`` values: transformers MoE model types (llama4 and qwen3_5_moe build the text-only causal
-LM; qwen3_vl_moe the vision-language model, whose language model the hooks resolve to)."""
+LM; qwen3_vl_moe the vision-language model, whose language model the hooks resolve to). Hybrids:
+jamba, granitemoehybrid, nemotron_h (Mamba), qwen3_next, qwen3_5_moe, minimax (linear attention),
+lfm2_moe (short convolutions); MLA: deepseek_v2, deepseek_v3."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
