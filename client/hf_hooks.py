@@ -471,6 +471,7 @@ class FP4SiteRecorder:
         layers: Iterable[int] | None = None,
         kv: bool = True,
         layout: Layout | None = None,
+        moe: bool = True,
     ) -> None:
         from tracestore.formats import get_format
 
@@ -480,7 +481,7 @@ class FP4SiteRecorder:
         self.records: dict[str, Record] = {}
         self._steps: list[dict[str, Record]] = []
         self._active = False
-        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout)
+        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout, moe=moe)
         try:
             bad = [s for s in self.hooks.sites if s.width % self.fmt.block]
             if bad:

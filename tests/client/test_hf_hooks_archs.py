@@ -191,6 +191,11 @@ def test_mla_sites_are_the_normalized_latent_and_rotary_key_the_cache_holds(arch
         widths = {s.name: s.width for s in hooks.sites if s.layer == 1}
         assert widths == {"layers.1.mlp.input": 64, "layers.1.attn.kv_latent": cfg.kv_lora_rank,
                           "layers.1.attn.k_rope": cfg.qk_rope_head_dim}  # fmt: skip
+        specs = [s.spec(bits=1, format="mxfp4") for s in hooks.sites]  # declarable as a run's sites
+        assert [(p.name, p.kind, p.width) for p in specs[1:]] == [
+            ("layers.1.attn.kv_latent", "other", cfg.kv_lora_rank),
+            ("layers.1.attn.k_rope", "key", cfg.qk_rope_head_dim),
+        ]
         cache = hooks.new_cache()
         model(input_ids=x, **hooks.cache_kwargs(cache), use_cache=True)
         no_cache = dict(seen)
