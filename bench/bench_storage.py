@@ -33,11 +33,12 @@ carries the machine's 1-minute load average and CPU pressure measured before its
 - ``compression``: per-column codec alternatives (size ratio, encode and decode throughput);
 - ``validate``: ``validate_version`` (what ``tracestore inspect --validate`` runs per version:
   every manifest checksum, every page, key column, byte length and chunk checksum, and every
-  sealed trajectory's completeness) in MB/s of shard bytes, in one process and with one worker
-  process per core, vs raw ``pyarrow.parquet.read_table`` of the same files with page checksum
-  verification (Arrow's threads, and one thread), on two stores: decode shards (one-token chunks
-  of 256 sequences x 20 sites per step, ~300k chunks per 120 MB shard) and prefill shards (the
-  write case's 512-token chunks). ``cpu_ms`` there adds the worker processes' CPU.
+  sealed trajectory's completeness) in MB/s of shard bytes, in one process and with ``jobs`` = the
+  core count (this process and a worker process per further core), vs raw
+  ``pyarrow.parquet.read_table`` of the same files with page checksum verification (Arrow's
+  threads, and one thread), on two stores: decode shards (one-token chunks of 256 sequences x 20
+  sites per step, ~300k chunks per 120 MB shard) and prefill shards (the write case's 512-token
+  chunks). ``cpu_ms`` there adds the worker processes' CPU.
 
 Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5] [--cases validate]``;
 prints tables and appends rows to ``bench/results/bench_storage.jsonl``.
@@ -494,7 +495,7 @@ def bench_validate(args: argparse.Namespace, workdir: Path) -> list[dict[str, An
 
         providers = {
             "ours validate_version, 1 process": lambda: ours(1),
-            f"ours validate_version, {cores} worker processes": lambda: ours(cores),
+            f"ours validate_version, jobs={cores} (+{cores - 1} worker)": lambda: ours(cores),
             "raw pq.read_table + page crc (Arrow threads)": lambda: raw(True),
             "raw pq.read_table + page crc, 1 thread": lambda: raw(False),
         }

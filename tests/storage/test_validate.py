@@ -77,6 +77,27 @@ def test_validate_a_healthy_store(tmp_path, mode):
     assert (n, out) == (0, "")
 
 
+def test_worker_processes_verify_units(tmp_path):
+    """Units verified in a worker process (this process does not help here) give the same answers."""
+    from tracestore.cli_inspect import _Verifier, _Workers
+
+    store, _ = _mixed_store(tmp_path)
+    manifests = [ManifestColumns.from_json(store.storage.cat(p), p) for p in store.manifest_paths(RUN, 0)]
+    verifier = _Verifier(store, RUN, 0)
+    units = [u for m in manifests if m.shard for u in verifier._units(m)]
+    damaged = manifests[0]
+    raw = bytearray(store.storage.cat(damaged.shard))
+    raw[len(raw) // 2] ^= 0x10
+    workers = _Workers(1)
+    try:
+        assert [workers.submit(u).result(timeout=60) for u in units] == [[]] * len(units)
+        store.storage.fs.pipe_file(store.storage.full(damaged.shard), bytes(raw))
+        problems = workers.submit(units[0]).result(timeout=60)
+        assert problems and all(damaged.shard in p for p in problems), problems
+    finally:
+        workers.close()
+
+
 def test_verify_shard_computes_every_chunk_checksum(tmp_path):
     """The column-wise checksums equal RecordChunk.checksum for every kind of chunk."""
     store, chunks = _mixed_store(tmp_path)
