@@ -171,6 +171,17 @@ def serve_env_names() -> set[str]:
     return {"TRACESTORE_" + f[2:].replace("-", "_").upper() for f in flags}
 
 
+def image_env() -> dict[str, str]:
+    """The TRACESTORE_* variables the Dockerfile's ENV sets (what a container starts with before the
+    Kubernetes env overrides them)."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.strip().upper().startswith("ENV "):
+            found.update(re.findall(r"\b(TRACESTORE_\w+)=(\S+)", line))
+    return found
+
+
 @pytest.fixture(scope="session")
 def exporter_names() -> set[str]:
     from tracestore.server.metrics import Metrics
@@ -194,6 +205,7 @@ def h() -> SimpleNamespace:
         github_anchors=github_anchors,
         kustomize=kustomize,
         serve_env_names=serve_env_names,
+        image_env=image_env,
         ROOT=ROOT,
         DEPLOY=DEPLOY,
         RULES=RULES,

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -67,6 +68,42 @@ def test_image_env_are_serve_flags(h):
     assert names and names - h.serve_env_names() == set()
 
 
+def test_image_defaults_start_and_keep_grpc_on_loopback(h, monkeypatch):
+    """The image's ENV alone must start the sidecar (it refuses a non-loopback gRPC host without TLS
+    and tokens): gRPC on loopback, the unix socket in its volume, metrics on every interface."""
+    from tracestore.server.auth import is_loopback_host
+    from tracestore.server.cli import config_from_args
+
+    from tracestore.cli import build_parser
+
+    for k in [k for k in os.environ if k.startswith("TRACESTORE_")]:
+        monkeypatch.delenv(k)
+    env = h.image_env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = config_from_args(build_parser().parse_args(["serve"]))  # ConfigError: the image would exit 2
+    assert is_loopback_host(cfg.host) and not cfg.insecure and "TRACESTORE_INSECURE" not in env
+    assert cfg.metrics_host == "0.0.0.0"
+    ins = instructions(h.DOCKERFILE.read_text())
+    volumes = {v for i, a in ins if i == "VOLUME" for v in json.loads(a)}
+    assert cfg.unix_socket is not None and os.path.dirname(cfg.unix_socket) in volumes
+
+
+def test_image_healthcheck_runs_tracestore_health(h):
+    from tracestore.server.service import LIVENESS
+
+    from tracestore.cli import build_parser
+
+    (check,) = [a for i, a in instructions(h.DOCKERFILE.read_text()) if i == "HEALTHCHECK"]
+    options, _, cmd = check.partition("CMD ")
+    argv = json.loads(cmd)  # exec form
+    assert argv[0] == "tracestore"
+    ns = build_parser().parse_args(argv[1:])
+    assert ns.command == "health" and ns.service == LIVENESS and ns.target is None  # the socket of the ENV
+    timeout = re.search(r"--timeout=(\d+)s", options)
+    assert timeout is not None and ns.timeout < int(timeout.group(1))
+
+
 def test_no_torch_or_cuda_in_the_image(h):
     text = h.DOCKERFILE.read_text()
     ins = instructions(text)
@@ -117,7 +154,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
-    """Optional: build the image with podman and ask it for gRPC health on a read-only root."""
+    """Optional: build the image with podman; on a read-only root, as uid 10001, `tracestore health`
+    in the container answers SERVING over the unix socket, metrics answer on the published port, and
+    the published gRPC port reaches nothing (gRPC listens on the container's loopback only)."""
     podman = shutil.which("podman")
     if podman is None:
         pytest.skip("podman is not installed: the image build is not checked here")
@@ -132,7 +171,7 @@ def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
         [podman, "build", "-f", str(h.DOCKERFILE), "--ignorefile", str(ignore), "-t", tag, str(h.ROOT)], timeout=900
     )
     assert build.returncode == 0, build.stderr[-4000:]
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     name = f"tracestore-test-{uuid.uuid4().hex[:8]}"
     run = [
         podman,
@@ -152,6 +191,8 @@ def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
         "/tmp",
         "-p",
         f"127.0.0.1:{port}:7433",
+        "-p",
+        f"127.0.0.1:{metrics_port}:9433",
         tag,
     ]
     started = h.run(run)
@@ -160,16 +201,16 @@ def test_podman_image_serves_health_as_non_root_read_only(h, tmp_path: Path):
         whoami = h.run([podman, "exec", name, "id", "-u"])
         assert whoami.stdout.strip() == "10001"
         deadline = time.monotonic() + 60
-        status = None
-        while time.monotonic() < deadline:
-            try:
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    status = resp.status
-                    break
-            except grpc.RpcError:
-                time.sleep(1)
-        assert status == health_pb2.HealthCheckResponse.SERVING
+        probe = [podman, "exec", name, "tracestore", "health", "--service", "tracestore.v1.Liveness"]
+        checked = h.run(probe)
+        while checked.returncode != 0 and time.monotonic() < deadline:
+            time.sleep(1)
+            checked = h.run(probe)
+        assert checked.returncode == 0 and checked.stdout.startswith("SERVING: "), checked.stdout + checked.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+            assert b"tracestore_build_info" in resp.read()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
     finally:
         subprocess.run([podman, "rm", "-f", name], capture_output=True, check=False)
         subprocess.run([podman, "rmi", "-f", tag], capture_output=True, check=False)

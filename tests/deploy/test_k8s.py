@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,19 @@ def rendered(h, overlay: str) -> list[dict[str, Any]]:
     return docs
 
 
+def rendered_with_serve_reads(h, overlay: str, tmp: Path) -> list[dict[str, Any]]:
+    """An engine overlay with the serve-reads component added the documented way: a copy of
+    deploy/k8s whose overlay lists ``components: [../../components/serve-reads]``."""
+    copy = tmp / "k8s"
+    shutil.copytree(h.DEPLOY / "k8s", copy)
+    kust = copy / "overlays" / overlay / "kustomization.yaml"
+    doc = yaml.safe_load(kust.read_text())
+    doc["components"] = [*doc.get("components", []), "../../components/serve-reads"]
+    kust.write_text(yaml.safe_dump(doc, sort_keys=False))
+    docs: list[dict[str, Any]] = h.kustomize(copy / "overlays" / overlay)
+    return docs
+
+
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = [d for d in docs if d["kind"] == kind]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
@@ -42,6 +58,30 @@ def containers(deploy: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def serve_config(h, container_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The ServerConfig `tracestore serve` builds from the image's ENV overlaid by ``container_env``
+    (what the container runs with); raises ConfigError where the sidecar would exit 2 at start."""
+    from tracestore.server.cli import config_from_args
+
+    from tracestore.cli import build_parser
+
+    for k in [k for k in os.environ if k.startswith("TRACESTORE_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**h.image_env(), **container_env}.items():
+        monkeypatch.setenv(k, v)
+    return config_from_args(build_parser().parse_args(["serve"]))
+
+
+def health_probe(command: list[str]) -> argparse.Namespace:
+    """An exec probe's command parsed by the real CLI: it must be `tracestore health ...`."""
+    from tracestore.cli import build_parser
+
+    assert command[0] == "tracestore", command
+    ns = build_parser().parse_args(command[1:])
+    assert ns.command == "health", command
+    return ns
 
 
 def to_seconds(value: str | int) -> int:
@@ -128,18 +168,67 @@ def test_native_sidecar(docs):
     assert "restartPolicy" not in engine
 
 
-def test_probes_use_grpc_on_a_declared_numeric_port(docs):
+def test_probes_exec_tracestore_health_on_the_liveness_name_over_the_socket(docs):
+    """Kubelet gRPC probes dial the pod IP in plaintext, where no gRPC listens: every probe runs
+    `tracestore health` over the unix socket, on the name a storage outage never turns NOT_SERVING."""
+    from tracestore.server import cli_health
+    from tracestore.server.service import LIVENESS
+
     sidecar, _ = containers(one(docs, "Deployment"))
-    ports = {p["containerPort"] for p in sidecar["ports"]}
+    e = env(sidecar)
+    mounts = {m["mountPath"] for m in sidecar["volumeMounts"]}
+    sock = e["TRACESTORE_UNIX_SOCKET"]
+    assert str(Path(sock).parent) in mounts
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = sidecar[kind]
-        assert set(probe) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, f"{kind} must be a gRPC health probe"
-        port = probe["grpc"]["port"]
-        assert isinstance(port, int) and port in ports, f"{kind} port {port!r} not a container port {ports}"
-        assert port == int(env(sidecar)["TRACESTORE_PORT"])
+        assert set(probe) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"exec"}, f"{kind} must be an exec probe"
+        ns = health_probe(probe["exec"]["command"])
+        assert ns.func is cli_health.run
+        assert ns.service == LIVENESS, f"{kind} must watch {LIVENESS} (readiness must not follow storage)"
+        assert (ns.target or cli_health.default_target(e)) == f"unix://{sock}", kind
+        # the command reports (exit 1, one line) before the kubelet kills it (default timeoutSeconds: 1)
+        assert 0 < ns.timeout < probe["timeoutSeconds"], kind
     # liveness must not be stricter than readiness: a slow moment should unready, not restart
     live, ready = sidecar["livenessProbe"], sidecar["readinessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > ready["periodSeconds"] * ready["failureThreshold"]
+    # a slow start (WAL replay) has time: startup allows at least a minute
+    start = sidecar["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 60
+
+
+def test_the_shipped_sidecar_config_starts_and_is_loopback_only(h, docs, monkeypatch):
+    """What exited 2 at start: a non-loopback gRPC host without TLS and tokens. The shipped env
+    (image ENV + container env) must build a ServerConfig, with gRPC on loopback and no --insecure."""
+    from tracestore.server.auth import is_loopback_host
+
+    sidecar, _ = containers(one(docs, "Deployment"))
+    e = env(sidecar)
+    cfg = serve_config(h, e, monkeypatch)
+    assert is_loopback_host(cfg.host) and not cfg.insecure
+    assert (cfg.tls_cert, cfg.tls_key, cfg.auth_tokens) == (None, None, None)
+    assert cfg.unix_socket == e["TRACESTORE_UNIX_SOCKET"]
+    assert cfg.metrics_host == "0.0.0.0" and cfg.metrics_port == 9433  # Prometheus scrapes the pod IP
+    assert "TRACESTORE_INSECURE" not in e
+    # no gRPC port on the pod IP: only the metrics port is declared
+    assert {p["containerPort"] for p in sidecar["ports"]} == {cfg.metrics_port}
+    # negative control: the previous base (0.0.0.0 without TLS and tokens) is refused
+    from tracestore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not loopback"):
+        serve_config(h, {**e, "TRACESTORE_HOST": "0.0.0.0"}, monkeypatch)
+
+
+def test_socket_group_is_the_pods_fsgroup(docs):
+    """The socket is 0600 by default: an engine of another uid connects through the group (fsGroup is a
+    supplemental group of every container), and creates its staging pools in the same group."""
+    deploy = one(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    sidecar, engine = containers(deploy)
+    fs_group = pod["securityContext"]["fsGroup"]
+    assert env(sidecar)["TRACESTORE_SOCKET_GROUP"] == str(fs_group)
+    assert "TRACESTORE_SOCKET_MODE" not in env(sidecar)  # the default with a group: 0660
+    assert env(engine)["TRACESTORE_SHM_GROUP"] == str(fs_group)
+    assert sidecar["securityContext"]["runAsGroup"] == fs_group  # the sidecar may chown the socket to it
 
 
 def test_engine_probe_ports_are_container_ports(docs):
@@ -258,6 +347,17 @@ def test_podmonitor_scrapes_the_metrics_port(docs):
     assert "tracestore" in f"{pm['metadata']['namespace']}/{pm['metadata']['name']}"  # job label of TraceStoreDown
 
 
+def test_no_network_path_to_grpc_by_default(docs):
+    """Trainers read storage directly: without serve-reads no policy admits the gRPC port."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    ports = {port["port"] for p in policies for rule in p["spec"]["ingress"] for port in rule["ports"]}
+    assert 7433 not in ports
+    (metrics,) = [
+        rule for p in policies for rule in p["spec"]["ingress"] if any(x["port"] == 9433 for x in rule["ports"])
+    ]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
 def test_network_policies_admit_every_container_port(docs):
     deploy = one(docs, "Deployment")
     labels = deploy["spec"]["template"]["metadata"]["labels"]
@@ -296,3 +396,68 @@ def test_generated_prometheusrule_is_in_sync(h):
 def test_overlays_are_isolated(h):
     namespaces = {one(rendered(h, o), "Deployment")["metadata"]["namespace"] for o in h.OVERLAYS}
     assert len(namespaces) == len(h.OVERLAYS)
+
+
+# ---- the serve-reads component ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def reads_docs(request, h, tmp_path_factory) -> list[dict[str, Any]]:
+    return rendered_with_serve_reads(h, request.param, tmp_path_factory.mktemp(f"reads-{request.param}"))
+
+
+def test_serve_reads_opens_grpc_with_tls_and_tokens_from_secrets(h, reads_docs, monkeypatch):
+    deploy = one(reads_docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    sidecar, _ = containers(deploy)
+    e = env(sidecar)
+    cfg = serve_config(h, e, monkeypatch)  # starts: TLS and tokens, no --insecure
+    assert cfg.host == "0.0.0.0" and not cfg.insecure
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}
+    # every file the sidecar reads is a key of a Secret mounted read-only (whole directory: updates
+    # reach the files, then SIGHUP)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for var in ("TRACESTORE_TLS_CERT", "TRACESTORE_TLS_KEY", "TRACESTORE_AUTH_TOKENS"):
+        path = Path(e[var])
+        (mount,) = [m for m in sidecar["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        assert mount["readOnly"] is True and "subPath" not in mount, var
+        secret = volumes[mount["name"]]["secret"]
+        assert secret.get("optional") is not True, f"{var}: the pod must not start without its Secret"
+        assert path.name in {i["path"] for i in secret["items"]}, var
+        assert secret["defaultMode"] & 0o007 == 0, f"{var}: readable by other users"
+        assert secret["defaultMode"] & 0o040, f"{var}: the sidecar reads it through fsGroup"
+    # the probes do not change: exec over the unix socket (no token, no TLS needed there)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert "exec" in sidecar[kind] and health_probe(sidecar[kind]["exec"]["command"]).target is None
+
+
+def test_serve_reads_admits_trainer_pods_on_grpc_only(reads_docs):
+    deploy = one(reads_docs, "Deployment")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    policies = [d for d in reads_docs if d["kind"] == "NetworkPolicy"]
+    assert all(p["metadata"]["namespace"] == deploy["metadata"]["namespace"] for p in policies)
+    grpc_rules = [
+        rule
+        for p in policies
+        if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        for rule in p["spec"]["ingress"]
+        if any(x["port"] == 7433 for x in rule["ports"])
+    ]
+    assert grpc_rules == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer"}}}],
+            "ports": [{"protocol": "TCP", "port": 7433}],
+        }
+    ]
+    test_network_policies_admit_every_container_port(reads_docs)
+
+
+@pytest.mark.parametrize("overlay", ["sglang", "vllm"])
+def test_kubernetes_validate_serve_reads(h, tmp_path: Path, overlay):
+    kv = h.tool("kubernetes-validate")
+    out = tmp_path / f"{overlay}-reads.yaml"
+    out.write_text(yaml.safe_dump_all(rendered_with_serve_reads(h, overlay, tmp_path)))
+    for version in KUBE_VERSIONS:
+        proc = h.run([kv, "--strict", "--quiet"] + (["-k", version] if version else []) + [str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr

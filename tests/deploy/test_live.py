@@ -384,9 +384,10 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         serve)  # fmt: skip
         address = f"127.0.0.1:{info['port']}"
 
-        def health() -> int:
+        def health(service: str = "") -> int:
             with grpc.insecure_channel(address) as ch:
-                return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+                request = health_pb2.HealthCheckRequest(service=service)
+                return int(health_pb2_grpc.HealthStub(ch).Check(request, timeout=5).status)
 
         before = health()
         spec = RunSpec(RUN, (SiteSpec(SITES[0], "moe_input", 0, 64),))
@@ -411,6 +412,7 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return {
             "before": before,
             "after": health(),
+            "liveness_after": health("tracestore.v1.Liveness"),  # what deploy/k8s's probes watch
             "acked": acked,
             "metrics": metrics,
             "ids": {RUN, "ci-outage-writer", "ci-outage-traj"},
@@ -422,10 +424,12 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_readiness_does_not_depend_on_storage(outage):
-    """What the Kubernetes readiness probe sees during an S3 outage: SERVING before and after writes
-    fail, with the failure visible in the metrics (TraceStoreStorageErrors) instead."""
+    """What the Kubernetes probes see during an S3 outage (they watch tracestore.v1.Liveness): SERVING
+    before and after writes fail, with the failure visible in the metrics (TraceStoreStorageErrors)
+    instead. The overall name stays SERVING too until --storage-unhealthy (300 s) has passed."""
     assert outage["before"] == outage["serving"]
     assert outage["after"] == outage["serving"]
+    assert outage["liveness_after"] == outage["serving"]
     assert "tracestore_storage_errors_total{" in outage["metrics"]
 
 

@@ -147,6 +147,7 @@ def test_every_design_signal_has_an_alert(h):
         "tracestore_wal_bytes",
         "tracestore_memory_in_use_bytes",
         "tracestore_unguided_trajectories_total",
+        "tracestore_degraded",
     ):
         assert metric in exprs, metric
 
