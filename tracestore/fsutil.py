@@ -4,10 +4,12 @@
 runs on a small worker pool and is bounded by ``timeout`` seconds: a black-holed S3 endpoint
 makes s3fs PUTs hang forever, so a hang surfaces here as
 :class:`~tracestore.errors.StorageError` instead. Transient failures (timeouts, connection
-errors, other ``OSError`` that is not "not found / exists / permission") are retried with
-exponential backoff; each retry and each final error is counted in :attr:`Storage.stats` and
-reported to ``on_event(kind, op, detail)`` so a server can feed its metrics without this module
-importing prometheus.
+errors, other ``OSError`` that is not "not found / exists / permission") are retried (tenacity)
+with exponential backoff and jitter, at most ``retries`` times and never starting a retry later
+than ``retry_deadline`` seconds after the first attempt began (default 30 s, or
+``TRACESTORE_STORAGE_RETRY_DEADLINE``); each retry and each final error is counted in
+:attr:`Storage.stats` and reported to ``on_event(kind, op, detail)`` so a server can feed its
+metrics without this module importing prometheus.
 """
 
 from __future__ import annotations
@@ -26,15 +28,45 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import fsspec
+import tenacity
 from fsspec.implementations.local import LocalFileSystem
 
 from tracestore import faults as _faults
-from tracestore.errors import ConflictError, NotFoundError, StorageError, TraceStoreError
+from tracestore.errors import ConfigError, ConflictError, NotFoundError, StorageError, TraceStoreError
 from tracestore.shardfile import ShardFile
 
 T = TypeVar("T")
 EventHook = Callable[[str, str, str], None]
 """``on_event(kind, op, detail)``; kind is ``"retry"``, ``"timeout"`` or ``"error"``."""
+
+DEFAULT_RETRY_DEADLINE_S = 30.0
+RETRY_DEADLINE_ENV = "TRACESTORE_STORAGE_RETRY_DEADLINE"
+"""The variable that sets the retry deadline of every :class:`Storage` made without one."""
+
+
+def default_retry_deadline() -> float:
+    """``TRACESTORE_STORAGE_RETRY_DEADLINE`` when set, else :data:`DEFAULT_RETRY_DEADLINE_S`."""
+    raw = os.environ.get(RETRY_DEADLINE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_DEADLINE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{RETRY_DEADLINE_ENV}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+def backoff_wait(backoff: float, max_backoff: float) -> tenacity.wait.wait_base:
+    """Before retry n (1, 2, ...): a wait drawn uniformly from [h, 2h], h = ``backoff`` * 2**(n-2),
+    capped at ``max_backoff`` ("equal jitter": at least half the exponential step, so a single
+    caller still backs off, and a random other half, so callers that failed together spread out)."""
+    half, cap = backoff / 2, max_backoff / 2
+    return tenacity.wait_exponential(multiplier=half, max=cap) + tenacity.wait_random_exponential(
+        multiplier=half, max=cap
+    )
+
 
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -150,9 +182,11 @@ class Storage:
         *,
         timeout: float = 60.0,
         retries: int = 3,
-        backoff: float = 0.05,
+        backoff: float = 0.5,
         on_event: EventHook | None = None,
         workers: int = 8,
+        retry_deadline: float | None = None,
+        max_backoff: float = 10.0,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise StorageError(f"storage URL must be a non-empty string like 'file://./data', got {url!r}")
@@ -163,6 +197,10 @@ class Storage:
         self.timeout = float(timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
+        self.max_backoff = float(max_backoff)
+        self.retry_deadline = default_retry_deadline() if retry_deadline is None else float(retry_deadline)
+        if not self.retry_deadline > 0:
+            raise StorageError(f"retry_deadline must be > 0 seconds, got {retry_deadline!r}")
         self.on_event = on_event
         self.stats: dict[str, int] = {"retries": 0, "timeouts": 0, "errors": 0, "bytes_written": 0, "bytes_read": 0}
         self._lock = threading.Lock()
@@ -213,36 +251,51 @@ class Storage:
                 self.on_event(kind, op, detail)
 
     def call(self, op: str, fn: Callable[..., T], *args: Any, retry: bool = True, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` bounded by the timeout, retrying transient errors."""
+        """Run ``fn(*args, **kwargs)`` bounded by the timeout, retrying transient errors: at most
+        ``retries`` times, waiting :func:`backoff_wait` between attempts, and starting no retry
+        later than ``retry_deadline`` seconds after the first attempt began."""
+        op = " ".join(op.split())  # "list " (the root) reads "list"
         attempts = 1 + (self.retries if retry else 0)
-        last: BaseException | None = None
-        for attempt in range(attempts):
-            if attempt:
-                self._event("retry", op, repr(last))
-                time.sleep(self.backoff * (2 ** (attempt - 1)))
+
+        def attempt() -> T:
             fut = self._pool.submit(fn, *args, **kwargs)
             try:
                 return fut.result(timeout=self.timeout)
             except concurrent.futures.TimeoutError:
                 fut.cancel()
                 self._event("timeout", op, f"no answer in {self.timeout:g} s")
-                last = TimeoutError(f"{op} timed out after {self.timeout:g} s")
-            except Exception as exc:
-                if not _transient(exc):
-                    if isinstance(exc, (TraceStoreError, FileExistsError)):
-                        raise
-                    if isinstance(exc, FileNotFoundError):
-                        raise NotFoundError(f"{op}: not found on {self.url} ({exc})") from exc
-                    self._event("error", op, repr(exc))
-                    if isinstance(exc, PermissionError):
-                        raise StorageError(f"{op}: permission denied on {self.url}: {exc}") from exc
-                    raise StorageError(f"{op} on {self.url} failed: {exc!r}") from exc
-                last = exc
-        self._event("error", op, repr(last))
-        raise StorageError(
-            f"{op} on {self.url} failed after {attempts} attempt(s) (timeout {self.timeout:g} s each): {last!r}; "
-            "check that the storage is reachable"
-        ) from last
+                raise TimeoutError(f"{op} timed out after {self.timeout:g} s") from None
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            self._event("retry", op, repr(state.outcome.exception() if state.outcome else None))
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(attempts) | tenacity.stop_before_delay(self.retry_deadline),
+            wait=backoff_wait(self.backoff, self.max_backoff),
+            retry=tenacity.retry_if_exception(_transient),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        t0 = time.monotonic()
+        try:
+            return retrying(attempt)
+        except Exception as exc:
+            if _transient(exc):
+                self._event("error", op, repr(exc))
+                n = retrying.statistics.get("attempt_number", 1)
+                raise StorageError(
+                    f"{op} on {self.url} failed after {n} attempt(s) in {time.monotonic() - t0:.1f} s "
+                    f"(timeout {self.timeout:g} s each, retry deadline {self.retry_deadline:g} s): {exc!r}; "
+                    "check that the storage is reachable and its credentials"
+                ) from exc
+            if isinstance(exc, (TraceStoreError, FileExistsError)):
+                raise
+            if isinstance(exc, FileNotFoundError):
+                raise NotFoundError(f"{op}: not found on {self.url} ({exc})") from exc
+            self._event("error", op, repr(exc))
+            if isinstance(exc, PermissionError):
+                raise StorageError(f"{op}: permission denied on {self.url}: {exc}") from exc
+            raise StorageError(f"{op} on {self.url} failed: {exc!r}") from exc
 
     # ------------------------------------------------------------------ reads
 
