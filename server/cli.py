@@ -1,4 +1,12 @@
-"""``tracestore serve``: run the sidecar. Works with no configuration; every flag has a TRACESTORE_ twin."""
+"""``tracestore serve``: run the sidecar. Works with no configuration.
+
+Every setting is a flag, a ``TRACESTORE_<FLAG>`` variable and a key of the ``[serve]`` table of a
+TOML config file (``--config``/``TRACESTORE_CONFIG``), in that order of precedence
+(:mod:`tracestore.cli`). At start the sidecar logs one line with every effective setting (credentials
+redacted) and where each came from, then checks its storage by writing and deleting a probe object
+(``--storage-check``: ``warn``, the default, serves anyway with an error logged; ``fail`` exits 3;
+``off`` skips it). docs/operations.md, "Running it", says why ``warn`` is the default.
+"""
 
 from __future__ import annotations
 
@@ -9,202 +17,287 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
-from tracestore.cli import env_default
+from tracestore.cli import (
+    JSON_OBJECT,
+    OCTAL_MODE,
+    SWITCH,
+    Kind,
+    Setting,
+    add_settings,
+    choice,
+    integer,
+    number,
+    optional,
+    resolve,
+    text,
+)
 
 MiB = 1 << 20
+PORT = integer(0, 65535)
+SECONDS = number(gt=0)
+MIB = Kind("an integer >= 1 (MiB)", integer(1).parse, "MIB")
+PATH = optional(text("a path"))
 
+SETTINGS = (
+    Setting("--storage", text("an fsspec URL such as file://./data or s3://bucket/prefix"),
+            "file://./tracestore-data", "fsspec URL of the store", metavar="URL"),
+    Setting("--storage-options", JSON_OBJECT, None,
+            "JSON object passed to fsspec (credentials: prefer the variable or --storage-options-file; a flag is "
+            "visible to every local user in /proc/PID/cmdline)", secret=True, show="none", metavar="JSON"),
+    Setting("--storage-options-file", PATH, None,
+            "file holding the JSON object passed to fsspec (for credentials; keep it mode 0600)", metavar="FILE"),
+    Setting("--storage-check", choice("warn", "fail", "off"), "warn",
+            "write and delete a probe object at start: warn = log an error and serve anyway, fail = exit 3, off"),
+    Setting("--storage-retry-deadline", SECONDS, 30.0,
+            "seconds after a storage call's first attempt after which no retry starts (exported to this "
+            "process as TRACESTORE_STORAGE_RETRY_DEADLINE, which every tracestore Storage reads)",
+            metavar="SECONDS"),
+    Setting("--host", text("an address"), "127.0.0.1", "gRPC bind address"),
+    Setting("--port", PORT, 7433, "gRPC TCP port (0: ephemeral)"),
+    Setting("--unix-socket", PATH, None, "also listen on this unix socket", metavar="PATH"),
+    Setting("--tls-cert", PATH, None, "PEM certificate chain: TLS on TCP", metavar="FILE"),
+    Setting("--tls-key", PATH, None, "PEM private key of --tls-cert", metavar="FILE"),
+    Setting("--tls-client-ca", PATH, None,
+            "PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS)", metavar="FILE"),
+    Setting("--auth-tokens", PATH, None,
+            "token file, one 'sha256:<hex digest> <scope>[,<scope>...] [name]' per line (scopes write:<run glob>, "
+            "read:<run glob>, admin); without it the sidecar serves loopback and the unix socket only",
+            metavar="FILE"),
+    Setting("--unix-needs-token", SWITCH, False,
+            "unix-socket callers need a token too (otherwise the socket file's permissions are the boundary)",
+            switch=True),
+    Setting("--insecure", SWITCH, False,
+            "serve a non-loopback --host without TLS and tokens (e.g. behind a network policy)", switch=True),
+    Setting("--metrics-host", text("an address"), "127.0.0.1", "Prometheus metrics bind address"),
+    Setting("--metrics-port", optional(PORT), 9433, "Prometheus metrics port; 'off' disables the endpoint"),
+    Setting("--wal-dir", PATH, "./tracestore-wal",
+            "write-ahead log directory; 'off' acknowledges only committed shards", metavar="DIR"),
+    Setting("--wal-segment-mib", MIB, 64, "size of one write-ahead log segment file, MiB"),
+    Setting("--memory-budget-mib", MIB, 1024,
+            "bytes received and not yet committed, at most (backpressure beyond), MiB"),
+    Setting("--shard-target-mib", MIB, 128, "a writer's records are committed as a shard about this big, MiB"),
+    Setting("--flush-interval", SECONDS, 2.0, "seconds between flusher passes", metavar="SECONDS"),
+    Setting("--backpressure-timeout", SECONDS, 5.0,
+            "seconds a write waits for room in the memory budget before it is refused", metavar="SECONDS"),
+    Setting("--max-message-mib", MIB, 64, "largest gRPC message, MiB; at most half of --memory-budget-mib"),
+    Setting("--max-streams", integer(1), 256,
+            "open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED"),
+    Setting("--workers", integer(8), 64, "gRPC threads besides one per Write stream (health, Stat, Seal, Read)"),
+    Setting("--max-read-mib", MIB, 256,
+            "largest Read (plan rows x row bytes of the sites read), never more than the memory budget, MiB"),
+    Setting("--max-writers", integer(1), 1024,
+            "writer sessions (run, writer id) one sidecar keeps; a new one beyond is refused"),
+    Setting("--max-runs", integer(1), 256, "runs one sidecar serves; more are refused"),
+    Setting("--storage-unhealthy", SECONDS, 300.0,
+            "seconds of storage refusing every commit before health reports NOT_SERVING", metavar="SECONDS"),
+    Setting("--wal-retry", SECONDS, 1.0, "seconds between attempts to recover a failed write-ahead log",
+            metavar="SECONDS"),
+    Setting("--grace", SECONDS, 30.0, "seconds to drain on SIGTERM", metavar="SECONDS"),
+    Setting("--storage-timeout", SECONDS, 60.0, "seconds one storage call may take before it is abandoned",
+            metavar="SECONDS"),
+    Setting("--shm-dir", text("a directory"), "/dev/shm", "where writers' staging pools live", metavar="DIR"),
+    Setting("--socket-group", optional(text("a group name or gid")), None,
+            "group (name or gid) of --unix-socket: its members may connect; staging pools must be 0640 in it",
+            metavar="GROUP"),
+    Setting("--socket-mode", optional(OCTAL_MODE), None,
+            "octal mode of --unix-socket", show="0660 with --socket-group, else 0600", metavar="MODE"),
+    Setting("--dedupe-versions", integer(1), 4,
+            "newest policy versions per run whose chunk keys are kept for dedupe/conflicts"),
+    Setting("--ready-file", PATH, None, "write {port, metrics_port, pid} JSON here once serving (for port 0)",
+            metavar="FILE"),
+    Setting("--log-level", choice("debug", "info", "warning", "error", "critical"), "info", "log level"),
+)  # fmt: skip
+"""Every setting of ``tracestore serve``; the flag names are a contract with deploy/ (the env twins)."""
 
-def _opt_int(v: str) -> int | None:
-    return None if str(v).lower() in ("", "none", "off", "-1") else int(v)
-
-
-def _opt_str(v: str) -> str | None:
-    return None if str(v).lower() in ("", "none", "off") else v
-
-
-def _env_flag(v: str) -> bool:
-    return str(v).lower() not in ("", "0", "false", "no", "off")
+_RANK = {"flag": 3, "env": 2, "file": 1, "default": 0}
 
 
 def storage_options_from(ns: argparse.Namespace) -> dict[str, Any] | None:
-    """fsspec options from --storage-options-file, else --storage-options, else the environment
-    (TRACESTORE_STORAGE_OPTIONS); errors never quote the text (it holds credentials)."""
+    """fsspec options from --storage-options-file or --storage-options (each a flag, variable or
+    config-file key; the higher-precedence source wins, both from the same one is an error);
+    errors never quote the text (it holds credentials)."""
     from tracestore.errors import ConfigError
 
+    resolve(ns)
     log = logging.getLogger("tracestore.server")
-    text, where = None, ""
-    if ns.storage_options_file and ns.storage_options:
-        raise ConfigError("give --storage-options-file or --storage-options, not both")
+    sources = getattr(ns, "_sources", {})
+    file_rank = _RANK[sources.get("storage_options_file", "default")]
+    text_rank = _RANK[sources.get("storage_options", "default")]
+    if ns.storage_options_file and ns.storage_options is not None:
+        if file_rank == text_rank:
+            raise ConfigError("give --storage-options-file or --storage-options, not both")
+        if file_rank < text_rank:
+            return _checked_options(ns.storage_options)
     if ns.storage_options_file:
         where = f"--storage-options-file {ns.storage_options_file}"
         try:
             with open(ns.storage_options_file) as f:
-                text = f.read()
+                content = f.read()
                 mode = os.fstat(f.fileno()).st_mode
         except OSError as exc:
             raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
         if mode & 0o077:
             log.warning("%s is readable by other users (mode %o); keep credentials in a 0600 file", where, mode & 0o777)
-    elif ns.storage_options:
-        where, text = "--storage-options", ns.storage_options
+        if not content.strip():
+            return None
+        try:
+            return JSON_OBJECT(content)  # type: ignore[no-any-return]
+        except ValueError as exc:
+            raise ConfigError(f"{where}: expected {JSON_OBJECT.expected} ({exc})") from None
+    if ns.storage_options is not None and sources.get("storage_options") == "flag":
         log.warning(
             "--storage-options on the command line is visible to every local user in /proc/%d/cmdline; "
             "use --storage-options-file or TRACESTORE_STORAGE_OPTIONS for credentials",
             os.getpid(),
         )
-    elif os.environ.get("TRACESTORE_STORAGE_OPTIONS"):
-        where, text = "TRACESTORE_STORAGE_OPTIONS", os.environ["TRACESTORE_STORAGE_OPTIONS"]
-    if not text or not text.strip():
-        return None
+    return _checked_options(ns.storage_options)
+
+
+def _checked_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    return options or None  # {} is no options
+
+
+# ---------------------------------------------------------------------------- what the startup logs
+
+# fsspec/s3fs options whose values say where, not who: shown in the startup line. Every other
+# value (key, secret, token, password, session, profile, anything unknown) is redacted.
+SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name", "anon", "use_ssl", "client_kwargs", "config_kwargs",
+                           "connect_timeout", "read_timeout", "retries", "max_attempts", "mode", "addressing_style",
+                           "signature_version", "s3", "default_block_size", "use_listings_cache", "version_aware",
+                           "requester_pays", "auto_mkdir"})  # fmt: skip
+REDACTED = "<redacted>"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without a password or token: user info and the query string are replaced."""
+    from urllib.parse import urlsplit, urlunsplit
+
     try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        parts = urlsplit(url)
+    except ValueError:
+        return REDACTED
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
+    query = REDACTED if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_options(options: Any) -> Any:
+    """A copy of fsspec options with every value redacted except those of :data:`SHOWN_OPTIONS`
+    (nested tables are redacted key by key)."""
     if not isinstance(options, dict):
-        raise ConfigError(f"{where} must hold a JSON object, got {type(options).__name__}")
-    return options
+        return REDACTED
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if isinstance(value, dict):
+            out[key] = redact_options(value)
+        elif value is None or (key in SHOWN_OPTIONS and isinstance(value, (str, int, float, bool))):
+            out[key] = redact_url(value) if isinstance(value, str) else value
+        else:
+            out[key] = REDACTED
+    return out
+
+
+def settings_line(ns: argparse.Namespace, cfg: Any) -> str:
+    """One line with every effective setting of ``serve``, secrets redacted, each not at its
+    default followed by where it came from (``(env)``, ``(flag)``, ``(file)``)."""
+    from tracestore import __version__
+
+    sources = getattr(ns, "_sources", {})
+    shown: dict[str, Any] = {}
+    for s in SETTINGS:
+        value = getattr(ns, s.dest, None)
+        if s.dest == "storage_options":
+            value = json.dumps(redact_options(cfg.storage_options), separators=(",", ":"), sort_keys=True) \
+                if cfg.storage_options else "none"
+        elif s.dest == "storage":
+            value = redact_url(cfg.storage)
+        elif s.dest in ("wal_dir", "shm_dir", "unix_socket", "ready_file") and value is not None:
+            value = os.path.abspath(value)
+        elif s.dest == "socket_mode" and value is not None:
+            value = f"{value:04o}"
+        elif value is None:
+            value = "off"
+        elif isinstance(value, bool):
+            value = "on" if value else "off"
+        elif isinstance(value, float):
+            value = f"{value:g}"
+        src = sources.get(s.dest, "default")
+        shown[s.dest.replace("_", "-")] = f"{value}" + ("" if src == "default" else f"({src})")
+    config = f" config={ns.config}" if getattr(ns, "config", None) else ""
+    return f"tracestore {__version__} serve, pid {os.getpid()}{config}: " + " ".join(
+        f"{k}={v}" for k, v in shown.items()
+    )
+
+
+# ---------------------------------------------------------------------------- storage check
+
+PROBE_PREFIX = ".tracestore-probe-"
+"""Probe objects live at the storage root under this prefix (no run id starts with a dot, so
+listings of runs never see one)."""
+
+
+def check_storage(cfg: Any, timeout_s: float = 10.0) -> tuple[bool, str]:
+    """Write a small object at the storage root and delete it: (ok, what happened in one line).
+
+    The probe uses the sidecar's own storage options and the create-only publish shards use, with
+    at most ``timeout_s`` per call and one retry, so a black-holed endpoint is reported within
+    about three times ``timeout_s``."""
+    import socket
+    import uuid
+
+    from tracestore.errors import TraceStoreError
+    from tracestore.fsutil import Storage
+
+    url = redact_url(cfg.storage)
+    t0 = time.monotonic()
+    timeout = min(timeout_s, cfg.storage_timeout_s)
+    name = f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    try:
+        storage = Storage(cfg.storage, cfg.storage_options, timeout=timeout, retries=1, retry_deadline=timeout)
+    except TraceStoreError as exc:
+        return False, f"cannot open storage {url}: {_one_line(exc)}"
+    try:
+        try:
+            storage.publish(name, b"tracestore storage probe\n")
+        except (TraceStoreError, OSError) as exc:
+            return False, f"cannot write a probe object at {url}: {_one_line(exc)}"
+        try:
+            storage.rm(name)
+        except (TraceStoreError, OSError) as exc:
+            return False, f"wrote a probe object at {url} but cannot delete {name}: {_one_line(exc)}"
+    finally:
+        storage.close()
+    return True, f"storage check: wrote and deleted a probe object at {url} in {time.monotonic() - t0:.2f} s"
+
+
+def _one_line(exc: BaseException) -> str:
+    line = " ".join(str(exc).split()) or type(exc).__name__
+    return line if len(line) <= 500 else line[:497] + "..."
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="run the sidecar (gRPC ingest/read service, WAL, shard flusher, Prometheus metrics)",
-        description="Run the tracestore sidecar. Every --flag can also be set as TRACESTORE_FLAG "
-        "(e.g. TRACESTORE_STORAGE, TRACESTORE_PORT).",
+        description="Run the tracestore sidecar. Every setting is a --flag, else a TRACESTORE_<FLAG> variable "
+        "(e.g. TRACESTORE_STORAGE, TRACESTORE_PORT), else a key of the [serve] table of a TOML --config file, "
+        "else the default shown. A bad value is one line on standard error and exit status 2.",
     )
-    e = env_default
-    p.add_argument("--storage", default=e("--storage", "file://./tracestore-data"), help="fsspec URL of the store")
-    p.add_argument(
-        "--storage-options",
-        default=None,
-        help="JSON dict passed to fsspec. Visible to every local user in /proc/PID/cmdline: put credentials in "
-        "--storage-options-file or TRACESTORE_STORAGE_OPTIONS instead",
-    )
-    p.add_argument(
-        "--storage-options-file",
-        type=_opt_str,
-        default=e("--storage-options-file", None),
-        help="file holding the JSON dict passed to fsspec (for credentials; keep it mode 0600)",
-    )
-    p.add_argument("--host", default=e("--host", "127.0.0.1"), help="gRPC bind address")
-    p.add_argument("--port", type=int, default=int(e("--port", 7433)), help="gRPC TCP port (0: ephemeral)")
-    p.add_argument("--unix-socket", type=_opt_str, default=e("--unix-socket", None), help="also listen on this UDS")
-    p.add_argument("--tls-cert", type=_opt_str, default=e("--tls-cert", None), help="PEM certificate chain: TLS on TCP")
-    p.add_argument("--tls-key", type=_opt_str, default=e("--tls-key", None), help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-client-ca",
-        type=_opt_str,
-        default=e("--tls-client-ca", None),
-        help="PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS)",
-    )
-    p.add_argument(
-        "--auth-tokens",
-        type=_opt_str,
-        default=e("--auth-tokens", None),
-        help="token file, one 'sha256:<hex digest> <scope>[,<scope>...] [name]' per line (scopes write:<run glob>, "
-        "read:<run glob>, admin); without it the sidecar serves loopback and the unix socket only",
-    )
-    p.add_argument(
-        "--unix-needs-token",
-        action="store_true",
-        default=_env_flag(e("--unix-needs-token", "")),
-        help="unix-socket callers need a token too (otherwise the socket file's permissions are the boundary)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        default=_env_flag(e("--insecure", "")),
-        help="serve a non-loopback --host without TLS and tokens (e.g. behind a network policy)",
-    )
-    p.add_argument("--metrics-host", default=e("--metrics-host", "127.0.0.1"))
-    p.add_argument("--metrics-port", type=_opt_int, default=e("--metrics-port", "9433"), help="'off' disables")
-    p.add_argument(
-        "--wal-dir",
-        type=_opt_str,
-        default=e("--wal-dir", "./tracestore-wal"),
-        help="write-ahead log directory; 'off' acks only committed shards",
-    )
-    p.add_argument("--wal-segment-mib", type=int, default=int(e("--wal-segment-mib", 64)))
-    p.add_argument("--memory-budget-mib", type=int, default=int(e("--memory-budget-mib", 1024)))
-    p.add_argument("--shard-target-mib", type=int, default=int(e("--shard-target-mib", 128)))
-    p.add_argument("--flush-interval", type=float, default=float(e("--flush-interval", 2.0)), help="seconds")
-    p.add_argument("--backpressure-timeout", type=float, default=float(e("--backpressure-timeout", 5.0)))
-    p.add_argument("--max-message-mib", type=int, default=int(e("--max-message-mib", 64)))
-    p.add_argument(
-        "--max-streams",
-        type=int,
-        default=int(e("--max-streams", 256)),
-        help="open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=int(e("--workers", 64)),
-        help="gRPC threads besides one per Write stream (health, Stat, Seal, Read); at least 8",
-    )
-    p.add_argument(
-        "--max-read-mib",
-        type=int,
-        default=int(e("--max-read-mib", 256)),
-        help="largest Read (plan rows x row bytes of the sites read), never more than the memory budget",
-    )
-    p.add_argument(
-        "--max-writers",
-        type=int,
-        default=int(e("--max-writers", 1024)),
-        help="writer sessions (run, writer id) one sidecar keeps; a new one beyond is refused",
-    )
-    p.add_argument(
-        "--max-runs", type=int, default=int(e("--max-runs", 256)), help="runs one sidecar serves; more are refused"
-    )
-    p.add_argument(
-        "--storage-unhealthy",
-        type=float,
-        default=float(e("--storage-unhealthy", 300.0)),
-        help="seconds of storage refusing every commit before health reports NOT_SERVING",
-    )
-    p.add_argument(
-        "--wal-retry",
-        type=float,
-        default=float(e("--wal-retry", 1.0)),
-        help="seconds between attempts to recover a failed write-ahead log",
-    )
-    p.add_argument("--grace", type=float, default=float(e("--grace", 30.0)), help="seconds to drain on SIGTERM")
-    p.add_argument("--storage-timeout", type=float, default=float(e("--storage-timeout", 60.0)))
-    p.add_argument("--shm-dir", default=e("--shm-dir", "/dev/shm"), help="where writers' staging pools live")
-    p.add_argument(
-        "--socket-group",
-        type=_opt_str,
-        default=e("--socket-group", None),
-        help="group (name or gid) of --unix-socket: its members may connect; staging pools must be 0640 in it",
-    )
-    p.add_argument(
-        "--socket-mode",
-        type=lambda v: None if _opt_str(v) is None else int(v, 8),
-        default=e("--socket-mode", None),
-        help="octal mode of --unix-socket (default 0660 with --socket-group, else 0600)",
-    )
-    p.add_argument(
-        "--dedupe-versions",
-        type=int,
-        default=int(e("--dedupe-versions", 4)),
-        help="newest policy versions per run whose chunk keys are kept for dedupe/conflicts",
-    )
-    p.add_argument(
-        "--ready-file",
-        type=_opt_str,
-        default=e("--ready-file", None),
-        help="write {port, metrics_port} JSON here once serving (for port 0)",
-    )
-    p.add_argument("--log-level", default=e("--log-level", "INFO"))
+    add_settings(p, "serve", SETTINGS)
     p.set_defaults(func=run)
 
 
 def config_from_args(ns: argparse.Namespace) -> Any:
+    """The :class:`ServerConfig` of parsed ``serve`` arguments (settings resolved here if they were
+    not yet: flag > variable > config file > default). Raises ConfigError on any bad value."""
     from .config import ServerConfig
 
+    resolve(ns)
     return ServerConfig(
         storage=ns.storage,
         storage_options=storage_options_from(ns),
@@ -295,16 +388,49 @@ def run(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
         return 2
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tracestore.errors import TraceStoreError
+    from tracestore.fsutil import RETRY_DEADLINE_ENV
 
     try:
-        sidecar = Sidecar(config_from_args(ns)).start()
+        resolve(ns)
+    except TraceStoreError as exc:
+        print(f"tracestore serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tracestore.server")
+    # the Store the sidecar makes reads its retry deadline from here (tracestore.fsutil.Storage)
+    os.environ[RETRY_DEADLINE_ENV] = repr(ns.storage_retry_deadline)
+    try:
+        cfg = config_from_args(ns)
+    except TraceStoreError as exc:
+        print(f"tracestore serve: {exc}", file=sys.stderr)
+        return 2
+    log.info("%s", settings_line(ns, cfg))
+    if ns.storage_check != "off":
+        ok, what = check_storage(cfg)
+        if ok:
+            log.info("%s", what)
+        elif ns.storage_check == "fail":
+            log.critical("storage check FAILED: %s; exiting (--storage-check fail)", what)
+            return 3
+        else:
+            held = (
+                f"acknowledged writes wait in the write-ahead log ({os.path.abspath(cfg.wal_dir)})"
+                if cfg.wal_dir is not None
+                else "with --wal-dir off nothing is acknowledged until it is committed, so writers wait"
+            )
+            log.error(
+                "storage check FAILED: %s. Serving anyway (--storage-check warn): %s and are committed once "
+                "storage works; health turns NOT_SERVING after %g s of failed commits (--storage-unhealthy). "
+                "Fix the storage URL, options or credentials, or use --storage-check fail to exit instead",
+                what, held, cfg.storage_unhealthy_s,
+            )  # fmt: skip
+    try:
+        sidecar = Sidecar(cfg).start()
     except TraceStoreError as exc:
         print(f"tracestore serve: {exc}", file=sys.stderr)
         return 2
     tune_gc()
-    log = logging.getLogger("tracestore.server")
     log.info(
         "serving on %s:%d%s, metrics %s",
         ns.host,
