@@ -9,7 +9,7 @@ comes from a fixed set the server chooses, never from a client: ``method`` (RPC 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 # Latency buckets: durable acks are fsync-bound (ms) on disk, PUT-bound (100s of ms) on S3.
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -47,6 +47,10 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry if registry is not None else CollectorRegistry()
+        # The sidecar process itself (prometheus_client reads /proc/self; nothing off Linux):
+        # process_resident_memory_bytes, process_virtual_memory_bytes, process_open_fds,
+        # process_max_fds, process_cpu_seconds_total, process_start_time_seconds
+        self.process = ProcessCollector(registry=r)
         p = "tracestore_"
         self.build_info = Info(p + "build", "tracestore version of this sidecar", registry=r)
         # ingest

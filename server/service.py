@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from tracestore import __version__
 from tracestore.errors import (
@@ -52,6 +51,7 @@ from .auth import (
 from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
 from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
 from .metrics import Metrics, storage_op, unguided_reason
+from .reflection import enable_server_reflection
 from .shm import ShmPools
 from .wire import parse_seal, parse_write, scan_write, seal_message, wal_parser
 
@@ -819,10 +819,8 @@ class Sidecar:
         )
         server.add_generic_rpc_handlers((service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
+        # grpc.reflection.v1 and v1alpha (server/reflection.py)
+        enable_server_reflection((pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME), server)
         try:
             address = f"{cfg.host}:{cfg.port}"
             tls = self._tls
