@@ -189,9 +189,12 @@ class _Version:
         end = start + np.concatenate([m.n_tokens for m in ms])
         crc = np.concatenate([m.checksum for m in ms])
         tnames, snames = traj.dictionary.to_pylist(), site.dictionary.to_pylist()
-        order = np.lexsort((crc, end, start, s, t))
-        t, s, start, end, crc = t[order], s[order], start[order], end[order], crc[order]
         pair = t * len(snames) + s
+        if len(pair) and int(pair.max()) < 1 << 31 and int(start.max()) < 1 << 32:
+            order = np.argsort((pair << 32) | start, kind="stable")  # one int64 key: ~5x faster than lexsort
+        else:  # pragma: no cover - billions of pairs or tokens
+            order = np.lexsort((start, pair))
+        t, s, start, end, crc, pair = t[order], s[order], start[order], end[order], crc[order], pair[order]
         first = np.ones(len(pair), bool)
         first[1:] = pair[1:] != pair[:-1]
         group = np.cumsum(first) - 1
@@ -202,6 +205,8 @@ class _Version:
         prev[1:] = reach[:-1]
         new = first | (start > prev)  # an interval starts here (after a gap or at the pair's start)
         overlap = ~first & (start < prev)
+        # a chunk that repeats the one before it (same tokens, same checksum) is the same chunk
+        # again; any other overlap, even with a repeat between, is compared byte for byte
         same = np.zeros(len(pair), bool)
         same[1:] = (start[1:] == start[:-1]) & (end[1:] == end[:-1]) & (crc[1:] == crc[:-1]) & ~first[1:]
         overlapping = {(tnames[t[i]], snames[s[i]]) for i in np.flatnonzero(overlap & ~same).tolist()}
@@ -213,9 +218,9 @@ class _Version:
             starts, ends = intervals.setdefault(key, ([], []))
             starts.append(a)
             ends.append(b)
-        max_end = np.zeros(len(tnames), np.int64)
-        np.maximum.at(max_end, t, end)
-        ends_of = dict(zip(tnames, max_end.tolist(), strict=True))
+        t_first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])  # (sorted by trajectory first)
+        max_end = np.maximum.reduceat(end, t_first)
+        ends_of = {tnames[i]: e for i, e in zip(t[t_first].tolist(), max_end.tolist(), strict=True)}
         return _Coverage(intervals, overlapping, ends_of)
 
     def links(self) -> Any:
