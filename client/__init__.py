@@ -5,6 +5,7 @@ lazily where a GPU tensor or a sidecar connection needs them.
 
     from tracestore.client import RolloutRecorder, SiteOutput, GuidanceReader
     from tracestore.client import TraceRef, attempt_id   # handles an RL framework carries
+    from tracestore.client import GuidedFP4Hooks         # guided FP4 fake-quant of a model in training
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 _LAZY = {
     "RolloutRecorder": "tracestore.client.recorder",
     "SiteOutput": "tracestore.client.recorder",
+    "SlabStage": "tracestore.client.recorder",
+    "GuidedFP4Hooks": "tracestore.client.train_hooks",
     "GuidanceReader": "tracestore.client.reader",
     "StagingPool": "tracestore.client.staging",
     "TraceRef": "tracestore.client.traceref",

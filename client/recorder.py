@@ -83,8 +83,11 @@ class WriterFencedError(TraceStoreError, RuntimeError):
 @dataclasses.dataclass
 class SiteOutput:
     """One site's rows of one forward: ``codes`` uint8 [rows, code_bytes], ``scales`` uint8
-    [rows, scale_bytes] (torch tensors on any device, or numpy), ``global_scale`` a float or a
-    one-element tensor (decode-side g), ``token_scales`` float32 [rows] or None."""
+    [rows, scale_bytes] (torch tensors on any device, or numpy), ``global_scale`` the decode-side
+    g: a float or a one-element tensor, or a float32 tensor of one g per row (per-token NVFP4
+    activation scales; stored as the rows' token scales with the chunk's g 1.0, which dequantizes
+    to the same values bit for bit, docs/numerics.md §6-§7), ``token_scales`` float32 [rows] or
+    None (not together with a per-row g)."""
 
     codes: Any
     scales: Any
@@ -135,6 +138,30 @@ class _Forward:
     queued: float
     nbytes: int = 0
     long_segments: bool = False  # its sequences average >= _LONG_SEGMENT tokens (prefill)
+
+
+@dataclasses.dataclass
+class _SlabForward(_Forward):
+    """A forward staged as raw RecordSlab rows (one copy per slab); the sender lays it out per site
+    (:meth:`RolloutRecorder._unslab`) before anything else reads it. ``staged``: per slab, its
+    plan, the staging offset of its rows and their count."""
+
+    staged: list[tuple[_SlabPlan, int, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlabPlan:
+    """A RecordSlab checked against the run: per site (name, SiteSpec, field), row bytes, rows per token."""
+
+    fields: tuple[tuple[str, Any, Any], ...]
+    row_bytes: int
+    rows_per_token: int
+    code_scale_bytes: int  # per row, summed over the sites: the payload before token scales
+
+    def staged_bytes(self, rows: int) -> int:
+        """Room for the raw rows and for the per-site layout made of them (64-byte aligned)."""
+        lay = sum(-(-(rows * (f.code_bytes + f.scale_bytes + 4) + 4) // 64) * 64 for _, _, f in self.fields)
+        return -(-max(rows * self.row_bytes, lay) // 64) * 64
 
 
 @dataclasses.dataclass
@@ -304,6 +331,7 @@ class RolloutRecorder:
         )
         self._cuda: Any = None
         self._side_stream: Any = None
+        self._slab_plans: dict[int, tuple[Any, _SlabPlan]] = {}
         self._thread = threading.Thread(target=self._run, name=f"tracestore-recorder-{writer}", daemon=True)
         if connect:
             self._thread.start()
@@ -329,26 +357,7 @@ class RolloutRecorder:
         """
         version = self.policy_version if policy_version is None else int(policy_version)
         segs = segments if isinstance(segments, list) else list(segments)
-        if segs:
-            try:
-                trajs, starts, ends = zip(*segs, strict=True)
-            except (TypeError, ValueError) as exc:
-                raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
-            known = self._valid_ids
-            if not known.issuperset(trajs):
-                for t in trajs:
-                    if t not in known:
-                        validate_id("trajectory", t)
-                        if len(known) > 1 << 20:
-                            known.clear()
-                        known.add(t)
-            lens = list(map(operator.sub, ends, starts))
-            if min(starts) < 0 or min(lens) <= 0:
-                t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
-                raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
-            n_tok = int(sum(lens))
-        else:
-            trajs, n_tok = (), 0
+        trajs, n_tok = self._check_segments(segs)
         plans = []
         total = 0
         for name, out in outputs.items():
@@ -358,16 +367,14 @@ class RolloutRecorder:
             rows = n_tok * site.rows_per_token
             _check(out.codes, (rows, site.code_bytes), f"{name}.codes")
             _check(out.scales, (rows, site.scale_bytes), f"{name}.scales")
+            out = _per_row_g(out, name, rows)
             if out.token_scales is not None:
                 _check(out.token_scales, (rows,), f"{name}.token_scales", dtype="float32")
             nc, ns = rows * site.code_bytes, rows * site.scale_bytes
             nt = rows * 4 if out.token_scales is not None else 0
             plans.append((name, site, out, total, nc, ns, nt))
             total += -(-(nc + ns + nt + 4) // 64) * 64
-        if self.error is not None and segs:
-            self._mark_unguided(list(trajs), self._stop_reason)
-            return False
-        if self._closed or not segs or (self._unguided and self._unguided.issuperset(trajs)):
+        if not self._admit(segs, trajs):
             return False
         # one reservation for the whole forward: it is staged whole or not at all
         off = self.pool.reserve(max(total, 1))
@@ -389,6 +396,213 @@ class RolloutRecorder:
         self._queue.append(_Forward(segs, version, sites, region, time.monotonic(), nbytes, long_segments))  # atomic
         self._in_bytes += nbytes  # written by callers only; the sender owns _out_bytes
         return True
+
+    def record_slab(
+        self,
+        segments: Sequence[tuple[str, int, int]],
+        slab: Any,
+        n_rows: int | Sequence[int] | None = None,
+        policy_version: int | None = None,
+    ) -> bool:
+        """Queue one forward recorded into a :class:`tracestore.kernels.RecordSlab` (or a few, one per
+        ``rows_per_token``): its rows ``[0, n_rows)`` for ``segments``, the forward's
+        ``(trajectory, token_start, token_end)`` rows in order. One copy per slab, whatever the
+        number of sites: from a GPU a non-blocking copy on the side stream into pinned staging, after
+        which the engine's current stream waits for it (the next forward rewrites the slab); the
+        per-site layout is made on the sender thread. ``n_rows`` (optional) is the rows the engine
+        wrote, checked against the segments' tokens × ``rows_per_token``. A site whose rows carry
+        different g values (per-token NVFP4 activation scales) is stored with them as token
+        scales (chunk g 1.0: the same dequantized values bit for bit); one g per site is stored as
+        the chunk's g. Returns False when refused (staging full, recorder stopped): its
+        trajectories are then unguided. Bad arguments raise (ValidationError for a site the run
+        does not declare, ShapeError naming the site or slab otherwise).
+
+        Inside a CUDA graph, use :meth:`slab_stage`."""
+        slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
+        ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True)
+        return ok
+
+    def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 2) -> SlabStage:
+        """The CUDA-graph form of :meth:`record_slab`: a :class:`SlabStage` whose ``capture()`` goes
+        inside the engine's captured graph (after the last record kernel) and whose ``commit(segments)``
+        the engine calls once after each replay. ``rows``: the slab rows the graph stages (default
+        its capacity, i.e. the graph's batch); ``slots``: device ring slots (2: a step's staging copy
+        has a whole step to land before its slot is written again)."""
+        return SlabStage(self, slab, rows, slots)
+
+    def _slab_plan(self, slab: Any) -> _SlabPlan:
+        """``slab`` checked against the run once (cached by identity, the slab kept alive)."""
+        hit = self._slab_plans.get(id(slab))
+        if hit is not None and hit[0] is slab:
+            return hit[1]
+        layout = getattr(slab, "layout", None)
+        if layout is None or not hasattr(slab, "data") or not hasattr(slab, "row_bytes"):
+            raise ConfigError(f"slab must be a tracestore.kernels.RecordSlab, got {type(slab).__name__}")
+        fields = []
+        for f, sspec in zip(layout, slab.sites, strict=True):
+            site = self._sites.get(f.name)
+            if site is None:
+                raise ValidationError(f"run {self.run_spec.run} declares no site {f.name!r}: {list(self._sites)}")
+            if (f.code_bytes, f.scale_bytes, int(getattr(sspec, "rows_per_token", 1))) != (
+                site.code_bytes,
+                site.scale_bytes,
+                site.rows_per_token,
+            ) or str(getattr(sspec, "format", site.format)) != str(site.format):
+                raise ShapeError(
+                    f"slab site {f.name}: {f.code_bytes} code and {f.scale_bytes} scale bytes per row "
+                    f"({getattr(sspec, 'format', '?')}, rows_per_token {getattr(sspec, 'rows_per_token', 1)}), the run "
+                    f"declares {site.code_bytes} and {site.scale_bytes} ({site.format}, width {site.width}, "
+                    f"bits {site.bits}, rows_per_token {site.rows_per_token})"
+                )
+            fields.append((f.name, site, f))
+        per_row = sum(f.code_bytes + f.scale_bytes for f in layout)
+        plan = _SlabPlan(tuple(fields), int(slab.row_bytes), int(slab.rows_per_token), per_row)
+        if len(self._slab_plans) > 64:
+            self._slab_plans.clear()
+        self._slab_plans[id(slab)] = (slab, plan)
+        return plan
+
+    def _queue_slabs(
+        self,
+        segments: Sequence[tuple[str, int, int]],
+        slabs: tuple[Any, ...],
+        n_rows: int | Sequence[int] | None,
+        policy_version: int | None,
+        sources: list[Any] | None,
+        order: bool,
+    ) -> tuple[bool, Any]:
+        """Stage ``slabs`` (or ``sources``: ring slots holding their rows) for one forward; returns
+        (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
+        for the copies (the source is rewritten by the engine's next kernels)."""
+        version = self.policy_version if policy_version is None else int(policy_version)
+        segs = segments if isinstance(segments, list) else list(segments)
+        trajs, n_tok = self._check_segments(segs)
+        want = [n_rows] * len(slabs) if n_rows is None or isinstance(n_rows, int) else list(n_rows)
+        if len(want) != len(slabs):
+            raise ShapeError(f"n_rows gives {len(want)} row counts for {len(slabs)} slabs")
+        staged: list[tuple[_SlabPlan, int, int]] = []
+        total = nbytes = 0
+        for i, slab in enumerate(slabs):
+            plan = self._slab_plan(slab)
+            rows = n_tok * plan.rows_per_token
+            limit = slab.capacity if sources is None else sources[i].shape[0] // plan.row_bytes
+            if want[i] is not None and want[i] != rows:
+                raise ShapeError(
+                    f"slab of sites {plan.fields[0][0]}..{plan.fields[-1][0]}: the engine wrote {want[i]} rows but "
+                    f"the segments hold {n_tok} tokens x {plan.rows_per_token} rows per token = {rows}"
+                )
+            if rows > limit:
+                raise ShapeError(
+                    f"slab of sites {plan.fields[0][0]}..{plan.fields[-1][0]}: the segments hold {rows} rows, more "
+                    f"than the {limit} it stages"
+                )
+            staged.append((plan, total, rows))
+            total += plan.staged_bytes(rows)
+            nbytes += rows * plan.code_scale_bytes
+        if not self._admit(segs, trajs):
+            return False, None
+        off = self.pool.reserve(max(total, 1))
+        if off is None:
+            self.stats["refused_forwards"] += 1
+            self._mark_unguided(list(trajs), "staging_full")
+            return False, None
+        region = _Region(off, total, refs=0)
+        srcs = [s.data for s in slabs] if sources is None else sources
+        ev = None
+        if _is_cuda(srcs[0]):
+            import torch
+
+            side = self._side()
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                for (plan, rel, rows), src in zip(staged, srcs, strict=True):
+                    n = rows * plan.row_bytes
+                    self._cuda[off + rel : off + rel + n].copy_(src.reshape(-1)[:n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(side)
+            if sources is None:
+                for src in srcs:
+                    src.record_stream(side)
+            if order:
+                cur.wait_event(ev)
+        else:
+            view = self.pool.view
+            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
+                n = rows * plan.row_bytes
+                view[off + rel : off + rel + n] = _as_bytes(src.reshape(-1)[:n]).data
+        region.event = ev
+        fwd = _SlabForward(segs, version, [], region, time.monotonic(), nbytes, n_tok >= _LONG_SEGMENT * len(segs))
+        fwd.staged = [(plan, off + rel, rows) for plan, rel, rows in staged]
+        self._queue.append(fwd)  # atomic
+        self._in_bytes += nbytes
+        return True, ev
+
+    def _admit(self, segs: list[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
+        """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
+        forward and one whose trajectories are all unguided record nothing)."""
+        if self.error is not None and segs:
+            self._mark_unguided(list(trajs), self._stop_reason)
+            return False
+        return not (self._closed or not segs or (self._unguided and self._unguided.issuperset(trajs)))
+
+    def _unslab(self, fwd: _SlabForward) -> _SlabForward:
+        """Lay a slab forward's raw rows out per site, as record_forward stages them (sender thread):
+        codes, scales, token scales when the site's rows carry different g (then g 1.0), g."""
+        region = fwd.region
+        if region.event is not None:
+            region.event.synchronize()
+            region.event = None
+        npool = self._np
+        sites = []
+        extra = 0
+        for plan, off, rows in fwd.staged:
+            rb = plan.row_bytes
+            raw = npool[off : off + rows * rb].reshape(rows, rb).copy()
+            o = off
+            for name, site, f in plan.fields:
+                nc, ns = rows * f.code_bytes, rows * f.scale_bytes
+                cs, ss = slice(f.codes, f.codes + f.code_bytes), slice(f.scales, f.scales + f.scale_bytes)
+                npool[o : o + nc].reshape(rows, f.code_bytes)[:] = raw[:, cs]
+                npool[o + nc : o + nc + ns].reshape(rows, f.scale_bytes)[:] = raw[:, ss]
+                g = np.ascontiguousarray(raw[:, f.g : f.g + 4])
+                nt = 0
+                if rows > 1 and not (g.view(np.uint32) == g[0].view(np.uint32)).all():
+                    nt = rows * 4  # one g per row: the rows' token scales, the chunk's g 1.0
+                    npool[o + nc + ns : o + nc + ns + nt] = g.reshape(-1)
+                    g = np.frombuffer(_F32.pack(1.0), np.uint8)
+                g_off = o + nc + ns + nt
+                npool[g_off : g_off + 4] = g.reshape(-1)[:4]
+                sites.append((name, site, o, nc, ns, nt, g_off))
+                extra += nt
+                o += -(-(nc + ns + nt + 4) // 64) * 64
+        fwd.sites = sites
+        fwd.nbytes += extra
+        self._out_bytes -= extra  # the token scales were not counted in _in_bytes
+        return fwd
+
+    def _check_segments(self, segs: list[tuple[str, int, int]]) -> tuple[tuple[str, ...], int]:
+        """(trajectories, token count) of a forward's segments; raises on a malformed one (checks
+        run in C over the list: no per-segment Python loop once the ids are known)."""
+        if not segs:
+            return (), 0
+        try:
+            trajs, starts, ends = zip(*segs, strict=True)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
+        known = self._valid_ids
+        if not known.issuperset(trajs):
+            for t in trajs:
+                if t not in known:
+                    validate_id("trajectory", t)
+                    if len(known) > 1 << 20:
+                        known.clear()
+                    known.add(t)
+        lens = list(map(operator.sub, ends, starts))
+        if min(starts) < 0 or min(lens) <= 0:
+            t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
+            raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
+        return trajs, int(sum(lens))
 
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
@@ -536,14 +750,20 @@ class RolloutRecorder:
         view[g_off : g_off + 4] = np.float32(_scalar(g)).tobytes()
         return None
 
-    def _copy_cuda(self, srcs: list[tuple[Any, int, int]], g: Any, g_off: int) -> Any:
+    def _side(self) -> Any:
+        """The side CUDA stream of the staging copies (pins the pool on first use)."""
         import torch
 
         if self._cuda is None:
             self.pool.pin()
             self._cuda = self.pool.tensor()
             self._side_stream = torch.cuda.Stream()
-        side = self._side_stream
+        return self._side_stream
+
+    def _copy_cuda(self, srcs: list[tuple[Any, int, int]], g: Any, g_off: int) -> Any:
+        import torch
+
+        side = self._side()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for x, o, n in srcs:
@@ -884,6 +1104,8 @@ class RolloutRecorder:
         queue = self._queue
         while queue and size < limit:
             item = queue.popleft()
+            if type(item) is _SlabForward:
+                item = self._unslab(item)
             if fwds is not None and isinstance(item, _Forward) and self._coalesces(item):
                 if size and size + item.nbytes > limit:
                     queue.appendleft(item)
@@ -1253,6 +1475,77 @@ class RolloutRecorder:
             self._wake.notify_all()
 
 
+class SlabStage:
+    """Recording from inside a CUDA graph (``RolloutRecorder.slab_stage``).
+
+    ``capture()`` belongs inside the engine's captured region, after the forward's last record
+    kernel: one kernel per slab copies the slab's ``rows`` into a device ring slot chosen on the
+    device (``tracestore.kernels.stage_rows``). ``commit(segments)``, once after each replay on the
+    engine thread, is the bookkeeping outside the graph: it queues a non-blocking copy of that slot
+    into pinned staging on the recorder's side stream, selects the next slot for the next replay
+    (a one-element fill on the current stream) and orders that replay after the staging copy that
+    last read the slot (a device-side wait, normally long satisfied). The engine's stream never
+    waits for the step's own copy. A replay without a commit is simply not recorded (the next
+    replay writes the same slot). On the CPU the same calls copy at once.
+
+    Example::
+
+        stage = rec.slab_stage(slab)                 # before capture
+        with torch.cuda.graph(g):
+            logits = decode_step(static_inputs)      # record_* kernels write slab[site]
+            stage.capture()
+        for step in ...:
+            g.replay()
+            stage.commit([(t, pos, pos + 1) for t in batch])
+    """
+
+    def __init__(self, recorder: RolloutRecorder, slab: Any, rows: int | Sequence[int] | None = None, slots: int = 2):
+        import torch
+        from tracestore.kernels import stage_rows
+
+        self.recorder = recorder
+        self.slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
+        want = [rows] * len(self.slabs) if rows is None or isinstance(rows, int) else list(rows)
+        if slots < 2 or len(want) != len(self.slabs):
+            raise ConfigError(f"need slots >= 2 and one row count per slab, got {slots} and {want}")
+        plans = [recorder._slab_plan(s) for s in self.slabs]  # checks the sites now, not at the first commit
+        self.rows = [s.capacity if r is None else int(r) for s, r in zip(self.slabs, want, strict=True)]
+        for s, r in zip(self.slabs, self.rows, strict=True):
+            if not 0 < r <= s.capacity:
+                raise ShapeError(f"rows must be in [1, {s.capacity}] for {s!r}, got {r}")
+        dev = self.slabs[0].device
+        self.rings = [
+            torch.zeros(slots, -(-r * p.row_bytes // 16) * 16, dtype=torch.uint8, device=dev)
+            for r, p in zip(self.rows, plans, strict=True)
+        ]
+        self.slot = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.slots = slots
+        self.k = 0  # the slot the next replay writes
+        self._views = [[ring[k] for ring in self.rings] for k in range(slots)]
+        self._events: list[Any] = [None] * slots
+        self._stage = stage_rows
+        self._cuda = dev.type == "cuda"
+
+    def capture(self) -> None:
+        """Stage the slabs' rows into the selected ring slot (inside the captured region)."""
+        for slab, rows, ring in zip(self.slabs, self.rows, self.rings, strict=True):
+            self._stage(slab, rows, ring, self.slot)
+
+    def commit(self, segments: Sequence[tuple[str, int, int]], policy_version: int | None = None) -> bool:
+        """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
+        k = self.k
+        ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
+        self._events[k] = ev
+        self.k = k = (k + 1) % self.slots
+        self.slot.fill_(k)
+        nxt = self._events[k]
+        if nxt is not None and self._cuda:
+            import torch
+
+            torch.cuda.current_stream().wait_event(nxt)
+        return ok
+
+
 class _StreamError(Exception):
     def __init__(self, code: str, details: str, failed_seq: int | None, retry_after: float) -> None:
         super().__init__(f"{code}: {details}")
@@ -1285,6 +1578,28 @@ def _int(v: Any, default: int | None = None) -> Any:
 
 def _is_cuda(x: Any) -> bool:
     return bool(getattr(x, "is_cuda", False))
+
+
+def _per_row_g(out: SiteOutput, name: str, rows: int) -> SiteOutput:
+    """``out`` with a per-row global scale moved into the token scales (chunk g 1.0); one value
+    passes unchanged. A g of another length, or one per row beside token scales, is refused."""
+    g = out.global_scale
+    n = getattr(g, "numel", None)
+    n = n() if callable(n) else getattr(g, "size", 1)
+    if n == 1:
+        return out
+    if n != rows:
+        raise ShapeError(
+            f"{name}.global_scale has {n} values: give the forward's one decode-side g, or one per row ({rows})"
+        )
+    if out.token_scales is not None:
+        raise ConfigError(
+            f"{name}: a per-row global_scale and token_scales together cannot be stored exactly (the record keeps "
+            "one per-row scale); fold them into one per-row scale"
+        )
+    if not _dtype_is_cached(getattr(g, "dtype", None), "float32"):
+        raise DTypeError(f"{name}.global_scale per row must be float32, got {getattr(g, 'dtype', type(g).__name__)}")
+    return SiteOutput(out.codes, out.scales, 1.0, g.reshape(-1))
 
 
 def _scalar(g: Any) -> float:
@@ -1340,4 +1655,4 @@ def _socket_group(address: str) -> int | None:
     return st.st_gid if mine else None
 
 
-__all__ = ["RolloutRecorder", "SiteOutput", "WriterFencedError"]
+__all__ = ["RolloutRecorder", "SiteOutput", "SlabStage", "WriterFencedError"]

@@ -421,10 +421,10 @@ __device__ __forceinline__ u32 record_block(const u32* w, float g, float s_enc, 
     }
     if (FMT == F_NVFP4) {
         float p = __fmul_rn(amax, s6);
-        if (p >= 0.f || p != p) {
+        if (enc_tab != nullptr && (p >= 0.f || p != p)) {
             sf = e4m3_cvt(p);
             mul = enc_tab[sf];
-        } else {   /* a negative decode-side g: the general path */
+        } else {   /* a negative decode-side g, or per-row g (no table): the general path */
             sf = e4m3_encode_pos(p);
             mul = __fdiv_rn(s_enc, e4m3_decode(sf));
             if (mul > FLT_MAX_F) mul = FLT_MAX_F;
@@ -485,18 +485,21 @@ __device__ __forceinline__ u32 record_block(const u32* w, float g, float s_enc, 
    per row, row = fast_div(idx, div_m, div_sh). PAIR (G = 2, NVFP4, b = 1; the launcher checks
    4-byte aligned code rows and 2-byte aligned scale rows): the two blocks' code bits go out as one
    4-byte store and their scale bytes as one 2-byte store. */
-template <int DT, int FMT, int BITS, int FP4OUT, int G, int V, int PAIR>
+template <int DT, int FMT, int BITS, int FP4OUT, int G, int V, int PAIR, int PR>
 __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u32 ng, u32 div_m, u32 div_sh,
                            const float* __restrict__ g_ptr,
                            u8* __restrict__ codes_out, i64 c_stride, u8* __restrict__ scales_out, i64 s_stride,
-                           float* __restrict__ g_out, u8* __restrict__ fp4_out, i64 f_stride) {
+                           float* __restrict__ g_out, i64 g_stride, u8* __restrict__ fp4_out, i64 f_stride) {
     const int BLK = FMT == F_NVFP4 ? 16 : 32;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int NW = BLK * ESZ / 4;
-    __shared__ float enc_tab[FMT == F_NVFP4 ? 128 : 1];
-    float g = FMT == F_NVFP4 ? sane_g(*g_ptr) : 1.f;
+    /* PR (NVFP4 only): one decode-side g per row, g_ptr[row]; enc = s_enc/sf is then divided per
+       block (no per-CTA table: rows of one CTA have different g). g_out is strided (g_stride
+       floats per row: a RecordSlab interleaves every site's rows). */
+    __shared__ float enc_tab[FMT == F_NVFP4 && !PR ? 128 : 1];
+    float g = FMT == F_NVFP4 && !PR ? sane_g(*g_ptr) : 1.f;
     float s_enc = 0.f, s6 = 0.f;
-    if (FMT == F_NVFP4) {
+    if (FMT == F_NVFP4 && !PR) {
         s_enc = __fdiv_rn(1.f, g);
         s6 = __fmul_rn(s_enc, ONE_SIXTH);
         if (threadIdx.x < 128) {   /* enc for every scale byte 0..127 (127: NaN stays NaN) */
@@ -508,6 +511,11 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * ng) return;
     u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
+    if (FMT == F_NVFP4 && PR) {
+        g = sane_g(g_ptr[row]);
+        s_enc = __fdiv_rn(1.f, g);
+        s6 = __fmul_rn(s_enc, ONE_SIXTH);
+    }
     u32 w[G][NW];
 #pragma unroll
     for (int gi = 0; gi < G; ++gi) load_words<NW>(x + (i64)row * x_stride + (i64)(blk0 + gi) * (BLK * ESZ), w[gi]);
@@ -515,8 +523,8 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     u64 a0[G], a1[G], f0[G], f1[G];
 #pragma unroll
     for (int gi = 0; gi < G; ++gi)
-        sf[gi] = record_block<DT, FMT, BITS, FP4OUT, V>(w[gi], g, s_enc, s6, enc_tab, &a0[gi], &a1[gi], &f0[gi],
-                                                        &f1[gi]);
+        sf[gi] = record_block<DT, FMT, BITS, FP4OUT, V>(w[gi], g, s_enc, s6, PR ? nullptr : enc_tab, &a0[gi], &a1[gi],
+                                                        &f0[gi], &f1[gi]);
     u8* co = codes_out + (i64)row * c_stride + (i64)blk0 * (BLK * BITS / 8);
     u8* so = scales_out + (i64)row * s_stride + blk0;
     if (PAIR && G == 2 && BLK == 16 && BITS == 1 && !FP4OUT) {
@@ -535,7 +543,7 @@ __global__ void record_act(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
             }
         }
     }
-    if (blk0 == 0 && g_out) g_out[row] = g;
+    if (blk0 == 0 && g_out) g_out[(i64)row * g_stride] = g;
 }
 
 __device__ __forceinline__ i64 swizzled_offset(u32 r, u32 c, u32 cols_padded) {
@@ -576,7 +584,7 @@ template <int BLK, int BITS, int SWZ, int G, int PAIR>
 __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const u8* __restrict__ scales, i64 s_stride,
                              u32 n_rows, u32 ng, u32 div_m, u32 div_sh, u8* __restrict__ codes_out, i64 c_stride,
                              u8* __restrict__ scales_out, i64 so_stride, const float* __restrict__ g_ptr,
-                             float* __restrict__ g_out) {
+                             i64 g_in_stride, float* __restrict__ g_out, i64 g_stride) {
     u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_rows * ng) return;
     u32 row = fast_div(idx, div_m, div_sh), blk0 = (idx - row * ng) * G;
@@ -612,7 +620,7 @@ __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const 
             scales_out[(i64)row * so_stride + c] = sb;
         }
     }
-    if (blk0 == 0 && g_out) g_out[row] = g_ptr ? *g_ptr : 1.f;
+    if (blk0 == 0 && g_out) g_out[(i64)row * g_stride] = g_ptr ? g_ptr[(i64)row * g_in_stride] : 1.f;
 }
 
 /* One request's tokens from a paged FP4 cache: pool [pages, page_size, row bytes] (any strides
@@ -623,7 +631,7 @@ __global__ void record_kv(const u8* __restrict__ pool, i64 pool_page, i64 pool_s
                           const void* __restrict__ page_table, int pt64, u32 page_size, u32 token_start,
                           u32 n_tokens, u32 nb, u8* __restrict__ codes_out, i64 c_stride,
                           u8* __restrict__ scales_out, i64 so_stride, const float* __restrict__ g_ptr,
-                          float* __restrict__ g_out) {
+                          i64 g_in_stride, float* __restrict__ g_out, i64 g_stride) {
     u32 idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_tokens * nb) return;
     u32 t = idx / nb, blk = idx - t * nb;
@@ -635,7 +643,16 @@ __global__ void record_kv(const u8* __restrict__ pool, i64 pool_page, i64 pool_s
     load_fp4<BLK>(pool + page * pool_page + (i64)slot * pool_slot + (i64)blk * (BLK / 2), codes);
     store_bits<BLK, BITS>(codes_out + (i64)t * c_stride + (i64)blk * (BLK * BITS / 8), codes);
     scales_out[(i64)t * so_stride + blk] = spool[page * spool_page + (i64)slot * spool_slot + blk];
-    if (blk == 0 && g_out) g_out[t] = g_ptr ? *g_ptr : 1.f;
+    if (blk == 0 && g_out) g_out[(i64)t * g_stride] = g_ptr ? g_ptr[(i64)t * g_in_stride] : 1.f;
+}
+
+/* A RecordSlab's first rows (n16 16-byte words) into slot *slot of a device ring (slot_bytes
+   apart): the capturable half of RolloutRecorder's graph staging. The slot is read on the device,
+   so one captured graph writes whichever slot the host selected before its replay. */
+__global__ void stage_rows(const uint4* __restrict__ src, i64 n16, u8* __restrict__ ring, i64 slot_bytes,
+                           const int* __restrict__ slot) {
+    uint4* dst = reinterpret_cast<uint4*>(ring + (i64)(*slot) * slot_bytes);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (i64)gridDim.x * blockDim.x) dst[i] = src[i];
 }
 
 /* ---------------------------------------------------------------- training side */

@@ -197,7 +197,11 @@ def _check_index(t: torch.Tensor | None, name: str, n: int, dtype: torch.dtype, 
 
 
 def guided_fp4(
-    x: torch.Tensor, guidance: Guidance, rows: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    x: torch.Tensor,
+    guidance: Guidance,
+    rows: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    fallback_global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TRACE rounding of ``x`` [..., width] toward the rollout's records (docs/numerics.md §7, §8).
 
@@ -206,6 +210,9 @@ def guided_fp4(
     ``mask`` bool[N]: False rows (and ``guidance.valid`` False rows, and blocks whose scale byte is
     NaN) fall back to RTN with the training side's own block scales and the record's g (0 or
     non-finite -> 1). Output has x's dtype and shape; backward is straight-through.
+    ``fallback_global_scale`` (float32, one element or one per guidance row, on x's device): the g
+    that rows without a record (``guidance.valid`` False) quantize with instead of the record's
+    (the reader gives such rows 1.0), e.g. the trainer's own RTN scale; rows with a record keep theirs.
     """
     if not isinstance(guidance, Guidance):
         raise ConfigError(f"guidance must be a tracestore.guidance.Guidance, got {type(guidance).__name__}")
@@ -232,6 +239,13 @@ def guided_fp4(
     gt = g if isinstance(g, torch.Tensor) else torch.full((), float(g), dtype=torch.float32, device=dev)
     if gt.device != dev:
         raise ConfigError(f"guidance.global_scale is on {gt.device} but x is on {dev}")
+    if fallback_global_scale is not None and guidance.valid is not None:
+        fb = fallback_global_scale
+        if not isinstance(fb, torch.Tensor) or fb.dtype != torch.float32 or fb.numel() not in (1, m):
+            raise ShapeError(f"fallback_global_scale must be a float32 tensor of 1 or {m} elements")
+        if fb.device != dev:
+            raise ConfigError(f"fallback_global_scale is on {fb.device} but x is on {dev}")
+        gt = torch.where(guidance.valid, gt, fb.reshape(-1) if fb.numel() > 1 else fb.reshape(()))
     return _guided_fp4_op(
         x,
         guidance.codes,

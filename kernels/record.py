@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
-from tracestore.formats import FP4Format, packed_row_bytes
-from tracestore.fp4 import quantize, resolve_global_scale
+from tracestore.formats import FP4Format, get_format, packed_row_bytes
+from tracestore.fp4 import e2m1_table, quantize, quantize_blocks, resolve_global_scale, scale_values
 from tracestore.layouts import padded_shape, unswizzle_scales
 from tracestore.packing import pack_bits, pack_fp4, unpack_fp4
 
@@ -98,6 +98,21 @@ class RecordBuffer:
     def device(self) -> torch.device:
         return self.codes.device
 
+    def dequantize(self, fmt: FP4Format | str) -> torch.Tensor:
+        """The values the engine's FP4 GEMM consumes, float32 [rows, width]: ``(m(code)·sf)·g`` per
+        row in that order (docs/numerics.md §3) from ``fp4`` (needs ``with_fp4=True``)."""
+        if self.fp4 is None:
+            raise ConfigError("dequantize needs the packed FP4 codes: allocate with with_fp4=True")
+        f = get_format(fmt)
+        codes = unpack_fp4(self.fp4)
+        n, width = codes.shape
+        if self.scales.shape[1] * f.block != width:
+            raise ShapeError(f"{f} blocks of {f.block} do not match {self.scales.shape[1]} scales for width {width}")
+        y = e2m1_table(codes.device)[codes.long()].reshape(n, -1, f.block) * scale_values(self.scales, f).unsqueeze(-1)
+        if f.has_global_scale:
+            y = y * self.global_scale.reshape(n, 1, 1)
+        return y.reshape(n, width)
+
     def rows(self, start: int, n: int) -> RecordBuffer:
         """A view of rows ``[start, start+n)`` (no copy)."""
         if start < 0 or n < 0 or start + n > self.capacity:
@@ -106,6 +121,163 @@ class RecordBuffer:
         return RecordBuffer(
             self.codes[sl], self.scales[sl], self.global_scale[sl], None if self.fp4 is None else self.fp4[sl]
         )
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabField:
+    """Where one site's columns sit in a :class:`RecordSlab` row (byte offsets and widths)."""
+
+    name: str
+    codes: int
+    code_bytes: int
+    scales: int
+    scale_bytes: int
+    g: int  # offset of the float32 decode-side g
+
+
+def _slab_layout(sites: Sequence[Any]) -> tuple[list[SlabField], int]:
+    """Each site's fields in a slab row (8-byte aligned) and the row's bytes (a multiple of 16)."""
+    first = int(getattr(sites[0], "rows_per_token", 1)) if sites else 1
+    odd = next((s for s in sites if int(getattr(s, "rows_per_token", 1)) != first), None)
+    if odd is not None:
+        raise ShapeError(
+            f"site {odd.name} has rows_per_token {odd.rows_per_token}, {sites[0].name} {first}: the sites of "
+            "one RecordSlab share a row index (use one slab per rows_per_token)"
+        )
+    fields, off = [], 0
+    for site in sites:
+        width, fmt, bits = site_params(site)
+        cb, sb = packed_row_bytes(width, bits), width // fmt.block
+        c = _align(off, 8)
+        sc = _align(c + cb, 8)
+        g = _align(sc + sb, 8)
+        fields.append(SlabField(site.name, c, cb, sc, sb, g))
+        off = g + 4
+    return fields, _align(off, 16)
+
+
+class RecordSlab:
+    """Every site's record rows of one forward in one device allocation, row-major across sites.
+
+    ``data`` uint8[capacity, row_bytes]: row r holds, for each site in order, its packed code bytes,
+    its scale bytes and its float32 g (8-byte aligned fields, rows padded to 16 bytes). Rows
+    ``[0, n)`` of every site are therefore one contiguous range, so a recorder stages a whole
+    forward with one copy whatever the number of sites (``RolloutRecorder.record_slab``).
+    ``slab[name]`` is that site's :class:`RecordBuffer` (strided views into ``data``) for the
+    ``record_*`` launchers. All sites share one row index, so they must have one
+    ``rows_per_token``. ``with_fp4=True`` adds per-site packed FP4 buffers (not staged).
+
+    Example::
+
+        slab = RecordSlab.allocate(run_spec.sites, capacity=256, device="cuda")
+        record_from_activations(x, site, slab[site.name], global_scale=g)   # per site, in the forward
+        rec.record_slab(segments, slab)                                    # once per forward
+    """
+
+    def __init__(self, sites: Sequence[Any], data: torch.Tensor, fp4: dict[str, torch.Tensor] | None = None) -> None:
+        sites = tuple(sites)
+        if not sites:
+            raise ConfigError("a RecordSlab needs at least one site")
+        names = [getattr(s, "name", None) for s in sites]
+        if None in names or len(set(names)) != len(names):
+            raise ConfigError(f"RecordSlab sites need distinct names (SiteSpec), got {names}")
+        fields, row_bytes = _slab_layout(sites)
+        check_uint8(data, "data")
+        if data.dim() != 2 or data.shape[1] != row_bytes or not data.is_contiguous() or data.shape[0] < 1:
+            raise ShapeError(
+                f"RecordSlab data must be a contiguous uint8[capacity, {row_bytes}] for these sites, got "
+                f"{list(data.shape)}"
+            )
+        if data.data_ptr() % 16:
+            raise ShapeError("RecordSlab data must start on a 16-byte boundary")
+        self.sites = sites
+        self.data = data
+        self.layout = tuple(fields)
+        self.row_bytes = row_bytes
+        self.rows_per_token = int(getattr(sites[0], "rows_per_token", 1))
+        gview = data.view(torch.float32)
+        self.buffers: dict[str, RecordBuffer] = {}
+        fp4 = fp4 or {}
+        for f in fields:
+            self.buffers[f.name] = RecordBuffer(
+                data[:, f.codes : f.codes + f.code_bytes],
+                data[:, f.scales : f.scales + f.scale_bytes],
+                gview[:, f.g // 4],
+                fp4.get(f.name),
+            )
+
+    @classmethod
+    def allocate(
+        cls, sites: Sequence[Any], capacity: int, device: torch.device | str = "cuda", *, with_fp4: bool = False
+    ) -> RecordSlab:
+        """A zeroed slab of ``capacity`` rows (g rows 1.0) for ``sites`` (do this once, before capture)."""
+        if capacity < 1:
+            raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
+        sites = tuple(sites)
+        data = torch.zeros(capacity, _slab_layout(sites)[1], dtype=torch.uint8, device=device)
+        fp4 = None
+        if with_fp4:
+            fp4 = {
+                s.name: torch.zeros(capacity, site_params(s)[0] // 2, dtype=torch.uint8, device=device) for s in sites
+            }
+        slab = cls(sites, data, fp4)
+        for b in slab.buffers.values():
+            b.global_scale.fill_(1.0)
+        return slab
+
+    @property
+    def capacity(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.layout)
+
+    def __getitem__(self, name: str) -> RecordBuffer:
+        try:
+            return self.buffers[name]
+        except KeyError:
+            raise ConfigError(f"this RecordSlab has no site {name!r}: {list(self.buffers)}") from None
+
+    def __repr__(self) -> str:
+        return f"RecordSlab({len(self.layout)} sites, {self.capacity} x {self.row_bytes} B on {self.device})"
+
+
+def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Tensor) -> None:
+    """Copy the slab's rows ``[0, n_rows)`` into ``ring[slot]`` on torch's current stream.
+
+    ``ring`` uint8[slots, >= n_rows*row_bytes] on the slab's device, ``slot`` an int32 tensor of one
+    element on that device, read on the device: one kernel, no allocation, no sync, so a captured
+    CUDA graph writes whichever slot was selected before its replay. The CPU runs the same copy."""
+    n_bytes = n_rows * slab.row_bytes
+    check_uint8(ring, "ring")
+    if ring.dim() != 2 or ring.shape[1] < n_bytes or not ring.is_contiguous() or not 0 < n_rows <= slab.capacity:
+        raise ShapeError(
+            f"ring must be a contiguous uint8[slots, >= {n_bytes}] for {n_rows} rows of {slab.row_bytes} B "
+            f"(slab capacity {slab.capacity}), got {list(ring.shape)}"
+        )
+    if slot.dtype != torch.int32 or slot.numel() != 1:
+        raise DTypeError(f"slot must be an int32 tensor of one element, got {slot.dtype}{list(slot.shape)}")
+    same_device("ring", ring, slab.device)
+    same_device("slot", slot, slab.device)
+    if not use_gpu(slab.device):
+        ring[int(slot.reshape(()).item()), :n_bytes].copy_(slab.data[:n_rows].reshape(-1))
+        return
+    if ring.data_ptr() % 16 or ring.shape[1] % 16:
+        raise ShapeError("ring must start on a 16-byte boundary with rows a multiple of 16 bytes")
+    n16 = n_bytes // 16
+    grid = max(1, min(132 * 4, (n16 + 255) // 256))
+    L.launch_grid(
+        "stage_rows", slab.device, grid, (L.ptr(slab.data), L.i64(n16), L.ptr(ring), L.i64(ring.shape[1]), L.ptr(slot))
+    )
 
 
 # scale blocks per thread in record_from_activations (1, 2 or 4; bench_kernels compares them)
@@ -126,14 +298,17 @@ def blocks_per_thread(nb: int, want: int) -> int:
 
 
 def _rows_args(rows: RecordBuffer, g: torch.Tensor | None) -> tuple[Any, ...]:
-    """The output arguments record_codes and record_kv end with: code and scale rows, g in and out."""
+    """The output arguments record_codes and record_kv end with: code and scale rows, g in (one
+    value, or one per row) and g out (strided: a :class:`RecordSlab` interleaves its sites)."""
     return (
         L.ptr(rows.codes),
         L.i64(rows.codes.stride(0)),
         L.ptr(rows.scales),
         L.i64(rows.scales.stride(0)),
         L.ptr(g),
+        L.i64(1 if g is not None and g.numel() > 1 else 0),
         L.ptr(rows.global_scale),
+        L.i64(rows.global_scale.stride(0)),
     )
 
 
@@ -158,8 +333,11 @@ def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int,
     return out
 
 
-def _g_tensor(global_scale: Any, fmt: FP4Format, device: torch.device, slot: torch.Tensor) -> torch.Tensor | None:
-    """The decode-side g as a device float32 tensor of one element (None for MX).
+def _g_tensor(
+    global_scale: Any, fmt: FP4Format, device: torch.device, slot: torch.Tensor, n: int = 1
+) -> torch.Tensor | None:
+    """The decode-side g as a device float32 tensor of one element, or of ``n`` (one per row, e.g.
+    per-token NVFP4 activation scales), or None for MX.
 
     A Python float is written into ``slot`` (a row of the output's global_scale): under graph
     capture that value is baked into the graph, so pass a tensor when g changes per step."""
@@ -168,13 +346,15 @@ def _g_tensor(global_scale: Any, fmt: FP4Format, device: torch.device, slot: tor
             raise ConfigError(f"{fmt} has no global scale; pass global_scale=None")
         return None
     if isinstance(global_scale, torch.Tensor):
-        if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
+        if global_scale.dtype != torch.float32 or global_scale.numel() not in (1, n) or global_scale.dim() > 1:
             raise ShapeError(
-                f"global_scale must be a float32 tensor with one element (decode-side g), got "
+                f"global_scale must be a float32 tensor of one element or one per row ({n}) (decode-side g), got "
                 f"{global_scale.dtype}{list(global_scale.shape)}"
             )
         same_device("global_scale", global_scale, device)
-        return global_scale.reshape(1)
+        if global_scale.numel() > 1 and not global_scale.is_contiguous():
+            raise ShapeError("a per-row global_scale must be contiguous")
+        return global_scale.reshape(-1)
     if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
         slot.fill_(float(global_scale))
         return slot
@@ -237,14 +417,24 @@ def record_from_activations(
     if fmt.has_global_scale and global_scale is None:
         g = compute_global_scale(x, slot)
     else:
-        g = _g_tensor(global_scale, fmt, x.device, slot)
+        g = _g_tensor(global_scale, fmt, x.device, slot, n)
+    per_row = g is not None and g.numel() > 1
     if not use_gpu(x.device):
-        q = quantize(x, fmt, None if g is None else g.reshape(()))
-        rows.codes.copy_(pack_bits(q.codes, bits))
-        rows.scales.copy_(q.scales)
-        rows.global_scale.fill_(q.global_scale)
+        if per_row:  # one g per row: docs/numerics.md §3 row by row, 0 / non-finite -> 1
+            assert g is not None
+            gr = torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
+            codes_b, sf = quantize_blocks(x.float().reshape(n, -1, fmt.block), fmt, gr.reshape(n, 1))
+            codes = codes_b.reshape(n, width)
+            rows.scales.copy_(sf)
+            rows.global_scale.copy_(gr)
+        else:
+            q = quantize(x, fmt, None if g is None else g.reshape(()))
+            codes = q.codes
+            rows.scales.copy_(q.scales)
+            rows.global_scale.fill_(q.global_scale)
+        rows.codes.copy_(pack_bits(codes, bits))
         if rows.fp4 is not None:
-            rows.fp4.copy_(pack_fp4(q.codes))
+            rows.fp4.copy_(pack_fp4(codes))
         return rows
     check_aligned(x, "x", 16)
     dt, fc = DTYPE_CODE[x.dtype], fmt_code(fmt)
@@ -267,7 +457,7 @@ def record_from_activations(
         and rows.scales.data_ptr() % 2 == 0
         and rows.scales.stride(0) % 2 == 0
     )
-    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)},{group},{RECORD_VARIANT},{int(pair)}>"
+    name = f"record_act<{dt},{fc},{bits},{int(fp4 is not None)},{group},{RECORD_VARIANT},{int(pair)},{int(per_row)}>"
     L.launch(
         name,
         x.device,
@@ -285,6 +475,7 @@ def record_from_activations(
             L.ptr(rows.scales),
             L.i64(rows.scales.stride(0)),
             L.ptr(rows.global_scale),
+            L.i64(rows.global_scale.stride(0)),
             L.ptr(fp4),
             L.i64(0 if fp4 is None else fp4.stride(0)),
         ),
@@ -335,12 +526,12 @@ def record_from_codes(
     rows = out.rows(row_offset, n)
     if n == 0:
         return rows
-    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1])
+    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1], n)
     if not use_gpu(out.device):
         codes = unpack_fp4(packed_fp4)
         rows.codes.copy_(pack_bits(codes, bits))
         rows.scales.copy_(unswizzle_scales(scales, n, nb) if swz else scales)
-        rows.global_scale.copy_(g.reshape(()).expand(n) if g is not None else torch.ones(n))
+        rows.global_scale.copy_(g.expand(n) if g is not None else torch.ones(n))
         return rows
     check_aligned(packed_fp4, "packed_fp4", fmt.block // 2)
     # two NVFP4 blocks per thread (16-byte loads) where rows have an even block count and the
@@ -416,7 +607,7 @@ def _one_kv(
         return rows
     if fmt.has_global_scale and global_scale is None:
         raise ConfigError(f"{name}: NVFP4 KV records need the cache's decode-side global_scale")
-    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1])
+    g = _g_tensor(global_scale, fmt, out.device, out.global_scale[row_offset : row_offset + 1], n_tokens)
     if not use_gpu(out.device):
         pos = torch.arange(token_start, token_start + n_tokens)
         pg = page_table.long()[pos // page_size]
@@ -424,7 +615,7 @@ def _one_kv(
         codes = unpack_fp4(pool[pg, slot].reshape(n_tokens, width // 2))
         rows.codes.copy_(pack_bits(codes, bits))
         rows.scales.copy_(spool[pg, slot].reshape(n_tokens, -1))
-        rows.global_scale.copy_(g.reshape(()).expand(n_tokens) if g is not None else torch.ones(n_tokens))
+        rows.global_scale.copy_(g.expand(n_tokens) if g is not None else torch.ones(n_tokens))
         return rows
     base_ok = pool.data_ptr() % (fmt.block // 2) == 0 and (pool.stride(0) % (fmt.block // 2)) == 0
     if not base_ok or (pool.stride(1) % (fmt.block // 2)):

@@ -1,0 +1,128 @@
+"""The production line on a CUDA GPU (marker gpu): CUDA kernels -> a CUDA-graph-captured recording
+step -> RolloutRecorder -> sidecar process -> storage -> GuidanceReader(device="cuda") -> the public
+training hook with kernels.guided_fp4 under torch.compile, forward and backward.
+
+Run on a GPU machine: ``python -m pytest -q -m gpu tests/production``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+pytest.importorskip("cupy", reason="the CUDA kernels need CuPy")
+pytest.importorskip("transformers")
+pytest.importorskip("grpc")
+
+from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder  # noqa: E402
+from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
+from tracestore.server.testing import ServeProcess  # noqa: E402
+
+from tests.production import line  # noqa: E402
+from tracestore.plan import MicrobatchPlan  # noqa: E402
+from tracestore.records import RunSpec, SiteSpec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    ("fmt", "g_mode", "unix"), [("nvfp4", "token", True), ("nvfp4", "static", False), ("mxfp4", "forward", False)]
+)
+def test_line_gpu_records_bytes_and_trains_on_them(tmp_path, fmt: str, g_mode: str, unix: bool) -> None:  # noqa: ANN001
+    roll = line.rollout("cuda", fmt, g_mode)
+    got = line.record_and_read(roll, tmp_path, unix=unix)
+    assert all(g.codes.is_cuda for g in got.values())
+    line.check_records(roll, got)
+    line.train_identity(roll, got, fmt)
+
+
+def test_line_gpu_train_step_under_torch_compile(tmp_path) -> None:  # noqa: ANN001
+    """torch.compile (inductor) of the hooked model: the guided op sits inside a compiled graph
+    (no graph break at it), outputs equal the rollout's, backward runs."""
+    from torch._dynamo.utils import counters
+
+    roll = line.rollout("cuda", "nvfp4", "token")
+    got = line.record_and_read(roll, tmp_path)
+    graphs: list = []
+
+    def backend(gm, inputs):  # noqa: ANN001, ANN202
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append(gm)
+        return compile_fx(gm, inputs)
+
+    counters.clear()
+    model = roll.model
+    model.train()
+    with GuidedFP4Hooks(model, "nvfp4") as hooks:
+        hooks.set_guidance(got)
+        fwd = torch.compile(model, backend=backend)
+        for _ in range(2):  # the second call runs the compiled graph without recompiling
+            logits = fwd(input_ids=roll.ids, use_cache=False).logits
+            assert torch.equal(logits.detach(), roll.logits)
+            logits.float().logsumexp(-1).mean().backward()
+    guided = sum(1 for g in graphs for n in g.graph.nodes if "guided_fp4" in str(n.target))
+    assert guided == len(got), (guided, len(got))
+    breaks = {k: v for k, v in counters["graph_break"].items() if "guided" in k or "tracestore" in k}
+    assert not breaks, breaks
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+
+
+def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path) -> None:  # noqa: ANN001
+    """A decode loop replays one captured graph (record kernels on 20 sites + stage.capture());
+    the engine thread commits after each replay without synchronizing; storage returns each step's
+    slab rows bit for bit."""
+    n_seq, steps = 64, 5
+    spec = RunSpec("graph", tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256) for i in range(20)))
+    slab = RecordSlab.allocate(spec.sites, n_seq, "cuda")
+    x = torch.zeros(n_seq, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(n_seq, device="cuda")
+    trajs = [f"t{i}" for i in range(n_seq)]
+    with ServeProcess(tmp_path, wal=False, unix_socket=True, flags=["--flush-interval", "0.1"]) as sp:
+        rec = RolloutRecorder(sp.unix_address, spec, writer="graph-0")
+        stage = rec.slab_stage(slab)
+
+        def step() -> None:
+            for i, s in enumerate(spec.sites):
+                record_from_activations(x * (1 + i / 8), s, slab[s.name], global_scale=g)
+            stage.capture()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        want = []
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for k in range(steps):
+            x.copy_(torch.randn(n_seq, 256, device="cuda", generator=gen))
+            g.copy_(torch.rand(n_seq, device="cuda", generator=gen) / 30 if k % 2 else torch.full_like(g, 0.01))
+            graph.replay()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert stage.commit([(t, k, k + 1) for t in trajs])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            want.append(slab.data[:n_seq].clone())  # after the graph on the stream: this step's rows
+        for t in trajs:
+            rec.finish(t, steps + 1)
+        assert rec.flush(timeout=60), sp.log_tail()
+        rec.close()
+        assert sp.terminate() == 0
+    with GuidanceReader(sp.storage, "graph", prefetch=False) as reader:
+        got = reader.read(MicrobatchPlan([(t, 0, steps) for t in trajs]))
+    for f in slab.layout:
+        rg = got[f.name]
+        for k in range(steps):
+            raw = want[k].cpu()
+            rows = [j * steps + k for j in range(n_seq)]  # plan rows: trajectory-major
+            assert torch.equal(torch.as_tensor(rg.codes)[rows], raw[:, f.codes : f.codes + f.code_bytes]), (f.name, k)
+            assert torch.equal(torch.as_tensor(rg.scales)[rows], raw[:, f.scales : f.scales + f.scale_bytes])
+            gw = raw[:, f.g : f.g + 4].contiguous().view(torch.float32).reshape(-1)
+            gs = torch.as_tensor(rg.global_scale, dtype=torch.float32).expand(n_seq * steps)[rows]
+            ts = torch.as_tensor(rg.token_scales)[rows] if rg.token_scales is not None else 1.0
+            assert torch.equal(gs * ts, gw), (f.name, k)
