@@ -8,7 +8,8 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
    b = 1) of ``RolloutRecorder.record_slab`` (one slab), of ``SlabStage.commit`` (the graph form's
    bookkeeping) and, as the baseline, of ``record_forward`` with the same rows as 20 ``SiteOutput``
    slab slices; a real sidecar over the unix socket drains the recorder meanwhile (its sender
-   thread shares the GIL), each call timed with ``perf_counter`` after the previous step's kernels.
+   thread shares the GIL), each call timed with ``perf_counter`` after the step's kernels; between
+   calls the engine thread sleeps ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
 2. ``decode``: a decode loop replaying one CUDA graph per step (the 40-layer MoE step of
    bench_kernels, and a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads), without
    records, with the 20 record kernels only, and with record kernels + ``SlabStage.capture()`` in
@@ -77,10 +78,11 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
     }
     with tempfile.TemporaryDirectory() as tmp, ServeProcess(tmp, wal=False, unix_socket=True) as sp:
         for label in ("record_forward (baseline, 20 SiteOutputs)", "record_slab", "SlabStage.commit"):
-            rec = RolloutRecorder(sp.unix_address, spec, writer=f"bench-{len(rows)}", staging_bytes=1 << 30)
+            rec = RolloutRecorder(sp.unix_address, spec, writer=f"bench-{len(rows)}")
             stage = rec.slab_stage(slab) if label.startswith("SlabStage") else None
             times: list[float] = []
             for step in range(args.host_steps):
+                time.sleep(args.step_ms / 1e3)  # the engine waits on its decode step's GPU work
                 kernels()
                 if stage is not None:
                     stage.capture()
@@ -332,6 +334,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--host-steps", type=int, default=300)
+    ap.add_argument("--step-ms", type=float, default=8.0, help="decode step time the host bench waits per step")
     ap.add_argument("--steps", type=int, default=50, help="decode steps per timed loop")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--train-batch", type=int, default=4)

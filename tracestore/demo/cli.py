@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import textwrap
 from typing import Any
 
 from tracestore.cli import env_default
@@ -15,11 +16,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="TRACE end to end on a small random MoE model: FP4 rollout -> records -> training -> fidelity report",
-        description="Generate with a KV cache and NVFP4 fake-quant (MoE-block inputs, post-RoPE K/V), record "
-        "the rollout's FP4 codes through RolloutRecorder -> `tracestore serve` -> storage, read them back "
-        "with GuidanceReader and run one teacher-forced training forward in five modes (BF16, vanilla RTN "
-        "QAT, TRACE compact, TRACE all layers, TRACE b=4). Prints a per-layer table; writes results.json "
-        "and PNG plots into --out. Every --flag can also be set as TRACESTORE_FLAG (e.g. TRACESTORE_ARCH).",
+        description="Generate with a KV cache and FP4 at every site (MoE-block inputs, post-RoPE K/V), quantized "
+        "and recorded by the tracestore kernels (their CPU reference without a GPU), staged with "
+        "RolloutRecorder.record_slab -> `tracestore serve` -> storage, read back with GuidanceReader, and "
+        "train a copy of the model for --steps steps (forward, backward, AdamW) in five modes (BF16, vanilla "
+        "RTN QAT, TRACE compact, TRACE all layers, TRACE b=4) through the public hook GuidedFP4Hooks. Prints "
+        "per mode and step the log-prob difference and KL between rollout and trainer beside per-site MSE; "
+        "writes results.json and PNG plots into --out. Every --flag can also be set as TRACESTORE_FLAG "
+        "(e.g. TRACESTORE_ARCH).",
     )
     p.add_argument("--arch", default=e("--arch", "qwen3_moe"), help="transformers MoE model type: qwen3_moe "
                    "(default), qwen2_moe, mixtral, olmoe, phimoe, gpt_oss, granitemoe, granitemoeshared, dbrx, "
@@ -38,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=int(e("--tokens", 64)), help="generated tokens per trajectory (64)")
     p.add_argument("--bits", type=int, default=int(e("--bits", 1)), help="b of the compact/all-layers modes (1)")
     p.add_argument("--rule", default=e("--rule", "bracket"), choices=("bracket", "paper"), help="guided rounding rule")
+    p.add_argument("--format", default=e("--format", "nvfp4"), choices=("nvfp4", "mxfp4"), help="FP4 format (nvfp4)")
+    p.add_argument("--scales", default=e("--scales", "static"), choices=("static", "token", "forward"),
+                   help="NVFP4 decode-side g: static = calibrated per site (default), token = per-token, "
+                   "forward = per-forward dynamic amax")  # fmt: skip
+    p.add_argument("--steps", type=int, default=int(e("--steps", 3)), help="training steps per mode (3)")
+    p.add_argument("--lr", type=float, default=float(e("--lr", 1e-4)), help="AdamW learning rate (1e-4)")
     p.add_argument(
         "--storage", default=e("--storage", None), help="file:// URL for the records (default: OUT/service/store)"
     )
@@ -90,7 +100,7 @@ def run(ns: argparse.Namespace) -> int:
             model=ModelSpec(ns.arch, ns.layers, ns.hidden, ns.heads, ns.kv_heads, ns.experts, ns.top_k, vocab=ns.vocab),
             trajectories=ns.trajectories, prompt=ns.prompt, tokens=ns.tokens, bits=ns.bits, rule=ns.rule,
             device=device, dtype=ns.dtype, seed=ns.seed, storage=ns.storage, transport=ns.transport,
-            threads=ns.threads or None,
+            format=ns.format, scales=ns.scales, steps=ns.steps, lr=ns.lr, threads=ns.threads or None,
         )  # fmt: skip
         out = pathlib.Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -100,5 +110,5 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     print(report.format_table(results))
     paths = [report.write_json(results, out), *report.write_plots(results, out)]
-    print("wrote " + ", ".join(str(p) for p in paths))
+    print("\n".join(textwrap.wrap("wrote " + ", ".join(str(p) for p in paths), report.WIDTH, subsequent_indent="  ")))
     return 0 if all(c["ok"] for c in results["expectations"]) else 1

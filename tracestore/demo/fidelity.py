@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tracestore.demo.rollout import Rollout
-from tracestore.demo.train import Mode, TrainTrace
+if TYPE_CHECKING:
+    from tracestore.demo.train import Mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,7 @@ class SiteStats:
     mse: float
     mismatch: float | None = None
     adjacent: float | None = None
+    values: int = 0  # values compared (for shares over several sites)
 
 
 def _signed_index(codes: torch.Tensor) -> torch.Tensor:
@@ -39,13 +40,30 @@ def site_stats(roll_y: torch.Tensor, train_y: torch.Tensor, roll_codes: Any, tra
     diff = (a - b).abs()
     n_mis = int((diff > 0).sum())
     adjacent = float((diff == 1).sum()) / n_mis if n_mis else None
-    return SiteStats(mse, n_mis / diff.numel(), adjacent)
+    return SiteStats(mse, n_mis / diff.numel(), adjacent, diff.numel())
 
 
-def logprob_diff(roll: Rollout, train: TrainTrace) -> dict[str, float]:
-    """|log p_train − log p_rollout| over the generated tokens: max and mean."""
-    d = (train.logprobs - roll.logprobs).abs()
-    return {"max": float(d.max()), "mean": float(d.mean())}
+def step_summary(step: Any) -> dict[str, Any]:
+    """One training step (``train.StepStats``) as a row: log-prob and KL statistics, the mean site
+    MSE of the MoE inputs and of K/V, and over all quantized values the share of FP4 codes that
+    differ from the rollout's and, of those, the share one codeword away."""
+    moe = [s.mse for n, s in step.sites.items() if n.endswith("mlp.input")]
+    kv = [s.mse for n, s in step.sites.items() if ".attn." in n]
+    coded = [s for s in step.sites.values() if s.mismatch is not None]
+    total = sum(s.values for s in coded)
+    mis = sum(s.mismatch * s.values for s in coded)
+    adj = sum((s.adjacent or 0.0) * s.mismatch * s.values for s in coded)
+    return {
+        "step": step.step,
+        "logp_mean": step.logp_mean,
+        "logp_max": step.logp_max,
+        "kl_mean": step.kl_mean,
+        "loss": step.loss,
+        "mse_moe": sum(moe) / len(moe) if moe else None,
+        "mse_kv": sum(kv) / len(kv) if kv else None,
+        "mismatch": mis / total if total else None,
+        "adjacent": adj / mis if mis else None,
+    }
 
 
 def layer_table(
@@ -64,7 +82,8 @@ def layer_table(
             s = stats[m.name][name]
             row[f"mse_{m.name}"] = s.mse
             row[f"excess_{m.name}"] = (s.mse - d_bf16) / d_bf16 if d_bf16 > 0 else math.inf
-            row[f"ratio_{m.name}"] = s.mse / d_rtn if d_rtn > 0 else math.nan
+            # over a zero QAT MSE: 0 when this mode's is zero too, else infinitely worse
+            row[f"ratio_{m.name}"] = s.mse / d_rtn if d_rtn > 0 else (0.0 if s.mse == 0 else math.inf)
             row[f"mismatch_{m.name}"] = s.mismatch
             row[f"adjacent_{m.name}"] = s.adjacent
             row[f"recorded_{m.name}"] = m.records(layer)
@@ -85,7 +104,7 @@ def expectations(
             out.append(
                 {
                     "check": f"{m.name}: MSE <= 5% of vanilla QAT at every layer",
-                    "measured": f"worst ratio {worst:.4f}",
+                    "measured": f"worst ratio {worst:.4g}",
                     "ok": bool(worst <= 0.05),
                 }
             )
@@ -95,7 +114,7 @@ def expectations(
             out.append(
                 {
                     "check": f"{m.name}: MSE below vanilla QAT at every recorded layer",
-                    "measured": f"worst ratio {worst:.4f}",
+                    "measured": f"worst ratio {worst:.4g}",
                     "ok": bool(worst < 1.0),
                 }
             )

@@ -5,73 +5,131 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import textwrap
 from typing import Any
 
 FP4_MODES = ("rtn", "trace_compact", "trace_all", "trace_full")
 SHORT = {"rtn": "QAT", "trace_compact": "compact", "trace_all": "all b1", "trace_full": "full b4"}
+WIDTH = 120
 
 
 def _g(v: Any, fmt: str = ".3g") -> str:
+    """A number for the tables: '-' for none, '0' for an exact zero, else ``fmt``."""
     if v is None:
         return "-"
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
+    if v == 0:
+        return "0"
     return format(v, fmt)
 
 
+def _wrap(text: str, indent: str = "") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent or "  ")
+
+
+def _worst(values: Any) -> float | None:
+    """The largest finite value (a ratio over a zero QAT MSE is undefined and left out)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return max(finite) if finite else None
+
+
+def verdict(results: dict[str, Any]) -> str:
+    """One line: whether every check held, or how many failed and the first."""
+    checks = results["expectations"]
+    bad = [c for c in checks if not c["ok"]]
+    if not bad:
+        line = f"VERDICT: OK, all {len(checks)} checks hold"
+        trace = [m for m in results["per_step"] if m.startswith("trace")]
+        if trace and "rtn" in results["per_step"]:
+            kl_q = results["per_step"]["rtn"][0]["kl_mean"]
+            kl_t = max(results["per_step"][m][0]["kl_mean"] for m in trace)
+            line += f"; step-0 KL(rollout||trainer): vanilla QAT {_g(kl_q)}, TRACE modes <= {_g(kl_t)}"
+        return line[:WIDTH]
+    first = f"{bad[0]['check']} ({bad[0]['measured']})"
+    return f"VERDICT: FAILED {len(bad)} of {len(checks)} checks, first: {first}"[:WIDTH]
+
+
 def format_table(results: dict[str, Any]) -> str:
-    """The per-layer table (MoE-block inputs), log-prob differences and the checks, as text."""
-    bits = results["config"]["bits"]
-    lines = [
-        "Train-rollout MSE of the quantized MoE-block inputs (positions the rollout ran), per layer",
-        f"(compact = TRACE b={bits} on the latter half of the layers; all b1 = TRACE b={bits} on every layer;"
-        " full b4 = TRACE b=4 on every layer; * = layer recorded)",
-        "",
-    ]
-    head = f"{'layer':>5} {'D_BF16':>9} " + " ".join(f"{'D ' + SHORT[m]:>12}" for m in FP4_MODES)
-    head += " " + " ".join(f"{'excess ' + SHORT[m]:>15}" for m in FP4_MODES)
-    head += " " + " ".join(f"{'/QAT ' + SHORT[m]:>13}" for m in FP4_MODES[1:])
-    head += " " + " ".join(f"{'adj ' + SHORT[m]:>12}" for m in FP4_MODES)
-    lines.append(head)
-    for r in results["moe_input"]:
-        mark = {m: "*" if r[f"recorded_{m}"] else " " for m in FP4_MODES}
-        row = f"{r['layer']:>5} {_g(r['mse_bf16'], '.2e'):>9} "
-        row += " ".join(f"{_g(r['mse_' + m], '.2e') + mark[m]:>12}" for m in FP4_MODES)
-        row += " " + " ".join(f"{_g(r['excess_' + m], '.3g'):>15}" for m in FP4_MODES)
-        row += " " + " ".join(f"{_g(r['ratio_' + m], '.4f'):>13}" for m in FP4_MODES[1:])
-        row += " " + " ".join(f"{_g(r['adjacent_' + m], '.3f'):>12}" for m in FP4_MODES)
-        lines.append(row)
-    lines += [
-        "",
-        "Per-token |log p_train - log p_rollout| over the generated tokens",
-        f"{'mode':<36} {'max':>10} {'mean':>10}",
-    ]
+    """The report as text, every line at most 120 columns: the verdict, the run, per mode and step
+    the log-prob/KL/MSE/code statistics, the per-layer MoE-input table, the checks."""
+    cfg, mdl = results["config"], results["config"]["model"]
     labels = {m["name"]: m["label"] for m in results["modes"]}
-    for name, d in results["logprob_diff"].items():
-        lines.append(f"{labels[name]:<36} {d['max']:>10.3e} {d['mean']:>10.3e}")
+    sc = results.get("scales", {}).get("mode", "none")
+    scale_text = {
+        "static": "static per-site g (calibrated)",
+        "token": "per-token g",
+        "forward": "per-forward dynamic g",
+        "none": "no global scale",
+    }.get(sc, sc)
+    lines = [verdict(results)]
+    lines += _wrap(
+        f"run: {mdl['arch']} {mdl['layers']} layers, hidden {mdl['hidden']}, {mdl['experts']} experts "
+        f"top-{mdl['top_k']}; {cfg['format'].upper()} with {scale_text}; {cfg['trajectories']} trajectories x "
+        f"({cfg['prompt']} prompt + {cfg['tokens']} generated) tokens; {cfg['steps']} AdamW steps per mode "
+        f"(lr {cfg['lr']:g}) on a copy of the model; device {cfg['device']}, {cfg['dtype']}"
+    )
+    lines += _wrap("path: " + results["transport"]["summary"])
+    lines.append("")
+    lines += _wrap(
+        "Columns: dlogp = |log p_train - log p_rollout| of each generated token (mean, max); "
+        "KL = KL(rollout || trainer) of the next-token distributions, mean over generated positions; "
+        "MSE moe / kv = mean over layers of the "
+        "train-rollout MSE of the values the MoE blocks / the K/V caches consumed; codes = share of FP4 codes "
+        "that differ from the rollout's; adj = share of those one codeword away. Step 0 runs on the rollout's "
+        "weights; step s after s optimizer steps. 0 is an exact zero."
+    )
+    lines.append("")
+    head = (
+        f"{'mode':<34} {'step':>4} {'dlogp mean':>10} {'dlogp max':>10} {'KL mean':>10} {'MSE moe':>10} "
+        f"{'MSE kv':>10} {'codes':>8} {'adj':>6}"
+    )
+    lines.append(head)
+    for name, steps in results["per_step"].items():
+        for r in steps:
+            mis = None if r["mismatch"] is None else 100 * r["mismatch"]
+            adj = None if r["adjacent"] is None else 100 * r["adjacent"]
+            lines.append(
+                f"{labels[name] if r['step'] == 0 else '':<34} {r['step']:>4} {_g(r['logp_mean'], '.3e'):>10} "
+                f"{_g(r['logp_max'], '.3e'):>10} {_g(r['kl_mean'], '.3e'):>10} {_g(r['mse_moe'], '.3e'):>10} "
+                f"{_g(r['mse_kv'], '.3e'):>10} {_g(mis, '.3f') + ('%' if mis else ''):>8} "
+                f"{_g(adj, '.1f') + ('%' if adj else ''):>6}"
+            )
     lines += [
         "",
-        "Record bytes per token (codes + scale bytes, all recorded sites): "
-        + ", ".join(f"{labels[k]} {v} B" for k, v in results["record_bytes_per_token"].items()),
+        "Per layer at step 0: MoE-input MSE (D) and TRACE's MSE as a share of vanilla QAT's (* = layer recorded)",
     ]
+    lines.append(
+        f"{'layer':>5} {'D BF16':>10} {'D QAT':>10} "
+        + " ".join(f"{SHORT[m] + '/QAT':>14}" for m in FP4_MODES[1:])
+        + f" {'QAT codes':>10} {'QAT adj':>8}"
+    )
+    for r in results["moe_input"]:
+        row = f"{r['layer']:>5} {_g(r['mse_bf16'], '.3e'):>10} {_g(r['mse_rtn'], '.3e'):>10} "
+        row += " ".join(
+            f"{_g(r['ratio_' + m], '.4f') + ('*' if r['recorded_' + m] else ' '):>14}" for m in FP4_MODES[1:]
+        )
+        mis = r.get("mismatch_rtn")
+        row += f" {_g(None if mis is None else 100 * mis, '.3f') + '%':>10}"
+        adj = r.get("adjacent_rtn")
+        row += f" {_g(None if adj is None else 100 * adj, '.1f') + ('%' if adj else ''):>8}"
+        lines.append(row)
     kv = [r for rows in results["kv"].values() for r in rows]
     if kv:
-        lines += ["", "K/V entering the cache (all layers): worst train-rollout MSE ratio to vanilla QAT"]
-        lines.append("  " + ", ".join(f"{SHORT[m]} {max(r['ratio_' + m] for r in kv):.4f}" for m in FP4_MODES[1:]))
-        recorded = [r for r in kv if r["recorded_trace_compact"]]
-        if recorded:
-            worst = max(r["ratio_trace_compact"] for r in recorded)
-            lines[-1] += f" (compact at its recorded layers: {worst:.4f})"
-    lines += ["", "Expectations (issue 6)"]
+        lines += _wrap(
+            "K/V entering the cache, all layers, worst MSE share of vanilla QAT: "
+            + ", ".join(f"{SHORT[m]} {_g(_worst(r['ratio_' + m] for r in kv), '.4f')}" for m in FP4_MODES[1:])
+        )
+    lines += _wrap(
+        "Record bytes per token (codes + scale bytes, all recorded sites): "
+        + ", ".join(f"{labels[k]} {v} B" for k, v in results["record_bytes_per_token"].items())
+    )
+    lines += ["", "Checks"]
     for e in results["expectations"]:
-        lines.append(f"  [{'ok' if e['ok'] else 'FAILED'}] {e['check']}: {e['measured']}")
+        lines += _wrap(f"  [{'ok' if e['ok'] else 'FAILED'}] {e['check']}: {e['measured']}", "")
     t = results["timings"]
-    lines += [
-        "",
-        "path: " + results["transport"]["summary"],
-        "timings: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()),
-    ]
-    return "\n".join(lines)
+    lines += [""] + _wrap("timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in t.items()))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _finite(v: Any) -> Any:

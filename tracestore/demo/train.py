@@ -1,23 +1,33 @@
-"""The training side: one teacher-forced full-sequence forward over the rollout's tokens.
+"""The training side: real training steps on a copy of the model, one per mode.
 
-Modes (``MODES``): BF16 reference (no quantization), vanilla RTN QAT (every site RTN with the
-trainer's own global scale), and TRACE (``guided_round`` with the rollout's records at recorded
-sites, RTN elsewhere). Positions without a record — the last token of each trajectory never
-entered a rollout forward — fall back to RTN with the trainer's own scales (docs/numerics.md §8).
+Modes (:func:`standard_modes`): BF16 reference (no quantization), vanilla RTN QAT (every site RTN
+with the trainer's own scales) and TRACE (the public hook ``GuidedFP4Hooks``: ``guided_fp4`` with
+the rollout's records at recorded sites, RTN elsewhere). Rows without a record — the last token of
+each trajectory never entered a rollout forward — fall back to RTN with the trainer's own scales.
+
+Each step is a teacher-forced forward over the rollout's tokens, a policy-gradient loss on the
+generated tokens (a fixed reward per trajectory, advantages centred over the batch), backward and an
+AdamW step. Before each update the step's forward is compared with the rollout: per-token
+log-probability differences, KL(rollout || trainer) of the next-token distributions, and per site
+the MSE of the values the model consumed and the FP4 codes that differ.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
 from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
-from tracestore.errors import ConfigError, ShapeError
+from tracestore.client.train_hooks import GuidedFP4Hooks
+from tracestore.demo import fidelity
+from tracestore.demo.rollout import Rollout
 from tracestore.formats import E2M1_MAGNITUDES, FP4Format
-from tracestore.fp4 import quantize, resolve_global_scale, scale_values
-from tracestore.guided import guided_round, rtn_fake_quant
+from tracestore.fp4 import quantize_blocks, scale_values
+from tracestore.guidance import Guidance
 
 Quant = Literal["none", "rtn", "trace"]
 
@@ -50,95 +60,148 @@ def standard_modes(n_layers: int, bits: int = 1) -> tuple[Mode, ...]:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class SiteGuidance:
-    """Records of one site aligned to the training rows [B, n]: ``packed`` uint8 [B, n, w*bits/8],
-    ``scales`` uint8 [B, n, w/block], ``g`` float32 [B, n], ``valid`` bool [B, n]."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    g: torch.Tensor
-    valid: torch.Tensor
-    bits: int
-
-
-@dataclasses.dataclass
-class TrainTrace:
-    """Per site: ``y`` float32 [B, n, w] (the value the model consumed), ``codes`` uint8 [B, n, w]
-    (the trainer's FP4 codes; None unquantized); ``logprobs`` float32 [B, n-P]."""
-
-    y: dict[str, torch.Tensor]
-    codes: dict[str, torch.Tensor]
-    logprobs: torch.Tensor
-
-
 _MAGS = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
 
 
-def codes_on_grid(y: torch.Tensor, scales: torch.Tensor, g: torch.Tensor, fmt: FP4Format) -> torch.Tensor:
-    """E2M1 codes of fake-quantized ``y`` [..., w] on the grid ``float(sf)*g``: the nearest
-    magnitude (gaps are >= 0.5 codewords; the bf16 cast of y moves a value by <= 2**-8 relative)."""
+def codes_on_grid(y: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | float, fmt: FP4Format) -> torch.Tensor:
+    """E2M1 codes of fake-quantized ``y`` [..., w] on the grid ``float(sf)*g`` (``g`` one value or
+    one per row): the nearest magnitude (gaps are >= 0.5 codewords; the bf16 cast of y moves a
+    value by <= 2**-8 relative)."""
     lead = y.shape[:-1]
-    s = (scale_values(scales, fmt) * g.unsqueeze(-1)).unsqueeze(-1)
+    gt = torch.as_tensor(g, dtype=torch.float32, device=y.device)
+    s = scale_values(scales, fmt).unsqueeze(-1) * (gt.reshape(*lead, 1, 1) if gt.numel() > 1 else gt.reshape(()))
     m = (y.float().reshape(*lead, -1, fmt.block) / s).abs()
     k = (m.unsqueeze(-1) - _MAGS.to(y.device)).abs().argmin(-1).to(torch.uint8)
     return (torch.signbit(y.float()).reshape(k.shape).to(torch.uint8) * 8 | k).reshape(y.shape)
 
 
-class _TrainHook:
-    def __init__(self, mode: Mode, fmt: FP4Format, guidance: dict[str, SiteGuidance], rule: str) -> None:
-        self.mode, self.fmt, self.guidance, self.rule = mode, fmt, guidance, rule
-        self.y: dict[str, torch.Tensor] = {}
-        self.codes: dict[str, torch.Tensor] = {}
+def effective_g(g: Guidance) -> torch.Tensor:
+    """Per row: the record's decode-side g times its token scale (a per-row g travels as token scales)."""
+    n = g.n_rows
+    gs = torch.as_tensor(g.global_scale, dtype=torch.float32, device=g.scales.device).expand(n)
+    return gs * g.token_scales if g.token_scales is not None else gs.clone()
+
+
+def rtn_codes(x2: torch.Tensor, fmt: FP4Format, g: torch.Tensor | None) -> torch.Tensor:
+    """The trainer's own RTN codes of ``x2`` [N, w] with decode-side g (one, or one per row)."""
+    n, w = x2.shape
+    gg = None
+    if fmt.has_global_scale and g is not None:
+        gg = torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g)).float()
+        gg = gg.reshape(n, 1) if gg.numel() > 1 else gg.reshape(())
+    codes, _ = quantize_blocks(x2.float().reshape(n, -1, fmt.block), fmt, gg)
+    return codes.reshape(n, w)
+
+
+class _Observed(GuidedFP4Hooks):
+    """The public hook, also keeping what each site consumed and the FP4 codes it chose."""
+
+    y: dict[str, torch.Tensor]
+    codes: dict[str, torch.Tensor]
+
+    def __init__(self, model: Any, fmt: FP4Format, shape: tuple[int, int], **kw: Any) -> None:
+        self.shape, self.y, self.codes = shape, {}, {}
+        super().__init__(model, fmt, **kw)
 
     def __call__(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor | None:
-        if self.mode.quant == "none":
-            self.y[site.name] = x.detach().float()
-            return None
-        b, n, w = x.shape
-        g_own = resolve_global_scale(x.detach(), None)  # the trainer's own decode-side g
-        if self.mode.records(site.layer):
-            gd = self.guidance.get(site.name)
-            if gd is None:
-                raise ConfigError(f"mode {self.mode.name} records layer {site.layer} but no guidance for {site.name}")
-            if tuple(gd.scales.shape[:2]) != (b, n):
-                raise ShapeError(
-                    f"guidance for {site.name} covers {tuple(gd.scales.shape[:2])} rows, expected {(b, n)}"
-                )
-            y = guided_round(
-                x,
-                gd.packed,
-                gd.scales,
-                gd.g,
-                gd.bits,
-                self.fmt,
-                self.rule,  # type: ignore[arg-type]
-                valid=gd.valid,
-                fallback_global_scale=g_own,
-            )
-            codes = codes_on_grid(y, gd.scales, gd.g, self.fmt)
-            own = quantize(x.detach(), self.fmt, g_own).codes  # rows without a record used RTN
-            codes = torch.where(gd.valid.unsqueeze(-1), codes, own)
-        else:
-            y = rtn_fake_quant(x, self.fmt, g_own)
-            codes = quantize(x.detach(), self.fmt, g_own).codes
-        self.y[site.name] = y.detach().float()
-        self.codes[site.name] = codes
-        return y
+        out = super().__call__(site, x)
+        y = x if out is None else out
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        y2 = y.detach().reshape(-1, x.shape[-1])
+        own_g = self._rtn_g(site, x2) if self.fmt.has_global_scale else None
+        codes = rtn_codes(x2, self.fmt, own_g)
+        g = self._guidance.get(site.name)
+        if g is not None:
+            grid = codes_on_grid(y2, g.scales, effective_g(g), self.fmt)
+            codes = torch.where(g.valid.reshape(-1, 1), grid, codes) if g.valid is not None else grid
+        b, n = self.shape
+        self.y[site.name] = y2.float().reshape(b, n, -1)
+        self.codes[site.name] = codes.reshape(b, n, -1)
+        return out
 
 
-def train_forward(
-    model: Any,
-    tokens: torch.Tensor,
-    prompt_len: int,
+class _Plain:
+    """The BF16 mode's observer: the site values, unchanged."""
+
+    y: dict[str, torch.Tensor]
+    codes: dict[str, torch.Tensor]
+
+    def __init__(self, model: Any, shape: tuple[int, int]) -> None:
+        self.shape, self.y, self.codes = shape, {}, {}
+        self.hooks = HFSiteHooks(model, self)
+
+    def __call__(self, site: HookedSite, x: torch.Tensor) -> None:
+        self.y[site.name] = x.detach().float().reshape(*self.shape, -1)
+
+    def remove(self) -> None:
+        self.hooks.remove()
+
+
+@dataclasses.dataclass
+class StepStats:
+    """One training step of one mode, measured on its forward before the update."""
+
+    step: int
+    logp_mean: float  # mean |log p_train - log p_rollout| over the generated tokens
+    logp_max: float
+    kl_mean: float  # mean KL(rollout || trainer) of the next-token distributions
+    loss: float
+    sites: dict[str, fidelity.SiteStats]
+
+
+def advantages(roll: Rollout, vocab: int) -> torch.Tensor:
+    """A fixed reward per trajectory (its share of generated tokens in the lower half of the
+    vocabulary), centred over the batch: what a policy-gradient step needs, nothing more."""
+    r = (roll.tokens[:, roll.prompt_len :] < vocab // 2).float().mean(1)
+    return r - r.mean() if r.numel() > 1 else r - 0.5
+
+
+def train_steps(
+    base: Any,
+    roll: Rollout,
+    source: Rollout,
     mode: Mode,
     fmt: FP4Format,
-    guidance: dict[str, SiteGuidance] | None = None,
-    rule: str = "bracket",
-) -> TrainTrace:
-    """One teacher-forced forward over ``tokens`` [B, n] in ``mode``; log-probs of tokens P..n-1."""
-    hook = _TrainHook(mode, fmt, guidance or {}, rule)
-    with HFSiteHooks(model, hook), torch.no_grad():
-        logits = model(input_ids=tokens, use_cache=False).logits[:, prompt_len - 1 : -1].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(2, tokens[:, prompt_len:, None]).squeeze(2)
-    return TrainTrace(hook.y, hook.codes, lp)
+    guidance: Mapping[str, Guidance] | None,
+    *,
+    rtn_scale: str | float | Mapping[str, float] = "tensor",
+    steps: int = 3,
+    lr: float = 1e-4,
+) -> list[StepStats]:
+    """``steps`` training steps of ``mode`` on a copy of ``base`` over ``roll.tokens``; ``source``
+    is the rollout whose site values and token distributions the trainer's are compared with (the
+    BF16 replay of the same tokens for the BF16 mode). ``guidance`` ({site: Guidance}, rows
+    batch-major over ``roll.tokens``) for TRACE."""
+    model = copy.deepcopy(base).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    tokens, p = roll.tokens, roll.prompt_len
+    shape = (int(tokens.shape[0]), int(tokens.shape[1]))
+    obs: Any
+    if mode.quant == "none":
+        obs = _Plain(model, shape)
+    else:
+        obs = _Observed(model, fmt, shape, rtn_scale=rtn_scale)
+        obs.set_guidance({k: v for k, v in (guidance or {}).items() if mode.records(int(k.split(".")[1]))})
+    adv = advantages(roll, int(roll.dist.shape[-1]))
+    out: list[StepStats] = []
+    try:
+        for step in range(steps):
+            logits = model(input_ids=tokens, use_cache=False).logits[:, p - 1 : -1].float()
+            lp_all = torch.log_softmax(logits, dim=-1)
+            lp = lp_all.gather(2, tokens[:, p:, None]).squeeze(2)
+            with torch.no_grad():
+                d = (lp - source.logprobs).abs()
+                kl = (source.dist.exp() * (source.dist - lp_all)).sum(-1)
+                sites = {
+                    name: fidelity.site_stats(st.y, obs.y[name], st.codes, obs.codes.get(name))
+                    for name, st in source.sites.items()
+                }
+            loss = -(adv[:, None] * lp).mean()
+            stats = StepStats(step, float(d.mean()), float(d.max()), float(kl.mean()), float(loss.detach()), sites)
+            out.append(stats)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        obs.remove()
+    return out

@@ -1,8 +1,9 @@
 """Route the demo's records through the real system.
 
-``RolloutRecorder`` → a ``tracestore serve`` subprocess (TCP on an ephemeral loopback port) →
-``file://`` storage → ``GuidanceReader`` with a ``MicrobatchPlan``. One run per TRACE mode (its
-recorded layers' MoE-input, K and V sites at its b), one trajectory per batch row.
+The rollout's slabs → ``RolloutRecorder.record_slab`` → a ``tracestore serve`` subprocess (TCP on
+an ephemeral loopback port) → ``file://`` storage → ``GuidanceReader`` with a ``MicrobatchPlan``.
+One run per TRACE mode (its recorded layers' MoE-input, K and V sites at its b), one trajectory per
+batch row.
 """
 
 from __future__ import annotations
@@ -11,20 +12,16 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tracestore.demo.rollout import ForwardRecord, Rollout
-from tracestore.demo.train import Mode, SiteGuidance
-from tracestore.errors import ConfigError, StorageError
-
-# site-name suffix -> record kind (MLA caches a latent and a rotary key instead of K and V)
-KINDS = {"mlp.input": "moe_input", "attn.k": "key", "attn.v": "value", "attn.kv_latent": "other", "attn.k_rope": "key"}
+from tracestore.demo.train import Mode
+from tracestore.errors import StorageError
 
 
 def service_available() -> str | None:
@@ -38,7 +35,7 @@ def service_available() -> str | None:
         return f"{exc.name or exc} is not importable"
     except Exception as exc:  # e.g. generated gRPC code refusing an older grpcio at import
         return f"the service does not import: {type(exc).__name__}: {exc}"
-    missing = [n for n in ("RolloutRecorder", "GuidanceReader", "SiteOutput") if not hasattr(client, n)]
+    missing = [n for n in ("RolloutRecorder", "GuidanceReader", "GuidedFP4Hooks") if not hasattr(client, n)]
     return f"tracestore.client lacks {', '.join(missing)}" if missing else None
 
 
@@ -50,35 +47,36 @@ def trajectory_id(b: int) -> str:
     return f"traj-{b}"
 
 
-def _kind(site: str) -> str:
-    return KINDS[site.split(".", 2)[2]]
+def run_specs(modes: tuple[Mode, ...], sites: tuple[Any, ...], fmt: str) -> dict[str, Any]:
+    """{mode name: RunSpec} for the TRACE modes: the hooked sites of their layers at their b."""
+    from tracestore.records import RunSpec
+
+    return {
+        m.name: RunSpec(run_id(m), tuple(s.spec(bits=m.bits, format=fmt) for s in sites if m.records(s.layer)))
+        for m in modes
+        if m.quant == "trace"
+    }
 
 
 class ServiceTransport:
     """A context manager that runs ``tracestore serve`` and records/reads the demo's runs through it.
 
-    ``storage`` is a ``file://`` URL (default: ``<workdir>/store``); ``widths`` maps every site
-    name to its width. Use :meth:`on_forward` as the rollout's callback, then :meth:`finish`, then
+    ``storage`` is a ``file://`` URL (default: ``<workdir>/store``); ``runs`` maps each TRACE mode to
+    its RunSpec. Use :meth:`on_forward` as the rollout's callback, then :meth:`finish`, then
     :meth:`guidance` per mode.
     """
 
-    def __init__(self, modes: tuple[Mode, ...], widths: dict[str, int], workdir: pathlib.Path, storage: str | None):
-        from tracestore.records import RunSpec, SiteSpec
+    def __init__(self, runs: Mapping[str, Any], workdir: pathlib.Path, storage: str | None) -> None:
+        from tracestore.errors import ConfigError
 
         self.workdir = workdir.resolve()  # the server runs with cwd=workdir: paths must be absolute
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if storage is None:  # the demo's own store: a previous run's records would collide with this one's
+            shutil.rmtree(self.workdir / "store", ignore_errors=True)
         self.storage = storage or "file://" + str((workdir / "store").resolve())
         if not self.storage.startswith("file://"):
             raise ConfigError(f"--storage must be a file:// URL for the demo, got {self.storage!r}")
-        self.modes = tuple(m for m in modes if m.quant == "trace")
-        self.runs: dict[str, Any] = {}
-        for m in self.modes:
-            sites = tuple(
-                SiteSpec(name, _kind(name), int(name.split(".")[1]), w, format="nvfp4", bits=m.bits)  # type: ignore[arg-type]
-                for name, w in widths.items()
-                if int(name.split(".")[1]) in m.layers
-            )
-            self.runs[m.name] = RunSpec(run_id(m), sites)
+        self.runs = dict(runs)
         self.proc: subprocess.Popen[bytes] | None = None
         self.recorders: dict[str, Any] = {}
         self.address = ""
@@ -115,16 +113,15 @@ class ServiceTransport:
             self.recorders[name] = RolloutRecorder(self.address, spec, writer="demo-rollout", policy_version=0)
         return self
 
-    def on_forward(self, start: int, end: int, records: dict[str, ForwardRecord]) -> None:
-        """Record one rollout forward (rows [B, end-start]) into every mode's run."""
-        from tracestore.client.hf_hooks import site_outputs
-
-        full = {name: (r.codes, r.scales, r.global_scale) for name, r in records.items()}
+    def on_forward(self, start: int, end: int, slabs: Mapping[str, Any], rows: int) -> None:
+        """Record one rollout forward (``rows`` = batch x (end - start), batch-major) into every run."""
+        batch = rows // (end - start)
+        segs = [(trajectory_id(i), start, end) for i in range(batch)]
         for name, rec in self.recorders.items():
-            outputs = site_outputs(full, self.runs[name])
-            self.sent_bytes += sum(o.codes.numel() + o.scales.numel() for o in outputs.values())
-            batch = next(iter(records.values())).codes.shape[0]
-            rec.record_forward([(trajectory_id(i), start, end) for i in range(batch)], outputs)
+            slab = slabs[name]
+            if not rec.record_slab(segs, slab, n_rows=rows):
+                raise StorageError(f"run {self.runs[name].run}: the recorder refused a forward ({_plain(rec.stats)})")
+            self.sent_bytes += rows * sum(f.code_bytes + f.scale_bytes for f in slab.layout)
 
     def finish(self, batch: int, n_tokens: int, timeout: float = 60.0) -> None:
         """Seal every trajectory and wait until everything sent is durable."""
@@ -134,38 +131,22 @@ class ServiceTransport:
             if not rec.flush(timeout=timeout):
                 tail = (self.workdir / "serve.log").read_text(errors="replace")[-1500:]
                 raise StorageError(
-                    f"run {run_id_of(self.runs[name])}: records were not durably acked in {timeout:.0f}s "
+                    f"run {self.runs[name].run}: records were not durably acked in {timeout:.0f}s "
                     f"(recorder stats {_plain(rec.stats)}); serve.log tail:\n{tail}"
                 )
             self.stats[name] = _plain(rec.stats)
             rec.close()
 
-    def guidance(self, roll: Rollout, mode: Mode) -> dict[str, SiteGuidance]:
-        """Read ``mode``'s run back through ``GuidanceReader`` for the plan of the training batch."""
+    def guidance(self, tokens_shape: tuple[int, int], mode: Mode, device: str, rule: str = "bracket") -> dict[str, Any]:
+        """Read ``mode``'s run back through ``GuidanceReader`` for the training batch's plan
+        (trajectory-major rows, as the hooks flatten [batch, tokens])."""
         from tracestore.client import GuidanceReader
         from tracestore.plan import MicrobatchPlan
 
-        b, n = roll.tokens.shape
+        b, n = tokens_shape
         plan = MicrobatchPlan([(trajectory_id(i), 0, n) for i in range(b)])
-        reader = GuidanceReader(self.storage, run_id(mode), device=str(roll.tokens.device), prefetch=False)
-        try:
-            got = reader.read(plan)
-        finally:
-            with contextlib.suppress(Exception):
-                reader.close()
-        out = {}
-        for name, g in got.items():
-            valid = g.valid if g.valid is not None else torch.ones(b * n, dtype=torch.bool, device=g.codes.device)
-            gs = torch.as_tensor(g.global_scale, dtype=torch.float32, device=g.codes.device)
-            gs = gs.expand(b * n) if gs.dim() == 0 else gs
-            out[name] = SiteGuidance(
-                packed=g.codes.reshape(b, n, -1),
-                scales=g.scales.reshape(b, n, -1),
-                g=gs.reshape(b, n).clone(),
-                valid=valid.reshape(b, n).bool(),
-                bits=int(g.bits),
-            )
-        return out
+        with GuidanceReader(self.storage, run_id(mode), device=device, prefetch=False, rule=rule) as reader:
+            return dict(reader.read(plan))
 
     def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -185,17 +166,9 @@ class ServiceTransport:
         self.log.close()
 
 
-def run_id_of(spec: Any) -> str:
-    return str(spec.run)
-
-
 def _plain(stats: Any) -> Any:
     if isinstance(stats, dict):
         return {str(k): _plain(v) for k, v in stats.items()}
-    if hasattr(stats, "__dataclass_fields__"):
-        import dataclasses
-
-        return _plain(dataclasses.asdict(stats))
     return stats if isinstance(stats, (int, float, str, bool, type(None))) else str(stats)
 
 
