@@ -43,7 +43,7 @@ _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
 # the temp files our local publish writes next to its target (tracestore.fsutil): ".<name>.tmp-<uuid4 hex>"
 _RUN_TEMP = re.compile(r"\.run\.json\.tmp-[0-9a-f]{32}")
-_SHARD_TEMP = re.compile(r"\.part-\d{8}\.(?:parquet|manifest\.json)\.tmp-[0-9a-f]{32}")
+_SHARD_TEMP = re.compile(r"\.part-\d{8,}\.(?:parquet|manifest\.json)\.tmp-[0-9a-f]{32}")
 _NO_TEMP = re.compile(r"(?!)")  # version directories hold none
 STALE_TEMP_AGE_S = 600.0
 """Default grace of :meth:`Store.remove_stale_temp_files`, at least 10x the storage timeout."""
@@ -75,7 +75,9 @@ class Store:
     """Record storage on an fsspec URL (``file://`` default, ``memory://``, ``s3://``...).
 
     ``storage_options`` are passed to fsspec untouched; ``timeout`` bounds every storage call
-    (seconds); transient errors are retried ``retries`` times with backoff; ``on_event(kind, op,
+    (seconds); transient errors are retried ``retries`` times with jittered exponential backoff,
+    none starting after ``retry_deadline`` seconds (default: ``TRACESTORE_STORAGE_RETRY_DEADLINE``
+    or 30 s); ``on_event(kind, op,
     detail)`` is called on each retry / timeout / error (for metrics). ``stats`` counts them.
     """
 
@@ -89,8 +91,11 @@ class Store:
         on_event: EventHook | None = None,
         row_group_bytes: int = ROW_GROUP_BYTES,
         min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
+        retry_deadline: float | None = None,
     ) -> None:
-        self.storage = Storage(url, storage_options, timeout=timeout, retries=retries, on_event=on_event)
+        self.storage = Storage(
+            url, storage_options, timeout=timeout, retries=retries, on_event=on_event, retry_deadline=retry_deadline
+        )
         self.url = url
         self.row_group_bytes = int(row_group_bytes)
         self.min_row_group_bytes = int(min_row_group_bytes)

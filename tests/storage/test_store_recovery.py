@@ -40,6 +40,8 @@ def _layout_with_temps(store: Store) -> tuple[list[str], list[str]]:
         _temp(shard_dir, "part-00000001.parquet", 7200),
         _temp(shard_dir, "part-00000001.manifest.json", 7200),
         _temp(run_dir, "run.json", 7200),
+        # a sidecar's shard numbers start at the current microsecond: 16 digits
+        _temp(shard_dir, "part-1796169309469735.parquet", 7200),
     ]
     keep = [
         _temp(shard_dir, "part-00000002.parquet", 1),  # a live writer's: fresh
