@@ -289,7 +289,14 @@ class TraceStoreService:
             )
             self._fail(context, "Write", limit, {})
         try:
-            yield from self._write(requests, context)
+            try:
+                own = self.engine.reserve_stream()
+            except LimitError as exc:
+                self._fail(context, "Write", exc, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
+            try:
+                yield from self._write(requests, context)
+            finally:
+                self.engine.unreserve(own)
         finally:
             self.streams.give()
 
