@@ -383,8 +383,14 @@ def test_serve_refuses_a_non_loopback_host_and_binds_it_with_insecure(tmp_path: 
         sc.stop(5)
 
 
-def _ns(**kw: object) -> argparse.Namespace:
-    return argparse.Namespace(**{"storage_options": None, "storage_options_file": None, **kw})
+def _ns(**kw: str) -> argparse.Namespace:
+    """``tracestore serve`` arguments as the CLI parses them (flags, then TRACESTORE_* variables)."""
+    from tracestore.cli import build_parser
+
+    argv = ["serve"]
+    for name, value in kw.items():
+        argv += [f"--{name.replace('_', '-')}", value]
+    return build_parser().parse_args(argv)
 
 
 def test_storage_options_from_file_env_or_command_line(
