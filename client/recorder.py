@@ -770,7 +770,10 @@ class RolloutRecorder:
                 t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
                 self._cuda[o : o + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
             if isinstance(g, torch.Tensor):
-                self._cuda[g_off : g_off + 4].copy_(g.reshape(-1)[:1].float().view(torch.uint8), non_blocking=True)
+                # as_strided: a one-element g may be a strided view (a RecordSlab's g column), which
+                # view(uint8) refuses; its one element is what is copied
+                g1 = g.reshape(-1)[:1].float().as_strided((1,), (1,))
+                self._cuda[g_off : g_off + 4].copy_(g1.view(torch.uint8), non_blocking=True)
             else:
                 self._np[g_off : g_off + 4] = np.frombuffer(np.float32(g).tobytes(), np.uint8)
             ev = torch.cuda.Event()
