@@ -21,7 +21,8 @@ subclass, so torchao's convert step treats it as its own) that keeps the module'
 configs. Its forward emulates NVFP4 in high precision, so it also runs on the CPU: the weight is
 fake-quantized with torchao's own ``NVFP4Tensor`` (quantize then dequantize, its per-tensor scale
 when the weight config asks for one), and the input activation is rounded with TRACE
-(:func:`tracestore.guided.guided_round`, straight-through backward) toward the rollout's recorded
+(:func:`tracestore.guided.guided_round` on the CPU, :func:`tracestore.kernels.guided_fp4`'s CUDA
+kernel when the input is on a GPU; straight-through backward) toward the rollout's recorded
 codes when the module's input is a recorded site that has guidance for this step, with RTN for
 rows without a record (numerics.md section 8: the trainer's own block scales and per-tensor scale,
 ``amax/2688`` as torchao's ``per_tensor_amax_to_scale``). Inputs of modules that are no recorded
@@ -152,6 +153,22 @@ def torchao_nvfp4_fake_quant(x: torch.Tensor, config: NVFP4FakeQuantizeConfig) -
     return _Straight.apply(x, y) if x.requires_grad else y
 
 
+def _guided_cuda(x2: torch.Tensor, g: Guidance, rule: str, own: torch.Tensor) -> torch.Tensor:
+    """The activation path on a GPU: :func:`tracestore.kernels.guided_fp4` (the CUDA kernel, a
+    custom op with a straight-through backward) with the guidance on ``x2``'s device, TraceGuidance's
+    rule, and ``own`` (the trainer's per-tensor g) for rows without a record."""
+    from tracestore.kernels import guided_fp4
+
+    if g.codes.device != x2.device:
+        g = g.to(x2.device, non_blocking=True)
+    gs = g.global_scale
+    if not isinstance(gs, torch.Tensor):
+        gs = torch.full((), float(gs), dtype=torch.float32, device=x2.device)
+    if g.rule != rule or gs is not g.global_scale:
+        g = dataclasses.replace(g, rule=rule, global_scale=gs)  # type: ignore[arg-type]
+    return guided_fp4(x2, g, fallback_global_scale=own.reshape(1))
+
+
 class TraceNVFP4FakeQuantizedLinear(NVFP4FakeQuantizedLinear):
     """torchao's NVFP4 QAT linear with TRACE-guided activation rounding (see the module docstring)."""
 
@@ -177,12 +194,15 @@ class TraceNVFP4FakeQuantizedLinear(NVFP4FakeQuantizedLinear):
             own = (
                 per_tensor_amax_to_scale(x2.detach().abs().max()).float()
                 if self.activation_config.use_per_tensor_scale
-                else torch.ones((), dtype=torch.float32)
+                else torch.ones((), dtype=torch.float32, device=x2.device)
             )
-            xq = guided_round(
-                x2, g.codes, g.scales, g.global_scale, g.bits, NVFP4, self.guidance.rule,  # type: ignore[arg-type]
-                token_scales=g.token_scales, valid=g.valid, fallback_global_scale=own,
-            )  # fmt: skip
+            if x2.is_cuda:
+                xq = _guided_cuda(x2, g, self.guidance.rule, own)
+            else:
+                xq = guided_round(
+                    x2, g.codes, g.scales, g.global_scale, g.bits, NVFP4, self.guidance.rule,  # type: ignore[arg-type]
+                    token_scales=g.token_scales, valid=g.valid, fallback_global_scale=own,
+                )  # fmt: skip
         wq = torchao_nvfp4_fake_quant(self.weight, self.weight_config)
         return F.linear(xq, wq, self.bias).reshape(*lead, -1)
 

@@ -226,7 +226,7 @@ def _run(cfg: DemoConfig, out: pathlib.Path | None, progress: Progress | None) -
         timings["training_s"] = time.perf_counter() - t
 
     moe_rows = fidelity.layer_table(modes, step0, cfg.model.layers, "mlp.input")
-    kv_rows = {kind: fidelity.layer_table(modes, step0, cfg.model.layers, f"attn.{kind}") for kind in ("k", "v")}
+    kv_rows = fidelity.kv_tables(modes, step0, cfg.model.layers)
     logprob = {m: {"max": s[0]["logp_max"], "mean": s[0]["logp_mean"]} for m, s in per_step.items()}
     checks = fidelity.expectations(modes, moe_rows, logprob)
     # bytes one token costs on the wire/storage per TRACE mode (docs/numerics.md §6: b + 8/block bits per value)
