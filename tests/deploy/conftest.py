@@ -20,7 +20,7 @@ RULE_TESTS = DEPLOY / "prometheus" / "tests" / "tracestore.rules.test.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tracestore.json"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 README = DEPLOY / "README.md"
-OVERLAYS = ("sglang", "vllm")
+OVERLAYS = ("sglang", "vllm", "example-recording")
 
 # Series Prometheus makes itself for every target (not exported by the sidecar).
 PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "ALERTS", "ALERTS_FOR_STATE"}

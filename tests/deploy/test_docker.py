@@ -28,10 +28,30 @@ def instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_hadolint(h):
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.engine-example"])
+def test_hadolint(h, name):
     hadolint = h.tool("hadolint")
-    proc = h.run([hadolint, str(h.DOCKERFILE)])
+    proc = h.run([hadolint, str(h.DOCKERFILE.parent / name)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_example_engine_image_runs_the_entrypoint_the_overlay_runs(h):
+    """The example engine image: exec-form entrypoint on the copied record_engine.py, a non-root
+    numeric USER, and the example-recording overlay's command is the same file."""
+    import yaml
+
+    ins = instructions((h.DOCKERFILE.parent / "Dockerfile.engine-example").read_text())
+    (entry,) = [a for i, a in ins if i == "ENTRYPOINT"]
+    argv = json.loads(entry)
+    copies = [a.split()[-2:] for i, a in ins if i == "COPY" and "record_engine.py" in a]
+    assert copies == [["examples/engine/record_engine.py", argv[1]]], copies
+    users = [a for i, a in ins if i == "USER"]
+    assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), users
+    patch = yaml.safe_load((h.DEPLOY / "k8s" / "overlays" / "example-recording" / "engine.yaml").read_text())
+    (engine,) = patch["spec"]["template"]["spec"]["containers"]
+    assert engine["command"] == argv
+    ignore = (h.DOCKERFILE.parent / "Dockerfile.engine-example.dockerignore").read_text().split()
+    assert "!examples/engine/record_engine.py" in ignore
 
 
 def test_hadolint_catches_a_broken_dockerfile(h, tmp_path: Path):

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 KUBE_VERSIONS = ("1.29.0", None)  # None = the newest schema kubernetes-validate ships
+# Every engine overlay (also in conftest.OVERLAYS; test modules cannot import conftest).
+OVERLAYS = ("sglang", "vllm", "example-recording")
 
 
 def raw_manifests(h) -> list[Path]:
@@ -122,7 +124,7 @@ def test_kubernetes_validate_raw(h, version):
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS, ids=["1.29", "newest"])
-@pytest.mark.parametrize("overlay", ["sglang", "vllm"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubernetes_validate_kustomized(h, tmp_path: Path, overlay, version):
     kv = h.tool("kubernetes-validate")
     out = tmp_path / f"{overlay}.yaml"
@@ -155,7 +157,7 @@ def test_native_sidecar_needs_the_1_29_schema(h):
 # ---- semantics of the rendered overlays -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["sglang", "vllm"])
+@pytest.fixture(scope="module", params=OVERLAYS)
 def docs(request, h) -> list[dict[str, Any]]:
     return rendered(h, request.param)
 
@@ -319,7 +321,10 @@ def test_resources(docs):
     assert res["requests"]["cpu"] and res["requests"]["memory"] == res["limits"]["memory"]
     budget = int(env(sidecar)["TRACESTORE_MEMORY_BUDGET_MIB"]) * 2**20
     assert quantity_bytes(res["limits"]["memory"]) >= budget + 2**30, "memory limit must exceed the budget"
-    assert "nvidia.com/gpu" in engine["resources"]["limits"]
+    if engine["image"].split("/")[-1].startswith("tracestore-engine-example:"):
+        assert "nvidia.com/gpu" not in engine["resources"]["limits"]  # the CPU example engine
+    else:
+        assert "nvidia.com/gpu" in engine["resources"]["limits"]
 
 
 def test_spool_limit_matches_the_spool_alert(h, docs):
@@ -401,7 +406,7 @@ def test_overlays_are_isolated(h):
 # ---- the serve-reads component ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["sglang", "vllm"])
+@pytest.fixture(scope="module", params=OVERLAYS)
 def reads_docs(request, h, tmp_path_factory) -> list[dict[str, Any]]:
     return rendered_with_serve_reads(h, request.param, tmp_path_factory.mktemp(f"reads-{request.param}"))
 
@@ -453,7 +458,7 @@ def test_serve_reads_admits_trainer_pods_on_grpc_only(reads_docs):
     test_network_policies_admit_every_container_port(reads_docs)
 
 
-@pytest.mark.parametrize("overlay", ["sglang", "vllm"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubernetes_validate_serve_reads(h, tmp_path: Path, overlay):
     kv = h.tool("kubernetes-validate")
     out = tmp_path / f"{overlay}-reads.yaml"
