@@ -284,7 +284,7 @@ def test_every_dashboard_query_returns_data(h, stack, workload, exported):
 def test_broken_dashboard_fails_the_same_check(h, stack, workload, exported):
     dash = copy.deepcopy(json.loads(h.DASHBOARD.read_text()))
     panels = [p for p in dash["panels"] if p["type"] != "row"]
-    renamed, unparsable, wrong_label = panels[6], panels[7], panels[8]
+    renamed, unparsable, wrong_label = panels[7], panels[8], panels[9]  # Ingest throughput, Token rows, Resends
     renamed["targets"][0]["expr"] = renamed["targets"][0]["expr"].replace(
         "tracestore_ingest_bytes_total", "tracestore_ingest_byte_total"
     )
