@@ -659,10 +659,10 @@ class Engine:
         for d in stores:
             for key in [k for k in d if k[0] == run and k[1] < floor]:
                 del d[key]
-        if True:  # trajectories of dropped versions are neither open nor remembered as sealed
-            live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
-            self._open = {k for k in self._open if k[0] != run or k[1] in live}
-            self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
+        # trajectories of dropped versions are neither open nor remembered as sealed
+        live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
+        self._open = {k for k in self._open if k[0] != run or k[1] in live}
+        self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
 
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)
