@@ -186,3 +186,30 @@ def write_request(
     if declare:
         req.run_spec.CopyFrom(run_spec_to_pb(spec))
     return req
+
+
+def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec = SPEC, **config: Any) -> Any:
+    """An in-process :class:`~tracestore.server.engine.Engine` on storage ``url`` with ``spec``
+    declared, started (WAL replayed) with ``ServerConfig(**config)``; close it with ``close()``."""
+    from tracestore.store import Store
+
+    from .config import ServerConfig
+    from .engine import Engine
+    from .metrics import Metrics
+    from .wire import wal_parser
+
+    cfg = ServerConfig(storage=url, wal_dir=None if wal_dir is None else str(wal_dir), port=0, metrics_port=None,
+                       **config)  # fmt: skip
+    store = Store(url)
+    store.put_run(spec)
+    eng = Engine(cfg, store, Metrics())
+    eng.start(wal_parser(eng.run_spec))
+    return eng
+
+
+def submit_request(eng: Any, req: pb.WriteRequest) -> tuple[Any, bool]:
+    """Parse ``req`` as the sidecar does and admit it to ``eng``: (writer state, duplicate)."""
+    from .wire import parse_write
+
+    _, msg, parts = parse_write(req.SerializeToString(), eng.run_spec, None)
+    return eng.submit(msg, parts)  # type: ignore[no-any-return]

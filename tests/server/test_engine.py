@@ -13,7 +13,7 @@ import pytest
 from tracestore.server.config import ServerConfig
 from tracestore.server.engine import Engine, OverBudgetError, SequenceError
 from tracestore.server.metrics import Metrics
-from tracestore.server.testing import SPEC, make_chunk, write_request
+from tracestore.server.testing import SPEC, make_chunk, start_engine, submit_request, write_request
 from tracestore.server.wire import parse_write, wal_parser
 
 from tracestore.errors import ConflictError, ValidationError
@@ -24,18 +24,11 @@ from tracestore.store import Store
 
 
 def _engine(url: str, wal: Path | None, **kw: object) -> Engine:
-    cfg = ServerConfig(storage=url, wal_dir=None if wal is None else str(wal), port=0, metrics_port=None, **kw)
-    store = Store(url)
-    store.put_run(SPEC)
-    eng = Engine(cfg, store, Metrics())
-    eng.start(wal_parser(eng.run_spec))
-    return eng
+    return start_engine(url, wal, **kw)  # type: ignore[no-any-return]
 
 
 def _submit(eng: Engine, req: object) -> tuple[object, bool]:
-    raw = req.SerializeToString()  # type: ignore[attr-defined]
-    _, msg, parts = parse_write(raw, eng.run_spec, None)
-    return eng.submit(msg, parts)
+    return submit_request(eng, req)  # type: ignore[arg-type]
 
 
 def _wait_durable(eng: Engine, st: object, seq: int, timeout: float = 10.0) -> None:

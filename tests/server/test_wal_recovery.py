@@ -27,12 +27,10 @@ import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server import wal as wal_mod
-from tracestore.server.config import ServerConfig
 from tracestore.server.engine import Engine
-from tracestore.server.metrics import Metrics
-from tracestore.server.testing import SPEC, ServeProcess, make_chunk, write_request
+from tracestore.server.testing import SPEC, ServeProcess, make_chunk, start_engine, submit_request, write_request
 from tracestore.server.wal import HEADER, WriteAheadLog
-from tracestore.server.wire import parse_write, wal_parser
+from tracestore.server.wire import parse_write
 
 from tracestore.errors import ConfigError, ConflictError, CorruptionError, LimitError, StorageError
 from tracestore.plan import MicrobatchPlan
@@ -43,18 +41,11 @@ SITE = SPEC.site("layers.1.mlp.input")
 
 
 def _engine(url: str, wal: Path | None, **kw: object) -> Engine:
-    cfg = ServerConfig(storage=url, wal_dir=None if wal is None else str(wal), port=0, metrics_port=None, **kw)
-    store = Store(url)
-    store.put_run(SPEC)
-    eng = Engine(cfg, store, Metrics())
-    eng.start(wal_parser(eng.run_spec))
-    return eng
+    return start_engine(url, wal, **kw)  # type: ignore[no-any-return]
 
 
 def _submit(eng: Engine, req: object) -> tuple[object, bool]:
-    raw = req.SerializeToString()  # type: ignore[attr-defined]
-    _, msg, parts = parse_write(raw, eng.run_spec, None)
-    return eng.submit(msg, parts)
+    return submit_request(eng, req)  # type: ignore[arg-type]
 
 
 def _until(what: str, fn: object, timeout: float = 15.0) -> None:
