@@ -14,7 +14,10 @@ Service names (server/service.py): ``""`` and ``tracestore.v1.TraceStore`` follo
 reason (storage refusing commits, a failing WAL, a dead or stalled flusher); ``tracestore.v1.Liveness``
 goes NOT_SERVING only for what a restart mends (a dead flusher): probes watch that one.
 
-Only ``grpc`` and the health stubs are imported for the check, and only when it runs.
+Settings (``--target``, ``--service``, ``--timeout``): flag, else ``TRACESTORE_<FLAG>``, else the
+``[health]`` table of a ``--config`` file, through :mod:`tracestore.cli` (standard library only, and
+``tomllib`` only when a config file is named). Only ``grpc`` and the health stubs are imported for
+the check, and only when it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from tracestore.cli import Kind, Setting, add_settings, number, optional, text
 
 LIVENESS = "tracestore.v1.Liveness"  # the same name as server/service.py (a test keeps them equal)
 DEFAULT_PORT = 7433
@@ -43,6 +48,23 @@ def grpc_target(target: str) -> str:
     return "unix://" + target if target.startswith("/") else target
 
 
+def _service(raw: object) -> str:
+    if not isinstance(raw, str):
+        raise ValueError
+    return raw.strip()
+
+
+SETTINGS = (
+    Setting("--target", optional(text("unix:///path/to.sock, a socket path or host:port")), None,
+            "unix:///path/to.sock (or the path) or host:port",
+            show="unix://$TRACESTORE_UNIX_SOCKET, else 127.0.0.1:$TRACESTORE_PORT", metavar="TARGET"),
+    Setting("--service", Kind("a health service name ('' for the overall status)", _service), "",
+            f"health name: '' (every degraded reason), tracestore.v1.TraceStore (the same), {LIVENESS} "
+            "(NOT_SERVING only for what a restart mends: what probes watch)", show="'' (overall)", metavar="NAME"),
+    Setting("--timeout", number(gt=0), 3.0, "seconds for the whole check, connecting included", metavar="SECONDS"),
+)  # fmt: skip
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "health",
@@ -50,21 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Check one gRPC health name of a running sidecar and print one line: exit 0 when "
         "SERVING, 1 otherwise (NOT_SERVING, unknown name, unreachable, timeout). The default target is "
         "unix://$TRACESTORE_UNIX_SOCKET, else 127.0.0.1:$TRACESTORE_PORT (7433). Plaintext: check a TLS "
-        "sidecar over its unix socket.",
+        "sidecar over its unix socket. Settings: flag, else TRACESTORE_<FLAG>, else the [health] table of a "
+        "--config file.",
     )
-    p.add_argument(
-        "--target",
-        default=None,
-        help="unix:///path/to.sock (or the path) or host:port (default: unix://$TRACESTORE_UNIX_SOCKET, "
-        "else 127.0.0.1:$TRACESTORE_PORT)",
-    )
-    p.add_argument(
-        "--service",
-        default="",
-        help=f'health name: "" (default; every degraded reason), tracestore.v1.TraceStore (the same), {LIVENESS} '
-        "(NOT_SERVING only for what a restart mends: what probes watch)",
-    )
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds for the whole check, connecting included")
+    add_settings(p, "health", SETTINGS)
     p.set_defaults(func=run)
 
 
@@ -98,8 +109,13 @@ def check(target: str, service: str = "", timeout: float = 3.0) -> tuple[int, st
 
 
 def run(ns: argparse.Namespace) -> int:
-    if not ns.timeout > 0:
-        print(f"tracestore health: --timeout must be > 0 seconds, got {ns.timeout}", file=sys.stderr)
+    from tracestore.cli import resolve
+    from tracestore.errors import ConfigError
+
+    try:
+        resolve(ns)
+    except ConfigError as exc:
+        print(f"tracestore health: {exc}", file=sys.stderr)
         return 2
     target = ns.target or default_target()
     if "grpc" not in sys.modules:  # grpc's C core would log the connection failure again, over several lines

@@ -4,8 +4,9 @@ Each subcommand lives in its own module with ``register(subparsers)``, which add
 sets ``func`` (``Namespace -> int`` exit code). Modules whose extra is not installed still
 register, and fail with a message naming the extra when run.
 
-Configuration. The settings of ``serve``, ``inspect`` and ``selftest`` are declared once each as a
-:class:`Setting` (flag, type, default, help) and come from, in this order of precedence:
+Configuration. The settings of every subcommand (``serve``, ``inspect``, ``selftest``, ``check``,
+``demo``, ``health``) are declared once each as a :class:`Setting` (flag, type, default, help) and
+come from, in this order of precedence:
 
 1. the flag (``--memory-budget-mib 2048``);
 2. the environment variable ``TRACESTORE_<FLAG>`` (``TRACESTORE_MEMORY_BUDGET_MIB=2048``);
@@ -20,9 +21,9 @@ never ``--help``. Why argparse + this small typed layer rather than pydantic-set
 already is the contract every subcommand module registers with (``register(subparsers)``, some of
 them owned elsewhere and only flag/env), the layer adds no dependency to the core package that
 ``[client]`` installs, and TOML is parsed by the standard library (``tomllib``; ``tomli`` before
-Python 3.11). Subcommands not yet declared with settings use :func:`env_default` (flag and
-environment only); a variable of theirs that does not convert is reported the same way when that
-subcommand runs.
+Python 3.11). :func:`env_default` (flag and environment only) remains for a subcommand registered
+from elsewhere without settings; a variable of its that does not convert is reported the same way
+when that subcommand runs.
 """
 
 from __future__ import annotations
@@ -398,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracestore",
         description="TRACE guidance-record storage and transport for FP4 RL of MoE models. Settings come from "
-        "--flags, else TRACESTORE_<FLAG> variables, else a TOML config file (--config FILE or TRACESTORE_CONFIG; "
-        "serve, inspect, selftest), else the defaults `tracestore COMMAND --help` shows.",
+        "--flags, else TRACESTORE_<FLAG> variables, else the COMMAND's table of a TOML config file (--config FILE "
+        "or TRACESTORE_CONFIG), else the defaults `tracestore COMMAND --help` shows.",
     )
     parser.add_argument("--version", action="version", version=f"tracestore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -26,41 +26,84 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from tracestore.errors import TraceStoreError
+from tracestore.cli import JSON_OBJECT, SWITCH, Kind, Setting, add_settings, integer, optional, text
+from tracestore.errors import ConfigError, TraceStoreError
+
+
+def _csv(what: str, item: Callable[[str], Any]) -> Kind:
+    """A comma-separated list (a TOML array in a config file) of ``item``s."""
+
+    def parse(raw: Any) -> list[Any]:
+        parts = raw.split(",") if isinstance(raw, str) else raw if isinstance(raw, list) else None
+        if not parts:
+            raise ValueError
+        out = [item(p.strip() if isinstance(p, str) else p) for p in parts]
+        if any(v is None or v == "" for v in out):
+            raise ValueError
+        return out
+
+    return Kind(what, parse)
+
+
+def _version(raw: Any) -> int:
+    return int(integer(0).parse(raw))
+
+
+def _site(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError
+    return raw
+
+
+SETTINGS = (
+    Setting("--refs", optional(text("a JSON-lines file of TraceRefs, or '-'")), None,
+            "JSON-lines file of TraceRefs ('-': standard input); this or --plan", show="none", metavar="FILE"),
+    Setting("--plan", optional(text("a JSON plan file")), None,
+            'JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
+            "(null trajectory: padding); this or --refs", show="none", metavar="FILE"),
+    Setting("--run", optional(text("a run id")), None, "the run (required with --plan)",
+            show="the refs' run", metavar="RUN"),
+    Setting("--versions", optional(_csv("comma-separated policy versions (integers >= 0)", _version)), None,
+            "comma-separated policy versions a --plan reads", show="all", metavar="V,..."),
+    Setting("--sites", optional(_csv("comma-separated site names", _site)), None, "comma-separated sites to check",
+            show="all of the run's", metavar="SITE,..."),
+    Setting("--json", SWITCH, False, "print one JSON object instead of the table", switch=True),
+    Setting("--storage-options", JSON_OBJECT, None, "JSON object passed to fsspec untouched",
+            secret=True, show="none", metavar="JSON"),
+)  # fmt: skip
+
+_RANK = {"flag": 3, "env": 2, "file": 1, "default": 0}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from tracestore.cli import env_default
-
     p = sub.add_parser(
         "check",
         help="check TraceRefs or a plan against storage; exit 1 on any misalignment",
         description="Report, per trajectory and site, tokens with records, the final positions "
         "(unrecorded by design), missing tokens, tokens of a wrong policy version and tokens served "
-        "through prefix links; exit 1 on any misalignment. Env twins: TRACESTORE_RUN, "
-        "TRACESTORE_STORAGE_OPTIONS.",
+        "through prefix links; exit 1 on any misalignment. Give --refs or --plan. Settings: flag, else "
+        "TRACESTORE_<FLAG>, else the [check] table of a --config file.",
     )
     p.add_argument("url", help="storage URL, e.g. file://./tracestore-data or s3://bucket/prefix")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--refs", help="JSON-lines file of TraceRefs ('-': standard input)")
-    src.add_argument(
-        "--plan",
-        help='JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
-        "(null trajectory: padding)",
-    )
-    p.add_argument("--run", default=env_default("--run", None), help="the run (required with --plan)")
-    p.add_argument("--versions", default=None, help="comma-separated policy versions a --plan reads (default: all)")
-    p.add_argument("--sites", default=None, help="comma-separated sites to check (default: all of the run's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--storage-options",
-        default=env_default("--storage-options", None),
-        help="JSON object passed to fsspec untouched",
-    )
+    add_settings(p, "check", SETTINGS)
     p.set_defaults(func=run)
+
+
+def source(ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(refs, plan) of resolved ``ns``, exactly one set: of --refs and --plan the one from the higher
+    source (flag > variable > file) wins; both from the same source, or neither, is a usage error."""
+    refs, plan = ns.refs, ns.plan
+    if refs is None and plan is None:
+        raise ConfigError("give --refs FILE or --plan FILE (or TRACESTORE_REFS, TRACESTORE_PLAN, [check] refs/plan)")
+    if refs is not None and plan is not None:
+        r, p = _RANK[ns._sources["refs"]], _RANK[ns._sources["plan"]]
+        if r == p:
+            raise ConfigError(f"--refs and --plan both given ({ns._sources['refs']}): give one")
+        return (refs, None) if r > p else (None, plan)
+    return refs, plan
 
 
 def _load_refs(path: str) -> list[Any]:
@@ -208,16 +251,23 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from tracestore.cli import resolve
+
     try:
-        opts = json.loads(ns.storage_options) if ns.storage_options else None
+        resolve(ns)
+        refs, plan = source(ns)
+    except ConfigError as exc:
+        print(f"tracestore check: {exc}", file=sys.stderr)
+        return 2
+    try:
         report = check(
             ns.url,
-            refs=_load_refs(ns.refs) if ns.refs else None,
-            plan=_load_plan(ns.plan) if ns.plan else None,
+            refs=_load_refs(refs) if refs else None,
+            plan=_load_plan(plan) if plan else None,
             run=ns.run,
-            versions=[int(v) for v in ns.versions.split(",")] if ns.versions else None,
-            sites=ns.sites.split(",") if ns.sites else None,
-            storage_options=opts,
+            versions=ns.versions,
+            sites=ns.sites,
+            storage_options=ns.storage_options,
         )
     except (ValueError, OSError, TraceStoreError) as exc:
         print(f"tracestore check: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -8,11 +8,66 @@ import sys
 import textwrap
 from typing import Any
 
-from tracestore.cli import env_default
+from tracestore.cli import SWITCH, Kind, Setting, add_settings, choice, integer, number, optional, text
+
+
+def count(lo: int) -> Kind:
+    """An integer of at least ``lo``; a value that is no integer reads "expected an integer", one
+    below ``lo`` "expected an integer (at least lo)"."""
+
+    def parse(raw: object) -> int:
+        v = integer().parse(raw)
+        if v < lo:
+            raise ValueError(f"at least {lo}")
+        return int(v)
+
+    return Kind("an integer", parse, "N")
+
+
+ARCHS = (
+    "qwen3_moe (default), qwen2_moe, mixtral, olmoe, phimoe, gpt_oss, granitemoe, granitemoeshared, dbrx, jetmoe, "
+    "deepseek_v2, deepseek_v3 (MLA), llama4 (text), jamba, granitemoehybrid, nemotron_h (Mamba hybrids), "
+    "qwen3_next, qwen3_5_moe, minimax (linear-attention hybrids), lfm2_moe (convolution hybrid), qwen3_vl_moe "
+    "(vision-language)"
+)
+
+SETTINGS = (
+    Setting("--arch", text("a transformers MoE model type"), "qwen3_moe", f"transformers MoE model type: {ARCHS}",
+            metavar="TYPE"),
+    Setting("--layers", count(1), 8, "decoder layers"),
+    Setting("--hidden", count(1), 512, "hidden size"),
+    Setting("--heads", count(1), 8, "attention heads"),
+    Setting("--kv-heads", count(1), 2, "K/V heads"),
+    Setting("--experts", count(1), 8, "routed experts"),
+    Setting("--top-k", count(1), 2, "experts per token"),
+    Setting("--vocab", count(1), 1024, "vocabulary size"),
+    Setting("--trajectories", count(1), 8, "batch of rollouts"),
+    Setting("--prompt", count(1), 32, "prompt tokens"),
+    Setting("--tokens", count(2), 64, "generated tokens per trajectory"),
+    Setting("--bits", integer(1, 4), 1, "b of the compact/all-layers modes"),
+    Setting("--rule", choice("bracket", "paper"), "bracket", "guided rounding rule"),
+    Setting("--format", choice("nvfp4", "mxfp4"), "nvfp4", "FP4 format"),
+    Setting("--scales", choice("static", "token", "forward"), "static",
+            "NVFP4 decode-side g: static = calibrated per site, token = per-token, forward = per-forward dynamic amax"),
+    Setting("--steps", count(1), 3, "training steps per mode"),
+    Setting("--lr", number(ge=0), 1e-4, "AdamW learning rate"),
+    Setting("--storage", optional(text("a file:// URL")), None, "file:// URL for the records",
+            show="OUT/service/store", metavar="URL"),
+    Setting("--transport", choice("auto", "service", "memory"), "auto",
+            "service: through RolloutRecorder/serve/GuidanceReader; memory: records held in memory; "
+            "auto: service when installed"),
+    Setting("--device", optional(text("a torch device such as cpu, cuda or cuda:1")), None, "cpu or cuda",
+            show="cuda when available", metavar="DEVICE"),
+    Setting("--dtype", choice("bf16", "fp32"), "bf16", "model dtype"),
+    Setting("--seed", integer(0), 0, "random seed"),
+    Setting("--threads", integer(0), 1, "torch CPU threads (the ops are small; 0 keeps torch's default)"),
+    Setting("--out", text("a directory"), "tracestore-demo", "output directory", metavar="DIR"),
+    Setting("--progress", SWITCH, True, "progress bars on standard error when it is a terminal (--no-progress: none)",
+            switch=True),
+)  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    e = env_default
     p = sub.add_parser(
         "demo",
         help="TRACE end to end on a small random MoE model: FP4 rollout -> records -> training -> fidelity report",
@@ -22,45 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train a copy of the model for --steps steps (forward, backward, AdamW) in five modes (BF16, vanilla "
         "RTN QAT, TRACE compact, TRACE all layers, TRACE b=4) through the public hook GuidedFP4Hooks. Prints "
         "per mode and step the log-prob difference and KL between rollout and trainer beside per-site MSE; "
-        "writes results.json and PNG plots into --out. Every --flag can also be set as TRACESTORE_FLAG "
-        "(e.g. TRACESTORE_ARCH).",
+        "writes results.json and PNG plots into --out. Settings: flag, else TRACESTORE_<FLAG> (e.g. "
+        "TRACESTORE_ARCH), else the [demo] table of a --config file.",
     )
-    p.add_argument("--arch", default=e("--arch", "qwen3_moe"), help="transformers MoE model type: qwen3_moe "
-                   "(default), qwen2_moe, mixtral, olmoe, phimoe, gpt_oss, granitemoe, granitemoeshared, dbrx, "
-                   "jetmoe, deepseek_v2, deepseek_v3 (MLA), llama4 (text), jamba, granitemoehybrid, nemotron_h "
-                   "(Mamba hybrids), qwen3_next, qwen3_5_moe, minimax (linear-attention hybrids), lfm2_moe "
-                   "(convolution hybrid), qwen3_vl_moe (vision-language)")  # fmt: skip
-    p.add_argument("--layers", type=int, default=int(e("--layers", 8)), help="decoder layers (default 8)")
-    p.add_argument("--hidden", type=int, default=int(e("--hidden", 512)), help="hidden size (default 512)")
-    p.add_argument("--heads", type=int, default=int(e("--heads", 8)), help="attention heads (default 8)")
-    p.add_argument("--kv-heads", type=int, default=int(e("--kv-heads", 2)), help="K/V heads (default 2)")
-    p.add_argument("--experts", type=int, default=int(e("--experts", 8)), help="routed experts (default 8)")
-    p.add_argument("--top-k", type=int, default=int(e("--top-k", 2)), help="experts per token (default 2)")
-    p.add_argument("--vocab", type=int, default=int(e("--vocab", 1024)), help="vocabulary size (default 1024)")
-    p.add_argument("--trajectories", type=int, default=int(e("--trajectories", 8)), help="batch of rollouts (8)")
-    p.add_argument("--prompt", type=int, default=int(e("--prompt", 32)), help="prompt tokens (default 32)")
-    p.add_argument("--tokens", type=int, default=int(e("--tokens", 64)), help="generated tokens per trajectory (64)")
-    p.add_argument("--bits", type=int, default=int(e("--bits", 1)), help="b of the compact/all-layers modes (1)")
-    p.add_argument("--rule", default=e("--rule", "bracket"), choices=("bracket", "paper"), help="guided rounding rule")
-    p.add_argument("--format", default=e("--format", "nvfp4"), choices=("nvfp4", "mxfp4"), help="FP4 format (nvfp4)")
-    p.add_argument("--scales", default=e("--scales", "static"), choices=("static", "token", "forward"),
-                   help="NVFP4 decode-side g: static = calibrated per site (default), token = per-token, "
-                   "forward = per-forward dynamic amax")  # fmt: skip
-    p.add_argument("--steps", type=int, default=int(e("--steps", 3)), help="training steps per mode (3)")
-    p.add_argument("--lr", type=float, default=float(e("--lr", 1e-4)), help="AdamW learning rate (1e-4)")
-    p.add_argument(
-        "--storage", default=e("--storage", None), help="file:// URL for the records (default: OUT/service/store)"
-    )
-    p.add_argument("--transport", default=e("--transport", "auto"), choices=("auto", "service", "memory"),
-                   help="service: through RolloutRecorder/serve/GuidanceReader; memory: records held in memory; "
-                   "auto: service when installed")  # fmt: skip
-    p.add_argument("--device", default=e("--device", None), help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=e("--dtype", "bf16"), choices=("bf16", "fp32"), help="model dtype (bf16)")
-    p.add_argument("--seed", type=int, default=int(e("--seed", 0)))
-    p.add_argument("--threads", type=int, default=int(e("--threads", 1)), help="torch CPU threads (default 1: "
-                   "the ops are small; 0 keeps torch's default)")  # fmt: skip
-    p.add_argument("--out", default=e("--out", "tracestore-demo"), help="output directory (default ./tracestore-demo)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_settings(p, "demo", SETTINGS)
     p.set_defaults(func=run)
 
 
@@ -83,6 +103,7 @@ def _progress(enabled: bool) -> Any:
 
 
 def run(ns: argparse.Namespace) -> int:
+    from tracestore.cli import resolve
     from tracestore.errors import MissingExtraError, TraceStoreError, require
 
     try:
@@ -94,6 +115,7 @@ def run(ns: argparse.Namespace) -> int:
     except MissingExtraError as exc:
         print(f"tracestore demo: {exc}", file=sys.stderr)
         return 2
+    resolve(ns)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")  # type: ignore[attr-defined]
     try:
         cfg = DemoConfig(
@@ -104,7 +126,7 @@ def run(ns: argparse.Namespace) -> int:
         )  # fmt: skip
         out = pathlib.Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
-        results = run_demo(cfg, out=out, progress=_progress(not ns.no_progress and sys.stderr.isatty()))
+        results = run_demo(cfg, out=out, progress=_progress(ns.progress and sys.stderr.isatty()))
     except TraceStoreError as exc:
         print(f"tracestore demo: {exc}", file=sys.stderr)
         return 2
