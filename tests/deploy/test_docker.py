@@ -113,13 +113,13 @@ def test_image_defaults_start_and_keep_grpc_on_loopback(h, monkeypatch):
 def test_image_healthcheck_runs_tracestore_health(h):
     from tracestore.server.service import LIVENESS
 
-    from tracestore.cli import build_parser
+    from tracestore.cli import build_parser, resolve
 
     (check,) = [a for i, a in instructions(h.DOCKERFILE.read_text()) if i == "HEALTHCHECK"]
     options, _, cmd = check.partition("CMD ")
     argv = json.loads(cmd)  # exec form
     assert argv[0] == "tracestore"
-    ns = build_parser().parse_args(argv[1:])
+    ns = resolve(build_parser().parse_args(argv[1:]), {})
     assert ns.command == "health" and ns.service == LIVENESS and ns.target is None  # the socket of the ENV
     timeout = re.search(r"--timeout=(\d+)s", options)
     assert timeout is not None and ns.timeout < int(timeout.group(1))

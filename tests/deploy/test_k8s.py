@@ -76,14 +76,15 @@ def serve_config(h, container_env: dict[str, str], monkeypatch: pytest.MonkeyPat
     return config_from_args(build_parser().parse_args(["serve"]))
 
 
-def health_probe(command: list[str]) -> argparse.Namespace:
-    """An exec probe's command parsed by the real CLI: it must be `tracestore health ...`."""
-    from tracestore.cli import build_parser
+def health_probe(command: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """An exec probe's command parsed and resolved by the real CLI (in the container's environment):
+    it must be `tracestore health ...`."""
+    from tracestore.cli import build_parser, resolve
 
     assert command[0] == "tracestore", command
     ns = build_parser().parse_args(command[1:])
     assert ns.command == "health", command
-    return ns
+    return resolve(ns, environ or {})
 
 
 def to_seconds(value: str | int) -> int:
@@ -184,7 +185,7 @@ def test_probes_exec_tracestore_health_on_the_liveness_name_over_the_socket(docs
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = sidecar[kind]
         assert set(probe) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"exec"}, f"{kind} must be an exec probe"
-        ns = health_probe(probe["exec"]["command"])
+        ns = health_probe(probe["exec"]["command"], e)
         assert ns.func is cli_health.run
         assert ns.service == LIVENESS, f"{kind} must watch {LIVENESS} (readiness must not follow storage)"
         assert (ns.target or cli_health.default_target(e)) == f"unix://{sock}", kind
