@@ -4,7 +4,9 @@ Nothing in the model is edited or monkeypatched. Where the hooks go comes from t
 (:mod:`tracestore.client.hf_layouts`: decoder-layer list, attention module, MoE block, shared expert):
 
 - MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block, which may replace the
-  block's input (fake quantization). A shared expert that sits beside the block and takes the same
+  block's input (fake quantization); in a decoder layer that holds its experts itself (Gemma 4), on
+  the module the layout names (``Layout.moe_inline``: the experts, whose flattened token rows are
+  shown to the callback as ``[batch, tokens, hidden]``). A shared expert that sits beside the block and takes the same
   input gets the same replacement (one site, one callback call), as in an FP4 engine that quantizes
   the MoE layer's input once for routed and shared experts; shared experts inside the block consume
   its hooked input anyway.
@@ -16,12 +18,14 @@ Nothing in the model is edited or monkeypatched. Where the hooks go comes from t
   what the attention caches, post-RoPE K and V for multi-head attention and the normalized latent
   and rotary key for MLA, once per new token, with a cache or without, in ``generate()`` with
   whatever cache it makes, under any attention implementation. Layers without such an attention
-  (linear attention, Mamba) have no K/V sites, as dense layers have no MoE-input site.
+  (linear attention, Mamba) have no K/V sites, as dense layers have no MoE-input site. A decoder
+  layer with several attention modules (LongCat-Flash) has K/V sites for each.
 
 Sites are named ``layers.{i}.{suffix}`` with ``i`` the decoder layer's index: ``mlp.input`` (the
 MoE block's input), ``attn.k`` and ``attn.v`` (post-RoPE key and value rows, K/V heads flattened),
 and for MLA ``attn.kv_latent`` (the latent after ``kv_a_layernorm``, width kv_lora_rank) and
-``attn.k_rope`` (the post-RoPE rotary key, width qk_rope_head_dim).
+``attn.k_rope`` (the post-RoPE rotary key, width qk_rope_head_dim). The second, third, ... attention
+module of a decoder layer (LongCat-Flash) names its sites ``attn1.*``, ``attn2.*``, ...
 
 The callback ``fn(site, x)`` gets ``x`` as ``[batch, tokens, width]`` in the model's dtype (heads
 flattened: rows line up with the MoE-input sites' token rows) and returns a replacement of the same
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 SiteFn = Callable[["HookedSite", torch.Tensor], "torch.Tensor | None"]
+_Slot = tuple[int, int]  # (decoder layer, attention module within it): where K/V enter the cache
 
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value")
 
@@ -81,6 +86,12 @@ def site_name(layer: int, kind_or_suffix: str) -> str:
     return f"layers.{layer}.{suffix}"
 
 
+def _with_prefix(suffix: str, prefix: str) -> str:
+    """``attn.k`` with prefix ``attn1`` -> ``attn1.k`` (the K/V sites of a layer's second attention module)."""
+    head, dot, rest = suffix.partition(".")
+    return f"{prefix}.{rest}" if dot and head == "attn" else suffix
+
+
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword under which ``model``'s forward takes its KV cache, bound to ``cache``."""
     params = inspect.signature(model.forward).parameters
@@ -89,11 +100,6 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
 
 def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
     """The attention forward's cache parameter: name and positional index (None: keyword only)."""
-    if isinstance(attn, torch.nn.ModuleList):
-        raise ConfigError(
-            f"{where} is a list of {len(attn)} attention modules; one attention per decoder layer is supported "
-            "(pass kv=False to hook MoE inputs only)"
-        )
     params = list(inspect.signature(attn.forward).parameters.values())
     for name in _CACHE_ARGS:
         for i, p in enumerate(params):
@@ -113,7 +119,7 @@ class _CacheTap:
     cache the real one is a scratch cache that lives for that forward (what a prefill would fill), so
     the attention runs the same code with the same values as it does in generation."""
 
-    def __init__(self, hooks: HFSiteHooks, layer: int, cache: Any) -> None:
+    def __init__(self, hooks: HFSiteHooks, layer: _Slot, cache: Any) -> None:
         self._hooks, self._layer, self._cache = hooks, layer, cache
 
     def update(self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -139,9 +145,10 @@ class HFSiteHooks:
     """Call ``fn(site, x)`` on every MoE-block input and on the K/V entering the KV cache.
 
     One line for the decoder-only MoE models of transformers, multimodal wrappers included (the hooks
-    resolve to the language model): ``HFSiteHooks(model, fn)``. Not supported, with an error saying
-    so: experts held by the decoder layer itself (Gemma 4) and several attention modules in one
-    decoder layer (LongCat-Flash). ``layers`` limits the hooked decoder layers (default all);
+    resolve to the language model): ``HFSiteHooks(model, fn)``, Gemma 4 (experts held by the decoder
+    layer itself) and LongCat-Flash (two attention modules per decoder layer) included; a layer that
+    holds its experts itself under a layout without ``moe_inline`` is refused with the reason.
+    ``layers`` limits the hooked decoder layers (default all);
     ``kv=False`` hooks MoE inputs only, ``moe=False`` K/V only; ``layout`` overrides the registered
     :class:`~tracestore.client.hf_layouts.Layout`. Use as a context manager or call :meth:`remove`.
     """
@@ -172,10 +179,11 @@ class HFSiteHooks:
                 raise ConfigError(f"layer {i} is out of range: the model has {len(decoder)} decoder layers")
         self._sites: dict[str, HookedSite] = {}
         self._order: dict[str, int] = {}
-        self._kv_sites: dict[int, tuple[HookedSite, HookedSite]] = {}
+        self._kv_sites: dict[_Slot, tuple[HookedSite, HookedSite]] = {}
         self._sharing: set[int] = set()  # layers whose shared expert sits beside the MoE block
         self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # such a layer -> (input, replacement)
-        self._pending: set[int] = set()  # layers whose attention is running and has not written K/V yet
+        self._pending: set[_Slot] = set()  # attention modules running that have not written K/V yet
+        self._lead: dict[int, tuple[int, ...]] = {}  # layer with inline experts -> its input's [batch, tokens]
         self._handles: list[Any] = []
         self._kv_free: dict[int, str] = {}
         self._scratch_cache: Any = None  # the K/V of a forward run without a cache, for that forward
@@ -193,7 +201,7 @@ class HFSiteHooks:
                 raise ConfigError(
                     f"{self.layers_path}.{inline[0]} ({type(decoder[inline[0]]).__name__}) holds its experts itself: "
                     "there is no MoE block module whose input is the layer's [batch, tokens, hidden] MoE input, "
-                    "and this layout is not supported (moe=False hooks the K/V only)"
+                    "and this layout names no moe_inline module taking it (moe=False hooks the K/V only)"
                 )
             if kv and wanted and not self._kv_sites and not self._kv_free:
                 raise ConfigError(
@@ -223,6 +231,12 @@ class HFSiteHooks:
                 self._handles.append(shared[1].register_forward_pre_hook(self._moe_pre_hook(site, what)))
                 self._handles.append(layer.register_forward_pre_hook(self._forget(i)))
                 self._handles.append(layer.register_forward_hook(self._forget(i)))
+        inner = self.layout.inline_moe(layer) if moe and block is None else None
+        if inner is not None:  # experts held by the layer: hook the module that takes the MoE input
+            site = self._add(HookedSite(site_name(i, "moe_input"), "moe_input", i, int(cfg.hidden_size)))
+            what = f"{self.layout.moe_inline} module of {where}"
+            self._handles.append(layer.register_forward_pre_hook(self._lead_shape(i), with_kwargs=True))
+            self._handles.append(inner.register_forward_pre_hook(self._inline_pre_hook(site, what)))
         if not kv:
             return
         why = self.layout.kv_free(cfg, i, layer)
@@ -238,21 +252,27 @@ class HFSiteHooks:
                     f"this model ({self.model_type})"
                 )
             return
-        style: KVStyle = self.layout.kv_style(attn)
-        widths = style.widths(cfg, attn)
-        first, second = (
-            self._add(HookedSite(site_name(i, suffix), kind, i, int(w)))
-            for (suffix, kind), w in zip(style.sites, widths, strict=True)
-        )
-        self._kv_sites[i] = (first, second)
-        owner = f"{where}.{self.layout.attention} ({type(attn).__name__})"
-        param, pos = _cache_param(attn, owner)
-        self._handles.append(attn.register_forward_pre_hook(self._attn_pre_hook(i, param, pos), with_kwargs=True))
-        self._handles.append(attn.register_forward_hook(self._attn_post_hook(i, owner)))
+        several = isinstance(attn, torch.nn.ModuleList)  # several attention modules in the layer (LongCat-Flash)
+        for j, module in enumerate(attn if several else [attn]):
+            style: KVStyle = self.layout.kv_style(module)
+            widths = style.widths(cfg, module)
+            prefix = "attn" if j == 0 else f"attn{j}"
+            first, second = (
+                self._add(HookedSite(site_name(i, _with_prefix(suffix, prefix)), kind, i, int(w)))
+                for (suffix, kind), w in zip(style.sites, widths, strict=True)
+            )
+            slot = (i, j)
+            self._kv_sites[slot] = (first, second)
+            path = f"{self.layout.attention}.{j}" if several else self.layout.attention
+            owner = f"{where}.{path} ({type(module).__name__})"
+            param, pos = _cache_param(module, owner)
+            pre = self._attn_pre_hook(slot, param, pos)
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._attn_post_hook(slot, owner)))
 
     @property
     def sites(self) -> tuple[HookedSite, ...]:
-        """Hooked sites in layer order (MoE input, then the two K/V sites in cache order)."""
+        """Hooked sites in layer order (MoE input, then the two K/V sites of each attention module in cache order)."""
         return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, self._order[s.name])))
 
     def new_cache(self) -> Any:
@@ -330,16 +350,54 @@ class HFSiteHooks:
 
         return hook
 
+    def _lead_shape(self, layer: int) -> Callable[..., None]:
+        """Pre-hook on a decoder layer holding its experts: remember its input's [batch, tokens]."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.dim() >= 2:
+                self._lead[layer] = tuple(x.shape[:-1])
+
+        return hook
+
+    def _inline_pre_hook(self, site: HookedSite, what: str) -> Callable[..., Any]:
+        """Pre-hook on the module of a decoder layer that takes its MoE input with the tokens flattened
+        (``[batch*tokens, hidden]``): the callback sees ``[batch, tokens, hidden]``."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0] if args else None
+            lead = self._lead.get(site.layer)
+            if not isinstance(x, torch.Tensor) or x.shape[-1] != site.width or lead is None:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ShapeError(
+                    f"{site.name}: expected the {what}'s first positional argument as the layer's MoE input "
+                    f"[batch*tokens, {site.width}] inside its decoder layer's forward, got {got}"
+                )
+            if x.dim() == 3:
+                return (self._moe_value(site, x, what), *args[1:])
+            rows = 1
+            for n in lead:
+                rows *= n
+            if x.dim() != 2 or x.shape[0] != rows or len(lead) != 2:
+                raise ShapeError(
+                    f"{site.name}: the {what} got {tuple(x.shape)}, not the {rows} token rows of the layer's input "
+                    f"{(*lead, site.width)}"
+                )
+            y = self._moe_value(site, x.reshape(*lead, site.width), what)
+            return (y.reshape(x.shape), *args[1:])
+
+        return hook
+
     def _forget(self, layer: int) -> Callable[..., None]:
         def hook(module: nn.Module, *rest: Any) -> None:
             self._memo.pop(layer, None)
 
         return hook
 
-    def _attn_pre_hook(self, layer: int, param: str, pos: int | None) -> Callable[..., Any]:
+    def _attn_pre_hook(self, layer: _Slot, param: str, pos: int | None) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
             self._pending.add(layer)
-            idx = getattr(module, "layer_idx", layer)
+            idx = getattr(module, "layer_idx", layer[0])
             name = next((n for n in _CACHE_ARGS if n in kwargs), None)
             if name is not None:
                 kwargs[name] = _CacheTap(self, layer, kwargs[name] if kwargs[name] is not None else self._scratch(idx))
@@ -366,7 +424,7 @@ class HFSiteHooks:
     def _drop_scratch(self, *args: Any) -> None:
         self._scratch_cache = None
 
-    def _attn_post_hook(self, layer: int, owner: str) -> Callable[..., None]:
+    def _attn_post_hook(self, layer: _Slot, owner: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if layer in self._pending:
                 self._pending.discard(layer)
@@ -379,7 +437,7 @@ class HFSiteHooks:
 
         return hook
 
-    def _kv(self, layer: int, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, layer: _Slot, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._pending.discard(layer)
         sites = self._kv_sites.get(layer)
         if sites is None:
@@ -402,6 +460,7 @@ class HFSiteHooks:
         self._handles.clear()
         self._memo.clear()
         self._pending.clear()
+        self._lead.clear()
         self._scratch_cache = None
 
     def __enter__(self) -> HFSiteHooks:

@@ -8,7 +8,10 @@ finds what it hooks, as dotted attribute paths:
   ``model``, ``transformer``, ...) until that path exists, so ``Qwen3VLMoeForConditionalGeneration``
   resolves to ``model.language_model`` and ``DbrxForCausalLM`` (``layers="blocks"``) to ``transformer``;
   vision towers are never entered.
-- ``attention``: relative to a decoder layer, the attention module that writes the KV cache. A layer
+- ``attention``: relative to a decoder layer, the attention module that writes the KV cache; a
+  ``ModuleList`` there is several attention modules in one decoder layer (LongCat-Flash: two MLA
+  sublayers, each with its own cache slot), whose sites take the prefixes ``attn``, ``attn1``,
+  ``attn2``, ... (see the site names below). A layer
   whose type in the config is one of ``no_kv_types`` (``linear_attention``, ``mamba``, ``conv``...)
   or whose mixer is one of the paths in ``no_kv`` has no K/V sites, just as a layer whose ``moe``
   path holds a dense MLP has no MoE-input site. An attention module that runs without writing
@@ -16,6 +19,15 @@ finds what it hooks, as dotted attribute paths:
 - ``moe``: relative to a decoder layer, the sparse-MoE block (a module with ``experts`` or a
   ``router``; JetMoE's has a router and parallel-expert linears); ``None`` takes the shallowest
   submodule that owns ``experts``.
+- ``moe_inline``: for a decoder layer that holds its experts itself, with no MoE block module
+  (Gemma 4: ``router`` and ``experts`` are children of the layer), the path of the module, relative
+  to the decoder layer, whose first positional argument is the MoE input (tokens flattened,
+  ``[batch*tokens, hidden]``; the site sees it as ``[batch, tokens, hidden]``). Gemma 4's is
+  ``experts``: its input is the residual after ``pre_feedforward_layernorm_2``, what the expert GEMMs
+  consume and an FP4 engine quantizes; its router reads the un-normalized residual, which the site
+  leaves as it is. A layer without that module is dense (no MoE-input site).
+- ``kv_reused``: an attribute of the attention module that is true where the layer reuses another
+  layer's K/V instead of writing its own (Gemma 4's ``is_kv_shared_layer``): no K/V sites there.
 - ``shared``: relative to a decoder layer, the shared expert, if any (``AUTO``: a child of the layer
   named like ``shared*mlp`` / ``shared*expert``). Inside the MoE block (Qwen2-MoE, DeepSeek,
   Llama 4, Qwen3-Next) it already consumes the block's hooked input. Beside the block
@@ -26,11 +38,17 @@ finds what it hooks, as dotted attribute paths:
   or :data:`MLA`; ``None`` picks MLA when the attention module has ``kv_lora_rank``).
 
 Site names are ``layers.{i}.{suffix}``, ``i`` the decoder layer's index: ``mlp.input`` (kind
-``moe_input``, width hidden_size); with :data:`GQA` ``attn.k`` / ``attn.v`` (post-RoPE key/value
+``moe_input``, width hidden_size, whether hooked at a MoE block or at ``moe_inline``); with
+:data:`GQA` ``attn.k`` / ``attn.v`` (post-RoPE key/value
 rows with the K/V heads flattened, width kv_heads x head_dim); with :data:`MLA` ``attn.kv_latent``
 (the compressed latent after ``kv_a_layernorm``, width kv_lora_rank, kind ``other``) and
 ``attn.k_rope`` (the post-RoPE rotary key shared by all heads, width qk_rope_head_dim, kind ``key``):
 what an MLA engine caches and quantizes, and what a training forward computes at the same place.
+Where ``attention`` is a ``ModuleList``, attention module ``j`` of the layer names its sites with
+``attn{j}`` in place of ``attn`` for ``j >= 1`` (module 0 keeps ``attn``): LongCat-Flash's layer ``i``
+has ``layers.{i}.attn.kv_latent`` / ``layers.{i}.attn.k_rope`` (``self_attn[0]``) and
+``layers.{i}.attn1.kv_latent`` / ``layers.{i}.attn1.k_rope`` (``self_attn[1]``), next to its one
+``layers.{i}.mlp.input`` (the shortcut MoE block).
 
 A new architecture is one entry::
 
@@ -68,7 +86,8 @@ def gqa_widths(cfg: Any, attn: Any) -> tuple[int, int]:
     heads = int(heads or cfg.num_attention_heads)
     head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None)
     head_dim = int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
-    return (_linear_width(attn, "k_proj") or heads * head_dim, _linear_width(attn, "v_proj") or heads * head_dim)
+    k = _linear_width(attn, "k_proj") or heads * head_dim
+    return k, _linear_width(attn, "v_proj") or k  # no v_proj (Gemma 4's K = V attention): V has K's heads
 
 
 def mla_widths(cfg: Any, attn: Any) -> tuple[int, int]:
@@ -127,6 +146,8 @@ class Layout:
     kv: KVStyle | None = GQA
     no_kv: tuple[str, ...] = ()
     no_kv_types: tuple[str, ...] = NO_KV_TYPES
+    moe_inline: str | None = None
+    kv_reused: str | None = None
 
     def moe_block(self, layer: nn.Module) -> nn.Module | None:
         """The layer's sparse-MoE block (a module with ``experts`` or a ``router``), or None (dense)."""
@@ -137,6 +158,11 @@ class Layout:
             return None
         block = get_path(layer, self.moe)
         return block if block is not None and (hasattr(block, "experts") or hasattr(block, "router")) else None
+
+    def inline_moe(self, layer: nn.Module) -> nn.Module | None:
+        """For a layer holding its experts itself: the module at ``moe_inline`` that takes the MoE
+        input, or None (no ``moe_inline``, or a dense layer without that module)."""
+        return None if self.moe_inline is None else get_path(layer, self.moe_inline)
 
     def shared_expert(self, layer: nn.Module, block: nn.Module) -> tuple[str, nn.Module] | None:
         """``(path, module)`` of the layer's shared expert, or None."""
@@ -167,7 +193,13 @@ class Layout:
             if isinstance(types, (list, tuple)) and index < len(types) and types[index] in self.no_kv_types:
                 return f"config.{attr}[{index}] = {types[index]!r}"
         mixer = next((p for p in self.no_kv if get_path(layer, p) is not None), None)
-        return None if mixer is None else f"its mixer at {mixer!r}"
+        if mixer is not None:
+            return f"its mixer at {mixer!r}"
+        if self.kv_reused is not None:
+            attn = self.attention_module(layer)
+            if attn is not None and getattr(attn, self.kv_reused, False) is True:
+                return f"its attention reuses another layer's K/V ({self.attention}.{self.kv_reused})"
+        return None
 
 
 DEFAULT = Layout(moe=None, shared=AUTO, kv=None)
@@ -199,6 +231,10 @@ LAYOUTS: dict[str, Layout] = {
     "granitemoehybrid": Layout(moe="block_sparse_moe", shared="shared_mlp", no_kv=("mamba",)),
     "lfm2_moe": Layout(moe="feed_forward", no_kv=("conv",)),
     "nemotron_h": Layout(attention="mixer", moe="mixer"),  # one mixer per layer, typed by layers_block_type
+    # experts and router on the decoder layer itself; the MoE input is what its experts consume
+    "gemma4_text": Layout(moe_inline="experts", kv_reused="is_kv_shared_layer"),
+    # two MLA attention modules per layer (self_attn[0] -> attn.*, self_attn[1] -> attn1.*), one MoE block
+    "longcat_flash": Layout(kv=MLA),
 }
 """Registered layouts by the text config's ``model_type`` (the ones the test suite runs)."""
 

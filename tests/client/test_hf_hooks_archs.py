@@ -2,7 +2,9 @@
 initialised, 2 layers, hidden 64): the one-liner attaches, ``generate()`` with the hooked cache
 gives the tokens it gives without hooks, every expected site is seen at every position, shared
 experts consume the hooked MoE input, MLA sites are what the cache holds, and TRACE on all layers
-(b = 1) reproduces the rollout's codes when the training forward sees the rollout's inputs."""
+(b = 1) reproduces the rollout's codes when the training forward sees the rollout's inputs. Besides
+the demo's architectures: Gemma 4 (experts held by the decoder layer itself) and LongCat-Flash (two
+MLA attention modules per decoder layer), built here from their configs at the same sizes."""
 
 from __future__ import annotations
 
@@ -24,7 +26,24 @@ from tracestore.packing import pack_bits  # noqa: E402
 B, PROMPT, NEW = 2, 5, 4
 GQA = ("mlp.input", "attn.k", "attn.v")
 MLA = ("attn.kv_latent", "attn.k_rope")
-WIDTH = {"mlp.input": 64, "attn.k": 32, "attn.v": 32, "attn.kv_latent": 32, "attn.k_rope": 32}
+WIDTH = {"mlp.input": 64, "attn.k": 32, "attn.v": 32, "attn.kv_latent": 32, "attn.k_rope": 32,
+         "attn1.kv_latent": 32, "attn1.k_rope": 32}  # fmt: skip
+_SPECIAL = {"max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+# Architectures the demo does not build: model type -> config (2 layers, hidden 64, 2 heads, 1 K/V head of 32)
+EXTRA: dict[str, dict] = {
+    # experts and router on the decoder layer (no MoE block module); sliding + full attention, no KV sharing
+    "gemma4_text": dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, global_head_dim=32, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                        vocab_size_per_layer_input=64, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32, num_kv_shared_layers=0, attention_k_eq_v=False, **_SPECIAL),
+    # two MLA attention modules per decoder layer (cache slots 2i and 2i+1), one shortcut MoE block
+    "longcat_flash": dict(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                          ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                          head_dim=32, v_head_dim=32, moe_topk=2, n_routed_experts=4, zero_expert_num=2,
+                          expert_ffn_hidden_size=32, **_SPECIAL),
+}  # fmt: skip
+ALL = sorted(ARCHS) + sorted(EXTRA)
 # arch -> the site suffixes of layers 0 and 1 (hidden 64, 2 heads, 1 K/V head of 32; MLA latent and
 # rotary key 32 wide). Dense first layer (DeepSeek); Mamba / linear attention first layer (hybrids).
 EXPECTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -38,6 +57,8 @@ EXPECTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "lfm2_moe": (("mlp.input",), GQA),
     "minimax": (GQA, ("mlp.input",)),  # lightning (linear) attention in layer 1
     "nemotron_h": (("mlp.input",), ("attn.k", "attn.v")),  # one mixer per layer: MoE, then attention
+    "gemma4_text": (GQA, GQA),  # mlp.input: what the layer's own experts consume
+    "longcat_flash": (("mlp.input", *MLA, "attn1.kv_latent", "attn1.k_rope"),) * 2,  # self_attn[0], self_attn[1]
 }
 # arch -> (MoE block, shared expert) paths in a decoder layer: the shared expert inside the block, or beside it
 SHARED = {
@@ -63,6 +84,13 @@ def _one_thread():  # noqa: ANN202 - tiny ops: extra threads only synchronise on
 
 @functools.cache
 def tiny(arch: str) -> object:
+    if arch in EXTRA:
+        import transformers
+
+        torch.manual_seed(1)
+        cfg = transformers.AutoConfig.for_model(arch, **EXTRA[arch])
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+        return model.eval()
     spec = ModelSpec(arch, layers=2, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, expert_hidden=32, vocab=64)
     return build_model(spec, dtype=torch.float32, seed=1)
 
@@ -83,7 +111,7 @@ def layers_of(model) -> list:  # noqa: ANN001
     return decoder_layers(model, layout_for(model)[1])[1]
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", ALL)
 def test_generate_with_hooks_gives_the_same_tokens_and_sees_every_site_at_every_position(arch: str) -> None:
     model = tiny(arch)
     ref = generate(model)
@@ -102,7 +130,7 @@ def test_generate_with_hooks_gives_the_same_tokens_and_sees_every_site_at_every_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", ALL)
 def test_trace_on_all_layers_b1_reproduces_the_rollout_codes(arch: str, fmt: str) -> None:
     """Rollout: FP4SiteRecorder around generate() (every decode step kept). Training: one teacher-forced
     forward without a cache over the positions the rollout ran, guided_round (b = 1) at every site
@@ -229,3 +257,61 @@ def test_demo_arch_flag_names_every_arch_and_runs_mla_and_hybrids() -> None:
         assert results["record_bytes_per_token"]["trace_all"] == sum(  # every site of every layer recorded
             WIDTH[s] // 8 + WIDTH[s] // 16 for i in (0, 1) for s in EXPECTED[arch][i]
         )
+
+
+def test_gemma4_moe_input_is_what_the_layers_own_experts_consume_and_kv_sharing_layers_have_no_kv_sites() -> None:
+    """Gemma 4 holds router and experts on the decoder layer: ``mlp.input`` is the experts' input (the
+    residual after pre_feedforward_layernorm_2, [batch*tokens, hidden] there, [batch, tokens, hidden]
+    at the callback) and its replacement is what they consume. Layers that reuse another layer's K/V
+    (num_kv_shared_layers) write none: no K/V sites, and generation is unchanged."""
+    import transformers
+
+    # per-layer inputs on: transformers 5.24 slices them unconditionally once layers share K/V
+    cfg = dict(EXTRA["gemma4_text"], num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+               layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("gemma4_text", **cfg), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    ref = generate(model)
+    layer = layers_of(model)[1]
+    seen: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
+    with HFSiteHooks(model, lambda s, x: None) as hooks:
+        assert [s.name for s in hooks.sites] == [f"layers.{i}.{s}" for i in (0, 1) for s in GQA] + [
+            "layers.2.mlp.input", "layers.3.mlp.input"]  # fmt: skip
+        assert torch.equal(generate(model, hooks), ref)
+    with torch.no_grad():
+        h = layer.experts.register_forward_pre_hook(lambda m, a: plain.append(a[0].clone()))
+        model(input_ids=prompt(), use_cache=False)
+        h.remove()
+        with HFSiteHooks(model, lambda s, x: x * 0.5 if s.name == "layers.1.mlp.input" else None, layers=[1]):
+            h = layer.experts.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+            model(input_ids=prompt(), use_cache=False)
+            h.remove()
+    assert plain[0].shape == (B * PROMPT, 64)
+    assert torch.allclose(seen[0], 0.5 * plain[0])
+
+
+def test_longcat_flash_sites_of_each_attention_module_are_what_its_cache_slot_holds() -> None:
+    """LongCat-Flash: self_attn[j] of decoder layer i writes cache slot 2i + j; its sites are
+    ``attn.*`` (j = 0) and ``attn1.*`` (j = 1), and what the callback returns is what that slot stores."""
+    model = tiny("longcat_flash")
+    returned: dict[str, torch.Tensor] = {}
+
+    def scale(site, x):  # noqa: ANN001, ANN202
+        if site.kind == "moe_input":
+            return None
+        returned[site.name] = y = x * (0.25 if ".attn1." in site.name else 0.5)
+        return y
+
+    with HFSiteHooks(model, scale) as hooks, torch.no_grad():
+        cache = hooks.new_cache()
+        model(input_ids=prompt(), **hooks.cache_kwargs(cache), use_cache=True)
+    assert len(returned) == 8
+    for i in (0, 1):
+        for j, attn in enumerate(("attn", "attn1")):
+            stored = cache.layers[2 * i + j]
+            assert stored.keys.shape == (B, 1, PROMPT, 32), (i, j)
+            assert torch.equal(stored.keys[:, 0], returned[f"layers.{i}.{attn}.kv_latent"]), (i, j)
+            assert torch.equal(stored.values[:, 0], returned[f"layers.{i}.{attn}.k_rope"]), (i, j)
