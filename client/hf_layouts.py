@@ -112,6 +112,16 @@ GQA = KVStyle("gqa", (("attn.k", "key"), ("attn.v", "value")), gqa_widths)
 MLA = KVStyle("mla", (("attn.kv_latent", "other"), ("attn.k_rope", "key")), mla_widths)
 
 
+def single_kv_widths(cfg: Any, attn: Any) -> tuple[int, int]:
+    """One K/V head shared by every query head (DeepSeek-V4: its ``kv_proj`` output is cached as
+    both K and V): head_dim each."""
+    head_dim = int(getattr(attn, "head_dim", None) or cfg.head_dim)
+    return head_dim, head_dim
+
+
+SINGLE_KV = KVStyle("single-kv", GQA.sites, single_kv_widths)
+
+
 def get_path(root: Any, path: str) -> Any:
     """``root.a.b`` for ``path="a.b"``, or None where an attribute is missing."""
     node = root
@@ -221,6 +231,8 @@ LAYOUTS: dict[str, Layout] = {
     "gpt_oss": Layout(),
     "deepseek_v2": Layout(shared="mlp.shared_experts", kv=MLA),
     "deepseek_v3": Layout(shared="mlp.shared_experts", kv=MLA),
+    # the shallowest module owning experts and an AUTO shared expert, as for unregistered types
+    "deepseek_v4": dataclasses.replace(DEFAULT, kv=SINGLE_KV),
     "granitemoe": Layout(moe="block_sparse_moe"),
     "granitemoeshared": Layout(moe="block_sparse_moe", shared="shared_mlp"),
     "llama4_text": Layout(moe="feed_forward", shared="feed_forward.shared_expert"),
