@@ -30,7 +30,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, VOCAB = 2, 64, 4, 2, 
 B, PROMPT, NEW = 2, 5, 3
 # field -> tiny value, applied where the default config has the field (each family's own names)
 TINY: dict[str, object] = {
-    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "n_layers"), LAYERS),
+    **dict.fromkeys(LAYER_KEYS := ("num_hidden_layers", "num_layers", "n_layer", "n_layers"), LAYERS),
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim"), HIDDEN),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "num_key_value_groups"),
@@ -55,6 +55,30 @@ TINY: dict[str, object] = {
     "enable_moe_block": True, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "tie_word_embeddings": False,
 }  # fmt: skip
 SUB_CONFIGS = ("text_config", "attn_config", "ffn_config")  # nested dicts shrunk the same way
+_QWEN4_EXP = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+              "indexer_compress_ratio": 4, "hc_lowrank": 16}  # fmt: skip
+_DOTS3_NOTE = {"num_key_value_heads": HEADS, "index_head_dim": HEAD_DIM, "index_n_heads": HEADS, "index_topk": 8,
+               "head_dim": 2 * HEAD_DIM,
+               "per_layer_config": {1: {"num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+                                        "q_lora_rank": 32, "kv_lora_rank": 32, "head_dim": 2 * HEAD_DIM,
+                                        "qk_nope_head_dim": HEAD_DIM, "qk_rope_head_dim": HEAD_DIM,
+                                        "v_head_dim": HEAD_DIM}}}  # fmt: skip
+_INKLING2 = {"unpadded_vocab_size": VOCAB, "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": KV_HEADS,
+             "n_layers_per_attn_res_block": 1}  # fmt: skip
+# per-type fields the shared TINY table cannot express (validators tying fields together, special-token ids, ...);
+# a "text_config" entry is merged into the (shrunk) text sub-config
+OVERRIDES: dict[str, dict] = {
+    "dots3_note_text": _DOTS3_NOTE,
+    "dots3_note": {"text_config": _DOTS3_NOTE, "vision_config": {"adapter_out_dim": HIDDEN},
+                   "audio_config": {"adapter_out_dim": HIDDEN}},
+    "qwen4_exp_text": _QWEN4_EXP, "qwen4_exp": {"text_config": _QWEN4_EXP},
+    "inkling2_text": _INKLING2, "inkling2_loop_text": {**_INKLING2, "loop_layer_index_start": 1,
+                                                       "loop_layer_index_end": LAYERS, "loop_num_passes": 2,
+                                                       "loop_gate_rank": 8},
+    "bailing_hybrid": {"linear_head_dim": HEAD_DIM, "linear_num_heads": HEADS, "num_expert_group": 1,
+                       "layer_group_size": 2},
+    "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 16},
+}  # fmt: skip
 
 
 def causal_lm_types() -> list[str]:
@@ -70,7 +94,8 @@ def _shrink(values: dict, n_layers: int | None) -> dict:
         if key in TINY:
             out[key] = TINY[key]
         elif key in SUB_CONFIGS and isinstance(value, dict):
-            out[key] = {**value, **_shrink(value, n_layers)}
+            sub_n = next((value[k] for k in LAYER_KEYS if isinstance(value.get(k), int)), n_layers)
+            out[key] = {**value, **_shrink(value, sub_n)}  # a wrapper's text config has its own layer count
         elif isinstance(value, (list, tuple)) and n_layers and len(value) == n_layers and n_layers != LAYERS:
             # per-layer lists (layer_types, ...): the first entry, then the first that differs (else the last)
             out[key] = [value[0], next((v for v in value if v != value[0]), value[-1])]
@@ -85,10 +110,12 @@ def _shrink(values: dict, n_layers: int | None) -> dict:
 def tiny_config(model_type: str) -> object:
     cls = transformers.CONFIG_MAPPING[model_type]
     default = cls().to_dict()
-    n = next((default[k] for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in default), None)
+    n = next((default[k] for k in LAYER_KEYS if k in default), None)
     kwargs = _shrink(default, n if isinstance(n, int) else None)
     if "kv_lora_rank" in default and "num_key_value_heads" in kwargs:
         kwargs["num_key_value_heads"] = HEADS  # MLA: every head has its own K/V from the latent
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        kwargs[key] = {**kwargs[key], **value} if key in SUB_CONFIGS and isinstance(kwargs.get(key), dict) else value
     cfg = cls(**kwargs)
     if getattr(cfg, "is_encoder_decoder", False):
         raise ValueError("encoder-decoder")
