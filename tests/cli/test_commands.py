@@ -50,13 +50,6 @@ def _inspect(*args: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRACESTORE_"):
-            monkeypatch.delenv(k)
-
-
 @pytest.fixture
 def stored() -> str:
     url = f"memory://tracestore-cli-{uuid.uuid4().hex}"

@@ -16,13 +16,6 @@ from tracestore.server.cli import config_from_args
 from tracestore.cli import SECTIONS, build_parser, main
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRACESTORE_"):
-            monkeypatch.delenv(k)
-
-
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     try:
         rc = main(argv)

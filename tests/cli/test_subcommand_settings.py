@@ -6,19 +6,11 @@ traceback); the ``[check]`` and ``[demo]`` tables of a config file sit below var
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import pytest
 
 from tracestore.cli import SECTIONS, build_parser, main, resolve
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in list(os.environ):
-        if k.startswith("TRACESTORE_"):
-            monkeypatch.delenv(k)
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
