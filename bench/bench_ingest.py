@@ -146,7 +146,7 @@ def _floor_server(port_q: Any, stop: Any, directory: str) -> None:
 
     from tracestore.server.cli import tune_malloc
 
-    from tracestore.v1.checksum import crc32
+    from tracestore.checksum import crc32
 
     tune_malloc()
     size = 16 << 20
@@ -373,7 +373,7 @@ class Flight:
     def __call__(self, chunks: list[RecordChunk]) -> float:
         import pyarrow.flight as fl
 
-        from tracestore.arrow import chunks_to_table
+        from tracestore.storage.arrow import chunks_to_table
 
         nbytes = sum(c.nbytes for c in chunks)
         with self.cpu:
@@ -549,8 +549,8 @@ def bench_read_beside_busy_thread(storage: str, tag: str, before: set[Path]) -> 
     import pyarrow.parquet as pq
     from tracestore.client import GuidanceReader
 
-    from tracestore.reader import StoreReader
-    from tracestore.store import Store
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import Store
 
     files, plan, nbytes = repetition_reads(storage, tag, before)
     reader = StoreReader(Store(storage), SPEC.run)

@@ -42,7 +42,7 @@ SPEC = RunSpec(
 
 def fill(url: str, mib: int) -> list[tuple[str, int, int]]:
     """Write ~``mib`` MiB of random records (trajectories of TOKENS tokens, every site)."""
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     store = Store(url)
     store.put_run(SPEC)

@@ -65,12 +65,12 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, print_table  # noqa: E402
 
-from tracestore.arrow import chunks_to_table  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
-from tracestore.reader import StoreReader  # noqa: E402
 from tracestore.records import RecordChunk, RunSpec, SiteSpec  # noqa: E402
-from tracestore.shards import COMPRESSION, DATA_COLUMNS, DICTIONARY_COLUMNS, ZSTD_LEVEL, encode_shard  # noqa: E402
-from tracestore.store import Store  # noqa: E402
+from tracestore.storage.arrow import chunks_to_table  # noqa: E402
+from tracestore.storage.reader import StoreReader  # noqa: E402
+from tracestore.storage.shards import COMPRESSION, DATA_COLUMNS, DICTIONARY_COLUMNS, ZSTD_LEVEL, encode_shard  # noqa: E402
+from tracestore.storage.store import Store  # noqa: E402
 
 WIDTH, N_SITES, BITS = 2048, 20, 1
 TARGET_BYTES_PER_TOKEN = 7680
@@ -440,7 +440,7 @@ def bench_validate(args: argparse.Namespace, workdir: Path) -> list[dict[str, An
     import io as _io
     import resource
 
-    from tracestore.cli_inspect import validate_version
+    from tracestore.cli.inspect import validate_version
     from tracestore.records import TrajectorySeal
 
     cores = len(os.sched_getaffinity(0))

@@ -39,9 +39,9 @@ from common import append_results, print_table, time_it  # noqa: E402
 from tracestore.client.traceref import TraceRef, attempt_id, site_digest  # noqa: E402
 
 from tracestore.rank_plan import RankCoord, TrainerLayout, rank_plan  # noqa: E402
-from tracestore.reader import StoreReader  # noqa: E402
 from tracestore.records import RecordChunk, RunSpec, SiteSpec, TrajectorySeal  # noqa: E402
-from tracestore.store import Store  # noqa: E402
+from tracestore.storage.reader import StoreReader  # noqa: E402
+from tracestore.storage.store import Store  # noqa: E402
 
 WIDTH, LAYERS = 2048, 10
 SPEC = RunSpec(

@@ -1,7 +1,7 @@
 """Plan reads in child processes, so decoding does not wait for a training loop's GIL.
 
 ``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to a child process
-that owns a :class:`~tracestore.reader.StoreReader`; ``process=N`` to N of them, each reading a
+that owns a :class:`~tracestore.storage.reader.StoreReader`; ``process=N`` to N of them, each reading a
 slice of the plan's rows. A read in a thread of the trainer's own process shares the interpreter
 lock with the training loop: beside a thread that is busy in Python, a 198 MiB plan read ran at
 0.22 GB/s on 2 cores and 0.14 GB/s on 16 (bench_ingest), against ~1.3-1.8 GB/s alone, and one
@@ -11,7 +11,7 @@ GIL). Children have their own interpreters, so they compete only for cores.
 Nothing is copied back. The parent owns memfd blocks that it and the children map: a block's
 descriptor goes to a child once (``SCM_RIGHTS`` over its unix socketpair). For a read the parent
 takes a block as large as the whole result, lays every site's arrays out in it
-(:meth:`~tracestore.reader.StoreReader.layout`), and gives each child the plan rows
+(:meth:`~tracestore.storage.reader.StoreReader.layout`), and gives each child the plan rows
 ``[r0, r1)`` and the matching rows of those arrays (``StoreReader.read(out=...)``): the children
 write disjoint rows of one block, and the parent's arrays are views of it. A block serves a later
 read only once every array of the read that filled it is gone: they are all views of one base
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import StorageError, TraceStoreError
-from tracestore.reader import Layout, output_arrays, output_sections
+from tracestore.storage.reader import Layout, output_arrays, output_sections
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _BOOT = (
 )
 
 # What a child is told to fill: the read's layout (StoreReader.layout), the block's sections
-# (tracestore.reader.output_sections) and the plan tokens [t0, t1) of its slice
+# (tracestore.storage.reader.output_sections) and the plan tokens [t0, t1) of its slice
 Target = tuple[Any, Any, tuple[int, int]]
 
 
@@ -109,8 +109,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def _serve_loop(sock: socket.socket) -> None:
-    from tracestore.reader import StoreReader
-    from tracestore.store import Store
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import Store
 
     maps: dict[int, mmap.mmap] = {}
     reader: StoreReader | None = None

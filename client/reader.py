@@ -1,6 +1,6 @@
 """GuidanceReader: the trainer's side. Plan in, ``{site: Guidance}`` out, aligned row for row.
 
-``source`` is a storage URL (direct ranged reads through :class:`tracestore.reader.StoreReader`;
+``source`` is a storage URL (direct ranged reads through :class:`tracestore.storage.reader.StoreReader`;
 the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
 the ``Read`` RPC; ``grpcs://host:port`` for TLS, or ``channel_credentials=`` and ``token=``
 for a sidecar that requires them, see :func:`tracestore.client.transport.channel`). The next
@@ -123,8 +123,8 @@ class GuidanceReader:
             self._store_reader = None
             self.spec: RunSpec | None = None
         else:
-            from tracestore.reader import StoreReader
-            from tracestore.store import Store
+            from tracestore.storage.reader import StoreReader
+            from tracestore.storage.store import Store
 
             self._store = Store(source, storage_options)
             self._store_reader = StoreReader(self._store, run)
@@ -144,7 +144,7 @@ class GuidanceReader:
         with self._lock:
             if key not in self._pending:
                 # In the background, beside the training loop's Python: short copies and CRCs keep
-                # the GIL instead of queueing for it after each (tracestore.reader._copy_held).
+                # the GIL instead of queueing for it after each (tracestore.storage.reader._copy_held).
                 # The rows are staged there too (pinned for a CUDA device): read() then only
                 # queues the non-blocking copies to the device.
                 self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())
@@ -277,7 +277,7 @@ class GuidanceReader:
         import grpc
 
         from tracestore.v1 import tracestore_pb2 as pb
-        from tracestore.v1.convert import run_spec_from_pb
+        from tracestore.wire import run_spec_from_pb
 
         try:
             raw = method(self._channel, "Stat", "unary_unary")(

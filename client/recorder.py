@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from tracestore.checksum import chunk_checksum_parts
 from tracestore.errors import (
     ConfigError,
     DTypeError,
@@ -50,8 +51,7 @@ from tracestore.errors import (
 )
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.checksum import chunk_checksum_parts
-from tracestore.v1.convert import inline_chunk_parts, len_field, link_to_pb, run_spec_to_pb, seal_to_pb
+from tracestore.wire import inline_chunk_parts, len_field, link_to_pb, run_spec_to_pb, seal_to_pb
 
 from .staging import GROUP_ENV, StagingPool
 from .transport import channel, method, resolve_token

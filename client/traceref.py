@@ -50,7 +50,7 @@ from tracestore.errors import ConfigError, MissingRecordsError, ValidationError
 from tracestore.records import RunSpec, TrajectorySeal, validate_id
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tracestore.reader import StoreReader
+    from tracestore.storage.reader import StoreReader
 
     from .recorder import RolloutRecorder
 

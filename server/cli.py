@@ -212,8 +212,11 @@ def settings_line(ns: argparse.Namespace, cfg: Any) -> str:
     for s in SETTINGS:
         value = getattr(ns, s.dest, None)
         if s.dest == "storage_options":
-            value = json.dumps(redact_options(cfg.storage_options), separators=(",", ":"), sort_keys=True) \
-                if cfg.storage_options else "none"
+            value = (
+                json.dumps(redact_options(cfg.storage_options), separators=(",", ":"), sort_keys=True)
+                if cfg.storage_options
+                else "none"
+            )
         elif s.dest == "storage":
             value = redact_url(cfg.storage)
         elif s.dest in ("wal_dir", "shm_dir", "unix_socket", "ready_file") and value is not None:
@@ -251,7 +254,7 @@ def check_storage(cfg: Any, timeout_s: float = 10.0) -> tuple[bool, str]:
     import uuid
 
     from tracestore.errors import TraceStoreError
-    from tracestore.fsutil import Storage
+    from tracestore.storage.fs import Storage
 
     url = redact_url(cfg.storage)
     t0 = time.monotonic()
@@ -389,7 +392,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
         return 2
     from tracestore.errors import TraceStoreError
-    from tracestore.fsutil import RETRY_DEADLINE_ENV
+    from tracestore.storage.fs import RETRY_DEADLINE_ENV
 
     try:
         resolve(ns)
@@ -398,7 +401,7 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("tracestore.server")
-    # the Store the sidecar makes reads its retry deadline from here (tracestore.fsutil.Storage)
+    # the Store the sidecar makes reads its retry deadline from here (tracestore.storage.fs.Storage)
     os.environ[RETRY_DEADLINE_ENV] = repr(ns.storage_retry_deadline)
     try:
         cfg = config_from_args(ns)

@@ -162,7 +162,7 @@ class WriterState:
 
 
 class Engine:
-    """Ingest state of one sidecar. ``store`` follows the tracestore.store.Store contract."""
+    """Ingest state of one sidecar. ``store`` follows the tracestore.storage.store.Store contract."""
 
     def __init__(self, config: ServerConfig, store: Any, metrics: Metrics) -> None:
         self.config = config

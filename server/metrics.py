@@ -22,7 +22,7 @@ UNGUIDED_REASONS = frozenset(
         "permission_denied", "unauthenticated", "resource_exhausted", "failed_precondition", "other",
     }
 )  # fmt: skip
-# Storage operations as tracestore.fsutil names them (the first word of its op strings).
+# Storage operations as tracestore.storage.fs names them (the first word of its op strings).
 STORAGE_OPS = frozenset({"read", "exists", "size", "list", "open", "write", "delete", "write_shard", "other"})
 
 

@@ -36,7 +36,7 @@ from tracestore.errors import (
     ValidationError,
 )
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_from_pb, run_spec_to_pb
+from tracestore.wire import run_spec_from_pb, run_spec_to_pb
 
 from .auth import (
     AuthInterceptor,
@@ -50,10 +50,10 @@ from .auth import (
 )
 from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
 from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
+from .ingest import parse_seal, parse_write, scan_write, seal_message, wal_parser
 from .metrics import Metrics, storage_op, unguided_reason
 from .reflection import enable_server_reflection
 from .shm import ShmPools
-from .wire import parse_seal, parse_write, scan_write, seal_message, wal_parser
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -566,10 +566,10 @@ class TraceStoreService:
 
     def _read_rows(self, raw: bytes, reserved: list[int]) -> list[tuple[str, Any]]:
         from tracestore.plan import MicrobatchPlan
-        from tracestore.reader import StoreReader
         from tracestore.records import validate_id
+        from tracestore.storage.reader import StoreReader
 
-        from .wire import _decode
+        from .ingest import _decode
 
         req = _decode(pb.ReadRequest, raw, "Read request")
         assert isinstance(req, pb.ReadRequest)
@@ -606,7 +606,7 @@ class TraceStoreService:
 
     def stat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            from .wire import _decode
+            from .ingest import _decode
 
             req = _decode(pb.StatRequest, raw, "Stat request")
             assert isinstance(req, pb.StatRequest)
@@ -803,7 +803,7 @@ class Sidecar:
         if cfg.auth_tokens is not None:
             self._tokens = TokenFile(cfg.auth_tokens)
         if self._store is None:
-            from tracestore.store import Store
+            from tracestore.storage.store import Store
 
             self._store = Store(
                 cfg.storage, cfg.storage_options, timeout=cfg.storage_timeout_s, on_event=self._storage_event

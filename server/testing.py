@@ -18,7 +18,7 @@ import numpy as np
 from tracestore.errors import StorageError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, SiteSpec, TrajectorySeal
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import chunk_to_pb, link_to_pb, run_spec_to_pb, seal_to_pb
+from tracestore.wire import chunk_to_pb, link_to_pb, run_spec_to_pb, seal_to_pb
 
 
 class ServeProcess:
@@ -191,12 +191,12 @@ def write_request(
 def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec = SPEC, **config: Any) -> Any:
     """An in-process :class:`~tracestore.server.engine.Engine` on storage ``url`` with ``spec``
     declared, started (WAL replayed) with ``ServerConfig(**config)``; close it with ``close()``."""
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     from .config import ServerConfig
     from .engine import Engine
+    from .ingest import wal_parser
     from .metrics import Metrics
-    from .wire import wal_parser
 
     cfg = ServerConfig(storage=url, wal_dir=None if wal_dir is None else str(wal_dir), port=0, metrics_port=None,
                        **config)  # fmt: skip
@@ -209,7 +209,7 @@ def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec
 
 def submit_request(eng: Any, req: pb.WriteRequest) -> tuple[Any, bool]:
     """Parse ``req`` as the sidecar does and admit it to ``eng``: (writer state, duplicate)."""
-    from .wire import parse_write
+    from .ingest import parse_write
 
     _, msg, parts = parse_write(req.SerializeToString(), eng.run_spec, None)
     return eng.submit(msg, parts)  # type: ignore[no-any-return]

@@ -2,7 +2,7 @@
 
 An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload.
 The CRC-32 is ISA-L's when installed (zlib-identical values, ~23 vs ~3 GB/s measured here, see
-tracestore.v1.checksum); record chunks inside carry their own checksums, verified again on replay.
+tracestore.checksum); record chunks inside carry their own checksums, verified again on replay.
 Where the file system takes ``O_DIRECT`` (ext4, xfs; not tmpfs), an append only copies the entry
 into an aligned in-memory buffer; one background thread writes everything appended so far to the
 device (``pwrite`` of whole 4 KiB blocks, the partial last block rewritten by the next write) and
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tracestore import faults
+from tracestore.checksum import FAST, crc32, crc32_address, crc32_combine
 from tracestore.errors import ConfigError, CorruptionError, StorageError
-from tracestore.v1.checksum import FAST, crc32, crc32_address, crc32_combine
 
 log = logging.getLogger("tracestore.server")
 HEADER = struct.Struct("<IIB")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tracestore.arrow import CHUNK_SCHEMA, chunks_to_table, table_to_chunks
 from tracestore.errors import (
     ConfigError,
     ConflictError,
@@ -32,6 +31,7 @@ from tracestore.records import (
     TrajectorySeal,
     validate_id,
 )
+from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table, table_to_chunks
 
 __version__ = "0.1.0"
 

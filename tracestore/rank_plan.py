@@ -38,7 +38,7 @@ from tracestore.records import RunSpec, SiteSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from tracestore.client.traceref import TraceRef
-    from tracestore.reader import ReadResult, SiteRows, StoreReader
+    from tracestore.storage.reader import ReadResult, SiteRows, StoreReader
 
 Packing = Literal["packed", "padded"]
 OnMissingRef = Literal["rtn", "error"]
@@ -156,7 +156,7 @@ class TrainerLayout:
 
 @dataclasses.dataclass
 class RankRead:
-    """A rank's rows: ``rows[site]`` (:class:`~tracestore.reader.SiteRows`, plan order), and what
+    """A rank's rows: ``rows[site]`` (:class:`~tracestore.storage.reader.SiteRows`, plan order), and what
     fell back to RTN. ``rows_total`` counts non-padding rows over the sites read;
     ``unguided_rows`` those without a record: unguided refs, masked missing records (``missing_rows``;
     ``missing_refs``: guided refs whose trajectory has no seal on storage at all) and the final
@@ -218,7 +218,7 @@ class RankPlan:
         return out
 
     def read(self, reader: StoreReader, *, check: bool = True, **kw: Any) -> RankRead:
-        """Read this rank's rows with ``reader`` (one :class:`~tracestore.reader.StoreReader` per
+        """Read this rank's rows with ``reader`` (one :class:`~tracestore.storage.reader.StoreReader` per
         rank). ``check``: first check the guided refs against their seals (token count, site set;
         :func:`tracestore.client.traceref.check_refs`), so a forged or stale handle fails loudly
         instead of misaligning. Rows whose record carries another policy version than its ref are

@@ -121,7 +121,7 @@ class TraceGuidance:
 def _as_guidance(r: Any) -> Guidance:
     if isinstance(r, Guidance):
         return r
-    # tracestore.reader.SiteRows (numpy)
+    # tracestore.storage.reader.SiteRows (numpy)
     site = r.site
     return Guidance(
         codes=torch.from_numpy(r.codes),

@@ -18,7 +18,7 @@ from tracestore.server.testing import SPEC, make_chunk
 from tracestore import __version__
 from tracestore.cli import main
 from tracestore.records import TrajectorySeal
-from tracestore.store import Store
+from tracestore.storage.store import Store
 
 SITE = SPEC.sites[0].name
 
@@ -109,7 +109,7 @@ def test_inspect_policy_version_and_its_old_spelling(stored: str, monkeypatch: p
 def test_inspect_storage_error_names_the_root(tmp_path: Path) -> None:
     """A failing list of the storage root reads "list on <url>", not "list  on" (an empty path)."""
     from tracestore.errors import StorageError
-    from tracestore.fsutil import Storage
+    from tracestore.storage.fs import Storage
 
     st = Storage(tmp_path.as_uri(), retries=0)
 

@@ -189,12 +189,12 @@ def test_switch_from_file_env_and_flag(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 BAD_FILES = [
-    ("[serve]\nport = \"abc\"\n", "[serve] port='abc': expected an integer in 0..65535"),
+    ('[serve]\nport = "abc"\n', "[serve] port='abc': expected an integer in 0..65535"),
     ("[serve]\nport = 7433\nprot = 1\n", "[serve] has no setting 'prot' (did you mean 'port'?)"),
     ("[srve]\nport = 1\n", "unknown table [srve]"),
     ("port = 1\n", "'port' is outside a table; put settings under [serve]"),
     ("[serve]\nport = \n", "not valid TOML"),
-    ("[serve]\ninsecure = \"perhaps\"\n", "[serve] insecure='perhaps': expected true or false"),
+    ('[serve]\ninsecure = "perhaps"\n', "[serve] insecure='perhaps': expected true or false"),
     ("[serve]\nmemory_budget_mib = 1.5\n", "[serve] memory_budget_mib=1.5: expected an integer >= 1"),
     ("[serve.storage_options]\nsecret = 1\n[serve]\nstorage_options = 2\n", "not valid TOML"),
 ]

@@ -142,7 +142,9 @@ def test_reflection_v1_and_v1alpha() -> None:
                 requests = [
                     reflection_pb2.ServerReflectionRequest(list_services=""),
                     reflection_pb2.ServerReflectionRequest(file_containing_symbol="tracestore.v1.TraceStore"),
-                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol="grpc.reflection.v1.ServerReflection"
+                    ),
                 ]
                 listed, described = call(iter(requests), timeout=10), []
                 names = []

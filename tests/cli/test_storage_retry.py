@@ -1,4 +1,4 @@
-"""Storage retries (tracestore.fsutil.Storage.call, tenacity): exponential backoff with jitter, at most
+"""Storage retries (tracestore.storage.fs.Storage.call, tenacity): exponential backoff with jitter, at most
 ``retries`` retries, and no retry started after the total deadline (argument or
 TRACESTORE_STORAGE_RETRY_DEADLINE)."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tracestore.errors import ConfigError, StorageError
-from tracestore.fsutil import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_ENV, Storage, backoff_wait
+from tracestore.storage.fs import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_ENV, Storage, backoff_wait
 
 
 class _Flaky:

@@ -116,7 +116,7 @@ def test_check_table_below_env_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setenv("TRACESTORE_VERSIONS", "3")
     ns = _ns(["check", "file:///x", "--versions", "4,5", "--no-json"])
     assert (ns.run, ns.versions, ns.json) == ("run-env", [4, 5], False)
-    from tracestore.cli_check import source
+    from tracestore.cli.check import source
 
     assert source(ns) == (None, "plan.json")
     # --refs beats a plan of a lower source; both from one source is a usage error

@@ -319,7 +319,7 @@ def test_reads_through_child_processes_land_on_the_gpu(tmp_path) -> None:
     # GuidanceReader(process=2, device="cuda"): rows decoded by two child processes into shared
     # memory, pinned and copied to the GPU, equal to the same read decoded in this process
     from tracestore.records import RecordChunk
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     url = f"file://{tmp_path}/store"
     store = Store(url)

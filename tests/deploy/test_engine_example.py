@@ -25,7 +25,7 @@ def test_example_engine_records_through_the_sidecar_and_exits_cleanly_on_sigterm
     from tracestore.server.testing import ServeProcess
 
     from tracestore.plan import MicrobatchPlan
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     with ServeProcess(tmp_path / "sidecar", unix_socket=True) as sp:
         env = {

@@ -3,7 +3,7 @@ track of what was acknowledged, a storage reader that checks every acknowledged 
 bit-identical and exactly once, RSS sampling, the LD_PRELOAD fault shim, and the results table.
 
 Black box: the sidecar is only started, signalled and spoken to over gRPC on loopback; storage is
-read the way a trainer reads it (``tracestore.store.Store`` + ``StoreReader`` on the storage URL).
+read the way a trainer reads it (``tracestore.storage.store.Store`` + ``StoreReader`` on the storage URL).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tracestore.records import RunSpec, SiteSpec
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -660,8 +660,8 @@ def verify(
     """Every record in ``recs`` is on storage bit for bit, and no chunk key is stored twice (in
     ``versions``, default all)."""
     from tracestore.plan import MicrobatchPlan
-    from tracestore.reader import StoreReader
-    from tracestore.store import Store
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import Store
 
     chk = Check(acked=len(recs))
     store = Store(storage, storage_options, timeout=30.0)

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 from .harness import (
     READ,

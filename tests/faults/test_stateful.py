@@ -25,12 +25,12 @@ from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from tracestore.server.config import ServerConfig
 from tracestore.server.engine import Engine
+from tracestore.server.ingest import parse_write, wal_parser
 from tracestore.server.metrics import Metrics
-from tracestore.server.wire import parse_write, wal_parser
 
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
 from .harness import SPEC, Rec, make_recs, row

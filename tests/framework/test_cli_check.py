@@ -11,7 +11,7 @@ from tracestore.client.traceref import TraceRef, attempt_id, site_digest, write_
 
 from tracestore.cli import main
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, SiteSpec, TrajectorySeal
-from tracestore.store import Store
+from tracestore.storage.store import Store
 
 SPEC = RunSpec(
     "chk",

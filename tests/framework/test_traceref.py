@@ -26,9 +26,9 @@ from tracestore.server.testing import ServeProcess
 
 from tracestore.errors import MissingRecordsError, ValidationError
 from tracestore.rank_plan import RankCoord, TrainerLayout, rank_plan
-from tracestore.reader import StoreReader
 from tracestore.records import RunSpec, SiteSpec
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 SPEC = RunSpec(
     "refs",

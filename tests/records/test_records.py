@@ -25,7 +25,7 @@ from tracestore import (
     table_to_chunks,
     validate_id,
 )
-from tracestore.arrow import SCHEMA_VERSION_KEY, schema_version_of
+from tracestore.storage.arrow import SCHEMA_VERSION_KEY, schema_version_of
 
 
 def make_chunk(site: SiteSpec, n_tokens: int = 3, token_start: int = 0, seed: int = 0, **kw) -> RecordChunk:
@@ -214,7 +214,7 @@ def test_zero_copy_table_equals_copied_table(n_tokens: int):
     """``zero_copy=True`` points the byte columns at the chunks' arrays (one Arrow chunk per value)
     when values are large (600 tokens here: ~74 KB codes per chunk), and copies them into one
     buffer when they are small; either way the table holds the same values as the copied one."""
-    from tracestore import arrow
+    from tracestore.storage import arrow
 
     big = SiteSpec("layers.7.mlp.input", "moe_input", 7, 1024)
     originals = [make_chunk(big, n_tokens, seed=i, trajectory=f"t{i}") for i in range(4)]

@@ -36,9 +36,9 @@ from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from tracestore.records import RunSpec
-from tracestore.store import Store
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 SITE = "layers.1.mlp.input"
 OTHER = RunSpec("other-1", SPEC.sites)

@@ -26,7 +26,7 @@ from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, ServeProcess
 
 from tracestore.errors import ConfigError
-from tracestore.store import Store
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
 SITE = "layers.1.mlp.input"

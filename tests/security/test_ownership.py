@@ -19,7 +19,7 @@ from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tracestore.records import PrefixLink
-from tracestore.store import Store
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
 TOKENS = {"alice": secrets.token_urlsafe(24), "mallory": secrets.token_urlsafe(24)}

@@ -28,7 +28,7 @@ from tracestore.server.testing import SPEC
 
 from tracestore.errors import PermissionDeniedError, ValidationError
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 SITE = SPEC.site("layers.1.mlp.input")
 N_TOKENS = 16
@@ -71,7 +71,7 @@ def _shm_write(sock: Path, pool: str, traj: str, *, timeout: float = 10.0) -> gr
 
 
 def _sizes() -> tuple[int, int, int, int]:
-    from tracestore.v1.convert import payload_sizes
+    from tracestore.wire import payload_sizes
 
     return payload_sizes(SITE, N_TOKENS, False)
 

@@ -159,25 +159,34 @@ a = json.loads(sys.argv[1])
 os.setgroups(a["groups"]); os.setgid(a["gid"]); os.setuid(a["uid"])
 """
 
-_SIDECAR = _AS_USER.format(imports="""
+_SIDECAR = (
+    _AS_USER.format(
+        imports="""
 import grp, socket, stat, tempfile, fsspec.implementations.local
-import tracestore.plan, tracestore.reader, tracestore.store, tracestore.records
+import tracestore.plan, tracestore.storage.reader, tracestore.storage.store, tracestore.records
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
-""") + """
+"""
+    )
+    + """
 sc = Sidecar(ServerConfig(**a["config"])).start()
 print(json.dumps({"port": sc.port}), flush=True)
 sys.stdin.read()
 sc.stop(5)
 """
+)
 
-_RECORDER = _AS_USER.format(imports="""
+_RECORDER = (
+    _AS_USER.format(
+        imports="""
 import grp, stat
 import numpy as np, numpy.random
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.testing import SPEC
 import tracestore.client.transport, grpc
-""") + """
+"""
+    )
+    + """
 rec = RolloutRecorder(a["address"], SPEC, a["writer"], shm_dir=a["shm_dir"], staging_bytes=1 << 20, linger_s=0.0,
                       give_up_s=a["give_up_s"])
 site = SPEC.site("layers.1.mlp.input")
@@ -191,6 +200,7 @@ print(json.dumps({"ok": ok, "flushed": flushed, "error": None if rec.error is No
                   "stats": rec.stats, "pool_mode": stat.S_IMODE(st.st_mode), "pool_gid": st.st_gid}), flush=True)
 rec.close(1)
 """
+)
 
 
 def _as_user(script: str, uid: int, groups: list[int], args: dict[str, object], **kw: object) -> subprocess.Popen[str]:

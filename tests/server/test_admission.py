@@ -18,9 +18,9 @@ from tracestore.server.service import READ_TURN_IDLE_S, Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tracestore.records import TrajectorySeal
-from tracestore.store import Store
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import seal_to_pb
+from tracestore.wire import seal_to_pb
 
 WRITE = "/tracestore.v1.TraceStore/Write"
 

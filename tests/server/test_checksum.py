@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tracestore.checksum import crc32, record_checksum
 from tracestore.records import RecordChunk, chunk_checksum
-from tracestore.v1.checksum import crc32, record_checksum
 
 
 @settings(max_examples=80, deadline=None)
@@ -48,8 +48,8 @@ def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
     """The sidecar verifies the writer's checksum once over the received bytes and hands that value
     on (the dedupe index, and the shard writer reads ``chunk.checksum``): never recomputed later.
     Shown by changing the received buffer afterwards: the chunk still reports the verified value."""
+    from tracestore.server.ingest import parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
-    from tracestore.server.wire import parse_write
 
     c = make_chunk("t-once", 0, 2000)  # > 16 KiB: payload viewed in place, not copied
     raw = bytearray(write_request(1, [c]).SerializeToString())
@@ -74,7 +74,7 @@ def test_checksum_from_payload_crcs_equals_the_canonical_one(rows: int, cb: int,
                                                              seed: int) -> None:  # fmt: skip
     """chunk_checksum_from_crcs combines the payloads' own CRCs (crc32_combine) into the chunk checksum
     the sidecar would otherwise compute by reading the payloads a second time."""
-    from tracestore.v1.checksum import chunk_checksum_from_crcs, chunk_checksum_parts
+    from tracestore.checksum import chunk_checksum_from_crcs, chunk_checksum_parts
 
     rng = np.random.default_rng(seed)
     codes, scales = rng.bytes(rows * cb), rng.bytes(rows * sb)
@@ -94,7 +94,7 @@ def test_checksum_from_payload_crcs_equals_the_canonical_one(rows: int, cb: int,
 def test_crc32_held_is_zlib_crc32(n: int, seed: int, kind: str) -> None:
     """The GIL-holding CRC (ISA-L through ctypes, 4 KiB..1 MiB) and its fallbacks give zlib's values
     for any contiguous buffer, chained from any seed."""
-    from tracestore.v1.checksum import crc32_held
+    from tracestore.checksum import crc32_held
 
     data = np.random.default_rng(seed).bytes(n)
     buf: object = {"bytes": data, "memoryview": memoryview(data)[:],
@@ -115,8 +115,8 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
     """scan_write reads each large payload once and combines the request's CRC (the WAL entry's)
     from the payload CRCs and the bytes between them: equal to a plain CRC of the whole request,
     for small (protobuf-parsed) and large chunks, token scales, and a payload field sent twice."""
+    from tracestore.server.ingest import scan_write
     from tracestore.server.testing import make_chunk, write_request
-    from tracestore.server.wire import scan_write
 
     from tracestore.v1 import tracestore_pb2 as pb
 
@@ -176,9 +176,9 @@ def test_shared_memory_payloads_are_checked_again_when_copied_into_the_wal(tmp_p
     """parse_write marks a message's shared-memory payloads Checked(verify=True) (another process's
     memory: the WAL checks its copy against the CRC taken at receipt), its own bytes not."""
     from tracestore.client.staging import StagingPool
+    from tracestore.server.ingest import ShmPools, parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
     from tracestore.server.wal import Checked
-    from tracestore.server.wire import ShmPools, parse_write
 
     chunk = make_chunk("t-shm", 0, 300)
     pool = StagingPool(1 << 20, shared=True, shm_dir=str(tmp_path))

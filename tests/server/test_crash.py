@@ -20,8 +20,8 @@ from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.testing import SPEC, ServeProcess
 
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 SITE = SPEC.site("layers.1.mlp.input")
 KEY = SPEC.site("layers.1.attn.k")

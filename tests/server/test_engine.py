@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from tracestore.server.config import ServerConfig
 from tracestore.server.engine import Engine, OverBudgetError, SequenceError
+from tracestore.server.ingest import parse_write, wal_parser
 from tracestore.server.metrics import Metrics
 from tracestore.server.testing import SPEC, make_chunk, start_engine, submit_request, write_request
-from tracestore.server.wire import parse_write, wal_parser
 
 from tracestore.errors import ConflictError, ValidationError
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
 from tracestore.records import TrajectorySeal
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 
 def _engine(url: str, wal: Path | None, **kw: object) -> Engine:

@@ -19,8 +19,8 @@ from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 SITE = SPEC.site("layers.1.mlp.input")
 

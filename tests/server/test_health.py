@@ -16,7 +16,7 @@ from tracestore.server.engine import DEGRADED_REASONS
 from tracestore.server.service import HEALTH_PERIOD_S, LIVENESS, SERVICE, Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
-from tracestore.store import Store
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -15,8 +15,8 @@ import pytest
 from tracestore.server.testing import SPEC, ServeProcess, make_chunk, write_request
 
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 BUDGET_MIB = 32
 STREAMS = 12

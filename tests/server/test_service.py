@@ -26,10 +26,10 @@ from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.errors import LimitError, PermissionDeniedError, UnauthenticatedError
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.convert import run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 MAX_MSG = 256 << 10
 INT64_MAX = (1 << 63) - 1

@@ -19,8 +19,8 @@ from tracestore.server.engine import SHM_HOLD_FRACTION
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
+from tracestore.checksum import chunk_checksum_parts
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.checksum import chunk_checksum_parts
 
 SITE = SPEC.site("layers.1.mlp.input")
 
@@ -91,7 +91,7 @@ def _descriptor_request(pool: StagingPool, seq: int, traj: str, codes: np.ndarra
     req = pb.WriteRequest(run=SPEC.run, writer="raw", epoch=1, sequence=seq, shm_pool=pool.name or "",
                           keeps_staging=keeps)  # fmt: skip
     if seq == 1:
-        from tracestore.v1.convert import run_spec_to_pb
+        from tracestore.wire import run_spec_to_pb
 
         req.run_spec.CopyFrom(run_spec_to_pb(SPEC))
     c = req.chunks.add(trajectory=traj, site=SITE.name, token_start=0, n_tokens=n, global_scale=0.5, checksum=crc)

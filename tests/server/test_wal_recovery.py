@@ -28,14 +28,14 @@ import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server import wal as wal_mod
 from tracestore.server.engine import Engine
+from tracestore.server.ingest import parse_write
 from tracestore.server.testing import SPEC, ServeProcess, make_chunk, start_engine, submit_request, write_request
 from tracestore.server.wal import HEADER, WriteAheadLog
-from tracestore.server.wire import parse_write
 
 from tracestore.errors import ConfigError, ConflictError, CorruptionError, LimitError, StorageError
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 SITE = SPEC.site("layers.1.mlp.input")
 

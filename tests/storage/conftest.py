@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tracestore import RecordChunk, RunSpec, SiteSpec
-from tracestore.store import Store
+from tracestore.storage.store import Store
 
 SITES = (
     SiteSpec("layers.20.mlp.input", "moe_input", 20, 64),  # NVFP4, b=1: 8 code + 4 scale bytes per row

@@ -15,8 +15,8 @@ import pytest
 
 from tracestore import CorruptionError, TrajectorySeal
 from tracestore.cli import main as cli_main
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, make_chunk
 

@@ -1,5 +1,5 @@
-"""Parquet page checksums verified with ISA-L (tracestore.pagecrc) agree with Arrow's own check,
-and the shard file (tracestore.shardfile.ShardFile) checksums exactly the bytes it ends up holding."""
+"""Parquet page checksums verified with ISA-L (tracestore.storage.pagecrc) agree with Arrow's own check,
+and the shard file (tracestore.storage.shardfile.ShardFile) checksums exactly the bytes it ends up holding."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tracestore import CorruptionError
-from tracestore.arrow import chunks_to_table
 from tracestore.errors import StorageError
-from tracestore.pagecrc import _header, _plain_values, verify_pages
 from tracestore.records import crc32_combine
-from tracestore.shardfile import ShardFile
-from tracestore.shards import encode_shard
+from tracestore.storage.arrow import chunks_to_table
+from tracestore.storage.pagecrc import _header, _plain_values, verify_pages
+from tracestore.storage.shardfile import ShardFile
+from tracestore.storage.shards import encode_shard
 
 from .conftest import RUN, SITES, make_chunk
 

@@ -1,4 +1,4 @@
-"""Two Parquet writers at once, joined by footer rewrite (tracestore.pqconcat), give the file one
+"""Two Parquet writers at once, joined by footer rewrite (tracestore.storage.pqconcat), give the file one
 writer would give; local shards written that way read back exactly, and every fallback works."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tracestore import CorruptionError, pqconcat
-from tracestore import shards as shards_mod
-from tracestore.arrow import chunks_to_table
-from tracestore.reader import StoreReader
-from tracestore.shardfile import ShardFile
-from tracestore.shards import _WRITER_OPTIONS
-from tracestore.store import Store
+from tracestore import CorruptionError
+from tracestore.storage import pqconcat
+from tracestore.storage import shards as shards_mod
+from tracestore.storage.arrow import chunks_to_table
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.shardfile import ShardFile
+from tracestore.storage.shards import _WRITER_OPTIONS
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tracestore import CorruptionError, PrefixLink, TrajectorySeal
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, expected_rows, make_chunk
 

@@ -17,7 +17,7 @@ from tracestore.client import GuidanceReader, read_process
 from tracestore.client.read_process import SPARE_BLOCKS
 
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
-from tracestore.store import Store
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk
 

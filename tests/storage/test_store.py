@@ -18,8 +18,8 @@ from tracestore import (
     ValidationError,
 )
 from tracestore.plan import MicrobatchPlan
-from tracestore.reader import OutputArrays, StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import OutputArrays, StoreReader
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, expected_rows, make_chunk
 
@@ -422,7 +422,7 @@ def test_concurrent_reads_while_writing(store: Store):
 def test_in_memory_encoding_outgrowing_its_bound_still_writes(store: Store, monkeypatch: pytest.MonkeyPatch):
     """memory:// and S3 shards are encoded into one buffer of ``shards._size_bound`` bytes; were the
     bound ever short, the shard is written into a growing buffer instead, byte for byte the same."""
-    from tracestore import shards
+    from tracestore.storage import shards
 
     rng = np.random.default_rng(12)
     chunks = [make_chunk(s, f"t{i}", 0, 9, rng=rng) for i in range(4) for s in SITES]
@@ -445,7 +445,7 @@ def test_shard_encoded_in_two_halves_round_trips(store: Store, monkeypatch: pyte
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tracestore import shards
+    from tracestore.storage import shards
 
     calls = {"memory": 0, "joined": 0}
     real = shards._encode_halves_in_memory

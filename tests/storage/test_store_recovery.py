@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tracestore import ConflictError, RunSpec, SiteSpec
-from tracestore.reader import StoreReader
-from tracestore.store import Store
+from tracestore.storage.reader import StoreReader
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk
 

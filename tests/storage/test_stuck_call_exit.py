@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import threading, time
     from tracestore.errors import StorageError
-    from tracestore.fsutil import Storage
+    from tracestore.storage.fs import Storage
 
     st = Storage("memory://stuck-call", timeout=0.2, retries=0)
     never = threading.Event()
@@ -41,7 +41,7 @@ def test_workers_of_a_dropped_storage_exit() -> None:
     import gc
     import threading
 
-    from tracestore.fsutil import Storage
+    from tracestore.storage.fs import Storage
 
     def io_threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name.startswith("tracestore-io")}

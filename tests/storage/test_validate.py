@@ -1,4 +1,4 @@
-"""``tracestore inspect --validate`` (:func:`tracestore.cli_inspect.validate_version`): whole-column
+"""``tracestore inspect --validate`` (:func:`tracestore.cli.inspect.validate_version`): whole-column
 verification finds exactly what a per-chunk read finds, in this process and in worker processes,
 on real Parquet files on local disk; and it scales (a decode-sized store within seconds)."""
 
@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tracestore import PrefixLink, SiteSpec, TrajectorySeal
-from tracestore.arrow import CHUNK_SCHEMA, chunks_to_table
-from tracestore.cli_inspect import validate_version
+from tracestore.cli.inspect import validate_version
 from tracestore.records import crc32_combine
-from tracestore.shards import (
+from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table
+from tracestore.storage.shards import (
     _WRITER_OPTIONS,
     ManifestColumns,
     _crc_fixed_rows,
@@ -25,7 +25,7 @@ from tracestore.shards import (
     encode_shard,
     verify_shard,
 )
-from tracestore.store import Store
+from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk
 
@@ -79,7 +79,7 @@ def test_validate_a_healthy_store(tmp_path, mode):
 
 def test_worker_processes_verify_units(tmp_path):
     """Units verified in a worker process (this process does not help here) give the same answers."""
-    from tracestore.cli_inspect import _Verifier, _Workers
+    from tracestore.cli.inspect import _Verifier, _Workers
 
     store, _ = _mixed_store(tmp_path)
     manifests = [ManifestColumns.from_json(store.storage.cat(p), p) for p in store.manifest_paths(RUN, 0)]

@@ -52,11 +52,11 @@ from tracestore.errors import (
     TraceStoreError,
     ValidationError,
 )
-from tracestore.fsutil import CountingFile
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import PrefixLink, SiteSpec, TrajectorySeal, validate_id
-from tracestore.shards import DATA_COLUMNS, ChunkEntry, Manifest, StoredChunk, open_parquet, read_chunks
-from tracestore.store import Store
+from tracestore.storage.fs import CountingFile
+from tracestore.storage.shards import DATA_COLUMNS, ChunkEntry, Manifest, StoredChunk, open_parquet, read_chunks
+from tracestore.storage.store import Store
 
 OnMissing = Literal["error", "mask"]
 StalePolicy = Literal["drop", "flag"]
@@ -488,7 +488,7 @@ def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
 
 
 class StoreReader:
-    """Reads one run of a :class:`~tracestore.store.Store` aligned to microbatch plans.
+    """Reads one run of a :class:`~tracestore.storage.store.Store` aligned to microbatch plans.
 
     Manifests and Parquet footers are cached in the Store (they are immutable, so readers of one
     Store share them); new manifests are picked up

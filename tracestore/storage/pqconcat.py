@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tracestore import thrift as T
 from tracestore.errors import CorruptionError
+from tracestore.storage import thrift as T
 
 MAGIC = b"PAR1"
 

@@ -11,11 +11,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from tracestore.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
 from tracestore.errors import CorruptionError, ValidationError
 from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.v1.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
-from tracestore.v1.convert import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
+from tracestore.wire import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
 
 from .engine import Message, pack_wal_data, unpack_wal_data
 from .shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/shm.py

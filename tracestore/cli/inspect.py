@@ -12,8 +12,8 @@ Exit status: 0 records found (and, with ``--validate``, all valid); 1 ``--valida
 problem, or storage failed; 2 a usage or configuration error; 3 nothing there: the location does
 not exist or holds no runs, or the ``--run``/``--policy-version`` asked for is not stored.
 
-Validation works on whole columns (:class:`tracestore.shards.ManifestColumns`,
-:func:`tracestore.shards.verify_shard`), never one Python object per chunk: a decode shard holds
+Validation works on whole columns (:class:`tracestore.storage.shards.ManifestColumns`,
+:func:`tracestore.storage.shards.verify_shard`), never one Python object per chunk: a decode shard holds
 ~300,000 chunks. Shards are verified ``--jobs`` at a time (default: one per core): by this
 process and ``jobs - 1`` worker processes, once a version holds :data:`PARALLEL_MIN_BYTES` of
 shards (a worker costs ~0.35 s of CPU to start: the time this process takes to verify ~200 MB);
@@ -132,7 +132,7 @@ class _Version:
     do not load. ``on_manifest(m)`` is called for each manifest as soon as it is loaded."""
 
     def __init__(self, store: Any, run: str, version: int, on_manifest: Callable[[Any], None] | None = None) -> None:
-        from tracestore.shards import ManifestColumns, shard_name
+        from tracestore.storage.shards import ManifestColumns, shard_name
 
         self.run, self.version = run, version
         self.manifests: list[ManifestColumns] = []
@@ -224,8 +224,8 @@ class _Version:
         return _Coverage(intervals, overlapping, ends_of)
 
     def links(self) -> Any:
-        """A :class:`~tracestore.reader.LinkIndex` of this version (links, seals, chunk extents)."""
-        from tracestore.reader import LinkIndex
+        """A :class:`~tracestore.storage.reader.LinkIndex` of this version (links, seals, chunk extents)."""
+        from tracestore.storage.reader import LinkIndex
 
         index = LinkIndex(self.run)
         for t, end in self.coverage().ends.items():
@@ -282,7 +282,7 @@ def _verify_unit(u: _Unit) -> list[str]:
     import pyarrow as pa
 
     from tracestore.records import crc32
-    from tracestore.shards import verify_shard
+    from tracestore.storage.shards import verify_shard
 
     m = u.cols
     problems = []
@@ -290,7 +290,7 @@ def _verify_unit(u: _Unit) -> list[str]:
         if u.local_path is not None:
             f: Any = pa.memory_map(u.local_path)
         else:
-            from tracestore.fsutil import Storage
+            from tracestore.storage.fs import Storage
 
             key = (u.url, json.dumps(u.storage_options, sort_keys=True, default=str), u.timeout)
             storage = _STORAGE.get(key)
@@ -322,7 +322,7 @@ _LEN_BYTES = 8
 # spawn runs the caller's ``__main__`` again (a script without a main guard would re-run itself).
 _BOOT = (
     "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
-    "from tracestore.cli_inspect import _worker_main; _worker_main(int(sys.argv[1]))"
+    "from tracestore.cli.inspect import _worker_main; _worker_main(int(sys.argv[1]))"
 )
 
 
@@ -539,7 +539,7 @@ def validate_version(
     processes when the version holds ``parallel_min_bytes`` or more (default: one per core);
     ``loaded``/``verifier``: the version already loaded with its shards submitted as they loaded
     (what :func:`run` does)."""
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     if not isinstance(store, Store):
         raise TypeError("validate_version needs a Store")
@@ -576,7 +576,7 @@ def _check_sealed(store: Any, v: _Version, out: TextIO) -> int:
     position excepted), through its prefix links; from the manifests, reading only where chunks
     of one version overlap (their bytes must agree)."""
     from tracestore.plan import MicrobatchPlan
-    from tracestore.reader import StoreReader
+    from tracestore.storage.reader import StoreReader
 
     seals = v.seals
     if not seals:
@@ -639,7 +639,7 @@ class _Nothing(Exception):
 
 def run(ns: argparse.Namespace) -> int:
     from tracestore.cli import resolve
-    from tracestore.store import Store
+    from tracestore.storage.store import Store
 
     resolve(ns)
     report: dict[str, Any] = {"url": ns.url, "runs": [], "ok": True}

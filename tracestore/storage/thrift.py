@@ -4,7 +4,7 @@ Parquet page headers and footers are Thrift structs in the compact protocol (Apa
 ``TCompactProtocol`` spec): a field header byte holds a field-id delta (high nibble; 0 = a zigzag
 varint id follows) and a type (low nibble, 0 = end of struct); integers are zigzag varints; a list
 header holds its size (high nibble, 15 = a varint size follows) and element type. Used by
-:mod:`tracestore.pagecrc` (page checksums) and :mod:`tracestore.pqconcat` (footer rewriting).
+:mod:`tracestore.storage.pagecrc` (page checksums) and :mod:`tracestore.storage.pqconcat` (footer rewriting).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``tracestore`` command line (also ``python -m tracestore``).
+"""The typed settings layer every ``tracestore`` subcommand declares its options with.
 
 Each subcommand lives in its own module with ``register(subparsers)``, which adds a parser and
 sets ``func`` (``Namespace -> int`` exit code). Modules whose extra is not installed still
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
 import json
 import math
 import os
@@ -41,14 +40,6 @@ from typing import Any
 
 from tracestore.errors import ConfigError
 
-SUBCOMMAND_MODULES = (
-    "tracestore.cli_selftest",
-    "tracestore.cli_inspect",
-    "tracestore.cli_check",
-    "tracestore.server.cli",
-    "tracestore.server.cli_health",
-    "tracestore.demo.cli",
-)
 ENV_PREFIX = "TRACESTORE_"
 CONFIG_ENV = "TRACESTORE_CONFIG"
 
@@ -388,56 +379,3 @@ def env_default(flag: str, default: Any) -> Any:
         owner = _REGISTERING[-1] if _REGISTERING else ""
         _DEFERRED.setdefault(owner, []).append(f"{name}={raw!r}: expected {kind.expected}")
         return default
-
-
-# ---------------------------------------------------------------------------- the command
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from tracestore import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="tracestore",
-        description="TRACE guidance-record storage and transport for FP4 RL of MoE models. Settings come from "
-        "--flags, else TRACESTORE_<FLAG> variables, else the COMMAND's table of a TOML config file (--config FILE "
-        "or TRACESTORE_CONFIG), else the defaults `tracestore COMMAND --help` shows.",
-    )
-    parser.add_argument("--version", action="version", version=f"tracestore {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _DEFERRED.clear()
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):  # not built yet
-                continue
-            raise
-        _REGISTERING.append(name)
-        try:
-            module.register(sub)
-        finally:
-            _REGISTERING.pop()
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if not getattr(ns, "func", None):
-        parser.print_help()
-        return 2
-    deferred = _DEFERRED.get(getattr(ns.func, "__module__", ""), [])
-    try:
-        if deferred:
-            raise ConfigError(deferred[0])
-        resolve(ns)
-    except ConfigError as exc:
-        print(f"tracestore {ns.command}: {exc}", file=sys.stderr)
-        return 2
-    return int(ns.func(ns))
-
-
-if __name__ == "__main__":  # pragma: no cover - `python -m tracestore.cli`: run the imported module's main
-    from tracestore.cli import main as _main  # (the subcommands register into that module, not __main__)
-
-    sys.exit(_main())

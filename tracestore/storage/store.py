@@ -28,9 +28,9 @@ from typing import Any
 
 from tracestore import faults as _faults
 from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
-from tracestore.fsutil import EventHook, Storage
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
-from tracestore.shards import (
+from tracestore.storage.fs import EventHook, Storage
+from tracestore.storage.shards import (
     MIN_ROW_GROUP_BYTES,
     ROW_GROUP_BYTES,
     Manifest,
@@ -41,7 +41,7 @@ from tracestore.shards import (
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
-# the temp files our local publish writes next to its target (tracestore.fsutil): ".<name>.tmp-<uuid4 hex>"
+# the temp files our local publish writes next to its target (tracestore.storage.fs): ".<name>.tmp-<uuid4 hex>"
 _RUN_TEMP = re.compile(r"\.run\.json\.tmp-[0-9a-f]{32}")
 _SHARD_TEMP = re.compile(r"\.part-\d{8,}\.(?:parquet|manifest\.json)\.tmp-[0-9a-f]{32}")
 _NO_TEMP = re.compile(r"(?!)")  # version directories hold none

@@ -33,7 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tracestore import faults as _faults
 from tracestore.errors import ConfigError, ConflictError, NotFoundError, StorageError, TraceStoreError
-from tracestore.shardfile import ShardFile
+from tracestore.storage.shardfile import ShardFile
 
 T = TypeVar("T")
 EventHook = Callable[[str, str, str], None]

@@ -1,7 +1,7 @@
 """The local temp file a shard is written into: native Arrow streams, checksums and writeback
 behind the writers, and the primitives that let two writers fill one file (Linux).
 
-:class:`ShardFile` is what :meth:`tracestore.fsutil.Storage.publish_stream` hands the shard
+:class:`ShardFile` is what :meth:`tracestore.storage.fs.Storage.publish_stream` hands the shard
 encoder; the temp file is then fsynced, linked into place create-only and its directory fsynced
 there (never a partial object: docs/data-model.md, "Storage layout").
 """
@@ -105,7 +105,7 @@ class ShardFile:
     :attr:`crc32` describe the whole file. The caller owns ``fd`` (a read-write descriptor of
     ``path``) and its final fsync.
 
-    Two writers at once (see ``tracestore.shards``): :meth:`open_at` gives a second stream that
+    Two writers at once (see ``tracestore.storage.shards``): :meth:`open_at` gives a second stream that
     appends from a far offset (the gap is a hole), :class:`Region` checksums each writer's bytes,
     :meth:`collapse` removes the gap without moving data (``FALLOC_FL_COLLAPSE_RANGE``, where
     :meth:`can_collapse`), and ``finish(size, crc)`` takes the checksum the owner assembled.

@@ -16,10 +16,10 @@ is an error here.
 
 from __future__ import annotations
 
-from tracestore import thrift as T
+from tracestore.checksum import crc32_held
 from tracestore.errors import CorruptionError
 from tracestore.records import crc32
-from tracestore.v1.checksum import crc32_held
+from tracestore.storage import thrift as T
 
 
 def _struct(buf: bytes, pos: int, depth: int, fields: dict[int, int], nested: dict[int, int] | None = None) -> int:

@@ -138,8 +138,8 @@ def check(
 
     from tracestore.client.traceref import check_refs
     from tracestore.plan import MicrobatchPlan
-    from tracestore.reader import LinkIndex, StoreReader
-    from tracestore.store import Store
+    from tracestore.storage.reader import LinkIndex, StoreReader
+    from tracestore.storage.store import Store
 
     if (refs is None) == (plan is None):
         raise ValueError("give refs or a plan")

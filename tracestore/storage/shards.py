@@ -11,7 +11,7 @@ leaving those uncompressed would save ~10 ms of a ~121 ms encoder thread per 120
 grow it by ~4 KB).
 Page checksums are written and verified (a flipped byte in a compressed page otherwise decoded
 into wrong data): by Arrow's decoder, or, on local disk, by
-:mod:`tracestore.pagecrc` with ISA-L over the memory-mapped bytes the decoder then reads. Every
+:mod:`tracestore.storage.pagecrc` with ISA-L over the memory-mapped bytes the decoder then reads. Every
 chunk's own checksum is verified on every read (:func:`read_chunks`).
 
 The manifest (small JSON, written after the shard) lists every chunk's key, row group and
@@ -45,17 +45,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracestore import pqconcat
-from tracestore.arrow import (
-    CHUNK_SCHEMA,
-    KEY_COLUMNS,
-    SCHEMA_VERSION,
-    chunk_from_parts,
-    chunks_to_table,
-    schema_version_of,
-)
+from tracestore.checksum import crc32_held
 from tracestore.errors import ConflictError, CorruptionError, ValidationError
-from tracestore.pagecrc import verify_pages
 from tracestore.records import (
     _CHECKSUM_TAG,
     PrefixLink,
@@ -65,7 +56,16 @@ from tracestore.records import (
     crc32,
     crc32_combine,
 )
-from tracestore.v1.checksum import crc32_held
+from tracestore.storage import pqconcat
+from tracestore.storage.arrow import (
+    CHUNK_SCHEMA,
+    KEY_COLUMNS,
+    SCHEMA_VERSION,
+    chunk_from_parts,
+    chunks_to_table,
+    schema_version_of,
+)
+from tracestore.storage.pagecrc import verify_pages
 
 MANIFEST_FORMAT = "tracestore.manifest"
 MANIFEST_VERSION = 2  # 2: a checksum over the content, the chunk index as binary columns (1: neither)
@@ -76,7 +76,7 @@ SHARD_META_KEY = b"tracestore.shard"
 ROW_GROUP_BYTES = 16 << 20
 MIN_ROW_GROUP_BYTES = 1 << 20  # 4 MiB wrote ~4% faster but a half-sites read fetched 24 of 30 MB instead of 13
 # Local shards are encoded by two Parquet writers at once into two regions of the temp file, then
-# joined by collapsing the gap and rewriting the footer (tracestore.pqconcat; where the filesystem
+# joined by collapsing the gap and rewriting the footer (tracestore.storage.pqconcat; where the filesystem
 # cannot collapse ranges, one writer): Arrow's writer uses one core, and the zstd scales and page
 # checksums that the format requires cost it ~70 of ~100 ms per 120 MB shard. Durable 120 MB
 # write_shard, 31 interleaved runs on the loaded 2-core box: median 230 -> 199 ms, min 156 -> 127.
@@ -355,7 +355,7 @@ def encode_shard(
     in two halves at once that are joined into one ``bytes`` (:func:`_encode_halves_in_memory`).
 
     With ``sink`` the Parquet bytes go into it instead and the returned bytes are None: a
-    :class:`tracestore.shardfile.ShardFile` (a native Arrow ``stream``, told of each row group by
+    :class:`tracestore.storage.shardfile.ShardFile` (a native Arrow ``stream``, told of each row group by
     ``progress()``; on more than one core the row groups are then encoded in two halves at once
     and joined in it) or a writable binary file object; either has ``size`` and ``crc32``
     attributes that are final after its ``finish()``.
@@ -410,7 +410,7 @@ def encode_shard(
         if not joined:
             sink.restart()
     if not joined:  # one writer
-        # A native sink (tracestore.shardfile.ShardFile: ``stream`` + ``progress()``) is written without
+        # A native sink (tracestore.storage.shardfile.ShardFile: ``stream`` + ``progress()``) is written without
         # the GIL and told after each row group; a Python sink gets the bytes through Arrow's buffered
         # stream: the Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
         if sink is None:
@@ -537,12 +537,12 @@ def read_chunks(
     threads: ``on_batch`` must be thread-safe), so a caller can place rows as they land.
 
     ``pages``: the whole file's bytes (a memory map). Every page of the column chunks decoded is
-    then verified here with ISA-L crc32 (:mod:`tracestore.pagecrc`) before decoding, and ``source``
+    then verified here with ISA-L crc32 (:mod:`tracestore.storage.pagecrc`) before decoding, and ``source``
     opens the file with ``verify_pages=False`` over those same bytes (Arrow's own check costs
     ~5x more CPU).
 
     ``hold_gil``: the page and chunk CRCs of up to 1 MiB keep the GIL (for a read in a background
-    thread beside a thread that is busy in Python; see :func:`tracestore.reader._copy_held`).
+    thread beside a thread that is busy in Python; see :func:`tracestore.storage.reader._copy_held`).
     """
     by_group: dict[int, list[ChunkEntry]] = {}
     for e in entries:
@@ -837,7 +837,7 @@ def _encode_halves(
     first half for sure; the gap is a hole); each thread checksums and starts the writeback of its
     own bytes as it goes. Then the first half's footer is overwritten with zeros up to a block
     boundary, the gap collapsed (no data moves, :meth:`ShardFile.collapse`), and the second half's
-    footer replaced by one listing both (:mod:`tracestore.pqconcat`), checked against what the
+    footer replaced by one listing both (:mod:`tracestore.storage.pqconcat`), checked against what the
     writers wrote. Returns False, leaving the file to be rewritten by one writer, if the first
     half outgrew ``bound`` or the halves could not be joined."""
     blk = sink.block_size
@@ -909,7 +909,7 @@ def _encode_halves_in_memory(
     """A shard for memory:// or S3 (published from memory): row groups ``[0, split)`` encoded on a
     second thread into one buffer while this thread encodes the rest into another, then joined
     into the one ``bytes`` the storage publishes (the copy publishing made anyway): the first file
-    without its footer, the second file, and a footer listing both (:mod:`tracestore.pqconcat`),
+    without its footer, the second file, and a footer listing both (:mod:`tracestore.storage.pqconcat`),
     checked against what the writers wrote. None (encode in one piece) if a half outgrew its
     buffer or the footers did not join."""
     halves = [ordered[: groups[split][0]], ordered[groups[split][0] :]]

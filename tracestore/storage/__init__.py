@@ -1,0 +1,13 @@
+"""Storage internals (private): how record chunks become durable Parquet shards on any fsspec URL
+and how a plan's rows come back out of them.
+
+Nothing here is public API; users reach storage through :class:`tracestore.storage.store.Store`
+(re-exported as ``tracestore.Store``), :class:`tracestore.storage.reader.StoreReader`, the sidecar
+and ``tracestore.client.GuidanceReader``. The rooms:
+
+- :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
+- :mod:`.store` — the run/version/writer layout, ``write_shard`` and the listing of manifests;
+- :mod:`.shards` — the shard file and its manifest: encoding, the verifying decoder;
+- :mod:`.arrow` — the Arrow schema of record chunks and the lossless chunk <-> Arrow conversion;
+- :mod:`.reader` — microbatch-aligned, rank-sharded, verified reads of a plan's rows.
+"""
