@@ -73,6 +73,7 @@ class ServerConfig:
     grace_s: float = 30.0
     storage_timeout_s: float = 60.0
     shm_dir: str = "/dev/shm"
+    max_shm_pool_bytes: int = 64 * 1024 * MiB  # largest writer staging pool the sidecar opens
     # The unix socket's group (name or gid; its members may connect and their shm pools are read)
     # and mode (None: 0660 with a socket_group, else 0600). Checked when the socket is bound.
     socket_group: str | None = None
@@ -82,7 +83,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         self._check_security()
         for name in (
-            "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes"
+            "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes",
+            "max_shm_pool_bytes",
         ):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1024:

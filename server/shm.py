@@ -30,8 +30,16 @@ The trade-off of not knowing the peer: a member of the socket's group can name a
 pool and have its staged bytes stored under its own writer id. It gains nothing it could not read
 itself (the pool is group-readable, and the ``Read`` RPC serves every run to every client), but a
 per-uid policy ("only your own pools") would need the peer's uid, which this gRPC stack cannot give.
-A pool's owner can also truncate it under the sidecar's mapping; reading past the new end raises
-SIGBUS in the sidecar. Only a sealed memfd passed over the socket would rule that out.
+Truncation. A pool's owner can truncate it under a mapping; reading the mapping past the new end
+raises SIGBUS, which kills the sidecar (in C code: not an exception Python could catch). A pool
+owned by the sidecar's own uid (or root) is mapped and read in place (zero copy): whoever owns it
+could kill the sidecar anyway. A pool of any other owner (a group member's, see above) is never
+mapped: :meth:`ShmPools.view` copies the referenced bytes out with ``pread`` on the checked
+descriptor, and a short read (the pool shrank) is an INVALID_ARGUMENT naming the pool, so no
+other user can take the sidecar down. The copy is the one ``Message.own_shm`` would make anyway
+for a writer that does not keep its staging; a writer that does pays one memcpy per payload byte.
+(A sealed memfd passed over the socket would allow zero copy here too, but gRPC cannot carry
+descriptors.)
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ _FORBIDDEN_MODE = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | st
 
 
 class ShmPools:
-    """Read-only maps of writers' staging pools (files directly in ``shm_dir``), opened on first use.
+    """Writers' staging pools (files directly in ``shm_dir``), checked and opened on first use.
 
     ``group``: the gid every pool must belong to (group-readable), when the sidecar's unix socket
     admits that group; None: the socket admits only the sidecar's uid, and pools must be owned by
@@ -77,7 +85,8 @@ class ShmPools:
         self.group = group
         self.uid = os.geteuid()
         self.max_pool_bytes = self.MAX_POOL_BYTES if max_pool_bytes is None else int(max_pool_bytes)
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # pools read in place
+        self._copied: dict[str, tuple[int, int]] = {}  # pools read with pread: name -> (fd, size)
         self._lock = threading.Lock()
         self._on_change = on_change
 
@@ -86,6 +95,8 @@ class ShmPools:
         for name in [n for n in self._maps if not os.path.lexists(self.dir / n)]:
             with contextlib.suppress(BufferError):
                 self._maps.pop(name).close()
+        for name in [n for n in self._copied if not os.path.lexists(self.dir / n)]:
+            os.close(self._copied.pop(name)[0])
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         mm = self._maps.get(name)  # (three lookups per chunk: the name was checked when it was mapped)
@@ -97,21 +108,50 @@ class ShmPools:
             )
         with self._lock:
             mm = self._maps.get(name)
-            if mm is None:
+            copied = self._copied.get(name)
+            if mm is None and copied is None:
                 self._forget_gone()
-                if len(self._maps) >= self.MAX_POOLS:
+                if len(self._maps) + len(self._copied) >= self.MAX_POOLS:
                     raise ValidationError(f"{self.MAX_POOLS} shared-memory pools mapped already; close idle recorders")
-                mm = self._map(name)
-                self._maps[name] = mm
+                opened = self._open(name)
+                if isinstance(opened, mmap.mmap):
+                    mm = self._maps[name] = opened
+                else:
+                    copied = self._copied[name] = opened
                 if self._on_change is not None:
-                    self._on_change(sum(len(m) for m in self._maps.values()))
-        if offset < 0 or length < 0 or offset + length > len(mm):
+                    self._on_change(self._bytes())
+        size = len(mm) if mm is not None else copied[1]  # type: ignore[index]
+        if offset < 0 or length < 0 or offset + length > size:
             raise ValidationError(
-                f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {len(mm)} bytes"
+                f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {size} bytes"
             )
-        return memoryview(mm)[offset : offset + length]
+        if mm is not None:
+            return memoryview(mm)[offset : offset + length]
+        return self._pread(name, copied[0], offset, length)  # type: ignore[index]
 
-    def _map(self, name: str) -> mmap.mmap:
+    def _pread(self, name: str, fd: int, offset: int, length: int) -> memoryview:
+        buf = bytearray(length)
+        got = 0
+        while got < length:
+            try:
+                n = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
+            except OSError as exc:
+                raise ValidationError(f"shared-memory pool {name!r} cannot be read: {exc.strerror}") from exc
+            if n == 0:
+                raise ValidationError(
+                    f"shared-memory pool {name!r} ends at byte {offset + got}, inside the reference [{offset}, "
+                    f"{offset + length}): its owner truncated it; expected the pool's size not to change while "
+                    "its recorder lives"
+                )
+            got += n
+        return memoryview(buf)
+
+    def _bytes(self) -> int:
+        return sum(len(m) for m in self._maps.values()) + sum(size for _, size in self._copied.values())
+
+    def _open(self, name: str) -> mmap.mmap | tuple[int, int]:
+        """The pool checked and opened: a read-only map when its owner is the sidecar's uid or
+        root, else ``(descriptor, size)`` for copies with ``pread`` (see the module docstring)."""
         path = self.dir / name
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
         try:
@@ -121,8 +161,13 @@ class ShmPools:
                 f"shared-memory pool {name!r} cannot be opened in {self.dir} (expected a regular file there, "
                 f"not a symlink): {exc.strerror}"
             ) from exc
+        keep = False
         try:
-            self._check(name, os.fstat(fd))
+            st = os.fstat(fd)
+            self._check(name, st)
+            if st.st_uid not in (self.uid, 0):
+                keep = True
+                return fd, st.st_size
             try:
                 # Populate the whole mapping now (once per recorder pool): faulting its pages in
                 # one by one on first use cost ~4.8 ms per 4 MiB message in the bench.
@@ -130,7 +175,8 @@ class ShmPools:
             except (OSError, ValueError) as exc:
                 raise ValidationError(f"shared-memory pool {name!r} cannot be mapped: {exc}") from exc
         finally:
-            os.close(fd)
+            if not keep:
+                os.close(fd)
 
     def _check(self, name: str, st: os.stat_result) -> None:
         where = f"shared-memory pool {name!r} in {self.dir}"
@@ -165,7 +211,10 @@ class ShmPools:
         """Bytes of pool ``name`` as mapped (0 if it is not mapped)."""
         with self._lock:
             mm = self._maps.get(name)
-            return 0 if mm is None else len(mm)
+            if mm is not None:
+                return len(mm)
+            copied = self._copied.get(name)
+            return 0 if copied is None else copied[1]
 
     def close(self) -> None:
         with self._lock:
@@ -173,6 +222,9 @@ class ShmPools:
                 with contextlib.suppress(BufferError):  # a view is still alive; it goes with the process
                     mm.close()
             self._maps.clear()
+            for fd, _ in self._copied.values():
+                os.close(fd)
+            self._copied.clear()
 
 
 def file_kind(mode: int) -> str:

@@ -78,10 +78,15 @@ def _sizes() -> tuple[int, int, int, int]:
 
 def _read_back(sc: Sidecar, traj: str) -> bytes:
     """What the sidecar's Read RPC returns for ``traj`` (codes + scales), b"" when it has none."""
+    return _read_back_at(f"127.0.0.1:{sc.port}", traj)
+
+
+def _read_back_at(address: str, traj: str) -> bytes:
+    """What the Read RPC at ``address`` returns for ``traj`` (codes + scales), b"" when it has none."""
     req = pb.ReadRequest(run=SPEC.run, plan=[pb.Segment(trajectory=traj, token_start=0, token_end=N_TOKENS)],
                          sites=[SITE.name])  # fmt: skip
     got = b""
-    with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:
+    with grpc.insecure_channel(address) as ch:
         try:
             for raw in ch.unary_stream("/tracestore.v1.TraceStore/Read")(req.SerializeToString(), timeout=30):
                 r = pb.ReadResponse.FromString(raw)
@@ -259,3 +264,40 @@ def test_sweep_of_dead_pools_neither_blocks_on_a_fifo_nor_follows_a_symlink(tmp_
         p.close()
     assert not hung, "creating a staging pool hung on a FIFO in its directory"
     assert fifo.exists() and link.is_symlink() and target.read_bytes() == b"x" * 4096
+
+
+@root_only
+def test_another_users_pool_truncated_under_the_sidecar_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """A member of the socket's group (another uid) truncates its pool after the sidecar has read
+    from it, then sends a message referencing the bytes that are gone. Before: the sidecar had the
+    pool mapped and died of SIGBUS reading it (every writer of that sidecar lost its connection).
+    Now another user's pool is copied out with pread: INVALID_ARGUMENT naming the pool, and the
+    sidecar keeps serving, its earlier acknowledged record readable."""
+    from tracestore.server.testing import ServeProcess
+
+    gid = 54321
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    flags = ["--shm-dir", str(shm), "--socket-group", str(gid), "--flush-interval", "0.05"]
+    with ServeProcess(tmp_path / "sc", wal=False, unix_socket=True, flags=flags) as sp:
+        assert sp.socket is not None
+        name = f"tracestore-pool-{uuid.uuid4().hex[:12]}"
+        path = shm / name
+        payload = np.random.default_rng(3).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+        path.write_bytes(payload)
+        os.chown(path, 65534, gid)  # another user, in the socket's group
+        os.chmod(path, 0o640)
+        assert _shm_write(Path(sp.socket), name, "t-before") is None
+        os.truncate(path, 0)  # the owner truncates its pool under the sidecar
+        err = _shm_write(Path(sp.socket), name, "t-after")
+        assert sp.proc is not None and sp.proc.poll() is None, f"the sidecar died:\n{sp.log_tail()}"
+        details = _refused(err, name, "truncated")
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+        # Still serving: the record acknowledged before the truncation reads back, byte for byte.
+        _, nc, ns, _ = _sizes()
+        deadline = time.monotonic() + 20
+        got = b""
+        while time.monotonic() < deadline and not got:
+            got = _read_back_at(sp.address, "t-before")
+            time.sleep(0.05)
+        assert got == payload[: nc + ns]
