@@ -147,7 +147,7 @@ def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: py
     """Without ISA-L (FAST False: zlib's crc32, no C combine) the sidecar reads payloads again
     instead of combining CRCs: the same chunk checksums, and a byte-identical WAL segment."""
     from tracestore.server import wal as wal_mod
-    from tracestore.server import wire
+    from tracestore.server import ingest as wire
     from tracestore.server.testing import SPEC, make_chunk, write_request
 
     raw = write_request(2, [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 5)]).SerializeToString()
