@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tracestore import CorruptionError, MissingRecordsError, PrefixLink, TraceStoreError, TrajectorySeal
+from tracestore.storage.manifest import MANIFEST_VERSION, Manifest
 from tracestore.storage.reader import StoreReader
-from tracestore.storage.shards import MANIFEST_VERSION, Manifest
 from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk

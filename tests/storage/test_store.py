@@ -419,56 +419,17 @@ def test_concurrent_reads_while_writing(store: Store):
     assert reader.read([("new3", 0, 4)], sites=[S0.name])[S0.name].valid.all()
 
 
-def test_in_memory_encoding_outgrowing_its_bound_still_writes(store: Store, monkeypatch: pytest.MonkeyPatch):
-    """memory:// and S3 shards are encoded into one buffer of ``shards._size_bound`` bytes; were the
-    bound ever short, the shard is written into a growing buffer instead, byte for byte the same."""
-    from tracestore.storage import shards
-
-    rng = np.random.default_rng(12)
-    chunks = [make_chunk(s, f"t{i}", 0, 9, rng=rng) for i in range(4) for s in SITES]
-    exact, manifest = shards.encode_shard(RUN, 0, "w", 0, "p", chunks)
-    monkeypatch.setattr(shards, "_size_bound", lambda chunks, n_groups: 512)
-    short, manifest2 = shards.encode_shard(RUN, 0, "w", 0, "p", chunks)
-    assert exact is not None and short is not None and bytes(short) == bytes(exact) and manifest2 == manifest
-    store.write_shard(RUN, 0, "w", 0, chunks)
-    res = StoreReader(store, RUN).read(MicrobatchPlan([(f"t{i}", 0, 9) for i in range(4)]))
-    for s in SITES:
-        _check(res, chunks, s, [(f"t{i}", 0, 9) for i in range(4)])
-
-
-@pytest.mark.parametrize("outgrow", [False, True])
-def test_shard_encoded_in_two_halves_round_trips(store: Store, monkeypatch: pytest.MonkeyPatch, outgrow: bool):
-    """Shards of several row groups are encoded by two writers at once and joined (in memory for
-    memory:// and S3, in the temp file on local disk); what is read back is what was written,
-    every row group and page checksum verifies. ``outgrow``: a half that outgrows its buffer makes
-    the in-memory path encode the shard in one piece instead."""
+def test_shard_of_many_row_groups_round_trips(store: Store):
+    """A shard of many row groups, one Parquet writer, on every backend: what is read back is what
+    was written, and every row group and page checksum verifies."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tracestore.storage import shards
-
-    calls = {"memory": 0, "joined": 0}
-    real = shards._encode_halves_in_memory
-
-    def spy(*args, **kwargs):
-        calls["memory"] += 1
-        out = real(*args, **kwargs)
-        calls["joined"] += out is not None
-        return out
-
-    monkeypatch.setattr(shards, "_encode_halves_in_memory", spy)
-    monkeypatch.setattr(shards, "MEMORY_HALVES_MIN_BYTES", 0)
-    if outgrow:
-        monkeypatch.setattr(shards, "_size_bound", lambda chunks, n_groups: 2048)
     store.min_row_group_bytes = 1  # a row group per (trajectory, site)
     rng = np.random.default_rng(13)
     trajs = [f"t{i}" for i in range(5)]
     chunks = [make_chunk(s, t, a, 40, rng=rng, token_scales=s is S1) for t in trajs for s in SITES for a in (0, 40)]
     info = store.write_shard(RUN, 0, "w", 0, chunks)
-    if store.storage.local:
-        assert calls["memory"] == 0
-    else:
-        assert calls == {"memory": 1, "joined": 0 if outgrow else 1}
     data = store.storage.cat(info.path)
     pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
     assert pf.metadata.num_row_groups == len(trajs) * len(SITES) and pf.metadata.num_rows == len(chunks)

@@ -17,14 +17,9 @@ from tracestore import PrefixLink, SiteSpec, TrajectorySeal
 from tracestore.cli.inspect import validate_version
 from tracestore.records import crc32_combine
 from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table
-from tracestore.storage.shards import (
-    _WRITER_OPTIONS,
-    ManifestColumns,
-    _crc_fixed_rows,
-    crc32_combine_many,
-    encode_shard,
-    verify_shard,
-)
+from tracestore.storage.manifest import ManifestColumns
+from tracestore.storage.shard_read import _crc_fixed_rows, crc32_combine_many, verify_shard
+from tracestore.storage.shard_write import _WRITER_OPTIONS, encode_shard
 from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk

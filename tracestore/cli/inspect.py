@@ -12,8 +12,8 @@ Exit status: 0 records found (and, with ``--validate``, all valid); 1 ``--valida
 problem, or storage failed; 2 a usage or configuration error; 3 nothing there: the location does
 not exist or holds no runs, or the ``--run``/``--policy-version`` asked for is not stored.
 
-Validation works on whole columns (:class:`tracestore.storage.shards.ManifestColumns`,
-:func:`tracestore.storage.shards.verify_shard`), never one Python object per chunk: a decode shard holds
+Validation works on whole columns (:class:`tracestore.storage.manifest.ManifestColumns`,
+:func:`tracestore.storage.shard_read.verify_shard`), never one Python object per chunk: a decode shard holds
 ~300,000 chunks. Shards are verified ``--jobs`` at a time (default: one per core): by this
 process and ``jobs - 1`` worker processes, once a version holds :data:`PARALLEL_MIN_BYTES` of
 shards (a worker costs ~0.35 s of CPU to start: the time this process takes to verify ~200 MB);
@@ -132,7 +132,7 @@ class _Version:
     do not load. ``on_manifest(m)`` is called for each manifest as soon as it is loaded."""
 
     def __init__(self, store: Any, run: str, version: int, on_manifest: Callable[[Any], None] | None = None) -> None:
-        from tracestore.storage.shards import ManifestColumns, shard_name
+        from tracestore.storage.manifest import ManifestColumns, shard_name
 
         self.run, self.version = run, version
         self.manifests: list[ManifestColumns] = []
@@ -282,7 +282,7 @@ def _verify_unit(u: _Unit) -> list[str]:
     import pyarrow as pa
 
     from tracestore.records import crc32
-    from tracestore.storage.shards import verify_shard
+    from tracestore.storage.shard_read import verify_shard
 
     m = u.cols
     problems = []

@@ -55,7 +55,8 @@ from tracestore.errors import (
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import PrefixLink, SiteSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import CountingFile
-from tracestore.storage.shards import DATA_COLUMNS, ChunkEntry, Manifest, StoredChunk, open_parquet, read_chunks
+from tracestore.storage.manifest import ChunkEntry, Manifest
+from tracestore.storage.shard_read import DATA_COLUMNS, StoredChunk, open_parquet, read_chunks
 from tracestore.storage.store import Store
 
 OnMissing = Literal["error", "mask"]
@@ -815,11 +816,9 @@ class StoreReader:
                 try:
                     if storage.local:
                         mapped = f
-                        # page checksums verified by read_chunks over the mapped bytes, with ISA-L
-                        pages = memoryview(mapped.read_buffer(size))
 
                         def source(meta: pq.FileMetaData | None) -> pq.ParquetFile:
-                            return open_parquet(mapped, where, meta or footer, verify_pages=False)
+                            return open_parquet(mapped, where, meta or footer)
 
                         pf = source(None)
                         out = read_chunks(
@@ -828,7 +827,6 @@ class StoreReader:
                             entries,
                             where,
                             on_batch=batch_done,
-                            pages=pages,
                             hold_gil=hold_gil,
                         )
                     else:

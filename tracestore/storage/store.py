@@ -30,14 +30,8 @@ from tracestore import faults as _faults
 from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import EventHook, Storage
-from tracestore.storage.shards import (
-    MIN_ROW_GROUP_BYTES,
-    ROW_GROUP_BYTES,
-    Manifest,
-    check_shard_inputs,
-    encode_shard,
-    shard_name,
-)
+from tracestore.storage.manifest import Manifest, shard_name
+from tracestore.storage.shard_write import MIN_ROW_GROUP_BYTES, ROW_GROUP_BYTES, check_shard_inputs, encode_shard
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")

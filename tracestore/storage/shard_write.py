@@ -1,0 +1,216 @@
+"""Encoding a shard: record chunks -> one Parquet file and its manifest.
+
+A shard is one Parquet file, one row per record chunk, sorted by (trajectory, site,
+token_start), exact repeats of a chunk dropped. Row groups break at a (trajectory, site) boundary
+once they hold ``min_row_group_bytes`` and always before ``row_group_bytes``, so a pipeline stage
+reading a few sites of a trajectory fetches only their row groups. One Parquet writer encodes the
+shard, with a CRC-32 in every page header (``write_page_checksum``; every read verifies them,
+:mod:`tracestore.storage.shard_read`), while the worker pool builds the next row groups' Arrow
+tables.
+
+Column compression: code bits are stored uncompressed (packed low FP4 bits are incompressible:
+bench/bench_storage.py measured every codec at 1.00x on them); every other column is zstd level
+1: scales and token scales (real E4M3 scales: 0.65x) and the small per-chunk key and checksum
+columns too (:data:`ZSTD_COLUMNS`; leaving those uncompressed would save ~10 ms of a ~121 ms
+encoder thread per 120 MiB shard and grow it by ~4 KB). Dictionary encoding only for the
+repeated strings.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tracestore.errors import ConflictError, ValidationError
+from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal, crc32
+from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table
+from tracestore.storage.manifest import ChunkEntry, Manifest
+from tracestore.storage.shard_read import worker_pool
+
+SHARD_META_KEY = b"tracestore.shard"
+
+ROW_GROUP_BYTES = 16 << 20
+MIN_ROW_GROUP_BYTES = 1 << 20  # 4 MiB wrote ~4% faster but a half-sites read fetched 24 of 30 MB instead of 13
+
+
+# Column compression (see module docstring); dictionary only for the repeated strings.
+# bench_storage on real quantized tokens: codes 1.00x under every codec; E4M3 scales 0.646x with
+# zstd-1, 0.649x with zstd-3, 0.638x with zstd-9 (snappy/lz4 ~1.00x), and zstd-1 encodes fastest.
+# Key/metadata columns are zstd too; measured: leaving them uncompressed would save
+# ~10 ms of a ~121 ms encoder thread per 120 MiB shard and grow it by 4.3 KB (0.004%).
+ZSTD_COLUMNS = tuple(name for name in CHUNK_SCHEMA.names if name != "codes")
+COMPRESSION: dict[str, str] = {name: ("ZSTD" if name in ZSTD_COLUMNS else "NONE") for name in CHUNK_SCHEMA.names}
+ZSTD_LEVEL = 1
+DICTIONARY_COLUMNS = ["run", "trajectory", "site"]
+STATISTICS_COLUMNS = ["run", "policy_version", "trajectory", "site", "token_start", "n_tokens"]
+
+
+def _dedupe_sorted(chunks: Sequence[RecordChunk]) -> list[RecordChunk]:
+    ordered = sorted(chunks, key=lambda c: (c.trajectory, c.site, c.token_start, c.n_tokens))
+    out: list[RecordChunk] = []
+    for c in ordered:
+        prev = out[-1] if out else None
+        if prev is not None and (prev.trajectory, prev.site, prev.token_start, prev.n_tokens) == (
+            c.trajectory,
+            c.site,
+            c.token_start,
+            c.n_tokens,
+        ):
+            if not prev.same_bytes(c):
+                raise ConflictError(f"{c.key_str}: given twice in one shard with different bytes")
+            continue  # an identical retry
+        out.append(c)
+    return out
+
+
+def check_shard_inputs(
+    run: str,
+    policy_version: int,
+    chunks: Sequence[RecordChunk],
+    seals: Sequence[TrajectorySeal] = (),
+    links: Sequence[PrefixLink] = (),
+) -> list[RecordChunk]:
+    """Check that everything belongs to (run, version); return the chunks sorted and de-duplicated."""
+    for c in chunks:
+        if c.run != run or c.policy_version != policy_version:
+            raise ValidationError(f"{c.key_str}: does not belong to shard run {run} v{policy_version}")
+    owners: list[TrajectorySeal | PrefixLink] = [*seals, *links]
+    for item in owners:
+        if item.run != run or item.policy_version != policy_version:
+            raise ValidationError(f"{item!r} does not belong to shard run {run} v{policy_version}")
+    return _dedupe_sorted(chunks)
+
+
+def encode_shard(
+    run: str,
+    policy_version: int,
+    writer: str,
+    seq: int,
+    shard_path: str,
+    chunks: Sequence[RecordChunk],
+    seals: Sequence[TrajectorySeal] = (),
+    links: Sequence[PrefixLink] = (),
+    *,
+    row_group_bytes: int = ROW_GROUP_BYTES,
+    min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
+    sink: Any = None,
+) -> tuple[bytes | memoryview | None, Manifest]:
+    """Encode one shard: Parquet bytes (None when there are no chunks) and its manifest.
+
+    Without ``sink`` (memory:// and S3 publish from memory) the bytes are encoded into Arrow's
+    growing buffer and returned without a copy. With ``sink`` the Parquet bytes go into it
+    instead and the returned bytes are None: a :class:`tracestore.storage.fs.ShardFile` (a native
+    Arrow ``stream``, told of each row group by ``progress()``) or a writable binary file object;
+    either has ``size`` and ``crc32`` attributes that are final after its ``finish()``.
+    """
+    ordered = check_shard_inputs(run, policy_version, chunks, seals, links)
+    if not ordered:
+        manifest = Manifest(run, policy_version, writer, seq, None, 0, 0, (), (), tuple(seals), tuple(links))
+        return None, manifest
+    groups = _row_groups(ordered, row_group_bytes, min_row_group_bytes)
+    shard_meta = json.dumps(
+        {"run": run, "policy_version": policy_version, "writer": writer, "seq": seq},
+        sort_keys=True,
+    ).encode()
+    schema = CHUNK_SCHEMA.with_metadata({**(CHUNK_SCHEMA.metadata or {}), SHARD_META_KEY: shard_meta})
+    # The row groups' Arrow tables (zero-copy views of the chunks' arrays, ~12 ms of Python per
+    # 120 MB shard) and their chunk checksums are built on the worker pool while the Parquet
+    # writer, which releases the GIL, encodes the row groups that are ready.
+    futures = [worker_pool().submit(_group_table, ordered[a : a + n], schema) for a, n in groups]
+    sizes = [n for _, n in groups]
+    native = getattr(sink, "stream", None)
+    data: bytes | memoryview | None = None
+    # A native sink (ShardFile: ``stream`` + ``progress()``) is written without the GIL and told
+    # after each row group; a Python sink gets the bytes through Arrow's buffered stream: the
+    # Parquet writer's many small writes reach Python as ~1 MiB blocks, not one call each.
+    if sink is None:
+        out: Any = pa.BufferOutputStream()
+    elif native is not None:
+        out = native
+    else:
+        out = pa.BufferedOutputStream(pa.PythonFile(sink, "w"), 1 << 20)
+    _write_groups(out, schema, sizes, futures, None if native is None else lambda: sink.progress(out.tell()))
+    if sink is None:  # no copy: published straight from Arrow's buffer
+        data = memoryview(out.getvalue())
+        out.close()
+        size, crc = len(data), crc32(data)
+    else:
+        if not out.closed:
+            out.close()  # flushes the buffered tail into the sink
+        sink.finish()  # the running crc is final once every byte is written
+        size, crc = int(sink.size), int(sink.crc32)
+    crcs = [c for fut in futures for c in fut.result()[0]]
+
+    entries = []
+    for g, (a, n) in enumerate(groups):
+        for r in range(n):
+            c = ordered[a + r]
+            entries.append(
+                ChunkEntry(c.trajectory, c.site, c.token_start, c.n_tokens, c.n_rows, g, r, crcs[a + r], c.nbytes)
+            )
+    manifest = Manifest(
+        run,
+        policy_version,
+        writer,
+        seq,
+        shard_path,
+        size,
+        crc,
+        tuple(sizes),
+        tuple(entries),
+        tuple(seals),
+        tuple(links),
+    )
+    return data, manifest
+
+
+def _row_groups(
+    ordered: Sequence[RecordChunk], row_group_bytes: int, min_row_group_bytes: int
+) -> list[tuple[int, int]]:
+    """(first chunk, chunk count) of every row group of the sorted chunks (module docstring)."""
+    groups: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, c in enumerate(ordered):
+        if i > start:
+            prev = ordered[i - 1]
+            boundary = (prev.trajectory, prev.site) != (c.trajectory, c.site)
+            if acc + c.nbytes > row_group_bytes or (boundary and acc >= min_row_group_bytes):
+                groups.append((start, i - start))
+                start, acc = i, 0
+        acc += c.nbytes
+    groups.append((start, len(ordered) - start))
+    return groups
+
+
+_WRITER_OPTIONS: dict[str, Any] = {
+    "compression": COMPRESSION,
+    "compression_level": {n: ZSTD_LEVEL for n, c in COMPRESSION.items() if c == "ZSTD"},
+    "use_dictionary": DICTIONARY_COLUMNS,
+    "write_statistics": STATISTICS_COLUMNS,
+    "write_page_checksum": True,
+    "data_page_size": 1 << 20,
+}
+
+
+def _write_groups(
+    out: Any,
+    schema: pa.Schema,
+    sizes: Sequence[int],
+    futures: Sequence[concurrent.futures.Future[tuple[list[int], pa.Table]]],
+    after_group: Callable[[], None] | None,
+) -> None:
+    with pq.ParquetWriter(out, schema, **_WRITER_OPTIONS) as w:
+        for n, fut in zip(sizes, futures, strict=True):
+            w.write_table(fut.result()[1], row_group_size=n)
+            if after_group is not None:
+                after_group()
+
+
+def _group_table(chunks: Sequence[RecordChunk], schema: pa.Schema) -> tuple[list[int], pa.Table]:
+    crcs = [c.checksum for c in chunks]
+    return crcs, chunks_to_table(chunks, crcs, zero_copy=True).replace_schema_metadata(schema.metadata)
