@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import StorageError, TraceStoreError
-from tracestore.storage.reader import Layout, output_arrays, output_sections
+from tracestore.storage.reader import Layout, SiteRows, output_arrays, output_sections
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +146,9 @@ def _serve_loop(sock: socket.socket) -> None:
                     assert reader is not None, "read before init"
                     out = output_arrays(np.frombuffer(maps[block], np.uint8), layout, sections, tokens)
                     result = reader.read(out=out, **kwargs)
-                    ts = {}
-                    for name in result:
-                        t = result[name].token_scales
-                        ts[name] = None if t is None else np.ascontiguousarray(t, "<f4").tobytes()
+                    reply = {name: _beside(rows) for name, rows in result.items()}
                     del out, result
-                    _send(sock, ("rows", ts))
+                    _send(sock, ("rows", reply))
                 else:
                     raise ValueError(f"unknown message {kind!r}")
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
@@ -159,6 +156,14 @@ def _serve_loop(sock: socket.socket) -> None:
     finally:
         if reader is not None:
             reader.close()
+
+
+def _beside(rows: SiteRows) -> tuple[tuple[int, int], bytes | None, bytes | None]:
+    """What a child sends of one site's rows besides the shared block: the column range, the
+    token scales and the stale flags of its slice (None: none of its records has token scales,
+    none of its rows is stale)."""
+    ts = None if rows.token_scales is None else np.ascontiguousarray(rows.token_scales, "<f4").tobytes()
+    return rows.columns, ts, rows.stale.tobytes() if rows.stale.any() else None
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -348,10 +353,10 @@ class ReadProcesses:
         segments: Sequence[tuple[str | None, int, int]],
         layout: Layout,
         **kwargs: Any,
-    ) -> dict[str, tuple[Any, ...]]:
+    ) -> dict[str, SiteRows]:
         """``StoreReader.read(plan, **kwargs)`` in the children; ``layout``: what
-        ``StoreReader.layout`` says that read returns. Returns ``{site: (codes, scales,
-        global_scale, valid, policy_version, token_scales)}``, numpy arrays over shared memory."""
+        ``StoreReader.layout`` says that read returns. Returns ``{site: SiteRows}`` whose arrays
+        (all but the token scales and stale flags) are views of shared memory."""
         if os.getpid() != self._pid:
             raise StorageError(
                 "this GuidanceReader(process=...) was made in another process (this one is a fork of it): "
@@ -384,7 +389,7 @@ class ReadProcesses:
                     if idle is not None and idle.drop:
                         with contextlib.suppress(OSError):
                             idle.send_drops(self._drops(idle))
-                parts: list[dict[str, bytes | None]] = []
+                parts: list[dict[str, tuple[tuple[int, int], bytes | None, bytes | None]]] = []
                 for k, c in sent:  # every reply, even after a failure: each socket stays in step
                     try:
                         parts.append(c.reply("a read")[1])
@@ -406,13 +411,17 @@ class ReadProcesses:
         out = {}
         for (site, n, _, _), (name, o) in zip(layout, output_arrays(base, layout, sections).items(), strict=True):
             ts = None  # (a slice none of whose records has token scales sends None: 1.0 there)
-            if any(p.get(name) is not None for p in parts):
-                ts = np.ones(n, np.float32)
-                for p, (t0, t1) in zip(parts, bounds, strict=True):
-                    got = p.get(name)
-                    if got is not None:
-                        ts[t0 * site.rows_per_token : t1 * site.rows_per_token] = np.frombuffer(got, "<f4")
-            out[name] = (o.codes, o.scales, o.global_scale, o.valid, o.policy_version, ts)
+            stale = np.zeros(n, bool)
+            for p, (t0, t1) in zip(parts, bounds, strict=True):
+                _, got_ts, got_stale = p[name]
+                r0, r1 = t0 * site.rows_per_token, t1 * site.rows_per_token
+                if got_ts is not None:
+                    ts = np.ones(n, np.float32) if ts is None else ts
+                    ts[r0:r1] = np.frombuffer(got_ts, "<f4")
+                if got_stale is not None:
+                    stale[r0:r1] = np.frombuffer(got_stale, bool)
+            columns = parts[0][name][0]
+            out[name] = SiteRows(site, columns, o.codes, o.scales, o.global_scale, ts, o.valid, o.policy_version, stale)
         return out
 
     def close(self) -> None:

@@ -345,7 +345,7 @@ def test_reads_through_child_processes_land_on_the_gpu(tmp_path) -> None:
             want = here.read_host(plan)
             there.prefetch(plan)
             got = there.read(plan)
-            assert len(there._process.pids) == 2
+            assert len(there._rows.procs.pids) == 2
     finally:
         read_process.MIN_SLICE_BYTES = old
     for s in SPEC.sites:

@@ -22,12 +22,13 @@ from tracestore.storage.store import Store
 from .conftest import RUN, SITES, SPEC, make_chunk
 
 S0, S1, S2 = SITES
-FIELDS = ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version")
+FIELDS = ("codes", "scales", "global_scale", "token_scales", "valid", "policy_version", "stale")
 
 
 def _same(a: dict, b: dict) -> None:
     assert set(a) == set(b)
     for name in a:
+        assert a[name].site == b[name].site and a[name].columns == b[name].columns, name
         for f in FIELDS:
             x, y = getattr(a[name], f), getattr(b[name], f)
             assert (x is None) == (y is None), (name, f)
@@ -91,7 +92,7 @@ def test_process_reads_return_the_same_rows(store: Store, backend):
 def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Path):
     url, _ = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
-        pid = reader._process.pids[0]
+        pid = reader._rows.procs.pids[0]
         with pytest.raises(MissingRecordsError, match=r"t9"):
             reader.read_host([("t9", 0, 3)])
     with (
@@ -100,7 +101,7 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
     ):
         bad.read_host([("t0", 0, 9)])
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
-        pid = reader._process.pids[0]
+        pid = reader._rows.procs.pids[0]
         good = reader.read_host([("t0", 0, 9)])
         assert good[S0.name].valid.all()
         # flip one byte of a shard's codes: the child's verification catches it, same class here
@@ -110,7 +111,7 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
         shard.write_bytes(bytes(data))
         with pytest.raises(CorruptionError):
             GuidanceReader(url, RUN, prefetch=False, process=True).read_host([("t0", 0, 9)])
-        assert reader._process.pids[0] == pid  # errors did not cost the child
+        assert reader._rows.procs.pids[0] == pid  # errors did not cost the child
 
 
 def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path, monkeypatch):
@@ -119,7 +120,7 @@ def test_a_dead_child_fails_the_read_in_progress_then_is_replaced(tmp_path: Path
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=60) as reader:
         first = reader.read_host(plan)
         # killed while idle: the next read starts another child and succeeds
-        os.kill(reader._process.pids[0], signal.SIGKILL)
+        os.kill(reader._rows.procs.pids[0], signal.SIGKILL)
         time.sleep(0.2)
         again = reader.read_host(plan)
         _same(first, again)
@@ -152,7 +153,7 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
             reader.read_host([("t1", 0, 9), ("t0", 0, 9)])
         gc.collect()
         reader.read_host([("t1", 0, 5)])
-        assert len(reader._process._blocks) <= len(kept) + SPARE_BLOCKS
+        assert len(reader._rows.procs._blocks) <= len(kept) + SPARE_BLOCKS
         # the kept results were never overwritten by the later reads
         np.testing.assert_array_equal(kept[0][S0.name].codes, chunks[0].codes)
         np.testing.assert_array_equal(kept[1][S0.name].codes, chunks[3].codes)
@@ -162,12 +163,12 @@ def test_live_results_keep_their_block_and_dropped_ones_are_reused(tmp_path: Pat
         # five blocks in use, then all free: the next read takes them back, keeps SPARE_BLOCKS of
         # them (one of which it uses), and the child unmaps the others with that read's message
         kept += [reader.read_host([("t0", 0, 9)]) for _ in range(2)]
-        assert len(reader._process._blocks) == 5
+        assert len(reader._rows.procs._blocks) == 5
         del kept, views, tail
         gc.collect()
         last = reader.read_host([("t1", 0, 9)])
-        assert len(reader._process._blocks) == SPARE_BLOCKS
-        assert _memfd_maps(reader._process.pids[0]) == SPARE_BLOCKS
+        assert len(reader._rows.procs._blocks) == SPARE_BLOCKS
+        assert _memfd_maps(reader._rows.procs.pids[0]) == SPARE_BLOCKS
         np.testing.assert_array_equal(last[S0.name].codes, chunks[3].codes)
 
 
@@ -206,7 +207,7 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
     with here, many:
         for plan in plans:
             _same(here.read_host(plan), many.read_host(plan))
-        assert len(many._process.pids) == 3
+        assert len(many._rows.procs.pids) == 3
         # one slice missing a record: the error of that child, the other replies drained
         strict = GuidanceReader(url, RUN, prefetch=False, process=3, timeout=60)
         with strict:
@@ -218,21 +219,21 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
 def test_a_child_that_stops_answering_times_out_and_is_replaced(tmp_path: Path):
     url, chunks = _file_store(tmp_path, fill=True)
     with GuidanceReader(url, RUN, prefetch=False, process=True, timeout=1.0) as reader:
-        pid = reader._process.pids[0]
+        pid = reader._rows.procs.pids[0]
         os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
         t0 = time.monotonic()
         with pytest.raises(StorageError, match=r"did not answer in 1.0 s during a read"):
             reader.read_host([("t0", 0, 9)])
         assert time.monotonic() - t0 < 4  # killed, not waited for
         got = reader.read_host([("t0", 0, 9)])
-        assert reader._process.pids[0] != pid
+        assert reader._rows.procs.pids[0] != pid
         np.testing.assert_array_equal(got[S0.name].codes, chunks[0].codes)
 
 
 def test_close_does_not_wait_for_a_prefetch_in_flight_and_ends_the_children(tmp_path: Path):
     url, _ = _file_store(tmp_path, fill=True)
     reader = GuidanceReader(url, RUN, process=2, timeout=60)
-    pids = reader._process.pids
+    pids = reader._rows.procs.pids
     os.kill(pids[0], signal.SIGSTOP)  # the prefetch below hangs in this child
     reader.prefetch([("t0", 0, 9)])
     time.sleep(0.3)
@@ -248,7 +249,7 @@ def test_an_unclosed_reader_takes_its_children_with_it(tmp_path: Path):
     url, _ = _file_store(tmp_path, fill=True)
     reader = GuidanceReader(url, RUN, prefetch=False, process=1)
     reader.read_host([("t0", 0, 9)])
-    pid = reader._process.pids[0]
+    pid = reader._rows.procs.pids[0]
     del reader
     gc.collect()
     deadline = time.monotonic() + 10
@@ -288,7 +289,7 @@ _CYCLES = """
 import gc, sys
 from tracestore.client import GuidanceReader
 reader = GuidanceReader(sys.argv[1], sys.argv[2], prefetch=False, process=1, timeout=60)
-procs = reader._process
+procs = reader._rows.procs
 for k in range(1, 40):
     rows = reader.read_host([("t0", 0, 9)])
     take = procs._take  # (a bound method is a container: made before, not in between)
