@@ -1,7 +1,8 @@
 """Compile-once cache and launcher for the CUDA kernels in ``_source.py`` (CuPy, imported lazily).
 
 Each template instantiation is compiled by NVRTC on first use (CuPy also caches the binary on
-disk) and launched on torch's *current* stream with raw pointers as arguments: no CuPy arrays, no
+disk) and launched on torch's *current* stream with raw pointers as arguments (named in a
+parameter record of ``_params.py``, which builds the positional tuple): no CuPy arrays, no
 allocation, no synchronization, so launches can be captured in a ``torch.cuda.CUDAGraph``.
 Compile every kernel a graph will use *before* capturing it (call the op once, or ``warmup``):
 loading a module is not a capturable operation.
@@ -12,10 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numpy as np
+from tracestore.errors import ConfigError, MissingExtraError
 
-from tracestore.errors import MissingExtraError
-
+from ._params import KernelParams
 from ._source import SOURCE
 
 # -fmad=false: the reference rounds after every multiply; a contracted a*b+c would not (docs/numerics.md §3).
@@ -103,38 +103,29 @@ def _stream(device_index: int, ptr: int) -> Any:
     return s
 
 
-def fastdiv(d: int) -> tuple[np.uint32, np.uint32]:
+def fastdiv(d: int) -> tuple[int, int]:
     """(m, sh) for the kernels' ``fast_div``: ``idx // d == umulhi(idx, m) >> sh`` for idx < 2^31
     (round-up multiplier, Granlund & Montgomery 1994); m = 0 stands for d = 1."""
     if d < 1 or d >= 1 << 31:
         raise ValueError(f"divisor must be in [1, 2^31), got {d}")
     if d == 1:
-        return np.uint32(0), np.uint32(0)
+        return 0, 0
     shift = (d - 1).bit_length()
-    return np.uint32((1 << (31 + shift)) // d + 1), np.uint32(shift - 1)
+    return (1 << (31 + shift)) // d + 1, shift - 1
 
 
-def ptr(t: Any) -> np.uint64:
-    """Device pointer of a tensor (or 0 for None) as a kernel argument."""
-    return np.uint64(0 if t is None else t.data_ptr())
+def _args(name_expr: str, params: KernelParams) -> tuple[Any, ...]:
+    if name_expr.partition("<")[0] != params.KERNEL:
+        raise ConfigError(f"{type(params).__name__} holds the arguments of {params.KERNEL}, not of {name_expr}")
+    return params.astuple()
 
 
-def i64(v: int) -> np.int64:
-    return np.int64(v)
-
-
-def u32(v: int) -> np.uint32:
-    return np.uint32(v)
-
-
-def i32(v: int) -> np.int32:
-    return np.int32(v)
-
-
-def launch(name_expr: str, device: Any, n_threads: int, args: tuple[Any, ...]) -> None:
-    """Launch ``n_threads`` threads (blocks of 256) of a kernel on torch's current stream of ``device``."""
+def launch(name_expr: str, device: Any, n_threads: int, params: KernelParams) -> None:
+    """Launch ``n_threads`` threads (blocks of 256) of a kernel on torch's current stream of ``device``
+    with the arguments of ``params`` (the record of the kernel that ``name_expr`` instantiates)."""
     import torch
 
+    args = _args(name_expr, params)
     if n_threads <= 0:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -146,10 +137,11 @@ def launch(name_expr: str, device: Any, n_threads: int, args: tuple[Any, ...]) -
         fn(grid, (_BLOCK,), args)
 
 
-def launch_grid(name_expr: str, device: Any, grid: int, args: tuple[Any, ...]) -> None:
+def launch_grid(name_expr: str, device: Any, grid: int, params: KernelParams) -> None:
     """Launch ``grid`` blocks of 256 threads (grid-stride kernels) on torch's current stream."""
     import torch
 
+    args = _args(name_expr, params)
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = get_kernel(name_expr, index)
     cupy = cupy_module()

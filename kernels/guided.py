@@ -31,6 +31,7 @@ from tracestore.guided import guided_round, rtn_fake_quant
 from . import _launch as L
 from ._common import DTYPE_CODE, check_aligned, check_float, fmt_code, fmt_name
 from ._lut import lut_tensor
+from ._params import GuidedB1, GuidedFwd
 from .record import blocks_per_thread
 
 # b = 1 with rule "bracket" (the paper's configuration) runs ``guided_b1``: Newton quotient and a
@@ -129,29 +130,34 @@ def _guided_fp4_cuda(
     codes, scales = _aligned(codes, 4), scales.contiguous()
     token_scales = None if token_scales is None else token_scales.contiguous()
     dt = DTYPE_CODE[x.dtype]
-    index = (
-        L.ptr(codes),
-        L.i64(codes.stride(0)),
-        L.ptr(scales),
-        L.i64(scales.stride(0)),
-        L.ptr(g),
-        L.i32(int(global_scale.dim() > 0)),
-        L.ptr(token_scales),
-        L.ptr(valid),
-        L.ptr(rows),
-        L.ptr(mask),
-    )
-    head = (L.ptr(x2), L.i64(x2.stride(0) * x2.element_size()), L.u32(n))
-    out = (L.ptr(y), L.i64(y.stride(0) * y.element_size()))
+    # the arguments guided_b1 and guided_fwd share (their records' fields of these names)
+    common: dict[str, Any] = {
+        "x": x2,
+        "x_stride": x2.stride(0) * x2.element_size(),
+        "n_rows": n,
+        "codes": codes,
+        "c_stride": codes.stride(0),
+        "scales": scales,
+        "s_stride": scales.stride(0),
+        "g": g,
+        "g_per_row": int(global_scale.dim() > 0),
+        "ts": token_scales,
+        "valid": valid,
+        "rows": rows,
+        "mask": mask,
+        "y": y,
+        "y_stride": y.stride(0) * y.element_size(),
+    }
     if bits == 1 and rule == "bracket" and not _TABLE_B1:
         # MX blocks are 32 values: two per thread take 128 registers and ran slower (0.274 vs 0.231 ms)
         group = blocks_per_thread(nb, BLOCKS_PER_THREAD if f.block == 16 else 1)
         name = f"guided_b1<{dt},{fmt_code(f)},{int(token_scales is not None)},{group}>"
         ng = nb // group
-        L.launch(name, x.device, n * ng, head + (L.u32(ng), *L.fastdiv(ng)) + index + out)
+        div_m, div_sh = L.fastdiv(ng)
+        L.launch(name, x.device, n * ng, GuidedB1(ng=ng, div_m=div_m, div_sh=div_sh, **common))
     else:  # one thread per scale block
-        lut = (L.ptr(_lut(bits, rule, x.device)),)
-        L.launch(f"guided_fwd<{dt},{fmt_code(f)},{bits},0>", x.device, n * nb, head + (L.u32(nb),) + index + lut + out)
+        lut = _lut(bits, rule, x.device)
+        L.launch(f"guided_fwd<{dt},{fmt_code(f)},{bits},0>", x.device, n * nb, GuidedFwd(nb=nb, lut=lut, **common))
     return y.view(x.shape)
 
 
@@ -284,24 +290,24 @@ def _rtn_fp4_cuda(x: torch.Tensor, global_scale: torch.Tensor, fmt: str) -> torc
         f"guided_fwd<{dt},{fmt_code(f)},1,1>",
         x.device,
         n * nb,
-        (
-            L.ptr(x2),
-            L.i64(x2.stride(0) * x2.element_size()),
-            L.u32(n),
-            L.u32(nb),
-            L.ptr(None),
-            L.i64(0),
-            L.ptr(None),
-            L.i64(0),
-            L.ptr(global_scale),
-            L.i32(0),
-            L.ptr(None),
-            L.ptr(None),
-            L.ptr(None),
-            L.ptr(None),
-            L.ptr(None),
-            L.ptr(y),
-            L.i64(y.stride(0) * y.element_size()),
+        GuidedFwd(
+            x=x2,
+            x_stride=x2.stride(0) * x2.element_size(),
+            n_rows=n,
+            nb=nb,
+            codes=None,
+            c_stride=0,
+            scales=None,
+            s_stride=0,
+            g=global_scale,
+            g_per_row=0,
+            ts=None,
+            valid=None,
+            rows=None,
+            mask=None,
+            lut=None,
+            y=y,
+            y_stride=y.stride(0) * y.element_size(),
         ),
     )
     return y.view(x.shape)

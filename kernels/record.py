@@ -41,6 +41,7 @@ from ._common import (
     site_params,
     use_gpu,
 )
+from ._params import AmaxAbs, FinalizeG, RecordAct, RecordCodes, RecordKV, StageRows
 
 ScaleLayout = ("rowmajor", "swizzled128x4")
 
@@ -276,7 +277,10 @@ def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Te
     n16 = n_bytes // 16
     grid = max(1, min(132 * 4, (n16 + 255) // 256))
     L.launch_grid(
-        "stage_rows", slab.device, grid, (L.ptr(slab.data), L.i64(n16), L.ptr(ring), L.i64(ring.shape[1]), L.ptr(slot))
+        "stage_rows",
+        slab.device,
+        grid,
+        StageRows(src=slab.data, n16=n16, ring=ring, slot_bytes=ring.shape[1], slot=slot),
     )
 
 
@@ -297,19 +301,20 @@ def blocks_per_thread(nb: int, want: int) -> int:
     return 1
 
 
-def _rows_args(rows: RecordBuffer, g: torch.Tensor | None) -> tuple[Any, ...]:
-    """The output arguments record_codes and record_kv end with: code and scale rows, g in (one
-    value, or one per row) and g out (strided: a :class:`RecordSlab` interleaves its sites)."""
-    return (
-        L.ptr(rows.codes),
-        L.i64(rows.codes.stride(0)),
-        L.ptr(rows.scales),
-        L.i64(rows.scales.stride(0)),
-        L.ptr(g),
-        L.i64(1 if g is not None and g.numel() > 1 else 0),
-        L.ptr(rows.global_scale),
-        L.i64(rows.global_scale.stride(0)),
-    )
+def _rows_args(rows: RecordBuffer, g: torch.Tensor | None) -> dict[str, Any]:
+    """The output arguments record_codes and record_kv share (RecordCodes/RecordKV fields): code
+    and scale rows, g in (one value, or one per row) and g out (strided: a :class:`RecordSlab`
+    interleaves its sites)."""
+    return {
+        "codes_out": rows.codes,
+        "c_stride": rows.codes.stride(0),
+        "scales_out": rows.scales,
+        "so_stride": rows.scales.stride(0),
+        "g_ptr": g,
+        "g_in_stride": 1 if g is not None and g.numel() > 1 else 0,
+        "g_out": rows.global_scale,
+        "g_stride": rows.global_scale.stride(0),
+    }
 
 
 def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int, n: int) -> RecordBuffer:
@@ -383,8 +388,8 @@ def compute_global_scale(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n16 = x.numel() * x.element_size() // 16
     grid = max(1, min(132 * 8, (n16 + 255) // 256))
     dt = DTYPE_CODE[x.dtype]
-    L.launch_grid(f"amax_abs<{dt}>", x.device, grid, (L.ptr(x), L.i64(n16), L.ptr(out)))
-    L.launch_grid("finalize_g", x.device, 1, (L.ptr(out),))
+    L.launch_grid(f"amax_abs<{dt}>", x.device, grid, AmaxAbs(x=x, n16=n16, amax_bits=out))
+    L.launch_grid("finalize_g", x.device, 1, FinalizeG(g=out))
     return out
 
 
@@ -462,22 +467,22 @@ def record_from_activations(
         name,
         x.device,
         n * (nb // group),
-        (
-            L.ptr(x),
-            L.i64(x.stride(0) * x.element_size()),
-            L.u32(n),
-            L.u32(nb // group),
-            div_m,
-            div_sh,
-            L.ptr(g),
-            L.ptr(rows.codes),
-            L.i64(rows.codes.stride(0)),
-            L.ptr(rows.scales),
-            L.i64(rows.scales.stride(0)),
-            L.ptr(rows.global_scale),
-            L.i64(rows.global_scale.stride(0)),
-            L.ptr(fp4),
-            L.i64(0 if fp4 is None else fp4.stride(0)),
+        RecordAct(
+            x=x,
+            x_stride=x.stride(0) * x.element_size(),
+            n_rows=n,
+            ng=nb // group,
+            div_m=div_m,
+            div_sh=div_sh,
+            g_ptr=g,
+            codes_out=rows.codes,
+            c_stride=rows.codes.stride(0),
+            scales_out=rows.scales,
+            s_stride=rows.scales.stride(0),
+            g_out=rows.global_scale,
+            g_stride=rows.global_scale.stride(0),
+            fp4_out=fp4,
+            f_stride=0 if fp4 is None else fp4.stride(0),
         ),
     )
     return rows
@@ -553,19 +558,21 @@ def record_from_codes(
         and rows.scales.stride(0) % 2 == 0
     )
     ng = nb // grp
+    div_m, div_sh = L.fastdiv(ng)
     L.launch(
         f"record_codes<{fmt.block},{bits},{int(swz)},{grp},{int(pair_scales)}>",
         out.device,
         n * ng,
-        (
-            L.ptr(packed_fp4),
-            L.i64(packed_fp4.stride(0)),
-            L.ptr(scales),
-            L.i64(padded_shape(n, nb)[1] if swz else scales.stride(0)),
-            L.u32(n),
-            L.u32(ng),
-            *L.fastdiv(ng),
-            *_rows_args(rows, g),
+        RecordCodes(
+            packed=packed_fp4,
+            p_stride=packed_fp4.stride(0),
+            scales=scales,
+            s_stride=padded_shape(n, nb)[1] if swz else scales.stride(0),
+            n_rows=n,
+            ng=ng,
+            div_m=div_m,
+            div_sh=div_sh,
+            **_rows_args(rows, g),
         ),
     )
     return rows
@@ -624,20 +631,20 @@ def _one_kv(
         f"record_kv<{fmt.block},{bits}>",
         out.device,
         n_tokens * (width // fmt.block),
-        (
-            L.ptr(pool),
-            L.i64(pool.stride(0)),
-            L.i64(pool.stride(1)),
-            L.ptr(spool),
-            L.i64(spool.stride(0)),
-            L.i64(spool.stride(1)),
-            L.ptr(page_table),
-            L.i32(int(page_table.dtype == torch.int64)),
-            L.u32(page_size),
-            L.u32(token_start),
-            L.u32(n_tokens),
-            L.u32(width // fmt.block),
-            *_rows_args(rows, g),
+        RecordKV(
+            pool=pool,
+            pool_page=pool.stride(0),
+            pool_slot=pool.stride(1),
+            spool=spool,
+            spool_page=spool.stride(0),
+            spool_slot=spool.stride(1),
+            page_table=page_table,
+            pt64=int(page_table.dtype == torch.int64),
+            page_size=page_size,
+            token_start=token_start,
+            n_tokens=n_tokens,
+            nb=width // fmt.block,
+            **_rows_args(rows, g),
         ),
     )
     return rows
