@@ -250,6 +250,11 @@ class Storage:
         with self._lock:
             self.stats[key] += n
 
+    def count_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` that a caller read through a handle of its own (a memory map, a
+        :class:`CountingFile`) to ``stats["bytes_read"]``."""
+        self._count("bytes_read", nbytes)
+
     def _event(self, kind: str, op: str, detail: str) -> None:
         self._count({"retry": "retries", "timeout": "timeouts", "error": "errors"}[kind])
         if self.on_event is not None:
