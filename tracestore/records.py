@@ -315,7 +315,7 @@ class RecordChunk:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        # cached: a shard encode asks every chunk several times (row groups, halves, size bound):
+        # cached: a shard encode asks every chunk several times (row groups, entries, payload):
         # 17 ms per 8,000-chunk decode shard when computed each time
         ts = 0 if self.token_scales is None else self.token_scales.nbytes
         return int(self.codes.nbytes + self.scales.nbytes + ts)

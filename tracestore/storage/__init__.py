@@ -7,7 +7,9 @@ and ``tracestore.client.GuidanceReader``. The rooms:
 
 - :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
 - :mod:`.store` — the run/version/writer layout, ``write_shard`` and the listing of manifests;
-- :mod:`.shards` — the shard file and its manifest: encoding, the verifying decoder;
+- :mod:`.manifest` — the manifest format: chunk index, seals, links, JSON with its checksum;
+- :mod:`.shard_write` — encoding a shard: sort, row groups, codecs, one Parquet writer;
+- :mod:`.shard_read` — verified decoding of a shard's row groups, and full verification;
 - :mod:`.arrow` — the Arrow schema of record chunks and the lossless chunk <-> Arrow conversion;
 - :mod:`.reader` — microbatch-aligned, rank-sharded, verified reads of a plan's rows.
 """
