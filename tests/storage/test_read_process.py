@@ -17,6 +17,7 @@ from tracestore.client import GuidanceReader, read_process
 from tracestore.client.read_process import SPARE_BLOCKS
 
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
+from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 
 from .conftest import RUN, SITES, SPEC, make_chunk
@@ -214,6 +215,24 @@ def test_several_children_split_a_read_and_return_the_same_rows(tmp_path: Path, 
             with pytest.raises(MissingRecordsError, match=r"t9"):
                 strict.read_host([("t0", 0, 20), ("t1", 0, 20), ("t9", 0, 2)])
             _same(here.read_host(plans[0]), strict.read_host(plans[0]))
+
+
+def test_read_processes_return_stale_flags_and_columns_of_each_slice(tmp_path: Path, monkeypatch):
+    # two children, one slice each: t1 (v1, current) and t0 (v0, flagged stale with max_staleness=0)
+    monkeypatch.setattr(read_process, "MIN_SLICE_BYTES", 1)
+    url, _ = _file_store(tmp_path, fill=True)
+    plan = [("t1", 0, 9), ("t0", 0, 9)]
+    kw = {"max_staleness": 0, "stale": "flag", "columns": (32, 64)}
+    with StoreReader(Store(url), RUN) as here:
+        want = dict(here.read(plan, **kw).rows)
+        procs = read_process.ReadProcesses(url, RUN, None, 60, n=2)
+        try:
+            got = procs.read(plan, here.layout(18, None, (32, 64)), **kw)
+        finally:
+            procs.close()
+    _same(want, got)
+    assert not got[S0.name].stale[: 9 * S0.rows_per_token].any() and got[S0.name].stale[9 * S0.rows_per_token :].all()
+    assert got[S0.name].columns == (32, 64)
 
 
 def test_a_child_that_stops_answering_times_out_and_is_replaced(tmp_path: Path):
