@@ -292,7 +292,6 @@ def _read_batch(
     return out
 
 
-
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 # Batches decode on at most this many extra threads (besides each shard's loading thread); the
 # encoder builds its row groups' Arrow tables on them too. The decode is GIL-bound (per-chunk
@@ -310,7 +309,6 @@ def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
             max_workers=min(VERIFY_WORKERS, os.cpu_count() or 1), thread_name_prefix="tracestore-crc"
         )
     return _POOL
-
 
 
 # ---------------------------------------------------------------------------- full validation
