@@ -13,6 +13,11 @@ and N children decode on N cores where one process reaches about 2. Results are 
 ``device``; for a CUDA device the host arrays are pinned (in the prefetch thread, for a prefetched
 plan) and copied with ``non_blocking=True`` on the current stream.
 
+The source is chosen once, at construction (:func:`tracestore.client.row_sources.open_rows`);
+each gives ``{site: SiteRows}`` (:class:`tracestore.storage.reader.SiteRows`), which
+:meth:`GuidanceReader.read_host` returns as they are and :meth:`GuidanceReader.read` turns into
+:class:`~tracestore.guidance.Guidance` of host tensors (pinned for CUDA), then moves to ``device``.
+
 Example::
 
     reader = GuidanceReader("s3://bucket/trace", "run-1", sites=my_stage_sites, device="cuda")
