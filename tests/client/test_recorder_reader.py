@@ -233,7 +233,7 @@ def test_record_forward_never_waits_for_the_sender(served: ServeProcess) -> None
     finally:
         release.set()
         t.join()
-    pieces, extras = rec._take_batch(1 << 30)  # noqa: SLF001 - the sender's view of the queue
+    pieces, extras = rec._outbox.take(1 << 30)  # noqa: SLF001 - the sender's view of the queue
     assert len(pieces) == 5 * 64 * len(SPEC.sites) and len(extras) == 5
     assert all(e.sites == tuple(sorted(s.name for s in SPEC.sites)) for e in extras)  # type: ignore[union-attr]
     rec.close(timeout=1)

@@ -1,5 +1,5 @@
-"""The sender's vectorized decode path (RolloutRecorder._gather) sends exactly the chunks the
-per-piece path (_expand -> _runs -> _build) sends: same keys, bytes, scales and checksums, across
+"""The sender's vectorized decode path (ChunkBuilder.gather) sends exactly the chunks the
+per-piece path (Outbox.expand -> ChunkBuilder.build) sends: same keys, bytes, scales and checksums, across
 rows_per_token > 1, token scales, a global-scale change, unguided trajectories, a changed batch
 and a gap in the tokens. No sidecar: both recorders build their messages from the same forwards."""
 
@@ -62,13 +62,13 @@ def _sent(fast: bool) -> tuple[list[tuple[Any, ...]], list[Any], dict[str, int]]
     try:
         for segs, out in _forwards():
             assert rec.record_forward(segs, out)
-        rec._mark_unguided(["t3"], "test")  # noqa: SLF001 - dropped by the sender, never sent
+        rec._unguided.mark(["t3"], "test")  # noqa: SLF001 - dropped by the sender, never sent
         for t in ("t0", "t1", "t3"):
             rec.finish(t, 14)
         fwds: list[Any] | None = [] if fast else None
-        pieces, extras = rec._take_batch(1 << 30, fwds)  # noqa: SLF001 - the sender's view
-        outs = rec._gather(fwds) if fwds else []  # noqa: SLF001
-        outs += [rec._build(r, e, False) for r, e in rec._messages(pieces, extras, False)]  # noqa: SLF001
+        pieces, extras = rec._outbox.take(1 << 30, fwds)  # noqa: SLF001 - the sender's view
+        outs = rec._chunks.gather(fwds) if fwds else []  # noqa: SLF001
+        outs += list(rec._chunks.build(pieces, extras, False))  # noqa: SLF001
         if fast:
             assert not pieces and fwds and rec.pool.in_use == 0  # all gathered, staging released
         seals = [s for o in outs for s in pb.WriteRequest.FromString(o.serialize()).seals]

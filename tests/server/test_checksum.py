@@ -103,14 +103,6 @@ def test_crc32_held_is_zlib_crc32(n: int, seed: int, kind: str) -> None:
     assert crc32_held(buf, seed) == zlib.crc32(data, seed)
 
 
-def _varint(v: int) -> bytes:
-    out = b""
-    while v >= 0x80:
-        out += bytes([v & 0x7F | 0x80])
-        v >>= 7
-    return out + bytes([v])
-
-
 def test_write_request_crc_is_combined_from_its_payloads() -> None:
     """scan_write reads each large payload once and combines the request's CRC (the WAL entry's)
     from the payload CRCs and the bytes between them: equal to a plain CRC of the whole request,
@@ -119,6 +111,7 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
     from tracestore.server.testing import make_chunk, write_request
 
     from tracestore.v1 import tracestore_pb2 as pb
+    from tracestore.wire import len_field
 
     chunks = [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 7), make_chunk("t-c", 5, 3000, seed=3)]
     req = write_request(4, chunks)
@@ -135,7 +128,7 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
     # one more chunk whose codes field comes twice: the last one wins, the CRC covers both
     first, last = b"\x01" * 40_000, b"\x07" * 70_000
     body = b"".join(pb.Chunk(trajectory="t-d", codes=x).SerializeToString() for x in (first, last))
-    twice = raw + bytes([pb.WriteRequest.CHUNKS_FIELD_NUMBER << 3 | 2]) + _varint(len(body)) + body
+    twice = raw + len_field(pb.WriteRequest.CHUNKS_FIELD_NUMBER, len(body)) + body
     _, got2, crc2 = scan_write(twice)
     assert crc2 == zlib.crc32(twice)
     assert got2[-1][0].trajectory == "t-d"
@@ -146,8 +139,8 @@ def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: py
                                                                  tmp_path: Path) -> None:  # fmt: skip
     """Without ISA-L (FAST False: zlib's crc32, no C combine) the sidecar reads payloads again
     instead of combining CRCs: the same chunk checksums, and a byte-identical WAL segment."""
-    from tracestore.server import wal as wal_mod
     from tracestore.server import ingest as wire
+    from tracestore.server import wal as wal_mod
     from tracestore.server.testing import SPEC, make_chunk, write_request
 
     raw = write_request(2, [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 5)]).SerializeToString()

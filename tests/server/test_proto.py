@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("tracestore_pb2.py", "tracestore_pb2.pyi", "tracestore_pb2_grpc.py")
@@ -47,3 +50,86 @@ def test_one_request_and_response_message_per_rpc() -> None:
     assert len(set(inputs)) == len(inputs) and len(set(outputs)) == len(outputs)
     for m in svc.methods:
         assert m.input_type.name == m.name + "Request" and m.output_type.name == m.name + "Response"
+
+
+_ids = st.text("abcxyz-_.0123456789", min_size=1, max_size=12)
+_payload = st.one_of(
+    st.just(b""),
+    st.binary(max_size=64),
+    st.integers(1, 60_000).map(lambda n: bytes(range(256)) * (n // 256) + bytes(n % 256)),  # past SMALL_CHUNK
+)
+
+
+@st.composite
+def _chunk(draw: st.DrawFn) -> tuple[Any, list[bytes] | None]:
+    """A chunk head and its payloads (None: a shared-memory reference, no inline bytes)."""
+    from tracestore.v1 import tracestore_pb2 as pb
+
+    has_ts = draw(st.booleans())
+    head = pb.Chunk(
+        policy_version=draw(st.integers(0, 2**40)), trajectory=draw(_ids), site=draw(_ids),
+        token_start=draw(st.integers(0, 2**62)), n_tokens=draw(st.integers(1, 2**24)),
+        global_scale=draw(st.floats(0.125, 1024, width=32)), has_token_scales=has_ts,
+        checksum=draw(st.integers(0, 2**32 - 1)),
+    )  # fmt: skip
+    if draw(st.booleans()):
+        head.shm.codes_offset = draw(st.integers(0, 2**40))
+        head.shm.scales_offset = draw(st.integers(0, 2**40))
+        head.shm.token_scales_offset = draw(st.integers(0, 2**40)) if has_ts else 0
+        return head, None
+    return head, [draw(_payload), draw(_payload), draw(_payload) if has_ts else b""]
+
+
+def _pieces(data: bytes, cuts: int) -> list[bytes]:
+    """``data`` cut into ``cuts`` + 1 buffers (a coalesced run of staged pieces)."""
+    at = sorted({len(data) * i // (cuts + 1) for i in range(1, cuts + 1)})
+    return [data[a:b] for a, b in zip([0, *at], [*at, len(data)], strict=True)]
+
+
+@given(chunks=st.lists(_chunk(), max_size=6), cuts=st.integers(0, 3), pool=st.sampled_from(["", "pool-1"]))
+@settings(max_examples=120, deadline=None)
+def test_spliced_payloads_round_trip(chunks: list[tuple[Any, list[bytes] | None]], cuts: int, pool: str) -> None:
+    """A WriteRequest whose chunks are spliced by tracestore.wire (head + payload fields, payloads in
+    pieces) is the message protobuf reads, and tracestore.wire.decode_write gives back every head
+    and payload: token scales, empty payloads, shared-memory references, small and large chunks.
+    The sidecar's scan of it checksums exactly the bytes sent."""
+    import zlib
+
+    from tracestore.server.ingest import scan_write
+
+    from tracestore.v1 import tracestore_pb2 as pb
+    from tracestore.wire import decode_write, inline_chunk_parts
+
+    req = pb.WriteRequest(run="run-1", writer="w", epoch=7, sequence=3, shm_pool=pool)
+    req.seals.add(trajectory="t", n_tokens=4, sites=["s"])
+    want = pb.WriteRequest()
+    want.CopyFrom(req)
+    parts: list[Any] = []
+    for head, payload in chunks:
+        full = want.chunks.add()
+        full.CopyFrom(head)
+        if payload is None:
+            req.chunks.add().CopyFrom(head)
+            continue
+        full.codes, full.scales, full.token_scales = payload
+        ts = _pieces(payload[2], cuts) if head.has_token_scales else None
+        parts += inline_chunk_parts(head.SerializeToString(), _pieces(payload[0], cuts), _pieces(payload[1], cuts), ts)
+    raw = req.SerializeToString() + b"".join(bytes(p) for p in parts)
+
+    got = pb.WriteRequest.FromString(raw)
+    by_kind = sorted(want.chunks, key=lambda c: not c.HasField("shm"))  # references first, as spliced
+    assert list(got.chunks) == by_kind and got.seals == want.seals and got.shm_pool == pool
+
+    rest, decoded = decode_write(raw)
+    assert not rest.chunks and rest.seals == want.seals and (rest.run, rest.epoch, rest.sequence) == ("run-1", 7, 3)
+    assert len(decoded) == len(chunks)
+    for (head, payloads, _), full in zip(decoded, by_kind, strict=True):
+        assert head.HasField("shm") == full.HasField("shm") and head.trajectory == full.trajectory
+        assert (head.checksum, head.token_start, head.n_tokens) == (full.checksum, full.token_start, full.n_tokens)
+        assert [bytes(v or b"") for v in payloads] == [full.codes, full.scales, full.token_scales]
+
+    _, scanned, crc = scan_write(raw)
+    assert crc is None or crc == zlib.crc32(raw)
+    for (_, _, crcs), full in zip(scanned, by_kind, strict=True):
+        for part, field in zip(crcs, (full.codes, full.scales, full.token_scales), strict=True):
+            assert part is None or part == zlib.crc32(field)
