@@ -7,15 +7,19 @@ INVALID_ARGUMENT with a message, never gRPC's opaque INTERNAL (docs/protocol.md,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from google.protobuf.message import DecodeError
 
 from tracestore.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
 from tracestore.errors import CorruptionError, ValidationError
 from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.wire import chunk_from_parts, link_from_pb, payload_sizes, seal_from_pb
+from tracestore.wire import (
+    chunk_from_parts,
+    decode_message,
+    decode_write,
+    link_from_pb,
+    payload_sizes,
+    seal_from_pb,
+)
 
 from .engine import Message, pack_wal_data, unpack_wal_data
 from .shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/shm.py
@@ -34,111 +38,33 @@ class VerifiedChunk(RecordChunk):
         return self._crc
 
 
-def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValidationError("Write request is not a valid tracestore.v1.WriteRequest message: bad varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf: memoryview, pos: int, end: int) -> Any:
-    """Yield (field number, wire type, start of field, start of value, end of value) over [pos, end)."""
-    while pos < end:
-        start = pos
-        tag = buf[pos]
-        if tag < 0x80:  # every tracestore.v1 field number fits a one-byte tag
-            pos += 1
-        else:
-            tag, pos = _varint(buf, pos, end)
-        number, wt = tag >> 3, tag & 7
-        if wt == 0:
-            stop = pos + 1 if pos < end and buf[pos] < 0x80 else _varint(buf, pos, end)[1]
-        elif wt == 2:
-            if pos < end and buf[pos] < 0x80:  # lengths below 128: one byte
-                n, pos = buf[pos], pos + 1
-            else:
-                n, pos = _varint(buf, pos, end)
-            stop = pos + n
-        elif wt == 1:
-            stop = pos + 8
-        elif wt == 5:
-            stop = pos + 4
-        else:
-            raise ValidationError(f"Write request is not a valid tracestore.v1.WriteRequest: wire type {wt}")
-        if stop > end or number == 0:
-            raise ValidationError("Write request is not a valid tracestore.v1.WriteRequest message: truncated field")
-        yield number, wt, start, pos, stop
-        pos = stop
-
-
-_CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
-_PAYLOAD = {pb.Chunk.CODES_FIELD_NUMBER: 0, pb.Chunk.SCALES_FIELD_NUMBER: 1, pb.Chunk.TOKEN_SCALES_FIELD_NUMBER: 2}
-
 _INT64_MAX = (1 << 63) - 1
-_SMALL_CHUNK = 16 << 10  # bytes; below this a chunk is parsed by protobuf (measured: 5x faster per chunk)
 InlineChunk = tuple[pb.Chunk, list[memoryview | None], list[int | None]]
+_decode = decode_message  # (the name other sidecar modules use)
 
 
 def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk], int | None]:
-    """Parse a WriteRequest without copying chunk payloads: returns the request without its chunks;
-    per chunk, its small fields (a pb.Chunk), memoryviews of codes/scales/token_scales into
-    ``data`` and their CRC-32s; and the CRC-32 of all of ``data``. Protobuf would copy each payload
-    twice (into its arena, then into ``bytes``).
+    """Parse a WriteRequest without copying chunk payloads (:func:`tracestore.wire.decode_write`):
+    returns the request without its chunks; per chunk, its small fields (a pb.Chunk), memoryviews
+    of codes/scales/token_scales into ``data`` and their CRC-32s; and the CRC-32 of all of ``data``.
 
     With ISA-L (``FAST``) every large payload is read once, here: its CRC serves both its chunk's
     checksum and the request's (the write-ahead log's entry CRC), which is combined from the
     payloads' and the few bytes between them. Without, the CRCs are None."""
-    crcs = FAST
+    req, decoded = decode_write(data)
+    if not FAST:
+        return req, [(c, payload, [None, None, None]) for c, payload, _ in decoded], None
     buf = memoryview(data)
-    rest: list[memoryview] = []
     chunks: list[InlineChunk] = []
     crc, done = 0, 0  # the request's CRC over data[:done]
-    for number, wt, start, a, b in _fields(buf, 0, len(buf)):
-        if number != _CHUNKS or wt != 2:
-            rest.append(buf[start:b])
-            continue
-        if b - a < _SMALL_CHUNK:  # small: protobuf's C parser is faster than scanning, copies are cheap
-            small = _decode(pb.Chunk, bytes(buf[a:b]), "Write request chunk")
-            assert isinstance(small, pb.Chunk)
-            views: list[memoryview | None] = [
-                memoryview(small.codes),
-                memoryview(small.scales),
-                memoryview(small.token_scales),
-            ]
-            chunks.append((small, views, [None, None, None]))
-            continue
-        head: list[memoryview] = []
-        payload: list[memoryview | None] = [None, None, None]
+    for c, payload, spans in decoded:
         payload_crc: list[int | None] = [None, None, None]
-        for n2, wt2, s2, a2, b2 in _fields(buf, a, b):
-            if n2 in _PAYLOAD and wt2 == 2:
-                view = buf[a2:b2]
-                payload[_PAYLOAD[n2]] = view  # last one wins, as in protobuf
-                if crcs:
-                    part = crc32_held(view)
-                    crc = crc32_combine(crc32(buf[done:a2], crc), part, b2 - a2)
-                    payload_crc[_PAYLOAD[n2]], done = part, b2
-            else:
-                head.append(buf[s2:b2])
-        c = _decode(pb.Chunk, b"".join(head), "Write request chunk")
-        assert isinstance(c, pb.Chunk)
+        for i, a, b in spans:
+            part = crc32_held(buf[a:b])
+            crc = crc32_combine(crc32(buf[done:a], crc), part, b - a)
+            payload_crc[i], done = part, b
         chunks.append((c, payload, payload_crc))
-    req = _decode(pb.WriteRequest, b"".join(rest), "Write request")
-    assert isinstance(req, pb.WriteRequest)
-    return req, chunks, crc32(buf[done:], crc) if crcs else None
-
-
-def _decode(cls: Any, data: bytes, what: str) -> object:
-    try:
-        return cls.FromString(data)
-    except DecodeError as exc:
-        raise ValidationError(f"{what} is not a valid tracestore.v1.{cls.__name__} message: {exc}") from exc
+    return req, chunks, crc32(buf[done:], crc)
 
 
 def parse_write(
