@@ -1,6 +1,10 @@
-"""The sidecar's ingest engine: writer sessions, deduplication, the WAL, the memory budget and the flusher.
+"""The sidecar's ingest engine: writer sessions, admission and the memory budget, shared-memory holds,
+writer ownership and WAL replay, under one lock.
 
-No gRPC here (the service in ``service.py`` parses requests and maps errors to status codes).
+No gRPC here (the service in ``service.py`` parses requests and maps errors to status codes). The
+engine coordinates three parts that own their own state: the dedupe index (``dedupe.py``: what was
+accepted per key), the flusher (``flusher.py``: the thread that commits shards, which reaches the
+engine through its ``FlushSource`` protocol) and the message and WAL entry format (``message.py``).
 
 Life of a message (one numbered batch of chunks/seals/links from one writer):
 ``submit`` checks (epoch, sequence) against the writer's session — a resend is answered as
@@ -24,15 +28,11 @@ can become durable, and released with it.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
-import json
 import logging
-import struct
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,18 +44,33 @@ from tracestore.errors import (
     LimitError,
     PermissionDeniedError,
     TraceStoreError,
-    ValidationError,
 )
-from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal
+from tracestore.records import RunSpec
 
 from .config import ServerConfig
+from .dedupe import DedupeIndex
+from .flusher import Batch, Flusher, Round, Waker
+from .message import (
+    DATA,
+    DONE,
+    OWNER,
+    PLAN,
+    STATE,
+    Done,
+    Message,
+    Owner,
+    Plan,
+    Session,
+    decode_entry,
+    decode_state,
+    encode_entry,
+    encode_state,
+)
 from .metrics import Metrics
-from .wal import Checked, Part, WriteAheadLog
+from .wal import Part, WriteAheadLog
 
 log = logging.getLogger("tracestore.server")
 
-# WAL entry types
-DATA, STATE, PLAN, DONE, OWNER = 1, 2, 3, 4, 5
 # Why the sidecar reports itself unhealthy (health NOT_SERVING, Stat.degraded, a metric): a fixed set.
 DEGRADED_REASONS = ("wal_failed", "flusher_dead", "flusher_stalled", "storage_refusing")
 INGEST_QUIET_S = 0.2  # seconds without a new message that count as a pause in ingest
@@ -63,7 +78,6 @@ DEFER_MAX_INTERVALS = 5  # shards of a WAL sidecar wait for a pause at most this
 # A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
 # writer's staging pool: the rest stays free for the writer's forwards in flight.
 SHM_HOLD_FRACTION = 0.5
-_LEN = struct.Struct("<I")
 # Memory one open Write stream costs the sidecar besides its messages, counted against the budget
 # while the stream is open: gRPC's HTTP/2 receive window (64 KiB without BDP probing) and buffers,
 # and its three threads' stacks. Measured: 300 idle streams +19 MiB RSS (~64 KiB each); under a flood
@@ -85,64 +99,6 @@ class OverBudgetError(TraceStoreError, MemoryError):
 
 class DrainingError(TraceStoreError, RuntimeError):
     """The server is shutting down and accepts no new writes."""
-
-
-class Waker:
-    """A condition with a sticky flag: a ``wake()`` before ``wait()`` is never lost."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self._dirty = False
-
-    def wake(self) -> None:
-        with self.cond:
-            self._dirty = True
-            self.cond.notify_all()
-
-    def wait(self, timeout: float) -> None:
-        with self.cond:
-            if not self._dirty:
-                self.cond.wait(timeout)
-            self._dirty = False
-
-
-@dataclasses.dataclass
-class Message:
-    """One numbered writer message, parsed and validated."""
-
-    run: str
-    writer: str
-    epoch: int
-    seq: int
-    chunks: list[RecordChunk]
-    seals: list[TrajectorySeal]
-    links: list[PrefixLink]
-    nbytes: int
-    crcs: list[int]  # RecordChunk.checksum of each chunk (computed once, at parse time)
-    received: float = dataclasses.field(default_factory=time.monotonic)
-    segment: int = 0
-    shard_seq: int | None = None
-    path: str = "grpc"
-    shm_bytes: int = 0  # writer shared-memory staging referenced, held by the writer until released
-    shm_chunks: list[int] = dataclasses.field(default_factory=list)  # chunks that are views into the pool
-    held_pool: str | None = None  # held past durability (WAL, keeps_staging): released at commit
-    # The WAL entry's parts while it is not durable (the raw request, which the chunks view anyway,
-    # and shared-memory payloads the writer keeps until the ack): re-appended if the WAL fails first.
-    wal_parts: Sequence[Part] | None = None
-    ticket: int = 0  # WAL ticket of the DATA entry
-    plan_ticket: int = 0  # WAL ticket of the PLAN entry that gave it ``shard_seq``
-    reservation_held: int = 0  # budget its stream reserved for it, held until it is admitted
-
-    def own_shm(self) -> None:
-        """Replace the payload views this message holds into a writer's shared-memory pool by
-        private copies, so that the writer may reuse those regions (same bytes and checksums)."""
-        for i in self.shm_chunks:
-            c = self.chunks[i]
-            object.__setattr__(c, "codes", c.codes.copy())  # frozen dataclass; same bytes, own memory
-            object.__setattr__(c, "scales", c.scales.copy())
-            if c.token_scales is not None:
-                object.__setattr__(c, "token_scales", c.token_scales.copy())
-        self.shm_chunks = []
 
 
 @dataclasses.dataclass
@@ -170,15 +126,9 @@ class Engine:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # budget freed / flush finished
-        self._kick = threading.Condition(self._lock)  # flusher wake-up
         self.writers: dict[tuple[str, str], WriterState] = {}
         self.runs: dict[str, RunSpec] = {}
-        # (run, version, trajectory, site) -> sorted [(start, end, checksum)] of chunks seen
-        self._index: dict[tuple[str, int, str, str], list[tuple[int, int, int]]] = {}
-        self._seals: dict[tuple[str, int, str], tuple[int, tuple[str, ...]]] = {}
-        self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
-        self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
-        self._sealed: set[tuple[str, str]] = set()
+        self._dedupe = DedupeIndex(config.dedupe_versions)
         self.in_use = 0
         self.shm_in_use = 0  # bytes of writers' staging named by messages not yet released
         self._held_bytes: dict[str, int] = {}  # per pool: staging held past durability (WAL mode)
@@ -187,23 +137,16 @@ class Engine:
         self._acks: deque[tuple[int, WriterState, Message]] = deque()  # WAL ticket, writer, message
         self._seg_outstanding: dict[int, int] = {}
         self._force = 0  # flush requests outstanding
-        self._flush_generation = 0
         self._draining = False
         self._stopped = False
         self._last_ingest = 0.0  # when submit last admitted a message
-        self._plan_ticket = 0  # WAL ticket of the newest PLAN entry
         self._done_ticket = 0  # WAL ticket of the newest DONE entry: segments go only once it is durable
         self._done_backlog: list[bytes] = []  # DONE entries a failed WAL refused: re-appended on recovery
         self._redo: list[tuple[WriterState, Message]] = []  # not durable at a WAL failure, not re-appended yet
         self._wal_retry_at = 0.0
-        self._flush_busy_since: float | None = None  # when the flusher's current commit began
-        self._refusing_since: float | None = None  # first failed commit since the last good one
-        self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
-        # (run, version, trajectory) -> identity whose writer first wrote it (with authentication on)
-        self._traj_owner: dict[tuple[str, int, str], str] = {}
         self.shards_committed = 0
         self.wal: WriteAheadLog | None = None
-        self._flusher: threading.Thread | None = None
+        self._flusher = Flusher(self, store, metrics)
         self.parse_wal_data: Callable[[bytes], Message] | None = None
         metrics.memory_budget.set(config.memory_budget_bytes)
         metrics.backlog_oldest_age.set_function(self.backlog_oldest_age)
@@ -264,15 +207,16 @@ class Engine:
             self._retire_segments()
             self.metrics.wal_bytes.set(self.wal.nbytes)
         self._update_gauges()
-        self._flusher = threading.Thread(target=self._flush_loop, name="tracestore-flusher", daemon=True)
         self._flusher.start()
         if replayed:
             log.info("replayed %d messages from the write-ahead log", replayed)
         return replayed
 
     def _snapshot(self) -> list[tuple[int, bytes]]:
-        states = [[w.run, w.writer, w.epoch, w.received_seq, w.shard_next, w.owner] for w in self.writers.values()]
-        return [(STATE, json.dumps({"writers": states}).encode())]
+        sessions = [
+            Session(w.run, w.writer, w.epoch, w.received_seq, w.shard_next, w.owner) for w in self.writers.values()
+        ]
+        return [(STATE, encode_state(sessions))]
 
     def _state(self, run: str, writer: str) -> WriterState:
         key = (run, writer)
@@ -285,13 +229,13 @@ class Engine:
 
     def _replay_entry(self, segment: int, kind: int, payload: bytes) -> int:
         if kind == STATE:
-            for run, writer, epoch, seq, shard_next, *owner in json.loads(payload)["writers"]:
-                st = self._state(run, writer)
-                st.owner = st.owner or (owner[0] if owner else None)
-                if (epoch, seq) > (st.epoch, st.received_seq):
-                    st.epoch, st.received_seq = epoch, seq
-                    st.durable_seq = st.committed_seq = seq
-                st.shard_next = max(st.shard_next, shard_next)
+            for session in decode_state(payload):
+                st = self._state(session.run, session.writer)
+                st.owner = st.owner or session.owner
+                if (session.epoch, session.seq) > (st.epoch, st.received_seq):
+                    st.epoch, st.received_seq = session.epoch, session.seq
+                    st.durable_seq = st.committed_seq = session.seq
+                st.shard_next = max(st.shard_next, session.shard_next)
             return 0
         if kind == DATA:
             assert self.parse_wal_data is not None
@@ -310,24 +254,25 @@ class Engine:
             # Chunks dropped as identical resends when this message was accepted are in the raw
             # request again: drop them again, or the flush would store them twice.
             with contextlib.suppress(ConflictError):
-                self._check_conflicts(msg)
+                self._dedupe.check(msg)
             self._remember(msg, st.owner)
             st.epoch, st.received_seq, st.durable_seq = msg.epoch, msg.seq, msg.seq
             self._enqueue(st, msg)
             return 1
-        info = json.loads(payload)
-        st = self._state(info["run"], info["writer"])
-        if kind == OWNER:
-            st.owner = info["identity"]
+        entry = decode_entry(kind, payload)
+        if entry is None:
             return 0
-        if kind == PLAN:
-            ids = {tuple(x) for x in info["messages"]}
+        st = self._state(entry.run, entry.writer)
+        if isinstance(entry, Owner):
+            st.owner = entry.identity
+        elif isinstance(entry, Plan):
+            ids = set(entry.messages)
             for m in st.pending:
                 if (m.epoch, m.seq) in ids:
-                    m.shard_seq = info["shard"]
-            st.shard_next = max(st.shard_next, info["shard"] + 1)
-        elif kind == DONE:
-            done = [m for m in st.pending if m.shard_seq == info["shard"]]
+                    m.shard_seq = entry.shard
+            st.shard_next = max(st.shard_next, entry.shard + 1)
+        else:
+            done = [m for m in st.pending if m.shard_seq == entry.shard]
             self._release(st, done)
         return 0
 
@@ -372,7 +317,7 @@ class Engine:
         if first:
             self.metrics.backpressure.inc()
         self._force = max(self._force, 1)
-        self._kick.notify_all()
+        self._flusher.kick()
         left = deadline - time.monotonic()
         if left <= 0:
             raise OverBudgetError(
@@ -490,12 +435,11 @@ class Engine:
                     break
                 self._await_room(deadline, first=not waited, detail="nothing of this message was accepted")
                 waited = True
-            self._check_conflicts(msg)
-            claim = identity is not None and st.owner is None
+            self._dedupe.check(msg)
+            claim = identity if st.owner is None else None
             if self.wal is not None:
-                if claim:  # the claim is durable no later than the message that makes it
-                    info = {"run": st.run, "writer": st.writer, "identity": identity}
-                    self.wal.append(OWNER, [json.dumps(info).encode()])
+                if claim is not None:  # the claim is durable no later than the message that makes it
+                    self.wal.append(OWNER, [encode_entry(Owner(st.run, st.writer, claim))])
                 segment, ticket = self.wal.append(DATA, wal_parts)
                 msg.segment, msg.ticket, msg.wal_parts = segment, ticket, wal_parts
                 self._acks.append((ticket, st, msg))
@@ -525,7 +469,7 @@ class Engine:
             self._update_gauges()
             self._last_ingest = time.monotonic()
             if st.pending_bytes >= self.shard_bytes:
-                self._kick.notify_all()
+                self._flusher.kick()
             return st, False
 
     def _check_owner(self, st: WriterState, msg: Message, identity: str) -> None:
@@ -534,23 +478,7 @@ class Engine:
             raise PermissionDeniedError(
                 f"writer {msg.writer} of run {msg.run} belongs to another identity; use a writer id of your own"
             )
-        targets = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
-        targets += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
-        targets += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
-        for key in dict.fromkeys(targets):
-            owner = self._traj_owner.get(key)
-            if owner is not None and owner != identity:
-                raise PermissionDeniedError(
-                    f"trajectory {key[2]} v{key[1]} of run {key[0]} was written by another identity; "
-                    "its records, seal and links are not yours to write"
-                )
-        for link in msg.links:
-            owner = self._traj_owner.get((link.run, link.policy_version, link.source))
-            if owner is not None and owner != identity:
-                raise PermissionDeniedError(
-                    f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
-                    "another identity wrote"
-                )
+        self._dedupe.check_owner(msg, identity)
 
     def _check_sequence(self, st: WriterState, msg: Message) -> bool:
         if msg.epoch < st.epoch:
@@ -575,94 +503,10 @@ class Engine:
             )
         return False
 
-    def _check_conflicts(self, msg: Message) -> None:
-        fresh: list[RecordChunk] = []
-        fresh_crcs: list[int] = []
-        batch: dict[tuple[str, int, str, str], list[tuple[int, int, int]]] = {}
-        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
-            key = (c.run, c.policy_version, c.trajectory, c.site)
-            span = (c.token_start, c.token_end, crc)
-            same = False
-            for spans in (self._index.get(key, []), batch.get(key, [])):
-                i = bisect.bisect_left(spans, (c.token_start, -1, -1))
-                for s, e, k in spans[max(0, i - 1) : i + 2]:
-                    if s < c.token_end and c.token_start < e:
-                        if (s, e, k) == span:
-                            same = True
-                        else:
-                            raise ConflictError(
-                                f"{c.key_str}: overlaps tokens [{s}, {e}) already written with different bytes; "
-                                "a key holds one value (resend identical bytes, or use a new policy version)"
-                            )
-            if not same:
-                bisect.insort(batch.setdefault(key, []), span)
-                fresh.append(c)
-                fresh_crcs.append(crc)
-        for seal in msg.seals:
-            prev = self._seals.get((seal.run, seal.policy_version, seal.trajectory))
-            if prev is not None and prev != (seal.n_tokens, seal.sites):
-                raise ConflictError(
-                    f"trajectory {seal.trajectory} v{seal.policy_version} is already sealed with "
-                    f"n_tokens={prev[0]} sites={list(prev[1])}, got n_tokens={seal.n_tokens}"
-                )
-        for link in msg.links:
-            prevl = self._links.get((link.run, link.policy_version, link.trajectory))
-            if prevl is not None and prevl != (link.source, link.n_tokens):
-                raise ConflictError(
-                    f"trajectory {link.trajectory} v{link.policy_version} already links to {prevl[0]} "
-                    f"for {prevl[1]} tokens, got {link.source} for {link.n_tokens}"
-                )
-        msg.chunks, msg.crcs = fresh, fresh_crcs  # identical resends of single chunks are dropped here
-
     def _remember(self, msg: Message, identity: str | None = None) -> None:
-        if identity is not None:
-            keys = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
-            keys += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
-            keys += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
-            for key in keys:
-                self._see_version(key[0], key[1])
-                self._traj_owner.setdefault(key, identity)
-        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
-            self._see_version(c.run, c.policy_version)
-            bisect.insort(
-                self._index.setdefault((c.run, c.policy_version, c.trajectory, c.site), []),
-                (c.token_start, c.token_end, crc),
-            )
-            if (c.run, c.trajectory) not in self._sealed:
-                self._open.add((c.run, c.trajectory))
-        for s in msg.seals:
-            self._see_version(s.run, s.policy_version)
-            self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
-            if (s.run, s.trajectory) not in self._sealed:
-                self._sealed.add((s.run, s.trajectory))
-                self.metrics.sealed_trajectories.inc()
-            self._open.discard((s.run, s.trajectory))
-        for link in msg.links:
-            self._see_version(link.run, link.policy_version)
-            self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
-
-    def _see_version(self, run: str, version: int) -> None:
-        """Keep dedupe/conflict state for the newest ``dedupe_versions`` policy versions of a run only
-        (memory stays bounded on a long-running sidecar; older versions are no longer written)."""
-        versions = self._versions.setdefault(run, [])
-        i = bisect.bisect_left(versions, version)
-        if i < len(versions) and versions[i] == version:
-            return
-        versions.insert(i, version)
-        if len(versions) <= self.config.dedupe_versions:
-            return
-        # Distinct versions, not arithmetic on the newest one: a single message with version 2**62
-        # once dropped the state of every real version and let conflicting bytes in.
-        del versions[: len(versions) - self.config.dedupe_versions]
-        floor = versions[0]
-        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links, self._traj_owner)
-        for d in stores:
-            for key in [k for k in d if k[0] == run and k[1] < floor]:
-                del d[key]
-        # trajectories of dropped versions are neither open nor remembered as sealed
-        live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
-        self._open = {k for k in self._open if k[0] != run or k[1] in live}
-        self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
+        sealed = self._dedupe.remember(msg, identity)
+        if sealed:
+            self.metrics.sealed_trajectories.inc(sealed)
 
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)
@@ -674,7 +518,7 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.memory_in_use.set(self.in_use)
         self.metrics.backlog_bytes.set(self.in_use)
-        self.metrics.open_trajectories.set(len(self._open))
+        self.metrics.open_trajectories.set(self._dedupe.open_trajectories)
 
     def backlog_oldest_age(self) -> float:
         """Seconds the oldest uncommitted message has waited. Evaluated at every scrape (no lock: a
@@ -767,7 +611,7 @@ class Engine:
         with self._lock:
             target = {k: w.received_seq for k, w in self.writers.items() if w.pending}
             self._force += 1
-            self._kick.notify_all()
+            self._flusher.kick()
             try:
                 while any(self.writers[k].pending and self.writers[k].pending[0].seq <= s for k, s in target.items()):
                     left = None if deadline is None else deadline - time.monotonic()
@@ -802,53 +646,12 @@ class Engine:
             return False
         return now - st.pending[0].received < DEFER_MAX_INTERVALS * self.config.flush_interval_s
 
-    def _take(self, st: WriterState) -> list[Message]:
-        """The next group of ``st``'s messages to commit as one shard, planned in the WAL (lock held).
-        Raises StorageError (nothing planned) when the WAL refuses the PLAN entry."""
-        first = st.pending[0]
-        if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
-            return [m for m in st.pending if m.shard_seq == first.shard_seq]
-        group: list[Message] = []
-        size = 0
-        for m in st.pending:
-            if m.shard_seq is not None or (group and size + m.nbytes > self.shard_bytes):
-                break
-            group.append(m)
-            size += m.nbytes
-        shard = st.shard_next
-        ticket = 0
-        if self.wal is not None:
-            plan = {"run": st.run, "writer": st.writer, "shard": shard, "messages": [[m.epoch, m.seq] for m in group]}
-            _, ticket = self.wal.append(PLAN, [json.dumps(plan).encode()])
-            self._plan_ticket = ticket
-            faults.point("commit.planned")
-        st.shard_next += 1
-        for m in group:
-            m.shard_seq, m.plan_ticket = shard, ticket
-        return group
+    # -- the flusher's side (FlushSource) ----------------------------------------------------------
 
-    def _flush_loop(self) -> None:
-        """The flusher thread: commits due shards, recovers a failed WAL, and never dies of an error
-        (one it does not expect is logged, counted as a failed commit, and retried with backoff)."""
-        backoff = 0.05
-        while True:
-            try:
-                ok = self._flush_once()
-            except Exception:  # noqa: BLE001 - the flusher must outlive any one commit
-                log.exception("the shard flusher hit an unexpected error; retrying")
-                ok = False
-                with self._lock:
-                    self._refusing_since = self._refusing_since or time.monotonic()
-            if ok is None:
-                return
-            if ok:
-                backoff = 0.05
-            else:
-                self._pause(backoff)
-                backoff = min(backoff * 2, 5.0)
-
-    def _flush_once(self) -> bool | None:
-        """One round of the flusher: True (progress or nothing due), False (back off), None (stop)."""
+    def next_round(self) -> Round | None:
+        """The shards the flusher commits next, each planned in the WAL; their messages count as in
+        flight until :meth:`round_finished`. Recovers a failed WAL first (on the flusher thread,
+        so no commit is in flight). None once the engine is stopped."""
         with self._lock:
             if self._stopped:
                 return None
@@ -857,138 +660,38 @@ class Engine:
             now = time.monotonic()
             due = [w for w in self.writers.values() if self._due(w, now)]
             if not due:
-                self._kick.wait(min(0.05, self.config.flush_interval_s / 4))
-                return True
-            groups = []
+                return Round(wait_s=min(0.05, self.config.flush_interval_s / 4))
+            batches = []
             try:
                 for w in due:
-                    groups.append((w, self._take(w)))
+                    batches.append(self._plan(w))
             except TraceStoreError as exc:  # the WAL refused a PLAN entry: commit what was planned
                 if self._stopped:
                     return None
                 log.warning("could not plan a shard (%s); the write-ahead log recovers first", exc)
-            if not groups:
-                return False
-            plan_ticket = max(m.plan_ticket for _, group in groups for m in group)
-            self._in_flight = {id(m) for _, group in groups for m in group}
-            self._flush_busy_since = time.monotonic()
-        # A shard is written only once its PLAN entry is durable: a restart then repeats the
-        # same shard number (a no-op), never a second shard of the same chunks. (A SIGKILL
-        # between an unsynced PLAN and its shard wrote every chunk twice: test_crash.)
-        ok = True
-        try:
-            if self.wal is not None and plan_ticket and not self.wal.wait_synced(plan_ticket, timeout=30):
-                ok = False
-            elif self.wal is not None and plan_ticket:
-                faults.point("commit.plan_synced")
-            for st, group in groups if ok else ():
-                ok = self._commit(st, group)
-                if not ok:
-                    break
-        finally:
-            with self._lock:  # (_make_room may copy out held messages of a failed shard meanwhile)
-                self._in_flight = set()
-                self._flush_busy_since = None
-                self._room.notify_all()
-        return ok
+            if not batches:
+                return Round(back_off=True)
+            plan_ticket = max(m.plan_ticket for b in batches for m in b.messages)
+            self._in_flight = {id(m) for b in batches for m in b.messages}
+            return Round(batches, plan_ticket)
 
-    def _recover_wal(self) -> bool:
-        """With the lock held, on the flusher thread (so no commit is in flight): bring a failed WAL
-        back once the device takes writes again — cut back to what is durable, then re-append, in
-        their order, the DONE entries it refused and every message not durable yet, under a header
-        whose writer sessions end just before those messages (replay would otherwise skip them as
-        already committed). Plans that were not durable are dropped (their groups are re-planned).
-        Returns True once recovered, False while the device still refuses (retried every
-        ``wal_retry_s``)."""
-        assert self.wal is not None
-        now = time.monotonic()
-        if now < self._wal_retry_at:
-            self._kick.wait(min(0.25, self._wal_retry_at - now))
-            return True
-        self._wal_retry_at = now + self.config.wal_retry_s
-        durable = self.wal.synced_ticket
-        # (a recovery that failed half-way left some messages re-appended, the rest in _redo)
-        redo = self._redo = [(st, m) for t, st, m in self._acks if t > durable] + self._redo
-        self._acks = deque(x for x in self._acks if x[0] <= durable)
-        first: dict[int, Message] = {}
-        for st, m in redo:
-            first.setdefault(id(st), m)
-        states = []
-        for w in self.writers.values():
-            f = first.get(id(w))
-            epoch, seq = (f.epoch, f.seq - 1) if f is not None else (w.epoch, w.received_seq)
-            states.append([w.run, w.writer, epoch, seq, w.shard_next, w.owner])
-        try:
-            self.wal.recover([(STATE, json.dumps({"writers": states}).encode())])
-            while self._done_backlog:
-                _, self._done_ticket = self.wal.append(DONE, [self._done_backlog[0]])
-                del self._done_backlog[0]
-            n_redo = len(redo)
-            while self._redo:
-                st, m = self._redo[0]
-                assert m.wal_parts is not None
-                segment, ticket = self.wal.append(DATA, m.wal_parts)
-                self._seg_outstanding[m.segment] -= 1
-                m.segment, m.ticket = segment, ticket
-                self._seg_outstanding[segment] = self._seg_outstanding.get(segment, 0) + 1
-                self._acks.append((ticket, st, m))
-                del self._redo[0]
-        except TraceStoreError as exc:
-            log.warning("write-ahead log still failing (%s); retrying in %.1f s", exc, self.config.wal_retry_s)
-            return False
-        for w in self.writers.values():
-            for m in w.pending:
-                if m.shard_seq is not None and m.plan_ticket > durable:
-                    m.shard_seq = None  # its PLAN never became durable: plan it again
-        log.warning("write-ahead log recovered: re-appended %d messages not durable at the failure", n_redo)
-        self._retire_segments()
-        return True
+    def wait_planned(self, ticket: int, timeout: float) -> bool:
+        assert self.wal is not None  # (only a WAL gives PLAN tickets)
+        return self.wal.wait_synced(ticket, timeout=timeout)
 
-    def _pause(self, seconds: float) -> None:
-        """Back off after a failed commit; ends early when the engine closes (grace period)."""
-        end = time.monotonic() + seconds
+    def round_finished(self) -> None:
+        with self._lock:  # (_make_room may copy out held messages of a failed shard meanwhile)
+            self._in_flight = set()
+            self._room.notify_all()
+
+    def committed(self, batch: Batch) -> None:
+        """``batch`` is in storage: log DONE, release its memory and held staging, and move its
+        writer's committed (without a WAL: durable) sequence."""
+        group = batch.messages
         with self._lock:
-            while not self._stopped:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return
-                self._kick.wait(min(left, 0.25))
-
-    def _commit(self, st: WriterState, group: list[Message]) -> bool:
-        shard = group[0].shard_seq
-        assert shard is not None
-        by_version: dict[int, tuple[list[RecordChunk], list[TrajectorySeal], list[PrefixLink]]] = {}
-        for m in group:
-            for c in m.chunks:
-                by_version.setdefault(c.policy_version, ([], [], []))[0].append(c)
-            for s in m.seals:
-                by_version.setdefault(s.policy_version, ([], [], []))[1].append(s)
-            for link in m.links:
-                by_version.setdefault(link.policy_version, ([], [], []))[2].append(link)
-        t0 = time.monotonic()
-        try:
-            for version, (chunks, seals, links) in sorted(by_version.items()):
-                self.store.write_shard(st.run, version, st.writer, shard, chunks, seals=seals, links=links)
-        except Exception as exc:  # storage down / slow: keep everything, retry later
-            # The failure's traceback frames hold the encoded shard (and form reference cycles the
-            # GC collects late): clear them now, or each retry adds a shard's worth of memory.
-            traceback.clear_frames(exc.__traceback__)
-            self.metrics.storage_errors.labels("write_shard").inc()
-            self.metrics.storage_retries.labels("write_shard").inc()
-            with self._lock:
-                self._refusing_since = self._refusing_since or time.monotonic()
-            log.warning("shard %s/%s/%d not committed yet (%s); will retry", st.run, st.writer, shard, exc)
-            return False
-        faults.point("commit.stored")
-        nbytes = sum(m.nbytes for m in group)
-        self.metrics.shard_write_latency.observe(time.monotonic() - t0)
-        self.metrics.shard_bytes.inc(nbytes)
-        self.metrics.shards.inc(max(1, len(by_version)))
-        self.metrics.last_commit_timestamp.set(time.time())
-        with self._lock:
-            self._refusing_since = None
+            st = self.writers[(batch.run, batch.writer)]
             if self.wal is not None:
-                done = json.dumps({"run": st.run, "writer": st.writer, "shard": shard}).encode()
+                done = encode_entry(Done(st.run, st.writer, batch.shard))
                 try:
                     _, self._done_ticket = self.wal.append(DONE, [done])
                 except TraceStoreError:
@@ -1017,7 +720,81 @@ class Engine:
             self._retire_segments()
             self._update_gauges()
             self._room.notify_all()
-        return True
+
+    def _plan(self, st: WriterState) -> Batch:
+        """The next group of ``st``'s messages to commit as one shard, planned in the WAL (lock held).
+        Raises StorageError (nothing planned) when the WAL refuses the PLAN entry."""
+        first = st.pending[0]
+        if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
+            return Batch(st.run, st.writer, first.shard_seq, [m for m in st.pending if m.shard_seq == first.shard_seq])
+        group: list[Message] = []
+        size = 0
+        for m in st.pending:
+            if m.shard_seq is not None or (group and size + m.nbytes > self.shard_bytes):
+                break
+            group.append(m)
+            size += m.nbytes
+        shard = st.shard_next
+        ticket = 0
+        if self.wal is not None:
+            plan = Plan(st.run, st.writer, shard, [(m.epoch, m.seq) for m in group])
+            _, ticket = self.wal.append(PLAN, [encode_entry(plan)])
+            faults.point("commit.planned")
+        st.shard_next += 1
+        for m in group:
+            m.shard_seq, m.plan_ticket = shard, ticket
+        return Batch(st.run, st.writer, shard, group)
+
+    def _recover_wal(self) -> Round:
+        """With the lock held, on the flusher thread (so no commit is in flight): bring a failed WAL
+        back once the device takes writes again — cut back to what is durable, then re-append, in
+        their order, the DONE entries it refused and every message not durable yet, under a header
+        whose writer sessions end just before those messages (replay would otherwise skip them as
+        already committed). Plans that were not durable are dropped (their groups are re-planned).
+        Returns a round without shards: go on once recovered, back off while the device still
+        refuses (retried every ``wal_retry_s``)."""
+        assert self.wal is not None
+        now = time.monotonic()
+        if now < self._wal_retry_at:
+            return Round(wait_s=min(0.25, self._wal_retry_at - now))
+        self._wal_retry_at = now + self.config.wal_retry_s
+        durable = self.wal.synced_ticket
+        # (a recovery that failed half-way left some messages re-appended, the rest in _redo)
+        redo = self._redo = [(st, m) for t, st, m in self._acks if t > durable] + self._redo
+        self._acks = deque(x for x in self._acks if x[0] <= durable)
+        first: dict[int, Message] = {}
+        for st, m in redo:
+            first.setdefault(id(st), m)
+        sessions = []
+        for w in self.writers.values():
+            f = first.get(id(w))
+            epoch, seq = (f.epoch, f.seq - 1) if f is not None else (w.epoch, w.received_seq)
+            sessions.append(Session(w.run, w.writer, epoch, seq, w.shard_next, w.owner))
+        try:
+            self.wal.recover([(STATE, encode_state(sessions))])
+            while self._done_backlog:
+                _, self._done_ticket = self.wal.append(DONE, [self._done_backlog[0]])
+                del self._done_backlog[0]
+            n_redo = len(redo)
+            while self._redo:
+                st, m = self._redo[0]
+                assert m.wal_parts is not None
+                segment, ticket = self.wal.append(DATA, m.wal_parts)
+                self._seg_outstanding[m.segment] -= 1
+                m.segment, m.ticket = segment, ticket
+                self._seg_outstanding[segment] = self._seg_outstanding.get(segment, 0) + 1
+                self._acks.append((ticket, st, m))
+                del self._redo[0]
+        except TraceStoreError as exc:
+            log.warning("write-ahead log still failing (%s); retrying in %.1f s", exc, self.config.wal_retry_s)
+            return Round(back_off=True)
+        for w in self.writers.values():
+            for m in w.pending:
+                if m.shard_seq is not None and m.plan_ticket > durable:
+                    m.shard_seq = None  # its PLAN never became durable: plan it again
+        log.warning("write-ahead log recovered: re-appended %d messages not durable at the failure", n_redo)
+        self._retire_segments()
+        return Round()
 
     def _release(self, st: WriterState, group: list[Message]) -> None:
         ids = {id(m) for m in group}
@@ -1048,19 +825,9 @@ class Engine:
         in one commit for longer than ``storage_unhealthy_s``, or storage has refused every commit
         for that long."""
         reasons = []
-        now = time.monotonic()
-        limit = self.config.storage_unhealthy_s
         if self.wal is not None and self.wal.error is not None:
             reasons.append("wal_failed")
-        if self._flusher is not None and not self._flusher.is_alive() and not self._stopped:
-            reasons.append("flusher_dead")
-        busy = self._flush_busy_since
-        if busy is not None and now - busy > limit:
-            reasons.append("flusher_stalled")
-        refusing = self._refusing_since
-        if refusing is not None and now - refusing > limit:
-            reasons.append("storage_refusing")
-        return reasons
+        return reasons + self._flusher.health(self.config.storage_unhealthy_s)
 
     # -- stop -------------------------------------------------------------------------------------
 
@@ -1077,13 +844,9 @@ class Engine:
         the fsynced WAL and is replayed by the next start."""
         with self._lock:
             self._stopped = True
-            self._kick.notify_all()
-        stuck = False
-        if self._flusher is not None:
-            self._flusher.join(timeout=max(0.0, timeout))
-            stuck = self._flusher.is_alive()
-            if stuck:
-                log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
+        stuck = not self._flusher.stop(timeout)
+        if stuck:
+            log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
         if self.wal is not None:
             with self._lock:
                 if not stuck and not any(w.pending for w in self.writers.values()):
@@ -1113,21 +876,7 @@ class Engine:
                 memory_in_use_bytes=self.in_use,
                 memory_budget_bytes=self.config.memory_budget_bytes,
                 wal_bytes=0 if self.wal is None else self.wal.nbytes,
-                open_trajectories=len(self._open),
+                open_trajectories=self._dedupe.open_trajectories,
                 shards_committed=self.shards_committed,
                 writers=writers,
             )
-
-
-def pack_wal_data(request: Part, blobs: Sequence[Part]) -> list[Part]:
-    """WAL payload of a DATA entry: u32 request length, the raw request, then shared-memory payloads."""
-    n = len(request.data) if isinstance(request, Checked) else len(request)
-    return [_LEN.pack(n), request, *blobs]
-
-
-def unpack_wal_data(payload: bytes) -> tuple[memoryview, memoryview]:
-    if len(payload) < 4:
-        raise ValidationError("write-ahead log data entry shorter than its length prefix")
-    (n,) = _LEN.unpack_from(payload)
-    view = memoryview(payload)
-    return view[4 : 4 + n], view[4 + n :]

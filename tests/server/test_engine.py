@@ -212,8 +212,8 @@ def test_dedupe_state_is_bounded_to_the_newest_versions(memory_url: str) -> None
         for v in range(6):
             seal = TrajectorySeal(SPEC.run, v, f"t{v}", 5, ("layers.1.mlp.input",))
             _submit(eng, write_request(v + 1, [make_chunk(f"t{v}", 0, 4, version=v)], seals=[seal]))
-        assert {k[1] for k in eng._index} == {4, 5}
-        assert {k[1] for k in eng._seals} == {4, 5}
+        assert {k[1] for k in eng._dedupe._index} == {4, 5}
+        assert {k[1] for k in eng._dedupe._seals} == {4, 5}
         assert eng.stat()["open_trajectories"] == 0
         # within the window a conflicting chunk is still refused
         with pytest.raises(ConflictError):
@@ -287,3 +287,20 @@ def test_open_streams_count_against_the_budget(memory_url: str) -> None:
         assert eng._reserved == 0
     finally:
         eng.close()
+
+
+def test_the_engine_parts_do_not_import_the_engine() -> None:
+    """The flusher, the dedupe index and the message format are the engine's parts, reached
+    through narrow interfaces: none imports ``engine.py`` (no import cycle)."""
+    import ast
+
+    import tracestore.server.dedupe
+    import tracestore.server.flusher
+    import tracestore.server.message
+
+    for mod in (tracestore.server.dedupe, tracestore.server.flusher, tracestore.server.message):
+        assert mod.__file__ is not None
+        tree = ast.parse(Path(mod.__file__).read_text())
+        imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if "engine" in m.split(".")], (mod.__name__, imported)

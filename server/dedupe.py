@@ -1,0 +1,162 @@
+"""What this sidecar has accepted per key: the index that turns resends into no-ops and refuses
+conflicting bytes.
+
+A key holds one value: a chunk's tokens of one (run, policy version, trajectory, site), a
+trajectory's seal, a trajectory's prefix link. :meth:`DedupeIndex.check` drops the chunks of a
+message that were accepted before with the same bytes (a writer's retry) and refuses
+(:class:`ConflictError`) one that overlaps accepted tokens with different bytes, or a seal or link
+that differs from the accepted one. With authentication on, a trajectory also belongs to the
+identity that first wrote it (:meth:`DedupeIndex.check_owner`).
+
+Memory stays bounded on a long-running sidecar: the index keeps the newest ``versions`` distinct
+policy versions of each run and forgets older ones (they are no longer written).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from tracestore.errors import ConflictError, PermissionDeniedError
+from tracestore.records import RecordChunk
+
+from .message import Message
+
+Span = tuple[int, int, int]  # token_start, token_end, chunk checksum
+
+
+class DedupeIndex:
+    """Chunks, seals, links and trajectory owners seen per (run, policy version, trajectory[, site]).
+    Not thread-safe: the engine calls it with its lock held."""
+
+    def __init__(self, versions: int) -> None:
+        self.versions = versions
+        # (run, version, trajectory, site) -> sorted [(start, end, checksum)] of chunks seen
+        self._index: dict[tuple[str, int, str, str], list[Span]] = {}
+        self._seals: dict[tuple[str, int, str], tuple[int, tuple[str, ...]]] = {}
+        self._links: dict[tuple[str, int, str], tuple[str, int]] = {}
+        self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
+        self._sealed: set[tuple[str, str]] = set()
+        self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
+        # (run, version, trajectory) -> identity whose writer first wrote it (with authentication on)
+        self._traj_owner: dict[tuple[str, int, str], str] = {}
+
+    @property
+    def open_trajectories(self) -> int:
+        """Trajectories with records and no seal."""
+        return len(self._open)
+
+    def check_owner(self, msg: Message, identity: str) -> None:
+        """``identity`` may write the trajectories ``msg`` names and link to their sources."""
+        targets = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
+        targets += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
+        targets += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
+        for key in dict.fromkeys(targets):
+            owner = self._traj_owner.get(key)
+            if owner is not None and owner != identity:
+                raise PermissionDeniedError(
+                    f"trajectory {key[2]} v{key[1]} of run {key[0]} was written by another identity; "
+                    "its records, seal and links are not yours to write"
+                )
+        for link in msg.links:
+            owner = self._traj_owner.get((link.run, link.policy_version, link.source))
+            if owner is not None and owner != identity:
+                raise PermissionDeniedError(
+                    f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
+                    "another identity wrote"
+                )
+
+    def check(self, msg: Message) -> None:
+        """Refuse ``msg`` (ConflictError) if it writes different bytes under a key seen before;
+        drop from it the chunks seen before with the same bytes (identical resends)."""
+        fresh: list[RecordChunk] = []
+        fresh_crcs: list[int] = []
+        batch: dict[tuple[str, int, str, str], list[Span]] = {}
+        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
+            key = (c.run, c.policy_version, c.trajectory, c.site)
+            span = (c.token_start, c.token_end, crc)
+            same = False
+            for spans in (self._index.get(key, []), batch.get(key, [])):
+                i = bisect.bisect_left(spans, (c.token_start, -1, -1))
+                for s, e, k in spans[max(0, i - 1) : i + 2]:
+                    if s < c.token_end and c.token_start < e:
+                        if (s, e, k) == span:
+                            same = True
+                        else:
+                            raise ConflictError(
+                                f"{c.key_str}: overlaps tokens [{s}, {e}) already written with different bytes; "
+                                "a key holds one value (resend identical bytes, or use a new policy version)"
+                            )
+            if not same:
+                bisect.insort(batch.setdefault(key, []), span)
+                fresh.append(c)
+                fresh_crcs.append(crc)
+        for seal in msg.seals:
+            prev = self._seals.get((seal.run, seal.policy_version, seal.trajectory))
+            if prev is not None and prev != (seal.n_tokens, seal.sites):
+                raise ConflictError(
+                    f"trajectory {seal.trajectory} v{seal.policy_version} is already sealed with "
+                    f"n_tokens={prev[0]} sites={list(prev[1])}, got n_tokens={seal.n_tokens}"
+                )
+        for link in msg.links:
+            prevl = self._links.get((link.run, link.policy_version, link.trajectory))
+            if prevl is not None and prevl != (link.source, link.n_tokens):
+                raise ConflictError(
+                    f"trajectory {link.trajectory} v{link.policy_version} already links to {prevl[0]} "
+                    f"for {prevl[1]} tokens, got {link.source} for {link.n_tokens}"
+                )
+        msg.chunks, msg.crcs = fresh, fresh_crcs  # identical resends of single chunks are dropped here
+
+    def remember(self, msg: Message, identity: str | None = None) -> int:
+        """Record what ``msg`` writes (and, with ``identity``, that its trajectories are that
+        identity's unless another one wrote them first). Returns how many trajectories it sealed
+        for the first time."""
+        if identity is not None:
+            keys = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
+            keys += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
+            keys += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
+            for key in keys:
+                self._see_version(key[0], key[1])
+                self._traj_owner.setdefault(key, identity)
+        for c, crc in zip(msg.chunks, msg.crcs, strict=True):
+            self._see_version(c.run, c.policy_version)
+            bisect.insort(
+                self._index.setdefault((c.run, c.policy_version, c.trajectory, c.site), []),
+                (c.token_start, c.token_end, crc),
+            )
+            if (c.run, c.trajectory) not in self._sealed:
+                self._open.add((c.run, c.trajectory))
+        sealed = 0
+        for s in msg.seals:
+            self._see_version(s.run, s.policy_version)
+            self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
+            if (s.run, s.trajectory) not in self._sealed:
+                self._sealed.add((s.run, s.trajectory))
+                sealed += 1
+            self._open.discard((s.run, s.trajectory))
+        for link in msg.links:
+            self._see_version(link.run, link.policy_version)
+            self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
+        return sealed
+
+    def _see_version(self, run: str, version: int) -> None:
+        """Keep state for the newest ``versions`` policy versions of a run only."""
+        versions = self._versions.setdefault(run, [])
+        i = bisect.bisect_left(versions, version)
+        if i < len(versions) and versions[i] == version:
+            return
+        versions.insert(i, version)
+        if len(versions) <= self.versions:
+            return
+        # Distinct versions, not arithmetic on the newest one: a single message with version 2**62
+        # once dropped the state of every real version and let conflicting bytes in.
+        del versions[: len(versions) - self.versions]
+        floor = versions[0]
+        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links, self._traj_owner)
+        for d in stores:
+            for key in [k for k in d if k[0] == run and k[1] < floor]:
+                del d[key]
+        # trajectories of dropped versions are neither open nor remembered as sealed
+        live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
+        self._open = {k for k in self._open if k[0] != run or k[1] in live}
+        self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
