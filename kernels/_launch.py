@@ -103,17 +103,6 @@ def _stream(device_index: int, ptr: int) -> Any:
     return s
 
 
-def fastdiv(d: int) -> tuple[int, int]:
-    """(m, sh) for the kernels' ``fast_div``: ``idx // d == umulhi(idx, m) >> sh`` for idx < 2^31
-    (round-up multiplier, Granlund & Montgomery 1994); m = 0 stands for d = 1."""
-    if d < 1 or d >= 1 << 31:
-        raise ValueError(f"divisor must be in [1, 2^31), got {d}")
-    if d == 1:
-        return 0, 0
-    shift = (d - 1).bit_length()
-    return (1 << (31 + shift)) // d + 1, shift - 1
-
-
 def _args(name_expr: str, params: KernelParams) -> tuple[Any, ...]:
     if name_expr.partition("<")[0] != params.KERNEL:
         raise ConfigError(f"{type(params).__name__} holds the arguments of {params.KERNEL}, not of {name_expr}")

@@ -2,13 +2,14 @@
 
 A raw kernel takes its arguments as one positional tuple, 13 to 17 of them for the record and
 guided kernels, and a swapped pair of strides would go unnoticed until the GPU tests. Here a call
-site names every argument (``RecordKV(pool=..., pool_page=..., ...)``); the record's fields are
-the kernel's parameter names in the kernel's order, checked once, when this module is imported,
-against the signature parsed from ``SOURCE``; and each value is converted by the C type declared
-there (pointer -> uint64 device address of a tensor, 0 for None; ``i64`` -> int64; ``u32`` ->
-uint32; ``int`` -> int32), so the tuple :meth:`KernelParams.astuple` builds cannot disagree with
-the kernel in order, count or width. Template arguments stay in the launch's name expression
-(``_launch.launch``), which must name the record's kernel.
+site names every argument (``RecordKV(pool=..., pool_page=..., ...)``). A record's fields are its
+kernel's parameter names in the kernel's order, where a :class:`ParamGroup` field (such as
+:class:`RowsOut`) stands for a run of parameters that several kernels share; this is checked once,
+when the module is imported, against the signatures parsed from ``SOURCE``. Each value is
+converted by the C type declared there (pointer -> uint64 device address of a tensor, 0 for None;
+``i64`` -> int64; ``u32`` -> uint32; ``int`` -> int32), so the tuple :meth:`KernelParams.astuple`
+builds cannot disagree with the kernel in order, count or width. Template arguments stay in the
+launch's name expression (``_launch.launch``), which must name the record's kernel.
 """
 
 from __future__ import annotations
@@ -67,13 +68,46 @@ def _ptr(t: Tensor | None) -> np.uint64:
 _SCALARS: dict[str, Callable[[Any], Any]] = {"i64": np.int64, "u32": np.uint32, "int": np.int32}
 
 
-class KernelParams:
+class _Fields:
+    __slots__ = ()
+
+
+class ParamGroup(_Fields):
+    """A run of consecutive parameters that several kernels share (decorate with :func:`param_group`):
+    a record's field of this type stands for all of them, in the group's field order."""
+
+    __slots__ = ()
+
+
+GROUPS: dict[str, type[ParamGroup]] = {}
+G = TypeVar("G", bound=ParamGroup)
+
+
+def param_group(cls: type[G]) -> type[G]:
+    GROUPS[cls.__name__] = cls
+    return cls
+
+
+def flat_fields(cls: type[_Fields]) -> tuple[tuple[str, str], ...]:
+    """(attribute path, annotation) of each kernel parameter a record holds, groups expanded, in order:
+    ``RecordKV`` gives ``("pool", "Tensor"), ..., ("out.codes_out", "Tensor"), ...``."""
+    out: list[tuple[str, str]] = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        group = GROUPS.get(f.type) if isinstance(f.type, str) else None
+        if group is None:
+            out.append((f.name, str(f.type)))
+        else:
+            out += [(f"{f.name}.{path}", t) for path, t in flat_fields(group)]
+    return tuple(out)
+
+
+class KernelParams(_Fields):
     """Base of the parameter records: :meth:`astuple` is the kernel's argument tuple."""
 
     __slots__ = ()
     KERNEL: ClassVar[str]
-    _FIELDS: ClassVar[Callable[[Any], tuple[Any, ...]]]  # the field values in order
-    _CONVERT: ClassVar[tuple[Callable[[Any], Any], ...]]  # one converter per field
+    _FIELDS: ClassVar[Callable[[Any], tuple[Any, ...]]]  # the parameter values in order
+    _CONVERT: ClassVar[tuple[Callable[[Any], Any], ...]]  # one converter per parameter
 
     def astuple(self) -> tuple[Any, ...]:
         return tuple([convert(v) for convert, v in zip(self._CONVERT, type(self)._FIELDS(self), strict=True)])
@@ -91,7 +125,8 @@ def kernel_params(kernel: str) -> Callable[[type[P]], type[P]]:
         if kernel not in SIGNATURES:
             raise TypeError(f"{cls.__name__}: no __global__ kernel {kernel} in kernels/_source.py")
         sig = SIGNATURES[kernel]
-        fields = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        paths = tuple(path for path, _ in flat_fields(cls))
+        fields = tuple(path.rpartition(".")[2] for path in paths)
         want = tuple(p.name for p in sig)
         if fields != want:
             raise TypeError(f"{cls.__name__} fields {fields} are not {kernel}'s parameters {want}, in order")
@@ -99,13 +134,76 @@ def kernel_params(kernel: str) -> Callable[[type[P]], type[P]]:
         if unknown:
             raise TypeError(f"{kernel}: no argument conversion for C type {unknown[0].ctype} ({unknown[0].name})")
         cls.KERNEL = kernel
-        get = operator.attrgetter(*want)  # one C call for all fields; a bare value for one field
-        cls._FIELDS = staticmethod(get if len(want) > 1 else lambda obj: (get(obj),))  # type: ignore[assignment]
+        get = operator.attrgetter(*paths)  # one C call for all values; a bare value for one path
+        cls._FIELDS = staticmethod(get if len(paths) > 1 else lambda obj: (get(obj),))  # type: ignore[assignment]
         cls._CONVERT = tuple(_ptr if p.pointer else _SCALARS[p.ctype] for p in sig)
         RECORDS[kernel] = cls
         return cls
 
     return bind
+
+
+def fastdiv(d: int) -> tuple[int, int]:
+    """(m, sh) for the kernels' ``fast_div``: ``idx // d == umulhi(idx, m) >> sh`` for idx < 2^31
+    (round-up multiplier, Granlund & Montgomery 1994); m = 0 stands for d = 1."""
+    if d < 1 or d >= 1 << 31:
+        raise ValueError(f"divisor must be in [1, 2^31), got {d}")
+    if d == 1:
+        return 0, 0
+    shift = (d - 1).bit_length()
+    return (1 << (31 + shift)) // d + 1, shift - 1
+
+
+# ------------------------------------------------------------------------------------------ groups
+
+
+@param_group
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RowDiv(ParamGroup):
+    """``ng`` threads per row, and ``fast_div``'s constants for ``row = idx / ng`` (:meth:`of`)."""
+
+    ng: int
+    div_m: int
+    div_sh: int
+
+    @classmethod
+    def of(cls, ng: int) -> RowDiv:
+        div_m, div_sh = fastdiv(ng)
+        return cls(ng=ng, div_m=div_m, div_sh=div_sh)
+
+
+@param_group
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RowsOut(ParamGroup):
+    """Where ``record_codes`` and ``record_kv`` write: code and scale rows, g in (one value, or one
+    per row with ``g_in_stride`` 1) and g out (strided: a RecordSlab interleaves its sites)."""
+
+    codes_out: Tensor
+    c_stride: int
+    scales_out: Tensor
+    so_stride: int
+    g_ptr: Tensor | None
+    g_in_stride: int
+    g_out: Tensor
+    g_stride: int
+
+
+@param_group
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GuidedRows(ParamGroup):
+    """The record rows ``guided_b1`` and ``guided_fwd`` round toward (all None for RTN), their g,
+    token scales, and the valid / row-gather / mask vectors."""
+
+    codes: Tensor | None
+    c_stride: int
+    scales: Tensor | None
+    s_stride: int
+    g: Tensor
+    g_per_row: int
+    ts: Tensor | None
+    valid: Tensor | None
+    rows: Tensor | None
+    mask: Tensor | None
 
 
 # ------------------------------------------------------------------------------------ rollout side
@@ -131,9 +229,7 @@ class RecordAct(KernelParams):
     x: Tensor
     x_stride: int
     n_rows: int
-    ng: int
-    div_m: int
-    div_sh: int
+    div: RowDiv
     g_ptr: Tensor | None
     codes_out: Tensor
     c_stride: int
@@ -153,17 +249,8 @@ class RecordCodes(KernelParams):
     scales: Tensor
     s_stride: int
     n_rows: int
-    ng: int
-    div_m: int
-    div_sh: int
-    codes_out: Tensor
-    c_stride: int
-    scales_out: Tensor
-    so_stride: int
-    g_ptr: Tensor | None
-    g_in_stride: int
-    g_out: Tensor
-    g_stride: int
+    div: RowDiv
+    out: RowsOut
 
 
 @kernel_params("record_kv")
@@ -181,14 +268,7 @@ class RecordKV(KernelParams):
     token_start: int
     n_tokens: int
     nb: int
-    codes_out: Tensor
-    c_stride: int
-    scales_out: Tensor
-    so_stride: int
-    g_ptr: Tensor | None
-    g_in_stride: int
-    g_out: Tensor
-    g_stride: int
+    out: RowsOut
 
 
 @kernel_params("stage_rows")
@@ -210,19 +290,8 @@ class GuidedB1(KernelParams):
     x: Tensor
     x_stride: int
     n_rows: int
-    ng: int
-    div_m: int
-    div_sh: int
-    codes: Tensor
-    c_stride: int
-    scales: Tensor
-    s_stride: int
-    g: Tensor
-    g_per_row: int
-    ts: Tensor | None
-    valid: Tensor | None
-    rows: Tensor | None
-    mask: Tensor | None
+    div: RowDiv
+    records: GuidedRows
     y: Tensor
     y_stride: int
 
@@ -234,16 +303,7 @@ class GuidedFwd(KernelParams):
     x_stride: int
     n_rows: int
     nb: int
-    codes: Tensor | None  # None for RTN (MODE 1): no records
-    c_stride: int
-    scales: Tensor | None
-    s_stride: int
-    g: Tensor
-    g_per_row: int
-    ts: Tensor | None
-    valid: Tensor | None
-    rows: Tensor | None
-    mask: Tensor | None
-    lut: Tensor | None
+    records: GuidedRows
+    lut: Tensor | None  # None for RTN (MODE 1)
     y: Tensor
     y_stride: int

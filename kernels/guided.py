@@ -31,7 +31,7 @@ from tracestore.guided import guided_round, rtn_fake_quant
 from . import _launch as L
 from ._common import DTYPE_CODE, check_aligned, check_float, fmt_code, fmt_name
 from ._lut import lut_tensor
-from ._params import GuidedB1, GuidedFwd
+from ._params import GuidedB1, GuidedFwd, GuidedRows, RowDiv
 from .record import blocks_per_thread
 
 # b = 1 with rule "bracket" (the paper's configuration) runs ``guided_b1``: Newton quotient and a
@@ -130,34 +130,30 @@ def _guided_fp4_cuda(
     codes, scales = _aligned(codes, 4), scales.contiguous()
     token_scales = None if token_scales is None else token_scales.contiguous()
     dt = DTYPE_CODE[x.dtype]
-    # the arguments guided_b1 and guided_fwd share (their records' fields of these names)
-    common: dict[str, Any] = {
-        "x": x2,
-        "x_stride": x2.stride(0) * x2.element_size(),
-        "n_rows": n,
-        "codes": codes,
-        "c_stride": codes.stride(0),
-        "scales": scales,
-        "s_stride": scales.stride(0),
-        "g": g,
-        "g_per_row": int(global_scale.dim() > 0),
-        "ts": token_scales,
-        "valid": valid,
-        "rows": rows,
-        "mask": mask,
-        "y": y,
-        "y_stride": y.stride(0) * y.element_size(),
-    }
+    records = GuidedRows(
+        codes=codes,
+        c_stride=codes.stride(0),
+        scales=scales,
+        s_stride=scales.stride(0),
+        g=g,
+        g_per_row=int(global_scale.dim() > 0),
+        ts=token_scales,
+        valid=valid,
+        rows=rows,
+        mask=mask,
+    )
+    x_stride, y_stride = x2.stride(0) * x2.element_size(), y.stride(0) * y.element_size()
     if bits == 1 and rule == "bracket" and not _TABLE_B1:
         # MX blocks are 32 values: two per thread take 128 registers and ran slower (0.274 vs 0.231 ms)
         group = blocks_per_thread(nb, BLOCKS_PER_THREAD if f.block == 16 else 1)
         name = f"guided_b1<{dt},{fmt_code(f)},{int(token_scales is not None)},{group}>"
-        ng = nb // group
-        div_m, div_sh = L.fastdiv(ng)
-        L.launch(name, x.device, n * ng, GuidedB1(ng=ng, div_m=div_m, div_sh=div_sh, **common))
+        div = RowDiv.of(nb // group)
+        args_b1 = GuidedB1(x=x2, x_stride=x_stride, n_rows=n, div=div, records=records, y=y, y_stride=y_stride)
+        L.launch(name, x.device, n * div.ng, args_b1)
     else:  # one thread per scale block
         lut = _lut(bits, rule, x.device)
-        L.launch(f"guided_fwd<{dt},{fmt_code(f)},{bits},0>", x.device, n * nb, GuidedFwd(nb=nb, lut=lut, **common))
+        args = GuidedFwd(x=x2, x_stride=x_stride, n_rows=n, nb=nb, records=records, lut=lut, y=y, y_stride=y_stride)
+        L.launch(f"guided_fwd<{dt},{fmt_code(f)},{bits},0>", x.device, n * nb, args)
     return y.view(x.shape)
 
 
@@ -295,16 +291,18 @@ def _rtn_fp4_cuda(x: torch.Tensor, global_scale: torch.Tensor, fmt: str) -> torc
             x_stride=x2.stride(0) * x2.element_size(),
             n_rows=n,
             nb=nb,
-            codes=None,
-            c_stride=0,
-            scales=None,
-            s_stride=0,
-            g=global_scale,
-            g_per_row=0,
-            ts=None,
-            valid=None,
-            rows=None,
-            mask=None,
+            records=GuidedRows(
+                codes=None,
+                c_stride=0,
+                scales=None,
+                s_stride=0,
+                g=global_scale,
+                g_per_row=0,
+                ts=None,
+                valid=None,
+                rows=None,
+                mask=None,
+            ),
             lut=None,
             y=y,
             y_stride=y.stride(0) * y.element_size(),

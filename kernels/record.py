@@ -41,7 +41,7 @@ from ._common import (
     site_params,
     use_gpu,
 )
-from ._params import AmaxAbs, FinalizeG, RecordAct, RecordCodes, RecordKV, StageRows
+from ._params import AmaxAbs, FinalizeG, RecordAct, RecordCodes, RecordKV, RowDiv, RowsOut, StageRows
 
 ScaleLayout = ("rowmajor", "swizzled128x4")
 
@@ -301,20 +301,19 @@ def blocks_per_thread(nb: int, want: int) -> int:
     return 1
 
 
-def _rows_args(rows: RecordBuffer, g: torch.Tensor | None) -> dict[str, Any]:
-    """The output arguments record_codes and record_kv share (RecordCodes/RecordKV fields): code
-    and scale rows, g in (one value, or one per row) and g out (strided: a :class:`RecordSlab`
-    interleaves its sites)."""
-    return {
-        "codes_out": rows.codes,
-        "c_stride": rows.codes.stride(0),
-        "scales_out": rows.scales,
-        "so_stride": rows.scales.stride(0),
-        "g_ptr": g,
-        "g_in_stride": 1 if g is not None and g.numel() > 1 else 0,
-        "g_out": rows.global_scale,
-        "g_stride": rows.global_scale.stride(0),
-    }
+def _rows_out(rows: RecordBuffer, g: torch.Tensor | None) -> RowsOut:
+    """The output arguments record_codes and record_kv end with: code and scale rows, g in (one
+    value, or one per row) and g out (strided: a :class:`RecordSlab` interleaves its sites)."""
+    return RowsOut(
+        codes_out=rows.codes,
+        c_stride=rows.codes.stride(0),
+        scales_out=rows.scales,
+        so_stride=rows.scales.stride(0),
+        g_ptr=g,
+        g_in_stride=1 if g is not None and g.numel() > 1 else 0,
+        g_out=rows.global_scale,
+        g_stride=rows.global_scale.stride(0),
+    )
 
 
 def _check_out(out: Any, width: int, fmt: FP4Format, bits: int, row_offset: int, n: int) -> RecordBuffer:
@@ -450,7 +449,6 @@ def record_from_activations(
     # access pattern, bounds this kernel).
     nb = width // fmt.block
     group = blocks_per_thread(nb, BLOCKS_PER_THREAD)
-    div_m, div_sh = L.fastdiv(nb // group)
     # two NVFP4 blocks' code bits (b = 1) as one 4-byte store and their scale bytes as one 2-byte store
     pair = (
         group == 2
@@ -471,9 +469,7 @@ def record_from_activations(
             x=x,
             x_stride=x.stride(0) * x.element_size(),
             n_rows=n,
-            ng=nb // group,
-            div_m=div_m,
-            div_sh=div_sh,
+            div=RowDiv.of(nb // group),
             g_ptr=g,
             codes_out=rows.codes,
             c_stride=rows.codes.stride(0),
@@ -558,7 +554,6 @@ def record_from_codes(
         and rows.scales.stride(0) % 2 == 0
     )
     ng = nb // grp
-    div_m, div_sh = L.fastdiv(ng)
     L.launch(
         f"record_codes<{fmt.block},{bits},{int(swz)},{grp},{int(pair_scales)}>",
         out.device,
@@ -569,10 +564,8 @@ def record_from_codes(
             scales=scales,
             s_stride=padded_shape(n, nb)[1] if swz else scales.stride(0),
             n_rows=n,
-            ng=ng,
-            div_m=div_m,
-            div_sh=div_sh,
-            **_rows_args(rows, g),
+            div=RowDiv.of(ng),
+            out=_rows_out(rows, g),
         ),
     )
     return rows
@@ -644,7 +637,7 @@ def _one_kv(
             token_start=token_start,
             n_tokens=n_tokens,
             nb=width // fmt.block,
-            **_rows_args(rows, g),
+            out=_rows_out(rows, g),
         ),
     )
     return rows

@@ -42,13 +42,13 @@ def test_every_kernel_in_the_source_has_a_record():
 def test_record_fields_are_the_kernel_parameters_in_order(kernel):
     record = P.RECORDS[kernel]
     params = P.SIGNATURES[kernel]
-    fields = dataclasses.fields(record)
-    assert [f.name for f in fields] == [p.name for p in params]
+    fields = P.flat_fields(record)  # a group's fields in place of the group's field
+    assert [path.rpartition(".")[2] for path, _ in fields] == [p.name for p in params]
     assert len(fields) == len(params)
-    for f, p in zip(fields, params, strict=True):
+    for (path, annotation), p in zip(fields, params, strict=True):
         # a pointer is a tensor (None where the kernel takes a null pointer), a scalar an int
-        assert (f.type in ("Tensor", "Tensor | None")) == p.pointer, (kernel, f.name, f.type, p)
-        assert p.pointer or (f.type == "int" and p.ctype in ("i64", "u32", "int")), (kernel, f.name, p)
+        assert (annotation in ("Tensor", "Tensor | None")) == p.pointer, (kernel, path, annotation, p)
+        assert p.pointer or (annotation == "int" and p.ctype in ("i64", "u32", "int")), (kernel, path, p)
     assert kernel == record.KERNEL
 
 
@@ -106,29 +106,23 @@ def test_astuple_converts_by_declared_c_type_and_call_sites_name_every_argument(
         P.StageRows(src, 4, ring, 64, slot)  # keyword-only: positions are refused
     with pytest.raises(dataclasses.FrozenInstanceError):
         rec.n16 = 5
-    g = P.GuidedFwd(
-        x=src,
-        x_stride=16,
-        n_rows=4,
-        nb=1,
-        codes=None,
-        c_stride=0,
-        scales=None,
-        s_stride=0,
-        g=slot,
-        g_per_row=0,
-        ts=None,
-        valid=None,
-        rows=None,
-        mask=None,
-        lut=None,
-        y=ring,
-        y_stride=64,
-    ).astuple()
-    assert [type(a) for a in g[:4]] == [np.uint64, np.int64, np.uint32, np.uint32]
-    assert g[4] == 0 and type(g[9]) is np.int32  # None -> null pointer; g_per_row is a C int
     with pytest.raises(OverflowError):
         P.StageRows(src=src, n16=4, ring=ring, slot_bytes=1 << 63, slot=slot).astuple()
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 10, 12, 40, 64, 96, 127, 4095, 65537, 2**31 - 1])
+def test_fastdiv_divides_every_index_below_2_31(d):
+    m, sh = P.fastdiv(d)
+    assert 0 <= m < 2**32 and 0 <= sh < 32
+    idx = np.concatenate([np.arange(0, 5000), np.random.default_rng(d).integers(0, 2**31, 20000), [2**31 - 1]])
+    idx = idx.astype(np.uint64)
+    umulhi = (idx * np.uint64(m)) >> np.uint64(32)  # the kernel's __umulhi (m = 0 stands for d = 1)
+    got = idx if d == 1 else umulhi >> np.uint64(sh)
+    np.testing.assert_array_equal(got, idx // np.uint64(d))
+    div = P.RowDiv.of(d)
+    assert (div.ng, div.div_m, div.div_sh) == (d, m, sh)
+    with pytest.raises(ValueError, match="divisor"):
+        P.fastdiv(0)
 
 
 def test_launch_refuses_the_record_of_another_kernel():
@@ -183,10 +177,14 @@ def test_every_rollout_launch_path_builds_its_record(launches):
     assert n == 6 * 4 and rec.pt64 == 1 and rec.token_start == 1 and rec.page_table.tolist() == [2, 0]
     assert args[0] == pool.data_ptr() and args[3] == spool.data_ptr()
     assert (rec.pool_page, rec.pool_slot, rec.spool_page, rec.spool_slot) == (128, 32, 16, 4)
-    assert rec.codes_out.data_ptr() == slab["a"].codes.data_ptr() and rec.c_stride == slab.row_bytes
+    assert rec.out.codes_out.data_ptr() == slab["a"].codes.data_ptr() and rec.out.c_stride == slab.row_bytes
+    assert args[12] == slab["a"].codes.data_ptr() and type(args[7]) is np.int32  # group in place; pt64 a C int
     n, rec, _ = by_kernel["record_act"]
-    assert (rec.n_rows, rec.ng, rec.x_stride) == (5, 2, 128) and rec.fp4_out is None and rec.f_stride == 0
+    assert (rec.n_rows, rec.div.ng, rec.x_stride) == (5, 2, 128) and rec.fp4_out is None and rec.f_stride == 0
     assert rec.g_out.data_ptr() == slab["a"].global_scale[2:].data_ptr()
+    n, rec, args = by_kernel["record_codes"]  # the swizzled one (the last)
+    assert rec.s_stride == padded_shape(5, 4)[1] and rec.out.g_in_stride == 0 and n == 5 * rec.div.ng == 5 * 2
+    assert [type(a) for a in args[:8]] == [np.uint64, np.int64, np.uint64, np.int64, *[np.uint32] * 4]
 
 
 def test_every_training_launch_path_builds_its_record(launches):
@@ -198,7 +196,9 @@ def test_every_training_launch_path_builds_its_record(launches):
     KG._guided_fp4_cuda(x, torch.zeros(3, 16, dtype=torch.uint8), scales, g, g, None, None, None, 2, "nvfp4", "bracket")
     KG._rtn_fp4_cuda(x, torch.ones(()), "nvfp4")
     (b1, n1, r1, _), (fwd, n2, r2, _), (rtn, n3, r3, a3) = launches
-    assert b1 == "guided_b1<2,0,0,2>" and n1 == 3 * 2 and (r1.ng, r1.g_per_row) == (2, 1)
-    assert r1.rows is rows and r1.valid is valid and r1.mask is None and r1.ts is None
-    assert fwd == "guided_fwd<2,0,2,0>" and n2 == 3 * 4 and r2.lut is not None and r2.ts is g
-    assert rtn == "guided_fwd<2,0,1,1>" and n3 == 3 * 4 and r3.codes is None and a3[4] == 0 and a3[14] == 0
+    assert b1 == "guided_b1<2,0,0,2>" and n1 == 3 * 2 and (r1.div.ng, r1.records.g_per_row) == (2, 1)
+    assert r1.records.rows is rows and r1.records.valid is valid and r1.records.mask is None and r1.records.ts is None
+    assert fwd == "guided_fwd<2,0,2,0>" and n2 == 3 * 4 and r2.lut is not None and r2.records.ts is g
+    assert rtn == "guided_fwd<2,0,1,1>" and n3 == 3 * 4 and r3.records.codes is None
+    assert [type(a) for a in a3[:4]] == [np.uint64, np.int64, np.uint32, np.uint32]
+    assert a3[4] == a3[14] == 0 and type(a3[9]) is np.int32  # None -> null pointer; g_per_row a C int
