@@ -4,7 +4,9 @@ and under ``TYPE_CHECKING``, relative ones resolved; ``importlib.import_module("
 - The core (``tracestore/`` but its top floor ``tracestore/cli/``, ``tracestore/demo/`` and
   ``tracestore/__main__.py``) imports neither ``tracestore.client`` nor ``tracestore.server``, nor
   the top floor. Only the top floor may import client and server.
-- ``tracestore.client`` and ``tracestore.server`` never import each other (they meet on the wire).
+- ``tracestore.client`` and ``tracestore.server`` never import each other (they meet on the wire),
+  nor the top floor, but for the commands that live in ``server/`` (``SERVER_COMMANDS``), which
+  declare their options with the CLI's settings layer (``tracestore.cli``).
 - ``tracestore.kernels`` builds on the core only: no client, server, top floor or storage.
 - ``tracestore/storage/`` is private: imported from itself, the core modules named in
   ``STORAGE_IN_CORE``, client, server, the top floor, ``bench/`` and ``tests/``.
@@ -35,6 +37,8 @@ SKIP_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 TOP = ("tracestore.cli", "tracestore.demo", "tracestore.__main__")
 CLIENT, SERVER, KERNELS, STORAGE = "tracestore.client", "tracestore.server", "tracestore.kernels", "tracestore.storage"
 
+# `tracestore serve` and `tracestore health`: commands kept beside the sidecar they run or probe.
+SERVER_COMMANDS = {"tracestore.server.cli", "tracestore.server.cli_health"}
 # Core modules that read or re-export storage: the package's public CHUNK_SCHEMA/chunks_to_table,
 # and a rank's plan read through a StoreReader (annotations).
 STORAGE_IN_CORE = {"tracestore", "tracestore.rank_plan"}
@@ -137,6 +141,9 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str, str]]:
                 out.add(("core imports client, server or the top floor", module, t))
             if under(module, CLIENT) and under(t, SERVER) or under(module, SERVER) and under(t, CLIENT):
                 out.add(("client and server import each other", module, t))
+            command = module in SERVER_COMMANDS and under(t, "tracestore.cli")
+            if under(module, CLIENT, SERVER) and under(t, *TOP) and not command:
+                out.add(("client or server imports the top floor", module, t))
             if under(module, KERNELS) and under(t, CLIENT, SERVER, STORAGE, *TOP):
                 out.add(("kernels import past the core", module, t))
             if under(t, STORAGE) and not (
@@ -177,6 +184,9 @@ def test_layers_hold_but_for_the_known_exceptions():
         ("tracestore.storage.fs", "tracestore.client", "core imports"),
         ("tracestore.plan", "tracestore.cli.settings", "core imports"),
         ("tracestore.client.recorder", "tracestore.server.ingest", "each other"),
+        ("tracestore.server.engine", "tracestore.cli.settings", "imports the top floor"),
+        ("tracestore.server.cli", "tracestore.demo.run", "imports the top floor"),
+        ("tracestore.client.reader", "tracestore.cli", "imports the top floor"),
         ("tracestore.kernels.record", "tracestore.storage.store", "kernels import"),
         ("examples.other", "tracestore.storage.fs", "storage imported"),
         ("tracestore.guided", "tracestore.storage.reader", "storage imported"),
@@ -192,6 +202,7 @@ def test_allowed_imports_are_not_violations():
         "tracestore.demo.run": {"tracestore.server", "tracestore.client.recorder"},
         "tracestore.client.reader": {"tracestore.storage.reader", "tracestore.records", "tracestore.kernels"},
         "tracestore.server.service": {"tracestore.storage.store", "tracestore.wire"},
+        "tracestore.server.cli_health": {"tracestore.cli", "tracestore.cli.resolve"},
         "tracestore": {"tracestore.storage.arrow"},
         "bench.bench_storage": {"tracestore.storage.shard_write"},
         "tests.storage.test_x": {"tracestore.storage.fs"},
