@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import StorageError, TraceStoreError
-from tracestore.storage.reader import Layout, SiteRows, output_arrays, output_sections
+from tracestore.storage.rows import Layout, SiteRows, output_arrays, output_sections
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _BOOT = (
 )
 
 # What a child is told to fill: the read's layout (StoreReader.layout), the block's sections
-# (tracestore.storage.reader.output_sections) and the plan tokens [t0, t1) of its slice
+# (tracestore.storage.rows.output_sections) and the plan tokens [t0, t1) of its slice
 Target = tuple[Any, Any, tuple[int, int]]
 
 

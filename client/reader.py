@@ -14,7 +14,7 @@ and N children decode on N cores where one process reaches about 2. Results are 
 plan) and copied with ``non_blocking=True`` on the current stream.
 
 The source is chosen once, at construction (:func:`tracestore.client.row_sources.open_rows`);
-each gives ``{site: SiteRows}`` (:class:`tracestore.storage.reader.SiteRows`), which
+each gives ``{site: SiteRows}`` (:class:`tracestore.storage.rows.SiteRows`), which
 :meth:`GuidanceReader.read_host` returns as they are and :meth:`GuidanceReader.read` turns into
 :class:`~tracestore.guidance.Guidance` of host tensors (pinned for CUDA), then moves to ``device``.
 
@@ -44,7 +44,7 @@ from tracestore.records import RunSpec, validate_id
 from .row_sources import Query, RowSource, open_rows, segments
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tracestore.storage.reader import SiteRows
+    from tracestore.storage.rows import SiteRows
 
 PlanLike = MicrobatchPlan | Sequence[tuple[str | None, int, int]]
 
@@ -133,7 +133,7 @@ class GuidanceReader:
         return Rows({name: g.to(dev, non_blocking=dev.type == "cuda") for name, g in staged.items()}, staged.report)
 
     def read_host(self, plan: PlanLike) -> dict[str, SiteRows]:
-        """The same rows as numpy arrays (:class:`~tracestore.storage.reader.SiteRows`, no torch
+        """The same rows as numpy arrays (:class:`~tracestore.storage.rows.SiteRows`, no torch
         needed), with the same ``report``."""
         rows = self._fetch(plan)
         self.last_report = rows.report

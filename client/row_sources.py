@@ -7,7 +7,7 @@ chosen once by :func:`open_rows` from the reader's ``source``.
 - :class:`SidecarRows`: a sidecar address, the ``Read`` RPC.
 
 Every source answers a plan with ``{site: SiteRows}``
-(:class:`~tracestore.storage.reader.SiteRows`, numpy arrays aligned row for row to the plan), the
+(:class:`~tracestore.storage.rows.SiteRows`, numpy arrays aligned row for row to the plan), the
 one container a read's rows travel in until the reader turns them into tensors.
 """
 
@@ -38,7 +38,8 @@ from tracestore.records import RunSpec
 from .transport import channel, is_sidecar_address, method
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tracestore.storage.reader import SiteRows, StoreReader
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.rows import SiteRows
 
     from .read_process import ReadProcesses
 
@@ -114,7 +115,7 @@ class SidecarRows:
     def rows(self, plan: MicrobatchPlan, background: bool = False) -> dict[str, SiteRows]:
         import grpc
 
-        from tracestore.storage.reader import SiteRows
+        from tracestore.storage.rows import SiteRows
         from tracestore.v1 import tracestore_pb2 as pb
 
         spec = self.spec = self.spec or self._run_spec()

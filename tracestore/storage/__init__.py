@@ -11,5 +11,7 @@ and ``tracestore.client.GuidanceReader``. The rooms:
 - :mod:`.shard_write` — encoding a shard: sort, row groups, codecs, one Parquet writer;
 - :mod:`.shard_read` — verified decoding of a shard's row groups, and full verification;
 - :mod:`.arrow` — the Arrow schema of record chunks and the lossless chunk <-> Arrow conversion;
-- :mod:`.reader` — microbatch-aligned, rank-sharded, verified reads of a plan's rows.
+- :mod:`.reader` — microbatch-aligned, rank-sharded, verified reads of a plan's rows;
+- :mod:`.links` — a run's prefix links, resolved and checked against their sources on a read;
+- :mod:`.rows` — ``SiteRows``, a read's rows of one site, and the buffer layout a read fills.
 """

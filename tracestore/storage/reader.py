@@ -49,256 +49,40 @@ from tracestore.errors import (
     CorruptionError,
     MissingRecordsError,
     NotFoundError,
-    TraceStoreError,
     ValidationError,
 )
 from tracestore.plan import MicrobatchPlan
-from tracestore.records import PrefixLink, SiteSpec, TrajectorySeal, validate_id
+from tracestore.records import SiteSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import CountingFile, Storage
+from tracestore.storage.links import LinkIndex, OnMissing
 from tracestore.storage.manifest import ChunkEntry, Manifest
+from tracestore.storage.rows import (
+    ColumnRange,
+    Layout,
+    OutputArrays,
+    SiteRows,
+    checked_out,
+    column_range,
+    output_arrays,
+    output_sections,
+    read_layout,
+)
 from tracestore.storage.shard_read import DATA_COLUMNS, StoredChunk, open_parquet, read_chunks
 from tracestore.storage.store import Store
 
-OnMissing = Literal["error", "mask"]
+__all__ = [
+    "Layout",
+    "LinkIndex",
+    "OutputArrays",
+    "ReadResult",
+    "ReadStats",
+    "SiteRows",
+    "StoreReader",
+    "output_arrays",
+    "output_sections",
+]
+
 StalePolicy = Literal["drop", "flag"]
-ColumnRange = tuple[int, int]
-
-
-class LinkIndex:
-    """The prefix links of one run and what each trajectory holds per version, to resolve reads
-    through links and to check every link followed against its source (see the module docstring).
-
-    ``add_manifest(path, m)`` indexes a manifest; :meth:`resolve` splits a trajectory's token
-    range into the pieces each owner trajectory holds. ``extent[(trajectory, version)]``: the
-    tokens a trajectory holds in a version (largest chunk end of any site, seal or own link);
-    ``sealed[(trajectory, version)]``: its largest seal there.
-    """
-
-    def __init__(self, run: str) -> None:
-        self.run = run
-        self.links: dict[str, list[tuple[PrefixLink, str]]] = {}
-        self.extent: dict[tuple[str, int], int] = {}
-        self.sealed: dict[tuple[str, int], int] = {}
-
-    def holds(self, trajectory: str, version: int, n_tokens: int) -> None:
-        """Note that ``trajectory`` has something up to token ``n_tokens`` in ``version``."""
-        key = (trajectory, version)
-        if n_tokens > self.extent.get(key, 0):
-            self.extent[key] = n_tokens
-
-    def add_seal(self, seal: TrajectorySeal) -> None:
-        key = (seal.trajectory, seal.policy_version)
-        self.sealed[key] = max(self.sealed.get(key, 0), seal.n_tokens)
-        self.holds(seal.trajectory, seal.policy_version, seal.n_tokens)
-
-    def add_link(self, link: PrefixLink, where: str) -> None:
-        self.links.setdefault(link.trajectory, []).append((link, where))
-        self.holds(link.trajectory, link.policy_version, link.n_tokens)
-
-    def add_manifest(self, path: str, m: Manifest) -> None:
-        v = m.policy_version
-        ends: dict[str, int] = {}
-        for e in m.chunks:
-            if e.token_end > ends.get(e.trajectory, 0):
-                ends[e.trajectory] = e.token_end
-        for t, end in ends.items():
-            self.holds(t, v, end)
-        for s in m.seals:
-            self.add_seal(s)
-        for x in m.links:
-            self.add_link(x, path)
-
-    def link(self, trajectory: str, vs: set[int]) -> tuple[PrefixLink, str] | None:
-        """The link of ``trajectory`` a read of versions ``vs`` follows (newest version, longest)
-        with its manifest's path; ConflictError when that version links it to two sources."""
-        links = [(x, p) for x, p in self.links.get(trajectory, ()) if x.policy_version in vs]
-        best = max(links, key=lambda xp: (xp[0].policy_version, xp[0].n_tokens), default=None)
-        if best is not None:
-            sources = {x.source for x, _ in links if x.policy_version == best[0].policy_version}
-            if len(sources) > 1:
-                raise ConflictError(
-                    f"run {self.run} v{best[0].policy_version}: trajectory {trajectory} has prefix links to "
-                    f"different sources {sorted(sources)}"
-                )
-        return best
-
-    def describe(self, link: PrefixLink, where: str) -> str:
-        return (
-            f"prefix link {link.trajectory} -> {link.source} (run {self.run} v{link.policy_version}, "
-            f"tokens [0, {link.n_tokens})) in manifest {where}"
-        )
-
-    def check(self, link: PrefixLink, where: str) -> TraceStoreError | None:
-        """What is wrong with following ``link`` (an error to raise), or None."""
-        key = (link.source, link.policy_version)
-        have = self.extent.get(key, 0)
-        if have == 0:
-            return MissingRecordsError(
-                f"{self.describe(link, where)}: its source {link.source} has no record, seal or link in "
-                f"v{link.policy_version}"
-            )
-        sealed = self.sealed.get(key)
-        if sealed is not None and link.n_tokens > sealed:
-            return CorruptionError(
-                f"{self.describe(link, where)}: its source {link.source} is sealed at {sealed} tokens"
-            )
-        if link.n_tokens > have:
-            return MissingRecordsError(
-                f"{self.describe(link, where)}: its source {link.source} holds only {have} tokens in "
-                f"v{link.policy_version}"
-            )
-        return None
-
-    def resolve(
-        self, traj: str, a: int, b: int, vs: set[int], on_missing: OnMissing = "error"
-    ) -> list[tuple[str | None, int, int]]:
-        """Split tokens [a, b) of ``traj`` into (owner trajectory, lo, hi) pieces, following links
-        (each checked, :meth:`check`); owner None: tokens behind a link whose source is missing,
-        with ``on_missing="mask"`` (they are read as invalid)."""
-        out: list[tuple[str | None, int, int]] = []
-        todo: list[tuple[str, int, int, tuple[str, ...]]] = [(traj, a, b, (traj,))]
-        while todo:
-            t, lo, hi, path = todo.pop()
-            found = self.link(t, vs)
-            if found is None or lo >= found[0].n_tokens:
-                out.append((t, lo, hi))
-                continue
-            link, where = found
-            if link.source in path:
-                cycle = " -> ".join((*path[path.index(link.source) :], link.source))
-                raise CorruptionError(f"{self.describe(link, where)} forms a cycle {cycle}")
-            cut = min(hi, link.n_tokens)
-            problem = self.check(link, where)
-            if problem is None:
-                todo.append((link.source, lo, cut, (*path, link.source)))
-            elif isinstance(problem, CorruptionError) or on_missing == "error":
-                raise problem
-            else:
-                out.append((None, lo, cut))
-            if hi > cut:
-                todo.append((t, cut, hi, path))
-        return sorted(out, key=lambda p: p[1])
-
-
-@dataclasses.dataclass
-class SiteRows:
-    """One site's records aligned to a plan: row ``i`` is the plan's ``i``-th row.
-
-    ``codes`` uint8 ``[n_rows, code_bytes]`` and ``scales`` uint8 ``[n_rows, scale_bytes]`` (of the
-    column range), ``global_scale`` float32 ``[n_rows]`` (1.0 where invalid), ``token_scales`` float32
-    ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool ``[n_rows]``,
-    ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool ``[n_rows]`` (older
-    than ``max_staleness`` with ``stale="flag"``). ``n_rows = plan.n_tokens * site.rows_per_token``.
-    The arrays of all sites of one read (all but ``token_scales`` and ``stale``) are views into one buffer.
-    """
-
-    site: SiteSpec
-    columns: ColumnRange
-    codes: np.ndarray
-    scales: np.ndarray
-    global_scale: np.ndarray
-    token_scales: np.ndarray | None
-    valid: np.ndarray
-    policy_version: np.ndarray
-    stale: np.ndarray
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.valid.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputArrays:
-    """Where one site's rows of a read go (``StoreReader.read(out=...)``): ``codes`` uint8
-    ``[n_rows, code_bytes]``, ``scales`` uint8 ``[n_rows, scale_bytes]`` (of the column range),
-    ``policy_version`` int64, ``global_scale`` float32 and ``valid`` bool ``[n_rows]``, all
-    C-contiguous and writable (:meth:`StoreReader.layout` gives the shapes)."""
-
-    codes: np.ndarray
-    scales: np.ndarray
-    policy_version: np.ndarray
-    global_scale: np.ndarray
-    valid: np.ndarray
-
-
-def _checked_out(
-    site: SiteSpec, n: int, cb: int, sb: int, out: Mapping[str, OutputArrays]
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``out[site]`` checked against the read's shapes (one :func:`_layout` entry: ``n`` rows of
-    ``cb`` code and ``sb`` scale bytes): (n_rows, codes, scales, pv, g, valid)."""
-    o = out.get(site.name)
-    if not isinstance(o, OutputArrays):
-        raise ValidationError(f"out has no OutputArrays for site {site.name}")
-    want = (
-        ("codes", o.codes, np.uint8, (n, cb)),
-        ("scales", o.scales, np.uint8, (n, sb)),
-        ("policy_version", o.policy_version, np.int64, (n,)),
-        ("global_scale", o.global_scale, np.float32, (n,)),
-        ("valid", o.valid, np.bool_, (n,)),
-    )
-    for name, a, dtype, shape in want:
-        if (
-            not isinstance(a, np.ndarray)
-            or a.dtype != dtype
-            or a.shape != shape
-            or not a.flags.c_contiguous
-            or not a.flags.writeable
-        ):
-            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise ValidationError(
-                f"out[{site.name!r}].{name} must be a writable C-contiguous {np.dtype(dtype)} array of shape "
-                f"{shape}, got {got}"
-            )
-    return n, o.codes, o.scales, o.policy_version, o.global_scale, o.valid
-
-
-Layout = Sequence[tuple[SiteSpec, int, int, int]]  # per site: (site, n_rows, code_bytes, scale_bytes)
-
-
-def _layout(
-    sites: Sequence[SiteSpec], cols: Mapping[str, ColumnRange], n_tokens: int
-) -> list[tuple[SiteSpec, int, int, int]]:
-    return [
-        (s, n_tokens * s.rows_per_token, (b - a) * s.bits // 8, (b - a) // s.fmt.block)
-        for s in sites
-        for a, b in (cols[s.name],)
-    ]
-
-
-def output_sections(layout: Layout) -> tuple[int, list[tuple[int, int, int, int, int]]]:
-    """One buffer for all of a read's rows: its size in bytes and, per site of ``layout``, the
-    offsets of its codes, scales, policy_version, global_scale and valid (each 64-byte aligned)."""
-    at = 0
-    sections = []
-    for _, n, cb, sb in layout:
-        offs = []
-        for nbytes in (n * cb, n * sb, 8 * n, 4 * n, n):
-            offs.append(at)
-            at += -(-nbytes // 64) * 64
-        sections.append((offs[0], offs[1], offs[2], offs[3], offs[4]))
-    return max(at, 1), sections
-
-
-def output_arrays(
-    buf: np.ndarray,
-    layout: Layout,
-    sections: Sequence[tuple[int, int, int, int, int]],
-    tokens: tuple[int, int] | None = None,
-) -> dict[str, OutputArrays]:
-    """Every site's :class:`OutputArrays` as views of ``buf`` (uint8, laid out by
-    :func:`output_sections`); ``tokens=(t0, t1)``: only the rows of those plan tokens."""
-    out = {}
-    for (site, n, cb, sb), (oc, os_, op, og, ov) in zip(layout, sections, strict=True):
-        r0, r1 = (0, n) if tokens is None else (tokens[0] * site.rows_per_token, tokens[1] * site.rows_per_token)
-        k = r1 - r0
-        out[site.name] = OutputArrays(
-            buf[oc + r0 * cb : oc + r1 * cb].reshape(k, cb),
-            buf[os_ + r0 * sb : os_ + r1 * sb].reshape(k, sb),
-            buf[op + 8 * r0 : op + 8 * r1].view(np.int64),
-            buf[og + 4 * r0 : og + 4 * r1].view(np.float32),
-            buf[ov + r0 : ov + r1].view(np.bool_),
-        )
-    return out
 
 
 @dataclasses.dataclass
@@ -448,29 +232,6 @@ def _copy_held(dst: np.ndarray, src: np.ndarray) -> None:
         dst.data.cast("B")[:] = src.data.cast("B")
     else:
         dst[...] = src
-
-
-def _column_range(site: SiteSpec, columns: object) -> ColumnRange:
-    if columns is None:
-        return (0, site.width)
-    if isinstance(columns, Mapping):
-        return _column_range(site, columns.get(site.name))
-    try:
-        pair: tuple[Any, ...] = tuple(columns)  # type: ignore[call-overload,arg-type]
-        if len(pair) != 2:
-            raise ValueError("not a pair")
-        a, b = int(pair[0]), int(pair[1])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"columns must be (start, end) in values or a {{site: (start, end)}} dict, got {columns!r}"
-        ) from exc
-    block = site.fmt.block
-    if not 0 <= a < b <= site.width or a % block or b % block or (a * site.bits) % 8 or (b * site.bits) % 8:
-        raise ConfigError(
-            f"site {site.name}: column range [{a}, {b}) must lie in [0, {site.width}] and be aligned to the "
-            f"{site.format} block {block} (and to whole code bytes at b={site.bits})"
-        )
-    return (a, b)
 
 
 def _open_ranged(storage: Storage, path: str) -> tuple[Any, bool]:
@@ -641,7 +402,7 @@ class StoreReader:
         if stale not in ("drop", "flag"):
             raise ConfigError(f"stale must be 'drop' or 'flag', got {stale!r}")
         site_specs = self._sites(sites)
-        col = {s.name: _column_range(s, columns) for s in site_specs}
+        col = {s.name: column_range(s, columns) for s in site_specs}
 
         all_versions = self.versions()
         if versions is None:
@@ -673,7 +434,7 @@ class StoreReader:
         """What a read of a plan of ``n_tokens`` tokens returns: ``(site, n_rows, code_bytes,
         scale_bytes)`` per site, in the order :meth:`read` takes them (for ``out=``)."""
         site_specs = self._sites(sites)
-        return _layout(site_specs, {s.name: _column_range(s, columns) for s in site_specs}, n_tokens)
+        return read_layout(site_specs, {s.name: column_range(s, columns) for s in site_specs}, n_tokens)
 
     def _sites(self, sites: Iterable[str] | None) -> list[SiteSpec]:
         if sites is None:
@@ -748,11 +509,11 @@ class StoreReader:
         # The per-row arrays (policy version, global scale, valid) come from the same allocation:
         # fresh numpy arrays of them cost 3 ms per 192 MiB read in the reading thread (page
         # faults), before any shard is fetched.
-        layout = _layout(site_specs, col, plan.n_tokens)
+        layout = read_layout(site_specs, col, plan.n_tokens)
         if out is None:
             size, sections = output_sections(layout)
             out = output_arrays(_pool_bytes(size), layout, sections)
-        outs = {s.name: _SiteOut(s, col[s.name], *_checked_out(s, n, cb, sb, out), hold_gil)
+        outs = {s.name: _SiteOut(s, col[s.name], *checked_out(s, n, cb, sb, out), hold_gil)
                 for s, n, cb, sb in layout}  # fmt: skip
         # 3. fetch the chunks; each verified batch is placed by the thread that decoded it, while
         # the next batch decodes (rows of different tasks never overlap: see the planning above)
