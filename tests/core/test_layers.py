@@ -244,3 +244,23 @@ def test_v1_holds_generated_code_only():
     body = ast.parse((v1 / "__init__.py").read_text(encoding="utf-8")).body
     code = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     assert not code, "tracestore/v1/__init__.py holds a docstring only"
+
+
+def test_the_architecture_map_names_files_that_exist():
+    """docs/architecture.md's table: a path names its folder, a bare file name is in the last folder."""
+    missing = []
+    for line in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").splitlines():
+        if not line.startswith("| ") or line.startswith("| room"):
+            continue
+        folder = ROOT
+        for token in re.findall(r"`([^`]+)`", line.split("|")[2]):
+            if "/" in token:
+                path = ROOT / token.rstrip(":")
+                folder = path if token.endswith("/") or token.endswith("/:") else path.parent
+            elif token.endswith(".py"):
+                path = folder / token
+            else:
+                continue
+            if not path.exists():
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
