@@ -121,8 +121,8 @@ class Flusher:
         self._wake.wake()
 
     def stop(self, timeout: float) -> bool:
-        """End the thread, waiting at most ``timeout`` s for a commit in progress; False if it is
-        still running then. The engine stops planning rounds first."""
+        """End the thread after its current round, waiting at most ``timeout`` s for a commit in
+        progress; False if it is still running then."""
         self._stopped = True
         self._wake.wake()
         if self._thread is None:
@@ -170,7 +170,7 @@ class Flusher:
 
     def _round(self) -> bool | None:
         """One round: True (progress or nothing due), False (back off), None (stop)."""
-        r = self._source.next_round()
+        r = None if self._stopped else self._source.next_round()
         if r is None:
             return None
         if not r.batches:

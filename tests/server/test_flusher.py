@@ -1,0 +1,86 @@
+"""The flusher on its own: a source that is not the engine (the FlushSource protocol is all it needs)
+and a store that refuses the first writes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tracestore.server.flusher import Batch, Flusher, Round
+from tracestore.server.message import Message
+from tracestore.server.metrics import Metrics
+from tracestore.server.testing import SPEC, make_chunk
+
+
+class OneBatch:
+    """Gives one batch until it is committed, then idle rounds."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.committed_batches: list[Batch] = []
+        self.rounds_finished = 0
+        self.lock = threading.Lock()
+
+    def next_round(self) -> Round | None:
+        with self.lock:
+            if self.committed_batches:
+                return Round(wait_s=0.01)
+            return Round([self.batch])
+
+    def wait_planned(self, ticket: int, timeout: float) -> bool:
+        raise AssertionError("a round without a plan ticket waits for no WAL entry")
+
+    def committed(self, batch: Batch) -> None:
+        with self.lock:
+            self.committed_batches.append(batch)
+
+    def round_finished(self) -> None:
+        with self.lock:
+            self.rounds_finished += 1
+
+
+class RefusingStore:
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls: list[tuple[str, int, str, int]] = []
+
+    def write_shard(self, run: str, version: int, writer: str, shard: int, chunks: object, **kw: object) -> None:
+        self.calls.append((run, version, writer, shard))
+        if len(self.calls) <= self.refusals:
+            raise OSError("storage is down")
+
+
+def _until(what: str, fn: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not fn():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_a_refused_shard_is_retried_until_committed_once_and_health_follows() -> None:
+    chunks = [make_chunk("t0", 0, 4, version=3), make_chunk("t1", 0, 4, version=5)]
+    msg = Message(SPEC.run, "w0", 1, 1, chunks, [], [], nbytes=100, crcs=[c.checksum for c in chunks])
+    source = OneBatch(Batch(SPEC.run, "w0", 42, [msg]))
+    store = RefusingStore(refusals=3)
+    metrics = Metrics()
+    flusher = Flusher(source, store, metrics)
+    assert flusher.health(0.0) == []
+    flusher.start()
+    try:
+        # refused for 0.05 + 0.1 + 0.2 s of backoff
+        _until("storage reported refusing", lambda: "storage_refusing" in flusher.health(0.0))
+        _until("the commit", lambda: source.committed_batches)
+        # each policy version is its own shard write; the refused ones were written again
+        assert store.calls[-2:] == [(SPEC.run, 3, "w0", 42), (SPEC.run, 5, "w0", 42)]
+        assert store.calls[:3] == [(SPEC.run, 3, "w0", 42)] * 3
+        assert len(store.calls) == 5
+        assert source.committed_batches == [source.batch]
+        # every round that named shards ends, failed or not
+        _until("the last round to end", lambda: source.rounds_finished == 4)
+        assert flusher.health(0.0) == []
+        assert flusher.is_alive()
+    finally:
+        assert flusher.stop(5.0)
+    assert not flusher.is_alive()
+    assert flusher.health(0.0) == []  # stopped, not dead
+    assert source.committed_batches == [source.batch]
