@@ -601,10 +601,10 @@ class _Fill:
     """Messages being filled with chunks, in order, cut before a chunk that would take one past
     ``batch_bytes`` (a chunk is never split). The one place a chunk is made."""
 
-    __slots__ = ("b", "shm_pool", "born", "done", "req", "payload", "pieces", "trajs", "size", "n", "chunks")
-
     def __init__(self, builder: ChunkBuilder, shm_pool: str | None, born: float = float("inf")) -> None:
         self.b = builder
+        self.run = builder.run
+        self.limit = builder.batch_bytes
         self.shm_pool = shm_pool  # None: inline only
         self.born = born
         self.done: list[Outgoing] = []
@@ -612,7 +612,7 @@ class _Fill:
         self._open()
 
     def _open(self) -> None:
-        req = pb.WriteRequest(run=self.b.run, writer=self.b.writer)
+        req = pb.WriteRequest(run=self.run, writer=self.b.writer)
         if self.shm_pool is not None:
             req.shm_pool = self.shm_pool
             req.keeps_staging = True  # regions are kept until released_sequence covers them
@@ -640,11 +640,11 @@ class _Fill:
         """One chunk of ``n_tokens`` at ``token_start``, its payloads given as buffers that together
         form each field; ``pieces``: the staged pieces it is made of (the message holds them);
         ``shm``: send it as that piece's offsets into the shared pool instead of inline."""
-        if self.size and self.size + nbytes > self.b.batch_bytes:
+        if self.size and self.size + nbytes > self.limit:
             self._cut(())
         cb, sb = site.code_bytes, site.scale_bytes
         crc = chunk_checksum_parts(
-            self.b.run, version, trajectory, site.name, token_start, n_tokens, n_tokens * site.rows_per_token,
+            self.run, version, trajectory, site.name, token_start, n_tokens, n_tokens * site.rows_per_token,
             cb, sb, codes, scales, g, ts,
         )  # fmt: skip
         head = pb.Chunk(
