@@ -550,6 +550,7 @@ class ChunkBuilder:
                         runs.append(r)
                 base += n
         fill = _Fill(self, None, win[0].queued)
+        add = fill.add
         if runs:
             los = np.fromiter((lo for r in runs for _, lo, _ in r[4]), np.int64)
             lens = np.fromiter((n for r in runs for _, _, n in r[4]), np.int64)
@@ -584,7 +585,7 @@ class ChunkBuilder:
                             pieces.append((start + sum(p[1] for p in pieces), n, gb[fi]))
                 for a, n, g in pieces:
                     tb = [ts[pos * tt : (pos + n) * tt]] if ts is not None else None
-                    fill.add(
+                    add(
                         v, t, site, a, n, _F32.unpack(g)[0], [codes[pos * tc : (pos + n) * tc]],
                         [scales[pos * tsb : (pos + n) * tsb]], tb, n * per_token,
                     )  # fmt: skip
@@ -659,7 +660,7 @@ class _Fill:
             c.shm.token_scales_offset = max(shm.ts_off, 0)
         else:  # payload straight from staging (or the gathered rows) into the wire bytes, at send time
             self.payload += inline_chunk_parts(head.SerializeToString(), codes, scales, ts)
-        if pieces:
+        if pieces is not None:
             self.pieces += pieces
         self.trajs.add(trajectory)
         self.size += nbytes
