@@ -21,7 +21,7 @@ from tracestore.wire import (
     seal_from_pb,
 )
 
-from .engine import Message, pack_wal_data, unpack_wal_data
+from .message import Message, pack_wal_data, unpack_wal_data
 from .shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/shm.py
 from .wal import Buffer, Checked, Part
 

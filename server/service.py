@@ -49,8 +49,9 @@ from .auth import (
     require_write,
 )
 from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
-from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker, pack_wal_data
+from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker
 from .ingest import parse_seal, parse_write, scan_write, seal_message, wal_parser
+from .message import pack_wal_data
 from .metrics import Metrics, storage_op, unguided_reason
 from .reflection import enable_server_reflection
 from .shm import ShmPools
