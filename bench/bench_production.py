@@ -6,7 +6,8 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
 
 1. ``host``: engine-thread time per decode step (256 sequences x 20 sites of width 2048, NVFP4
    b = 1) of ``RolloutRecorder.record_slab`` (one slab), of ``SlabStage.commit`` (the graph form's
-   bookkeeping) and, as the baseline, of ``record_forward`` with the same rows as 20 ``SiteOutput``
+   bookkeeping), each with its copies through the CUDA driver (the default, client/_cuda.py) and
+   through torch, and, as the baseline, of ``record_forward`` with the same rows as 20 ``SiteOutput``
    slab slices; a real sidecar over the unix socket drains the recorder meanwhile (its sender
    thread shares the GIL), each call timed with ``perf_counter`` after the step's kernels; between
    calls the engine thread sleeps ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
@@ -78,10 +79,22 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
     }
     flags = ["--flush-interval", "0.2"]
     with tempfile.TemporaryDirectory() as tmp, ServeProcess(tmp, wal=False, unix_socket=True, flags=flags) as sp:
-        for v, label in enumerate(("record_forward (baseline, 20 SiteOutputs)", "record_slab", "SlabStage.commit")):
+        from tracestore.client import _cuda
+
+        variants = (
+            "record_forward (baseline, 20 SiteOutputs)",
+            "record_slab, torch copies",
+            "record_slab",
+            "record_slab, no sender thread (the call alone)",
+            "SlabStage.commit, torch copies",
+            "SlabStage.commit",
+        )
+        for v, label in enumerate(variants):
             # each variant its own writer and trajectories (a trajectory belongs to the writer that wrote it)
             # 1 GiB of staging: the sidecar's ingest (~16 ms CPU per 256 x 20 step) need not keep up
-            rec = RolloutRecorder(sp.unix_address, spec, writer=f"bench-{v}", staging_bytes=1 << 30)
+            _cuda._DRIVER[:] = [None] if "torch copies" in label else []  # the copy path (default: the driver's)
+            alone = "no sender" in label  # nothing drains it: what the call costs without a thread beside it
+            rec = RolloutRecorder(sp.unix_address, spec, writer=f"bench-{v}", staging_bytes=1 << 30, connect=not alone)
             trajs = [f"v{v}-t{i}" for i in range(batch)]
             stage = rec.slab_stage(slab) if label.startswith("SlabStage") else None
             times: list[float] = []
@@ -102,7 +115,7 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
                     ok = rec.record_forward(segs, outputs)
                 times.append((time.perf_counter() - t0) * 1e3)
                 refused += not ok
-            flushed = rec.flush(timeout=120)
+            flushed = rec.flush(timeout=120) if not alone else None
             rec.close()
             t = times[args.host_steps // 10 :]  # first steps: pinning, CUDA stream set-up
             r = {
@@ -114,6 +127,7 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
                 "steps": len(t),
                 "refused_steps": refused,
                 "flushed": flushed,
+                "driver_copies": rec.stats["driver_copies"],
             }
             print(
                 f"  {label:44s} median {r['median_ms']:.4f} ms  p90 {r['p90_ms']:.4f}  p99 {r['p99_ms']:.4f}"

@@ -44,6 +44,7 @@ import numpy as np
 from tracestore.errors import ConfigError, DTypeError, ShapeError, TraceStoreError, ValidationError
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 
+from ._cuda import DriverEvent
 from .chunks import (
     ChunkBuilder,
     Finish,
@@ -188,6 +189,7 @@ class RolloutRecorder:
             refused_forwards=0,
             rejected_messages=0,
             stale_pools_removed=self.pool.stale_removed,  # left in shm_dir by recorders that died
+            driver_copies=0,  # slab forwards copied through the CUDA driver (client/_cuda.py), not torch
         )
         self._unguided = Unguided(self.stats)
         self._unguided_ids = self._unguided.ids  # read on the engine thread, without a lock
@@ -233,6 +235,13 @@ class RolloutRecorder:
         self._attempts: dict[str, int] = {}
         self._cuda: Any = None
         self._side_stream: Any = None
+        # The slab copy through the CUDA driver (client/_cuda.py): resolved on the first CUDA slab,
+        # False where it cannot be used (then torch's calls, which release the GIL between them).
+        self._drv: Any = None
+        self._raw_stream: Any = None  # torch's current raw CUstream of a device index
+        self._side_handle = 0
+        self._staging_base = 0
+        self._one_gpu = False
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         if connect:
             self._session.start()
@@ -421,22 +430,10 @@ class RolloutRecorder:
         srcs = [s.data for s in slabs] if sources is None else sources
         ev = None
         if _is_cuda(srcs[0]):
-            import torch
-
-            side = self._side()
-            cur = torch.cuda.current_stream()
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                for (plan, rel, rows), src in zip(staged, srcs, strict=True):
-                    n = rows * plan.row_bytes
-                    self._cuda[off + rel : off + rel + n].copy_(src.reshape(-1)[:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(side)
-            if sources is None:
-                for src in srcs:
-                    src.record_stream(side)
-            if order:
-                cur.wait_event(ev)
+            drv = self._driver() if self._drv is not False else None
+            ev = None if drv is None else self._copy_driver(drv, staged, srcs, off, order)
+            if ev is None:
+                ev = self._copy_torch(staged, srcs, off, order, sources is None)
         else:
             view = self.pool.view
             for (plan, rel, rows), src in zip(staged, srcs, strict=True):
@@ -448,6 +445,86 @@ class RolloutRecorder:
         self._queue.append(fwd)  # atomic
         self._outbox.in_bytes += nbytes
         return True, ev
+
+    def _copy_torch(
+        self, staged: list[tuple[SlabPlan, int, int]], srcs: list[Any], off: int, order: bool, keep: bool
+    ) -> Any:
+        """The slab copy through torch (where the driver path cannot be used)."""
+        import torch
+
+        side = self._side()
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
+                n = rows * plan.row_bytes
+                self._cuda[off + rel : off + rel + n].copy_(src.reshape(-1)[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        if keep:
+            for src in srcs:
+                src.record_stream(side)
+        if order:
+            cur.wait_event(ev)
+        return ev
+
+    def _driver(self) -> Any:
+        """The CUDA driver binding for slab copies (client/_cuda.py), or None (then torch's path)."""
+        if self._drv is None:
+            import torch
+
+            from . import _cuda
+
+            self._side()
+            self._drv = _cuda.driver() or False
+            self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if self._raw_stream is None:
+                self._drv = False
+            self._side_handle = int(self._side_stream.cuda_stream)
+            self._staging_base = int(self._cuda.data_ptr())
+            self._one_gpu = torch.cuda.device_count() == 1
+        return self._drv or None
+
+    def _copy_driver(
+        self, drv: Any, staged: list[tuple[SlabPlan, int, int]], srcs: list[Any], off: int, order: bool
+    ) -> Any:
+        """The slab copy as five driver calls that keep the GIL (client/_cuda.py says why): the
+        side stream waits for the engine's current stream, one copy per slab into pinned staging,
+        an event after them, and (``order``) the current stream waits for that event. None when
+        this call cannot take the path (a source not contiguous, a slab on another device than
+        the current one): the caller uses torch's."""
+        dev = srcs[0].device.index
+        if not self._one_gpu:
+            import torch
+
+            if dev != torch.cuda.current_device():
+                return None
+        for src in srcs:
+            if not src.is_contiguous():
+                return None
+        cur = self._raw_stream(dev)
+        side = self._side_handle
+        try:
+            ready = drv.event()
+            drv.record(ready, cur)
+            drv.wait(side, ready)
+            drv.give_back(ready)
+            base = self._staging_base + off
+            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
+                drv.copy_to_host(base + rel, src.data_ptr(), rows * plan.row_bytes, side)
+            ev = drv.event()
+            drv.record(ev, side)
+        except Exception as exc:  # noqa: BLE001 - e.g. no current context on this thread: torch's path from now on
+            log.warning("recorder %s: slab copies through the CUDA driver failed (%s); using torch's", self.writer, exc)
+            self._drv = False
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # what was queued before the failure lands first
+            return None
+        if order:
+            drv.wait(cur, ev)
+        self.stats["driver_copies"] += 1
+        return ev
 
     def _admit(self, segs: list[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
         """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
@@ -708,6 +785,7 @@ class SlabStage:
         self._events: list[Any] = [None] * slots
         self._stage = stage_rows
         self._cuda = dev.type == "cuda"
+        self._slot_events: list[Any] | None = None  # per-slot driver events (the driver path)
 
     def capture(self) -> None:
         """Stage the slabs' rows into the selected ring slot (inside the captured region)."""
@@ -717,12 +795,27 @@ class SlabStage:
     def commit(self, segments: Sequence[tuple[str, int, int]], policy_version: int | None = None) -> bool:
         """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
         k = self.k
-        ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
+        rec = self.recorder
+        ok, ev = rec._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
+        if isinstance(ev, DriverEvent):  # the driver path (client/_cuda.py); ``ev`` is the sender's
+            drv = ev.driver
+            if self._slot_events is None:
+                self._slot_events = [drv.event() for _ in range(self.slots)]  # kept, never pooled
+            drv.record(self._slot_events[k], rec._side_handle)
+            self._events[k] = self._slot_events[k]
+            self.k = k = (k + 1) % self.slots
+            cur = rec._raw_stream(self.slot.device.index)
+            drv.fill32(self.slot.data_ptr(), k, 1, cur)
+            if self._events[k] is not None:
+                drv.wait(cur, self._events[k])
+            return ok
         self._events[k] = ev
         self.k = k = (k + 1) % self.slots
         self.slot.fill_(k)
         nxt = self._events[k]
-        if nxt is not None and self._cuda:
+        if isinstance(nxt, DriverEvent):  # the driver path failed since that slot's copy: wait here
+            nxt.wait_host()
+        elif nxt is not None and self._cuda:
             import torch
 
             torch.cuda.current_stream().wait_event(nxt)

@@ -72,10 +72,12 @@ def test_line_gpu_train_step_under_torch_compile(tmp_path) -> None:  # noqa: ANN
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
 
 
-def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("copy", ["driver", "torch"])
+def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, copy: str, monkeypatch) -> None:  # noqa: ANN001
     """A decode loop replays one captured graph (record kernels on 20 sites + stage.capture());
     the engine thread commits after each replay without synchronizing; storage returns each step's
-    slab rows bit for bit."""
+    slab rows bit for bit. Both copy paths: the CUDA driver's (the default) and torch's."""
+    _copy_path(copy, monkeypatch)
     n_seq, steps = 64, 5
     spec = RunSpec("graph", tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256) for i in range(20)))
     slab = RecordSlab.allocate(spec.sites, n_seq, "cuda")
@@ -116,7 +118,14 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path) -> 
         assert rec.flush(timeout=60), sp.log_tail()
         rec.close()
         assert sp.terminate() == 0
-    with GuidanceReader(sp.storage, "graph", prefetch=False) as reader:
+    _check_steps(sp.storage, "graph", slab, want, trajs)
+    assert rec.stats["driver_copies"] == (steps if copy == "driver" else 0), rec.stats
+
+
+def _check_steps(storage: str, run: str, slab: RecordSlab, want: list, trajs: list[str]) -> None:
+    """Storage holds, for step k of every trajectory, the slab rows ``want[k]`` bit for bit."""
+    steps, n_seq = len(want), len(trajs)
+    with GuidanceReader(storage, run, prefetch=False) as reader:
         got = reader.read(MicrobatchPlan([(t, 0, steps) for t in trajs]))
     for f in slab.layout:
         rg = got[f.name]
@@ -129,3 +138,53 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path) -> 
             gs = torch.as_tensor(rg.global_scale, dtype=torch.float32).expand(n_seq * steps)[rows]
             ts = torch.as_tensor(rg.token_scales)[rows] if rg.token_scales is not None else 1.0
             assert torch.equal(gs * ts, gw), (f.name, k)
+
+
+def _copy_path(copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Select the recorder's slab copy path: the CUDA driver's (default) or torch's."""
+    from tracestore.client import _cuda
+
+    if copy == "torch":
+        monkeypatch.setattr(_cuda, "_DRIVER", [None])
+    else:
+        assert _cuda.driver() is not None, "libcuda.so.1 cannot be bound on this GPU machine"
+
+
+@pytest.mark.parametrize("copy", ["driver", "torch"])
+def test_record_slab_orders_the_next_forward_after_its_late_copy(tmp_path, copy: str, monkeypatch) -> None:  # noqa: ANN001
+    """The recorder's side stream is held back, so forward 1's staging copy runs late, and the
+    engine rewrites the slab at once on its stream. record_slab must order the rewrite after its
+    copy (a device-side wait), else forward 1's records would hold the rewritten bytes."""
+    _copy_path(copy, monkeypatch)
+    n_seq = 32
+    spec = RunSpec("late", tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256) for i in range(3)))
+    slab = RecordSlab.allocate(spec.sites, n_seq, "cuda")
+    g = torch.full((n_seq,), 0.01, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hz = torch.cuda.get_device_properties(0).clock_rate * 1000  # kHz -> cycles per second
+    trajs = [f"t{i}" for i in range(n_seq)]
+
+    def forward() -> None:
+        x = torch.randn(n_seq, 256, device="cuda", generator=gen)
+        for s in spec.sites:
+            record_from_activations(x, s, slab[s.name], global_scale=g)
+
+    with ServeProcess(tmp_path, wal=False, unix_socket=True, flags=["--flush-interval", "0.1"]) as sp:
+        rec = RolloutRecorder(sp.unix_address, spec, writer="late-0")
+        want = []
+        for k in range(2):
+            forward()
+            want.append(slab.data[:n_seq].clone())
+            if k:  # the side stream exists after the first forward; hold its next copy back
+                with torch.cuda.stream(rec._side_stream):  # noqa: SLF001 - the test delays the recorder's stream
+                    torch.cuda._sleep(int(hz * 0.3))
+            assert rec.record_slab([(t, k, k + 1) for t in trajs], slab)
+            if k:
+                slab.data.fill_(0xEE)  # the next forward's kernels rewrite the slab right away
+        for t in trajs:
+            rec.finish(t, 3)
+        assert rec.flush(timeout=60), sp.log_tail()
+        rec.close()
+        assert sp.terminate() == 0
+    _check_steps(sp.storage, "late", slab, want, trajs)
+    assert rec.stats["driver_copies"] == (2 if copy == "driver" else 0), rec.stats
