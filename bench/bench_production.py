@@ -7,10 +7,13 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
 1. ``host``: engine-thread time per decode step (256 sequences x 20 sites of width 2048, NVFP4
    b = 1) of ``RolloutRecorder.record_slab`` (one slab), of ``SlabStage.commit`` (the graph form's
    bookkeeping), each with its copies through the CUDA driver (the default, client/_cuda.py) and
-   through torch, and, as the baseline, of ``record_forward`` with the same rows as 20 ``SiteOutput``
-   slab slices; a real sidecar over the unix socket drains the recorder meanwhile (its sender
-   thread shares the GIL), each call timed with ``perf_counter`` after the step's kernels; between
-   calls the engine thread sleeps ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
+   through torch, with the segments as a list of tuples or as ``Segments`` (column form, built
+   inside the timed call from the engine's positions array), with and without the sender thread
+   beside it (``connect=False``: nothing drains the recorder), and, as the baseline, of
+   ``record_forward`` with the same rows as 20 ``SiteOutput`` slab slices; a real sidecar over
+   the unix socket drains the recorder meanwhile (its sender thread shares the GIL), each call
+   timed with ``perf_counter`` after the step's kernels; between calls the engine thread sleeps
+   ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
 2. ``decode``: a decode loop replaying one CUDA graph per step (the 40-layer MoE step of
    bench_kernels, and a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads), without
    records, with the 20 record kernels only, and with record kernels + ``SlabStage.capture()`` in
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tracestore.kernels as K  # noqa: E402
-from tracestore.client import GuidedFP4Hooks, RolloutRecorder, SiteOutput  # noqa: E402
+from tracestore.client import GuidedFP4Hooks, RolloutRecorder, Segments, SiteOutput  # noqa: E402
 
 from bench.common import append_results, print_table  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
@@ -86,8 +89,11 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
             "record_slab, torch copies",
             "record_slab",
             "record_slab, no sender thread (the call alone)",
+            "record_slab, Segments (column form)",
+            "record_slab, Segments, no sender thread",
             "SlabStage.commit, torch copies",
             "SlabStage.commit",
+            "SlabStage.commit, Segments (column form)",
         )
         for v, label in enumerate(variants):
             # each variant its own writer and trajectories (a trajectory belongs to the writer that wrote it)
@@ -96,6 +102,8 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
             alone = "no sender" in label  # nothing drains it: what the call costs without a thread beside it
             rec = RolloutRecorder(sp.unix_address, spec, writer=f"bench-{v}", staging_bytes=1 << 30, connect=not alone)
             trajs = [f"v{v}-t{i}" for i in range(batch)]
+            columns = "Segments" in label  # built inside the timed call from the engine's positions array
+            ids = tuple(trajs)
             stage = rec.slab_stage(slab) if label.startswith("SlabStage") else None
             times: list[float] = []
             refused = 0
@@ -105,8 +113,11 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
                 if stage is not None:
                     stage.capture()
                 torch.cuda.current_stream().synchronize()  # the engine thread comes back after its step
-                segs = [(t, step, step + 1) for t in trajs]
+                segs: Any = [(t, step, step + 1) for t in trajs]
+                positions = np.full(batch, step, np.int64)
                 t0 = time.perf_counter()
+                if columns:
+                    segs = Segments.decode(ids, positions)
                 if stage is not None:
                     ok = stage.commit(segs)
                 elif label.startswith("record_slab"):

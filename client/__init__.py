@@ -17,6 +17,7 @@ _LAZY = {
     "RolloutRecorder": "tracestore.client.recorder",
     "SiteOutput": "tracestore.client.recorder",
     "SlabStage": "tracestore.client.recorder",
+    "Segments": "tracestore.client.recorder",
     "GuidedFP4Hooks": "tracestore.client.train_hooks",
     "GuidanceReader": "tracestore.client.reader",
     "StagingPool": "tracestore.client.staging",

@@ -17,7 +17,7 @@ import operator
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,7 +78,7 @@ class Forward:
     """One forward as record_forward queued it (one staging region for all its sites); the sender
     thread splits it into pieces, keeping per-segment Python work off the engine thread."""
 
-    segs: list[tuple[str, int, int]]
+    segs: Collection[tuple[str, int, int]]  # a list, or a client.recorder.Segments (column form)
     version: int
     sites: list[tuple[str, Any, int, int, int, int, int]]  # name, site, offset, nc, ns, nt, g_off
     region: Region

@@ -36,7 +36,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,49 @@ class SiteOutput:
     scales: Any
     global_scale: Any = 1.0
     token_scales: Any = None
+
+
+class Segments:
+    """A forward's rows in column form, the cheap way to hand them to :meth:`RolloutRecorder.record_slab`
+    every decode step: ``trajectories`` (a tuple: keep the same object while the batch is unchanged
+    and its ids are checked once, not every step), ``starts`` and ``ends`` (integer arrays, token
+    ``[start, end)`` per trajectory, in the slab's row order). The list form
+    ``[(trajectory, start, end), ...]`` costs a Python pass over every segment on the engine
+    thread (measured in bench/bench_production.py); this one costs a few numpy reductions.
+
+    ``Segments.decode(trajectories, positions)``: one token per trajectory, ``[p, p + 1)``.
+    Iterating yields the ``(trajectory, start, end)`` tuples (the sender thread does that)."""
+
+    __slots__ = ("ends", "starts", "trajectories")
+
+    def __init__(self, trajectories: Sequence[str], starts: Any, ends: Any) -> None:
+        self.trajectories = trajectories if isinstance(trajectories, tuple) else tuple(trajectories)
+        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        self.ends = np.asarray(ends, dtype=np.int64).reshape(-1)
+        n = len(self.trajectories)
+        if self.starts.shape[0] != n or self.ends.shape[0] != n:
+            raise ShapeError(
+                f"Segments: {n} trajectories, {self.starts.shape[0]} starts and {self.ends.shape[0]} ends; expected "
+                "one start and one end per trajectory"
+            )
+
+    @classmethod
+    def decode(cls, trajectories: Sequence[str], positions: Any) -> Segments:
+        """One decode step: trajectory ``i`` records its token at ``positions[i]``."""
+        starts = np.asarray(positions, dtype=np.int64).reshape(-1)
+        return cls(trajectories, starts, starts + 1)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
+        return zip(self.trajectories, self.starts.tolist(), self.ends.tolist(), strict=True)
+
+    def __contains__(self, segment: object) -> bool:
+        return any(segment == s for s in self)
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self)} trajectories, {int((self.ends - self.starts).sum())} tokens)"
 
 
 class RolloutRecorder:
@@ -178,6 +221,7 @@ class RolloutRecorder:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._valid_ids: set[str] = set()
+        self._checked_trajs: tuple[str, ...] | None = None  # the Segments.trajectories checked last
         self.stats: dict[str, int] = dict(
             chunks=0,
             bytes=0,
@@ -242,6 +286,10 @@ class RolloutRecorder:
         self._side_handle = 0
         self._staging_base = 0
         self._one_gpu = False
+        self._staged_size: dict[tuple[int, int], int] = {}
+        # the slab copy's sources by identity: (tensor, device index, contiguous, address); a static
+        # slab or ring slot keeps its storage (an engine that re-points one with set_() must not)
+        self._src_facts: dict[int, tuple[Any, int, bool, int]] = {}  # staged bytes per (slab plan, rows)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         if connect:
             self._session.start()
@@ -260,13 +308,14 @@ class RolloutRecorder:
 
     def record_forward(
         self,
-        segments: Sequence[tuple[str, int, int]],
+        segments: Sequence[tuple[str, int, int]] | Segments,
         outputs: dict[str, SiteOutput],
         policy_version: int | None = None,
     ) -> bool:
         """Queue one forward's records. ``segments`` are the forward's rows in order,
         ``(trajectory, token_start, token_end)``; each site's tensors hold those rows
-        (x ``rows_per_token``). Returns False when the forward was refused (staging full or
+        (x ``rows_per_token``), as a list of tuples or a :class:`Segments` (column form, cheaper
+        per decode step). Returns False when the forward was refused (staging full or
         recorder closed): its trajectories are then unguided. Bad arguments raise.
 
         Cost on the caller's thread does not grow with the sender's work: no lock the sender holds,
@@ -276,7 +325,7 @@ class RolloutRecorder:
         queue append. Splitting into chunks, coalescing and serialization run on the sender thread.
         """
         version = self.policy_version if policy_version is None else int(policy_version)
-        segs = segments if isinstance(segments, list) else list(segments)
+        segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
         plans = []
         total = 0
@@ -319,14 +368,15 @@ class RolloutRecorder:
 
     def record_slab(
         self,
-        segments: Sequence[tuple[str, int, int]],
+        segments: Sequence[tuple[str, int, int]] | Segments,
         slab: Any,
         n_rows: int | Sequence[int] | None = None,
         policy_version: int | None = None,
     ) -> bool:
         """Queue one forward recorded into a :class:`tracestore.kernels.RecordSlab` (or a few, one per
         ``rows_per_token``): its rows ``[0, n_rows)`` for ``segments``, the forward's
-        ``(trajectory, token_start, token_end)`` rows in order. One copy per slab, whatever the
+        ``(trajectory, token_start, token_end)`` rows in order (a list, or :class:`Segments`: the same
+        in column form, the cheap one per decode step). One copy per slab, whatever the
         number of sites: from a GPU a non-blocking copy on the side stream into pinned staging, after
         which the engine's current stream waits for it (the next forward rewrites the slab); the
         per-site layout is made on the sender thread. ``n_rows`` (optional) is the rows the engine
@@ -379,12 +429,13 @@ class RolloutRecorder:
         plan = SlabPlan(tuple(fields), int(slab.row_bytes), int(slab.rows_per_token), per_row)
         if len(self._slab_plans) > 64:
             self._slab_plans.clear()
+            self._staged_size.clear()
         self._slab_plans[id(slab)] = (slab, plan)
         return plan
 
     def _queue_slabs(
         self,
-        segments: Sequence[tuple[str, int, int]],
+        segments: Sequence[tuple[str, int, int]] | Segments,
         slabs: tuple[Any, ...],
         n_rows: int | Sequence[int] | None,
         policy_version: int | None,
@@ -395,7 +446,7 @@ class RolloutRecorder:
         (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
         for the copies (the source is rewritten by the engine's next kernels)."""
         version = self.policy_version if policy_version is None else int(policy_version)
-        segs = segments if isinstance(segments, list) else list(segments)
+        segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
         want = [n_rows] * len(slabs) if n_rows is None or isinstance(n_rows, int) else list(n_rows)
         if len(want) != len(slabs):
@@ -417,7 +468,13 @@ class RolloutRecorder:
                     f"than the {limit} it stages"
                 )
             staged.append((plan, total, rows))
-            total += plan.staged_bytes(rows)
+            key = (id(plan), rows)  # (plans live in _slab_plans; both are cleared together)
+            size = self._staged_size.get(key)
+            if size is None:
+                if len(self._staged_size) > 4096:
+                    self._staged_size.clear()
+                size = self._staged_size[key] = plan.staged_bytes(rows)
+            total += size
             nbytes += rows * plan.code_scale_bytes
         if not self._admit(segs, trajs):
             return False, None
@@ -493,14 +550,23 @@ class RolloutRecorder:
         an event after them, and (``order``) the current stream waits for that event. None when
         this call cannot take the path (a source not contiguous, a slab on another device than
         the current one): the caller uses torch's."""
-        dev = srcs[0].device.index
+        facts = self._src_facts  # per source tensor (static slabs, ring slots): device, contiguous, address
+        ptrs = []
+        dev = 0
+        for src in srcs:
+            f = facts.get(id(src))
+            if f is None or f[0] is not src:
+                if len(facts) > 256:
+                    facts.clear()
+                f = facts[id(src)] = (src, src.device.index, src.is_contiguous(), src.data_ptr())
+            if not f[2]:
+                return None
+            ptrs.append(f[3])
+            dev = f[1]
         if not self._one_gpu:
             import torch
 
             if dev != torch.cuda.current_device():
-                return None
-        for src in srcs:
-            if not src.is_contiguous():
                 return None
         cur = self._raw_stream(dev)
         side = self._side_handle
@@ -510,8 +576,8 @@ class RolloutRecorder:
             drv.wait(side, ready)
             drv.give_back(ready)
             base = self._staging_base + off
-            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
-                drv.copy_to_host(base + rel, src.data_ptr(), rows * plan.row_bytes, side)
+            for (plan, rel, rows), src in zip(staged, ptrs, strict=True):
+                drv.copy_to_host(base + rel, src, rows * plan.row_bytes, side)
             ev = drv.event()
             drv.record(ev, side)
         except Exception as exc:  # noqa: BLE001 - e.g. no current context on this thread: torch's path from now on
@@ -526,7 +592,7 @@ class RolloutRecorder:
         self.stats["driver_copies"] += 1
         return ev
 
-    def _admit(self, segs: list[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
+    def _admit(self, segs: Collection[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
         """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
         forward and one whose trajectories are all unguided record nothing)."""
         session = self._session
@@ -540,15 +606,37 @@ class RolloutRecorder:
         """Lay a slab forward's raw rows out per site (what the sender does first with one)."""
         return self._outbox.unslab(fwd)
 
-    def _check_segments(self, segs: list[tuple[str, int, int]]) -> tuple[tuple[str, ...], int]:
-        """(trajectories, token count) of a forward's segments; raises on a malformed one (checks
-        run in C over the list: no per-segment Python loop once the ids are known)."""
+    def _check_segments(self, segs: Any) -> tuple[tuple[str, ...], int]:
+        """(trajectories, token count) of a forward's segments (a list of tuples or
+        :class:`Segments`); raises on a malformed one (checks run in C or numpy over the list: no
+        per-segment Python loop once the ids are known)."""
+        if isinstance(segs, Segments):
+            trajs = segs.trajectories
+            if trajs is not self._checked_trajs:
+                self._check_ids(trajs)
+                self._checked_trajs = trajs
+            starts, ends = segs.starts, segs.ends
+            if not len(trajs):
+                return (), 0
+            if starts.min() < 0 or (ends <= starts).any():
+                i = int(np.flatnonzero((starts < 0) | (ends <= starts))[0])
+                raise ValidationError(
+                    f"segment of {trajs[i]}: expected 0 <= token_start < token_end, got [{starts[i]}, {ends[i]})"
+                )
+            return trajs, int(ends.sum() - starts.sum())
         if not segs:
             return (), 0
         try:
-            trajs, starts, ends = zip(*segs, strict=True)
+            ids, first, last = zip(*segs, strict=True)
         except (TypeError, ValueError) as exc:
             raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
+        self._check_ids(ids)
+        if min(first) < 0 or min(map(operator.sub, last, first)) <= 0:
+            t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
+            raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
+        return ids, sum(last) - sum(first)
+
+    def _check_ids(self, trajs: tuple[str, ...]) -> None:
         known = self._valid_ids
         if not known.issuperset(trajs):
             for t in trajs:
@@ -557,11 +645,6 @@ class RolloutRecorder:
                     if len(known) > 1 << 20:
                         known.clear()
                     known.add(t)
-        lens = list(map(operator.sub, ends, starts))
-        if min(starts) < 0 or min(lens) <= 0:
-            t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
-            raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
-        return trajs, int(sum(lens))
 
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
@@ -792,7 +875,7 @@ class SlabStage:
         for slab, rows, ring in zip(self.slabs, self.rows, self.rings, strict=True):
             self._stage(slab, rows, ring, self.slot)
 
-    def commit(self, segments: Sequence[tuple[str, int, int]], policy_version: int | None = None) -> bool:
+    def commit(self, segments: Sequence[tuple[str, int, int]] | Segments, policy_version: int | None = None) -> bool:
         """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
         k = self.k
         rec = self.recorder

@@ -14,7 +14,7 @@ import pathlib
 from typing import Any
 
 import torch
-from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder
+from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments
 from tracestore.client.hf_hooks import HFSiteHooks
 from tracestore.kernels import RecordSlab, record_from_activations
 from tracestore.server.testing import ServeProcess
@@ -83,12 +83,15 @@ def rollout(device: str, fmt: str = "nvfp4", g_mode: str = "forward", bits: int 
     return Rollout(model, ids, spec, slab, logits, site_y, slab.data[: B * T].clone())
 
 
-def record_and_read(roll: Rollout, workdir: pathlib.Path, unix: bool = False) -> dict[str, Any]:
-    """record_slab through a sidecar process (acks at commit), drain it, read the plan from storage."""
+def record_and_read(roll: Rollout, workdir: pathlib.Path, unix: bool = False, columns: bool = False) -> dict[str, Any]:
+    """record_slab through a sidecar process (acks at commit), drain it, read the plan from storage.
+    ``columns``: the segments as :class:`Segments` (column form) instead of a list of tuples."""
     with ServeProcess(workdir, wal=False, unix_socket=unix, flags=["--flush-interval", "0.1"]) as sp:
         rec = RolloutRecorder(sp.unix_address if unix else sp.address, roll.spec, writer="line-0")
         try:
-            segs = [(t, 0, T) for t in TRAJS]
+            segs: Any = [(t, 0, T) for t in TRAJS]
+            if columns:
+                segs = Segments(tuple(TRAJS), [0] * len(TRAJS), [T] * len(TRAJS))
             assert rec.record_slab(segs, roll.slab, n_rows=B * T)
             for t in TRAJS:
                 assert rec.finish(t, T + 1)  # as if one more token was sampled: every position recorded

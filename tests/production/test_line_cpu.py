@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("grpc")
 
-from tracestore.client import RolloutRecorder, SiteOutput  # noqa: E402
+from tracestore.client import RolloutRecorder, Segments, SiteOutput  # noqa: E402
 from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
 
 from tests.production import line  # noqa: E402
@@ -18,12 +18,17 @@ from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("fmt", "g_mode", "unix"),
-    [("nvfp4", "forward", False), ("nvfp4", "token", True), ("nvfp4", "static", False), ("mxfp4", "forward", True)],
+    ("fmt", "g_mode", "unix", "columns"),
+    [
+        ("nvfp4", "forward", False, False),
+        ("nvfp4", "token", True, False),
+        ("nvfp4", "static", False, True),
+        ("mxfp4", "forward", True, True),
+    ],
 )
-def test_line_cpu_records_bytes_and_trains_on_them(tmp_path, fmt: str, g_mode: str, unix: bool) -> None:  # noqa: ANN001
+def test_line_cpu_records_bytes_and_trains_on_them(tmp_path, fmt: str, g_mode: str, unix: bool, columns: bool) -> None:  # noqa: ANN001
     roll = line.rollout("cpu", fmt, g_mode)
-    got = line.record_and_read(roll, tmp_path, unix=unix)
+    got = line.record_and_read(roll, tmp_path, unix=unix, columns=columns)
     line.check_records(roll, got)
     if g_mode == "token":  # per-row g arrives as token scales under a chunk g of 1.0
         g = got["layers.0.mlp.input"]
@@ -82,6 +87,43 @@ def test_record_slab_refuses_bad_input() -> None:
         with pytest.raises(ConfigError, match="token_scales together"):
             rec.record_forward(segs, {"layers.0.mlp.input": SiteOutput(codes, scales, torch.ones(3), torch.ones(3))})
         assert rec.record_forward(segs, {"layers.0.mlp.input": SiteOutput(codes, scales, torch.rand(3))})
+    finally:
+        rec.close(timeout=0)
+
+
+def test_segments_in_column_form_are_checked_like_the_list() -> None:
+    """Segments (column form): the same staged rows and sender-side segments as the list form; a
+    malformed one is refused with what was expected, and a new trajectories tuple is checked again
+    (the check is cached by the tuple's identity, never by its contents)."""
+    spec = _spec(64, 32)
+    rec = RolloutRecorder("127.0.0.1:1", spec, writer="w", connect=False, staging_bytes=1 << 20)
+    try:
+        slab = RecordSlab.allocate(spec.sites, 8, "cpu")
+        record_from_activations(torch.randn(3, 64), spec.sites[0], slab["layers.0.mlp.input"], global_scale=0.01)
+        record_from_activations(torch.randn(3, 32), spec.sites[1], slab["layers.1.mlp.input"], global_scale=0.02)
+        listed = [("a", 0, 2), ("b", 5, 6)]
+        cols = Segments(("a", "b"), np.array([0, 5]), np.array([2, 6]))
+        assert list(cols) == listed and len(cols) == 2 and ("b", 5, 6) in cols
+        assert list(Segments.decode(("a", "b"), [7, 3])) == [("a", 7, 8), ("b", 3, 4)]
+        assert rec.record_slab(listed, slab, n_rows=3) and rec.record_slab(cols, slab, n_rows=3)
+        one, two = rec._unslab(rec._queue.popleft()), rec._unslab(rec._queue.popleft())
+        assert list(one.segs) == list(two.segs) == listed
+        for a, b in zip(one.sites, two.sites, strict=True):
+            (_, _, o1, nc, ns, nt, g1), (_, _, o2, *_rest, g2) = a, b
+            n = nc + ns + nt
+            assert bytes(rec._np[o1 : o1 + n]) == bytes(rec._np[o2 : o2 + n])
+            assert bytes(rec._np[g1 : g1 + 4]) == bytes(rec._np[g2 : g2 + 4])
+        with pytest.raises(ShapeError, match="2 trajectories, 3 starts and 2 ends"):
+            Segments(("a", "b"), [0, 1, 2], [1, 2])
+        with pytest.raises(ValidationError, match=r"segment of b: expected 0 <= token_start < token_end, got \[4, 4\)"):
+            rec.record_slab(Segments(("a", "b"), [0, 4], [1, 4]), slab)
+        with pytest.raises(ValidationError, match=r"segment of a: .*got \[-1, 1\)"):
+            rec.record_slab(Segments(("a", "b"), [-1, 4], [1, 5]), slab)
+        with pytest.raises(ValidationError, match="trajectory"):
+            rec.record_slab(Segments(("a", "b/../x"), [0, 4], [1, 5]), slab)
+        with pytest.raises(ShapeError, match="wrote 4 rows but the segments hold 3 tokens"):
+            rec.record_slab(cols, slab, n_rows=4)
+        assert not rec._queue  # nothing refused was queued
     finally:
         rec.close(timeout=0)
 
