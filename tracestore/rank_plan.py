@@ -37,8 +37,8 @@ from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec, SiteSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tracestore.client.traceref import TraceRef
     from tracestore.storage.reader import ReadResult, SiteRows, StoreReader
+    from tracestore.traceref import TraceRef
 
 Packing = Literal["packed", "padded"]
 OnMissingRef = Literal["rtn", "error"]
@@ -220,10 +220,10 @@ class RankPlan:
     def read(self, reader: StoreReader, *, check: bool = True, **kw: Any) -> RankRead:
         """Read this rank's rows with ``reader`` (one :class:`~tracestore.storage.reader.StoreReader` per
         rank). ``check``: first check the guided refs against their seals (token count, site set;
-        :func:`tracestore.client.traceref.check_refs`), so a forged or stale handle fails loudly
+        :func:`tracestore.traceref.check_refs`), so a forged or stale handle fails loudly
         instead of misaligning. Rows whose record carries another policy version than its ref are
         refused (ValidationError)."""
-        from tracestore.client.traceref import check_refs
+        from tracestore.traceref import check_refs
 
         guided = [r for r in self.refs if r.guided]
         missing: list[str] = []
@@ -300,7 +300,7 @@ def rank_plan(
     ``n_tokens``, else :class:`~tracestore.errors.ShapeError` names the sample (silent
     misalignment is what this refuses). Refs of another run are refused.
     """
-    from tracestore.client.traceref import TraceRef
+    from tracestore.traceref import TraceRef
 
     coord = coord or RankCoord()
     if on_missing not in ("rtn", "error"):

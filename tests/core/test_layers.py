@@ -41,12 +41,9 @@ CLIENT, SERVER, KERNELS, STORAGE = "tracestore.client", "tracestore.server", "tr
 SERVER_COMMANDS = {"tracestore.server.cli", "tracestore.server.cli_health"}
 # Core modules that read or re-export storage: the package's public CHUNK_SCHEMA/chunks_to_table,
 # and a rank's plan read through a StoreReader (annotations).
-STORAGE_IN_CORE = {"tracestore", "tracestore.rank_plan"}
+STORAGE_IN_CORE = {"tracestore", "tracestore.rank_plan", "tracestore.traceref"}
 # (importer module, imported module) pairs that break a rule today.
 KNOWN = {
-    # RankPlan takes TraceRef handles and checks them against their seals (check_refs); both live in
-    # client/traceref.py, so the record model reaches up into the client.
-    ("tracestore.rank_plan", "tracestore.client.traceref"),
     # The Ray example reads storage directly with the private Store/StoreReader.
     ("examples.ray_pipeline", "tracestore.storage.reader"),
     ("examples.ray_pipeline", "tracestore.storage.store"),

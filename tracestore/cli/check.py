@@ -8,7 +8,7 @@ trajectory's seal for a plan; refs are read across every stored version, newest 
 step mixing versions reads them) and ``via_links`` tokens (served through prefix links, each link
 checked against its source by the reader). Refs are first checked against their seals: run, a seal
 of the stored id in the ref's version, its token count and its site set
-(:func:`tracestore.client.traceref.check_refs`). Unguided refs are listed (their rows train with
+(:func:`tracestore.traceref.check_refs`). Unguided refs are listed (their rows train with
 RTN) and are not misalignment.
 
 Exit status: 0 when everything is aligned, 1 on any misalignment (a ref problem, a missing or
@@ -107,7 +107,7 @@ def source(ns: argparse.Namespace) -> tuple[str | None, str | None]:
 
 
 def _load_refs(path: str) -> list[Any]:
-    from tracestore.client.traceref import read_jsonl
+    from tracestore.traceref import read_jsonl
 
     if path == "-":
         return read_jsonl(sys.stdin)
@@ -136,10 +136,10 @@ def check(
     """The report ``tracestore check`` prints (``report["ok"]``: aligned)."""
     import numpy as np
 
-    from tracestore.client.traceref import check_refs
     from tracestore.plan import MicrobatchPlan
     from tracestore.storage.reader import LinkIndex, StoreReader
     from tracestore.storage.store import Store
+    from tracestore.traceref import check_refs
 
     if (refs is None) == (plan is None):
         raise ValueError("give refs or a plan")
