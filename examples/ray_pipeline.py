@@ -211,8 +211,7 @@ class Trainer:
         self.reader: Any = None  # made at the first step, once the rollouts declared the run
 
     def _reader(self) -> Any:
-        from tracestore.storage.reader import StoreReader
-        from tracestore.storage.store import Store
+        from tracestore import Store, StoreReader
 
         if self.reader is None:
             self.reader = StoreReader(Store(self.storage), RUN)

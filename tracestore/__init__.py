@@ -35,7 +35,8 @@ from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table, table_to_chu
 
 __version__ = "0.1.0"
 
-# name -> module for the torch-backed reference; resolved lazily by __getattr__ (PEP 562).
+# name -> module, resolved lazily by __getattr__ (PEP 562): the torch-backed reference, and the
+# storage entry points (fsspec and the shard code load on first use).
 _LAZY = {
     "Quantized": "tracestore.fp4",
     "quantize": "tracestore.fp4",
@@ -52,6 +53,10 @@ _LAZY = {
     "guided_round": "tracestore.guided",
     "guided_codes": "tracestore.guided",
     "rtn_fake_quant": "tracestore.guided",
+    # storage on an fsspec URL, for a trainer that reads it directly (RankPlan.read takes a
+    # StoreReader) or a tool that writes shards without a sidecar; the package itself is private
+    "Store": "tracestore.storage.store",
+    "StoreReader": "tracestore.storage.reader",
 }
 
 __all__ = [

@@ -1,9 +1,9 @@
 """Storage internals (private): how record chunks become durable Parquet shards on any fsspec URL
 and how a plan's rows come back out of them.
 
-Nothing here is public API; users reach storage through :class:`tracestore.storage.store.Store`
-(re-exported as ``tracestore.Store``), :class:`tracestore.storage.reader.StoreReader`, the sidecar
-and ``tracestore.client.GuidanceReader``. The rooms:
+Nothing here is imported by users by this path: they reach storage through ``tracestore.Store``
+and ``tracestore.StoreReader`` (re-exported lazily from :mod:`.store` and :mod:`.reader`), the
+sidecar and ``tracestore.client.GuidanceReader``. The rooms:
 
 - :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
 - :mod:`.store` — the run/version/writer layout, ``write_shard`` and the listing of manifests;
