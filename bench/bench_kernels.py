@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import tracestore.kernels as K  # noqa: E402
 import tracestore.kernels.guided as KG  # noqa: E402
 import tracestore.kernels.record as KR  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 
 from bench.common import append_results, print_table  # noqa: E402
 from tracestore.formats import MXFP4, NVFP4  # noqa: E402
@@ -55,16 +56,7 @@ def events_ms(fn: Callable[[], Any], reps: int, inner: int) -> list[float]:
 
 def graph_ms(fn: Callable[[], Any], reps: int, inner: int) -> list[float]:
     """Per-call ms of a CUDA graph holding ``inner`` calls of ``fn`` (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
+    g = capture_graph(fn, warmup=2, inner=inner)
     g.replay()
     torch.cuda.synchronize()
     return [t / inner for t in events_ms(g.replay, reps, 1)]

@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tracestore.kernels as K  # noqa: E402
 from tracestore.client import GuidedFP4Hooks, RolloutRecorder, Segments, SiteOutput  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 
 from bench.common import append_results, print_table  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
@@ -209,16 +210,7 @@ class DenseStep:
 
 
 def capture(fn: Any) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+    return capture_graph(fn, warmup=2)
 
 
 def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict]) -> None:

@@ -1,6 +1,9 @@
-"""Helpers for comparing kernel output with the reference bit for bit (used by tests and benches)."""
+"""Helpers for tests and benches: comparing kernel output with the reference bit for bit, and
+capturing a CUDA graph the way capture needs it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,3 +32,19 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     msg = bits_mismatch(a, b)
     if msg is not None:
         raise AssertionError(f"{what}: {msg}" if what else msg)
+
+
+def capture_graph(fn: Callable[[], object], *, warmup: int = 1, inner: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``inner`` calls of ``fn``, captured after ``warmup`` calls on a side stream
+    (kernels compiled and loaded, the allocator's pool warmed: what capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return graph

@@ -10,17 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tracestore.cli import SECTIONS, build_parser, main, resolve
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:  # argparse: --help, usage errors
-        rc = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return rc, out, err
-
+from tests.cli.helpers import run_main as _run
+from tracestore.cli import SECTIONS, build_parser, resolve
 
 BAD = [
     (["check", "file:///x", "--refs", "r.jsonl"], {"TRACESTORE_VERSIONS": "1,x"},

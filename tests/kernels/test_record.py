@@ -13,7 +13,7 @@ from tracestore.kernels import (
     record_from_codes,
     record_kv_pages,
 )
-from tracestore.kernels.testing import assert_bits_equal
+from tracestore.kernels.testing import assert_bits_equal, capture_graph
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
@@ -416,14 +416,7 @@ def test_gpu_record_in_cuda_graph(gen):
         record_from_activations(xa, ms, mslab, row_offset=100)
         record_from_codes(codes_in, swz_in, s, cslab, row_offset=5, scale_layout="swizzled128x4", global_scale=g)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and load every kernel before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)  # (one warm-up call compiles and loads every kernel first)
     for trial in range(2):
         xa.copy_(activations(256, s.width, torch.bfloat16, gen, "cuda"))
         xb.copy_((torch.randn(64, s.width, generator=gen) * (trial + 1)).to(torch.bfloat16).cuda())

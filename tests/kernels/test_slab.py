@@ -13,7 +13,7 @@ from tracestore.kernels import (
     record_kv_pages,
     stage_rows,
 )
-from tracestore.kernels.testing import assert_bits_equal
+from tracestore.kernels.testing import assert_bits_equal, capture_graph
 
 from tracestore.errors import DTypeError, ShapeError
 from tracestore.fp4 import quantize
@@ -165,14 +165,7 @@ def test_gpu_stage_rows_in_a_cuda_graph_follows_the_slot(gen):
         record_from_activations(x, s, slab[s.name], global_scale=g)
         stage_rows(slab, 200, ring, slot)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for k in range(4):
         x.copy_(rows_x(256, s.width, gen, torch.bfloat16).cuda())
         g.copy_(torch.rand(256, generator=gen).cuda() / 30)

@@ -17,6 +17,7 @@ pytest.importorskip("grpc")
 
 from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder  # noqa: E402
 from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tests.production import line  # noqa: E402
@@ -93,14 +94,7 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, cop
                 record_from_activations(x * (1 + i / 8), s, slab[s.name], global_scale=g)
             stage.capture()
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
         want = []
         gen = torch.Generator(device="cuda").manual_seed(0)
         for k in range(steps):
