@@ -16,8 +16,8 @@ from typing import Any
 _LAZY = {
     "RolloutRecorder": "tracestore.client.recorder",
     "SiteOutput": "tracestore.client.recorder",
-    "SlabStage": "tracestore.client.recorder",
-    "Segments": "tracestore.client.recorder",
+    "SlabStage": "tracestore.client.slab",
+    "Segments": "tracestore.client.slab",
     "GuidedFP4Hooks": "tracestore.client.train_hooks",
     "GuidanceReader": "tracestore.client.reader",
     "StagingPool": "tracestore.client.staging",

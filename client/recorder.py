@@ -36,7 +36,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,6 @@ import numpy as np
 from tracestore.errors import ConfigError, DTypeError, ShapeError, TraceStoreError, ValidationError
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 
-from ._cuda import DriverEvent
 from .chunks import (
     ChunkBuilder,
     Finish,
@@ -57,7 +56,9 @@ from .chunks import (
     Unguided,
     bounded_put,
 )
+from .copier import StagingCopier
 from .session import WriterFencedError, WriteSession
+from .slab import Segments, SlabStage
 from .staging import GROUP_ENV, StagingPool
 from .transport import resolve_token
 
@@ -82,49 +83,6 @@ class SiteOutput:
     scales: Any
     global_scale: Any = 1.0
     token_scales: Any = None
-
-
-class Segments:
-    """A forward's rows in column form, the cheap way to hand them to :meth:`RolloutRecorder.record_slab`
-    every decode step: ``trajectories`` (a tuple: keep the same object while the batch is unchanged
-    and its ids are checked once, not every step), ``starts`` and ``ends`` (integer arrays, token
-    ``[start, end)`` per trajectory, in the slab's row order). The list form
-    ``[(trajectory, start, end), ...]`` costs a Python pass over every segment on the engine
-    thread (measured in bench/bench_production.py); this one costs a few numpy reductions.
-
-    ``Segments.decode(trajectories, positions)``: one token per trajectory, ``[p, p + 1)``.
-    Iterating yields the ``(trajectory, start, end)`` tuples (the sender thread does that)."""
-
-    __slots__ = ("ends", "starts", "trajectories")
-
-    def __init__(self, trajectories: Sequence[str], starts: Any, ends: Any) -> None:
-        self.trajectories = trajectories if isinstance(trajectories, tuple) else tuple(trajectories)
-        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        self.ends = np.asarray(ends, dtype=np.int64).reshape(-1)
-        n = len(self.trajectories)
-        if self.starts.shape[0] != n or self.ends.shape[0] != n:
-            raise ShapeError(
-                f"Segments: {n} trajectories, {self.starts.shape[0]} starts and {self.ends.shape[0]} ends; expected "
-                "one start and one end per trajectory"
-            )
-
-    @classmethod
-    def decode(cls, trajectories: Sequence[str], positions: Any) -> Segments:
-        """One decode step: trajectory ``i`` records its token at ``positions[i]``."""
-        starts = np.asarray(positions, dtype=np.int64).reshape(-1)
-        return cls(trajectories, starts, starts + 1)
-
-    def __len__(self) -> int:
-        return len(self.trajectories)
-
-    def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        return zip(self.trajectories, self.starts.tolist(), self.ends.tolist(), strict=True)
-
-    def __contains__(self, segment: object) -> bool:
-        return any(segment == s for s in self)
-
-    def __repr__(self) -> str:
-        return f"Segments({len(self)} trajectories, {int((self.ends - self.starts).sum())} tokens)"
 
 
 class RolloutRecorder:
@@ -277,22 +235,16 @@ class RolloutRecorder:
         self._finished: dict[str, tuple[int, int]] = {}  # trajectory -> (n_tokens, policy version)
         self._sealed_at: dict[str, tuple[int, int, TrajectorySeal]] = {}
         self._attempts: dict[str, int] = {}
-        self._cuda: Any = None
-        self._side_stream: Any = None
-        # The slab copy through the CUDA driver (client/_cuda.py): resolved on the first CUDA slab,
-        # False where it cannot be used (then torch's calls, which release the GIL between them).
-        self._drv: Any = None
-        self._raw_stream: Any = None  # torch's current raw CUstream of a device index
-        self._side_handle = 0
-        self._staging_base = 0
-        self._one_gpu = False
-        self._staged_size: dict[tuple[int, int], int] = {}
-        # the slab copy's sources by identity: (tensor, device index, contiguous, address); a static
-        # slab or ring slot keeps its storage (an engine that re-points one with set_() must not)
-        self._src_facts: dict[int, tuple[Any, int, bool, int]] = {}  # staged bytes per (slab plan, rows)
+        self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
+        self._staged_size: dict[tuple[int, int], int] = {}  # staged bytes per (slab plan, rows)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         if connect:
             self._session.start()
+
+    @property
+    def _side_stream(self) -> Any:
+        """The side CUDA stream of the staging copies (None before the first copy from a GPU)."""
+        return self._copier.side_stream
 
     @property
     def epoch(self) -> int:
@@ -353,13 +305,13 @@ class RolloutRecorder:
             return False
         region = Region(off, total, refs=0)
         sites = []
-        events = []
+        copies = []
         for name, site, out, rel, nc, ns, nt in plans:
             o = off + rel
             g_off = o + nc + ns + nt
-            events.append(self._copy(out, o, nc, ns, nt, g_off))
+            copies.append((out, o, nc, ns, nt, g_off))
             sites.append((name, site, o, nc, ns, nt, g_off))
-        region.event = next((e for e in reversed(events) if e is not None), None)
+        region.event = self._copier.sites(copies)
         nbytes = sum(p[4] + p[5] + p[6] for p in plans)
         long_segments = n_tok >= _LONG_SEGMENT * len(segs)
         self._queue.append(Forward(segs, version, sites, region, time.monotonic(), nbytes, long_segments))  # atomic
@@ -485,112 +437,13 @@ class RolloutRecorder:
             return False, None
         region = Region(off, total, refs=0)
         srcs = [s.data for s in slabs] if sources is None else sources
-        ev = None
-        if _is_cuda(srcs[0]):
-            drv = self._driver() if self._drv is not False else None
-            ev = None if drv is None else self._copy_driver(drv, staged, srcs, off, order)
-            if ev is None:
-                ev = self._copy_torch(staged, srcs, off, order, sources is None)
-        else:
-            view = self.pool.view
-            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
-                n = rows * plan.row_bytes
-                view[off + rel : off + rel + n] = _as_bytes(src.reshape(-1)[:n]).data
+        ev = self._copier.slabs(staged, srcs, off, order, keep=sources is None)
         region.event = ev
         fwd = SlabForward(segs, version, [], region, time.monotonic(), nbytes, n_tok >= _LONG_SEGMENT * len(segs))
         fwd.staged = [(plan, off + rel, rows) for plan, rel, rows in staged]
         self._queue.append(fwd)  # atomic
         self._outbox.in_bytes += nbytes
         return True, ev
-
-    def _copy_torch(
-        self, staged: list[tuple[SlabPlan, int, int]], srcs: list[Any], off: int, order: bool, keep: bool
-    ) -> Any:
-        """The slab copy through torch (where the driver path cannot be used)."""
-        import torch
-
-        side = self._side()
-        cur = torch.cuda.current_stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            for (plan, rel, rows), src in zip(staged, srcs, strict=True):
-                n = rows * plan.row_bytes
-                self._cuda[off + rel : off + rel + n].copy_(src.reshape(-1)[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        if keep:
-            for src in srcs:
-                src.record_stream(side)
-        if order:
-            cur.wait_event(ev)
-        return ev
-
-    def _driver(self) -> Any:
-        """The CUDA driver binding for slab copies (client/_cuda.py), or None (then torch's path)."""
-        if self._drv is None:
-            import torch
-
-            from . import _cuda
-
-            self._side()
-            self._drv = _cuda.driver() or False
-            self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-            if self._raw_stream is None:
-                self._drv = False
-            self._side_handle = int(self._side_stream.cuda_stream)
-            self._staging_base = int(self._cuda.data_ptr())
-            self._one_gpu = torch.cuda.device_count() == 1
-        return self._drv or None
-
-    def _copy_driver(
-        self, drv: Any, staged: list[tuple[SlabPlan, int, int]], srcs: list[Any], off: int, order: bool
-    ) -> Any:
-        """The slab copy as five driver calls that keep the GIL (client/_cuda.py says why): the
-        side stream waits for the engine's current stream, one copy per slab into pinned staging,
-        an event after them, and (``order``) the current stream waits for that event. None when
-        this call cannot take the path (a source not contiguous, a slab on another device than
-        the current one): the caller uses torch's."""
-        facts = self._src_facts  # per source tensor (static slabs, ring slots): device, contiguous, address
-        ptrs = []
-        dev = 0
-        for src in srcs:
-            f = facts.get(id(src))
-            if f is None or f[0] is not src:
-                if len(facts) > 256:
-                    facts.clear()
-                f = facts[id(src)] = (src, src.device.index, src.is_contiguous(), src.data_ptr())
-            if not f[2]:
-                return None
-            ptrs.append(f[3])
-            dev = f[1]
-        if not self._one_gpu:
-            import torch
-
-            if dev != torch.cuda.current_device():
-                return None
-        cur = self._raw_stream(dev)
-        side = self._side_handle
-        try:
-            ready = drv.event()
-            drv.record(ready, cur)
-            drv.wait(side, ready)
-            drv.give_back(ready)
-            base = self._staging_base + off
-            for (plan, rel, rows), src in zip(staged, ptrs, strict=True):
-                drv.copy_to_host(base + rel, src, rows * plan.row_bytes, side)
-            ev = drv.event()
-            drv.record(ev, side)
-        except Exception as exc:  # noqa: BLE001 - e.g. no current context on this thread: torch's path from now on
-            log.warning("recorder %s: slab copies through the CUDA driver failed (%s); using torch's", self.writer, exc)
-            self._drv = False
-            import torch
-
-            torch.cuda.current_stream().synchronize()  # what was queued before the failure lands first
-            return None
-        if order:
-            drv.wait(cur, ev)
-        self.stats["driver_copies"] += 1
-        return ev
 
     def _admit(self, segs: Collection[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
         """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
@@ -763,151 +616,6 @@ class RolloutRecorder:
             seal = TrajectorySeal(run, s.policy_version, s.trajectory, s.n_tokens, tuple(s.sites))
             bounded_put(self._sealed_at, s.trajectory, (int(out.req.epoch), out.seq, seal))
 
-    # -- internals --------------------------------------------------------------------------------
-
-    def _copy(self, out: SiteOutput, off: int, nc: int, ns: int, nt: int, g_off: int) -> Any:
-        srcs = [(out.codes, off, nc), (out.scales, off + nc, ns)]
-        if nt:
-            srcs.append((out.token_scales, off + nc + ns, nt))
-        g = out.global_scale
-        if any(_is_cuda(x) for x, _, _ in srcs) or _is_cuda(g):
-            return self._copy_cuda(srcs, g, g_off)
-        view = self.pool.view
-        for x, o, n in srcs:
-            # memoryview assignment copies holding the GIL (numpy's copy releases it above 500
-            # elements, then waits up to the switch interval for it while the sender runs)
-            view[o : o + n] = _as_bytes(x).data
-        view[g_off : g_off + 4] = np.float32(_scalar(g)).tobytes()
-        return None
-
-    def _side(self) -> Any:
-        """The side CUDA stream of the staging copies (pins the pool on first use)."""
-        import torch
-
-        if self._cuda is None:
-            self.pool.pin()
-            self._cuda = self.pool.tensor()
-            self._side_stream = torch.cuda.Stream()
-        return self._side_stream
-
-    def _copy_cuda(self, srcs: list[tuple[Any, int, int]], g: Any, g_off: int) -> Any:
-        import torch
-
-        side = self._side()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for x, o, n in srcs:
-                t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
-                self._cuda[o : o + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
-            if isinstance(g, torch.Tensor):
-                # as_strided: a one-element g may be a strided view (a RecordSlab's g column), which
-                # view(uint8) refuses; its one element is what is copied
-                g1 = g.reshape(-1)[:1].float().as_strided((1,), (1,))
-                self._cuda[g_off : g_off + 4].copy_(g1.view(torch.uint8), non_blocking=True)
-            else:
-                self._np[g_off : g_off + 4] = np.frombuffer(np.float32(g).tobytes(), np.uint8)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        for x, _, _ in srcs:  # keep the slab alive until the copy ran
-            if _is_cuda(x):
-                x.record_stream(side)
-        # The engine's next forward rewrites its static slab on this stream: order that after the
-        # copy (a device-side wait; the host does not block). Without it the next kernels raced the
-        # copy of this forward's rows (tests/client/test_recorder_gpu.py delays the side stream).
-        torch.cuda.current_stream().wait_event(ev)
-        return ev
-
-
-class SlabStage:
-    """Recording from inside a CUDA graph (``RolloutRecorder.slab_stage``).
-
-    ``capture()`` belongs inside the engine's captured region, after the forward's last record
-    kernel: one kernel per slab copies the slab's ``rows`` into a device ring slot chosen on the
-    device (``tracestore.kernels.stage_rows``). ``commit(segments)``, once after each replay on the
-    engine thread, is the bookkeeping outside the graph: it queues a non-blocking copy of that slot
-    into pinned staging on the recorder's side stream, selects the next slot for the next replay
-    (a one-element fill on the current stream) and orders that replay after the staging copy that
-    last read the slot (a device-side wait, normally long satisfied). The engine's stream never
-    waits for the step's own copy. A replay without a commit is simply not recorded (the next
-    replay writes the same slot). On the CPU the same calls copy at once.
-
-    Example::
-
-        stage = rec.slab_stage(slab)                 # before capture
-        with torch.cuda.graph(g):
-            logits = decode_step(static_inputs)      # record_* kernels write slab[site]
-            stage.capture()
-        for step in ...:
-            g.replay()
-            stage.commit([(t, pos, pos + 1) for t in batch])
-    """
-
-    def __init__(self, recorder: RolloutRecorder, slab: Any, rows: int | Sequence[int] | None = None, slots: int = 2):
-        import torch
-        from tracestore.kernels import stage_rows
-
-        self.recorder = recorder
-        self.slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
-        want = [rows] * len(self.slabs) if rows is None or isinstance(rows, int) else list(rows)
-        if slots < 2 or len(want) != len(self.slabs):
-            raise ConfigError(f"need slots >= 2 and one row count per slab, got {slots} and {want}")
-        plans = [recorder._slab_plan(s) for s in self.slabs]  # checks the sites now, not at the first commit
-        self.rows = [s.capacity if r is None else int(r) for s, r in zip(self.slabs, want, strict=True)]
-        for s, r in zip(self.slabs, self.rows, strict=True):
-            if not 0 < r <= s.capacity:
-                raise ShapeError(f"rows must be in [1, {s.capacity}] for {s!r}, got {r}")
-        dev = self.slabs[0].device
-        self.rings = [
-            torch.zeros(slots, -(-r * p.row_bytes // 16) * 16, dtype=torch.uint8, device=dev)
-            for r, p in zip(self.rows, plans, strict=True)
-        ]
-        self.slot = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.slots = slots
-        self.k = 0  # the slot the next replay writes
-        self._views = [[ring[k] for ring in self.rings] for k in range(slots)]
-        self._events: list[Any] = [None] * slots
-        self._stage = stage_rows
-        self._cuda = dev.type == "cuda"
-        self._slot_events: list[Any] | None = None  # per-slot driver events (the driver path)
-
-    def capture(self) -> None:
-        """Stage the slabs' rows into the selected ring slot (inside the captured region)."""
-        for slab, rows, ring in zip(self.slabs, self.rows, self.rings, strict=True):
-            self._stage(slab, rows, ring, self.slot)
-
-    def commit(self, segments: Sequence[tuple[str, int, int]] | Segments, policy_version: int | None = None) -> bool:
-        """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
-        k = self.k
-        rec = self.recorder
-        ok, ev = rec._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
-        if isinstance(ev, DriverEvent):  # the driver path (client/_cuda.py); ``ev`` is the sender's
-            drv = ev.driver
-            if self._slot_events is None:
-                self._slot_events = [drv.event() for _ in range(self.slots)]  # kept, never pooled
-            drv.record(self._slot_events[k], rec._side_handle)
-            self._events[k] = self._slot_events[k]
-            self.k = k = (k + 1) % self.slots
-            cur = rec._raw_stream(self.slot.device.index)
-            drv.fill32(self.slot.data_ptr(), k, 1, cur)
-            if self._events[k] is not None:
-                drv.wait(cur, self._events[k])
-            return ok
-        self._events[k] = ev
-        self.k = k = (k + 1) % self.slots
-        self.slot.fill_(k)
-        nxt = self._events[k]
-        if isinstance(nxt, DriverEvent):  # the driver path failed since that slot's copy: wait here
-            nxt.wait_host()
-        elif nxt is not None and self._cuda:
-            import torch
-
-            torch.cuda.current_stream().wait_event(nxt)
-        return ok
-
-
-def _is_cuda(x: Any) -> bool:
-    return bool(getattr(x, "is_cuda", False))
-
 
 def _per_row_g(out: SiteOutput, name: str, rows: int) -> SiteOutput:
     """``out`` with a per-row global scale moved into the token scales (chunk g 1.0); one value
@@ -929,19 +637,6 @@ def _per_row_g(out: SiteOutput, name: str, rows: int) -> SiteOutput:
     if not _dtype_is_cached(getattr(g, "dtype", None), "float32"):
         raise DTypeError(f"{name}.global_scale per row must be float32, got {getattr(g, 'dtype', type(g).__name__)}")
     return SiteOutput(out.codes, out.scales, 1.0, g.reshape(-1))
-
-
-def _scalar(g: Any) -> float:
-    if hasattr(g, "item"):
-        return float(g.reshape(-1)[0].item()) if hasattr(g, "reshape") else float(g.item())
-    return float(g)
-
-
-def _as_bytes(x: Any) -> np.ndarray:
-    if type(x).__module__.startswith("torch"):
-        x = x.detach().contiguous().numpy()
-    arr = np.ascontiguousarray(x)
-    return arr.reshape(-1).view(np.uint8)
 
 
 def _dtype_is(dt: Any, want: str) -> bool:
@@ -984,4 +679,4 @@ def _socket_group(address: str) -> int | None:
     return st.st_gid if mine else None
 
 
-__all__ = ["RolloutRecorder", "SiteOutput", "SlabStage", "WriterFencedError"]
+__all__ = ["RolloutRecorder", "Segments", "SiteOutput", "SlabStage", "WriterFencedError"]
