@@ -6,7 +6,8 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
 
 1. ``host``: engine-thread time per decode step (256 sequences x 20 sites of width 2048, NVFP4
    b = 1) of ``RolloutRecorder.record_slab`` (one slab), of ``SlabStage.commit`` (the graph form's
-   bookkeeping), each with its copies through the CUDA driver (the default, client/_cuda.py) and
+   bookkeeping; by default its copies deferred to the stage's stager thread, and ``not deferred``:
+   all of it on the engine thread), each with its copies through the CUDA driver (the default, client/_cuda.py) and
    through torch, with the segments as a list of tuples or as ``Segments`` (column form, built
    inside the timed call from the engine's positions array), with and without the sender thread
    beside it (``connect=False``: nothing drains the recorder), and, as the baseline, of
@@ -93,8 +94,11 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
             "record_slab, Segments (column form)",
             "record_slab, Segments, no sender thread",
             "SlabStage.commit, torch copies",
+            "SlabStage.commit, not deferred",
+            "SlabStage.commit, Segments, not deferred",
             "SlabStage.commit",
             "SlabStage.commit, Segments (column form)",
+            "SlabStage.commit, Segments, no sender thread",
         )
         for v, label in enumerate(variants):
             # each variant its own writer and trajectories (a trajectory belongs to the writer that wrote it)
@@ -105,7 +109,8 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
             trajs = [f"v{v}-t{i}" for i in range(batch)]
             columns = "Segments" in label  # built inside the timed call from the engine's positions array
             ids = tuple(trajs)
-            stage = rec.slab_stage(slab) if label.startswith("SlabStage") else None
+            deferred = "not deferred" not in label
+            stage = rec.slab_stage(slab, deferred=deferred) if label.startswith("SlabStage") else None
             times: list[float] = []
             refused = 0
             for step in range(args.host_steps):
@@ -140,6 +145,8 @@ def host_time(args: argparse.Namespace, rows: list[dict]) -> None:
                 "refused_steps": refused,
                 "flushed": flushed,
                 "driver_copies": rec.stats["driver_copies"],
+                "stager_behind": rec.stats["stager_behind"],
+                "refused_forwards": rec.stats["refused_forwards"],  # deferred commits are refused after the call
             }
             print(
                 f"  {label:44s} median {r['median_ms']:.4f} ms  p90 {r['p90_ms']:.4f}  p99 {r['p99_ms']:.4f}"
@@ -236,16 +243,19 @@ def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict
         "record kernels only": capture(lambda: model(record)),
         "record kernels + staging (graph) + commit": capture(with_stage),
     }
-    trajs = [f"t{i}" for i in range(batch)]
+    ids = tuple(f"t{i}" for i in range(batch))
+    positions = np.zeros(batch, np.int64)  # the engine's positions, advanced in place each step
     # bit-for-bit: each step's staged bytes against a snapshot of the slab taken after its replay
     graph = graphs["record kernels + staging (graph) + commit"]
-    snaps, offs = [], []
-    for step in range(8):
+    snaps = []
+    for _step in range(8):
         model.x0.normal_()
         graph.replay()
-        stage.commit([(t, step, step + 1) for t in trajs])
+        stage.commit(Segments.decode(ids, positions))
+        positions += 1
         snaps.append(slab.data[:batch].clone())
-        offs.append(rec._queue[-1].staged[0][1])
+    rec._drain_stages()  # the stager's pending copies queued (what finish() and flush() do)
+    offs = [fwd.staged[0][1] for fwd in list(rec._queue)[-8:]]
     torch.cuda.synchronize()
     row_bytes = slab.row_bytes
     exact = all(
@@ -261,14 +271,16 @@ def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict
             commit = label.endswith("commit")
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            for step in range(args.steps):
+            for _step in range(args.steps):
                 graph.replay()
                 if commit:
-                    stage.commit([(t, step, step + 1) for t in trajs])
+                    stage.commit(Segments.decode(ids, positions))
+                    positions += 1
             b.record()
             b.synchronize()
             per_step[label].append(a.elapsed_time(b) / args.steps)
             if commit:
+                rec._drain_stages()
                 for fwd in list(rec._queue):
                     rec.pool.release(fwd.region.offset)
                 rec._queue.clear()
@@ -285,6 +297,8 @@ def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict
             "overhead_%": 100 * (med - base) / base,
             "staged_bytes_exact": exact if label.endswith("commit") else None,
             "slab_bytes_per_step": batch * row_bytes,
+            "stager_behind": rec.stats["stager_behind"] if label.endswith("commit") else None,
+            "refused_forwards": rec.stats["refused_forwards"] if label.endswith("commit") else None,
         }
         print(f"  {name:6s} {label:44s} {med:8.4f} ms/step  overhead {r['overhead_%']:6.3f}%")
         rows.append(r)

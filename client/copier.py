@@ -94,12 +94,20 @@ class StagingCopier:
     # -- slabs (record_slab, SlabStage.commit) -------------------------------------------------------
 
     def slabs(
-        self, staged: Sequence[tuple[SlabPlan, int, int]], srcs: Sequence[Any], off: int, order: bool, keep: bool
+        self,
+        staged: Sequence[tuple[SlabPlan, int, int]],
+        srcs: Sequence[Any],
+        off: int,
+        order: bool,
+        keep: bool,
+        after: DriverEvent | None = None,
     ) -> Any:
         """Copy each slab's staged rows (``staged``: plan, offset relative to ``off``, rows) from
         ``srcs``; the event the copies complete on (None: copied at once from the CPU). ``order``:
         the current stream waits for the copies; ``keep``: the sources are the caller's tensors
-        (torch's allocator must not reuse them before the copy ran)."""
+        (torch's allocator must not reuse them before the copy ran). ``after``: a deferred copy
+        (:class:`SlabStage`'s stager thread): the copies wait for this event, recorded on the
+        engine's stream when the step was committed, instead of this thread's current stream."""
         if not _is_cuda(srcs[0]):
             view = self.pool.view
             for (plan, rel, rows), src in zip(staged, srcs, strict=True):
@@ -107,9 +115,11 @@ class StagingCopier:
                 view[off + rel : off + rel + n] = _as_bytes(src.reshape(-1)[:n]).data
             return None
         drv = self._driver() if self.driver is not False else None
-        ev = None if drv is None else self._slabs_driver(drv, staged, srcs, off, order)
+        ev = None if drv is None else self._slabs_driver(drv, staged, srcs, off, order, after)
         if ev is not None:
             return ev
+        if after is not None:  # the driver failed since the commit: the step's rows are ready once it ran
+            after.wait_host()
 
         def queue() -> None:
             for (plan, rel, rows), src in zip(staged, srcs, strict=True):
@@ -119,7 +129,13 @@ class StagingCopier:
         return self._on_side(queue, srcs if keep else (), order)
 
     def _slabs_driver(
-        self, drv: Any, staged: Sequence[tuple[SlabPlan, int, int]], srcs: Sequence[Any], off: int, order: bool
+        self,
+        drv: Any,
+        staged: Sequence[tuple[SlabPlan, int, int]],
+        srcs: Sequence[Any],
+        off: int,
+        order: bool,
+        after: DriverEvent | None = None,
     ) -> Any:
         """The slab copy as driver calls: the side stream waits for the engine's current stream,
         one copy per slab, an event after them, and (``order``) the current stream waits for it.
@@ -146,10 +162,13 @@ class StagingCopier:
         cur = self.raw_stream(dev)
         side = self.side_handle
         try:
-            ready = drv.event()
-            drv.record(ready, cur)
-            drv.wait(side, ready)
-            drv.give_back(ready)
+            if after is None:
+                ready = drv.event()
+                drv.record(ready, cur)
+                drv.wait(side, ready)
+                drv.give_back(ready)
+            else:
+                drv.wait(side, after)
             base = self.base + off
             for (plan, rel, rows), src in zip(staged, ptrs, strict=True):
                 drv.copy_to_host(base + rel, src, rows * plan.row_bytes, side)

@@ -192,6 +192,7 @@ class RolloutRecorder:
             rejected_messages=0,
             stale_pools_removed=self.pool.stale_removed,  # left in shm_dir by recorders that died
             driver_copies=0,  # slab forwards copied through the CUDA driver (client/_cuda.py), not torch
+            stager_behind=0,  # SlabStage commits that queued pending copies themselves (the stager lagged)
         )
         self._unguided = Unguided(self.stats)
         self._unguided_ids = self._unguided.ids  # read on the engine thread, without a lock
@@ -238,6 +239,7 @@ class RolloutRecorder:
         self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
         self._staged_size: dict[tuple[int, int], int] = {}  # staged bytes per (slab plan, rows)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
+        self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
         if connect:
             self._session.start()
 
@@ -276,6 +278,8 @@ class RolloutRecorder:
         interval to get it back while the sender ran: 2-5 ms per decode step measured) and one
         queue append. Splitting into chunks, coalescing and serialization run on the sender thread.
         """
+        if self._stages:
+            self._drain_stages()
         version = self.policy_version if policy_version is None else int(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
@@ -340,17 +344,29 @@ class RolloutRecorder:
         does not declare, ShapeError naming the site or slab otherwise).
 
         Inside a CUDA graph, use :meth:`slab_stage`."""
+        if self._stages:
+            self._drain_stages()
         slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
         ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True)
         return ok
 
-    def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 2) -> SlabStage:
+    def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 4, deferred: bool = True) -> SlabStage:
         """The CUDA-graph form of :meth:`record_slab`: a :class:`SlabStage` whose ``capture()`` goes
         inside the engine's captured graph (after the last record kernel) and whose ``commit(segments)``
         the engine calls once after each replay. ``rows``: the slab rows the graph stages (default
-        its capacity, i.e. the graph's batch); ``slots``: device ring slots (2: a step's staging copy
-        has a whole step to land before its slot is written again)."""
-        return SlabStage(self, slab, rows, slots)
+        its capacity, i.e. the graph's batch); ``slots``: device ring slots (a step's staging copy
+        has ``slots - 1`` steps to be queued and land before its slot is written again);
+        ``deferred``: on a GPU, commits leave the copies to the stage's stager thread (see
+        :class:`SlabStage`)."""
+        return SlabStage(self, slab, rows, slots, deferred)
+
+    def _drain_stages(self) -> None:
+        """Queue the copies the slab stages' commits deferred (before what must follow them in
+        order: a seal, a link, another forward, a flush), and raise an error one of them met."""
+        for stage in self._stages:
+            if stage._todo:
+                stage.stage_pending()
+            stage.raise_error()
 
     def _slab_plan(self, slab: Any) -> SlabPlan:
         """``slab`` checked against the run once (cached by identity, the slab kept alive)."""
@@ -393,10 +409,12 @@ class RolloutRecorder:
         policy_version: int | None,
         sources: list[Any] | None,
         order: bool,
+        after: Any = None,
     ) -> tuple[bool, Any]:
         """Stage ``slabs`` (or ``sources``: ring slots holding their rows) for one forward; returns
         (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
-        for the copies (the source is rewritten by the engine's next kernels)."""
+        for the copies (the source is rewritten by the engine's next kernels); ``after``: the
+        event the copies wait for (a deferred :class:`SlabStage` commit), not the current stream."""
         version = self.policy_version if policy_version is None else int(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
@@ -437,7 +455,7 @@ class RolloutRecorder:
             return False, None
         region = Region(off, total, refs=0)
         srcs = [s.data for s in slabs] if sources is None else sources
-        ev = self._copier.slabs(staged, srcs, off, order, keep=sources is None)
+        ev = self._copier.slabs(staged, srcs, off, order, keep=sources is None, after=after)
         region.event = ev
         fwd = SlabForward(segs, version, [], region, time.monotonic(), nbytes, n_tok >= _LONG_SEGMENT * len(segs))
         fwd.staged = [(plan, off + rel, rows) for plan, rel, rows in staged]
@@ -501,6 +519,8 @@ class RolloutRecorder:
 
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
+        if self._stages:
+            self._drain_stages()
         v = self.policy_version if policy_version is None else int(policy_version)
         if self._session.error is None:  # (a stopped recorder's queue has no reader)
             self._queue.append(PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens))
@@ -511,6 +531,8 @@ class RolloutRecorder:
         every site this recorder queued for it) and policy version are resolved by the sender, after
         the forwards queued before it."""
         validate_id("trajectory", trajectory)
+        if self._stages:
+            self._drain_stages()
         version = self._outbox.versions.get(trajectory, self.policy_version)
         bounded_put(self._finished, trajectory, (int(n_tokens), version))
         session = self._session
@@ -535,6 +557,8 @@ class RolloutRecorder:
         """Wait until everything queued is durably acknowledged; True on success within ``timeout``
         (False at once when the recorder stopped: :attr:`error`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._stages:
+            self._drain_stages()
         with self._lock:
             self._outbox.urgent = True  # send now, do not linger
             self._wake.notify_all()
@@ -550,9 +574,14 @@ class RolloutRecorder:
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Flush (up to ``timeout``), stop the sender and free the staging pool."""
-        ok = self.flush(timeout)
-        self._session.close()
-        self.pool.close()
+        try:
+            for stage in self._stages:
+                stage.close()
+            ok = self.flush(timeout)
+        finally:
+            self._stages.clear()
+            self._session.close()
+            self.pool.close()
         return ok
 
     @property

@@ -4,17 +4,23 @@ graph: a device ring of staged slab rows, a slot per replay)."""
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError, ShapeError
+from tracestore.errors import ConfigError, ShapeError, TraceStoreError
 
 from ._cuda import DriverEvent
 
 if TYPE_CHECKING:  # pragma: no cover
     from .recorder import RolloutRecorder
+
+log = logging.getLogger("tracestore.client")
 
 
 class Segments:
@@ -25,27 +31,62 @@ class Segments:
     ``[(trajectory, start, end), ...]`` costs a Python pass over every segment on the engine
     thread (measured in bench/bench_production.py); this one costs a few numpy reductions.
 
-    ``Segments.decode(trajectories, positions)``: one token per trajectory, ``[p, p + 1)``.
+    ``Segments.decode(trajectories, positions)``: one token per trajectory, ``[p, p + 1)``. It
+    takes a snapshot of ``positions`` (an engine may advance that array in place at once) and
+    makes the columns when they are first read: on a GPU, by :class:`SlabStage`'s stager thread,
+    not the engine thread.
     Iterating yields the ``(trajectory, start, end)`` tuples (the sender thread does that)."""
 
-    __slots__ = ("ends", "starts", "trajectories")
+    __slots__ = ("_ends", "_positions", "_starts", "trajectories")
 
     def __init__(self, trajectories: Sequence[str], starts: Any, ends: Any) -> None:
         self.trajectories = trajectories if isinstance(trajectories, tuple) else tuple(trajectories)
-        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
-        self.ends = np.asarray(ends, dtype=np.int64).reshape(-1)
-        n = len(self.trajectories)
-        if self.starts.shape[0] != n or self.ends.shape[0] != n:
-            raise ShapeError(
-                f"Segments: {n} trajectories, {self.starts.shape[0]} starts and {self.ends.shape[0]} ends; expected "
-                "one start and one end per trajectory"
-            )
+        self._positions: Any = None
+        self._starts: np.ndarray | None = np.asarray(starts, dtype=np.int64).reshape(-1)
+        self._ends: np.ndarray | None = np.asarray(ends, dtype=np.int64).reshape(-1)
+        self._check_lengths("starts", "ends")
 
     @classmethod
     def decode(cls, trajectories: Sequence[str], positions: Any) -> Segments:
-        """One decode step: trajectory ``i`` records its token at ``positions[i]``."""
-        starts = np.asarray(positions, dtype=np.int64).reshape(-1)
-        return cls(trajectories, starts, starts + 1)
+        """One decode step: trajectory ``i`` records its token at ``positions[i]`` (a numpy
+        integer array, or a sequence of ints)."""
+        seg = cls.__new__(cls)
+        seg.trajectories = trajectories if isinstance(trajectories, tuple) else tuple(trajectories)
+        # A numpy array is kept as its bytes (one C call, no numpy dispatch on the engine thread)
+        seg._positions = (
+            (positions.tobytes(), positions.dtype)
+            if type(positions) is np.ndarray
+            else (np.array(positions, dtype=np.int64).tobytes(), np.dtype(np.int64))
+        )
+        seg._starts = seg._ends = None
+        return seg
+
+    @property
+    def starts(self) -> np.ndarray:
+        if self._starts is None:
+            self._columns()
+        return self._starts  # type: ignore[return-value]
+
+    @property
+    def ends(self) -> np.ndarray:
+        if self._ends is None:
+            self._columns()
+        return self._ends  # type: ignore[return-value]
+
+    def _columns(self) -> None:
+        raw, dtype = self._positions
+        if dtype.kind not in "iu":
+            raise ShapeError(f"Segments.decode: positions must be integers, got dtype {dtype}")
+        starts = np.frombuffer(raw, dtype=dtype).astype(np.int64)
+        self._starts, self._ends = starts, starts + 1
+        self._check_lengths("positions", None)
+
+    def _check_lengths(self, a: str, b: str | None) -> None:
+        n, ns, ne = len(self.trajectories), self._starts.shape[0], self._ends.shape[0]  # type: ignore[union-attr]
+        if ns != n or ne != n:
+            got = f"{ns} {a} and {ne} {b}" if b else f"{ns} {a}"
+            want = f"one {a[:-1]} and one {b[:-1]}" if b else f"one {a[:-1]}"
+            raise ShapeError(f"Segments: {n} trajectories, {got}; expected {want} per trajectory")
 
     def __len__(self) -> int:
         return len(self.trajectories)
@@ -66,12 +107,24 @@ class SlabStage:
     ``capture()`` belongs inside the engine's captured region, after the forward's last record
     kernel: one kernel per slab copies the slab's ``rows`` into a device ring slot chosen on the
     device (``tracestore.kernels.stage_rows``). ``commit(segments)``, once after each replay on the
-    engine thread, is the bookkeeping outside the graph: it queues a non-blocking copy of that slot
-    into pinned staging on the recorder's side stream, selects the next slot for the next replay
-    (a one-element fill on the current stream) and orders that replay after the staging copy that
-    last read the slot (a device-side wait, normally long satisfied). The engine's stream never
-    waits for the step's own copy. A replay without a commit is simply not recorded (the next
-    replay writes the same slot). On the CPU the same calls copy at once.
+    engine thread, is the bookkeeping outside the graph. A replay without a commit is simply not
+    recorded (the next replay writes the same slot). On the CPU the same calls copy at once.
+
+    On a GPU (with the CUDA driver binding, ``client/_cuda.py``) ``commit`` does only what must
+    happen before the next replay is queued: it records an event on the engine's current stream
+    (the step's rows are in slot k once it fires), selects the next slot (a one-element fill on
+    that stream) and orders the next replay after the staging copy that last read that slot (a
+    device-side wait, normally long satisfied). Everything else — checking the segments,
+    reserving pinned staging, queueing the copy of slot k on the recorder's side stream after the
+    commit's event, handing the forward to the sender — runs on the stage's stager thread,
+    woken by the commit. Should the stager fall ``slots - 1`` commits behind (its thread starved
+    of the GIL), the commit issues the pending copies itself before reusing a slot, so a slot is
+    never rewritten before its copy was queued and ordered. ``commit`` then returns True once the
+    step is accepted: a step refused later for lack of staging marks its trajectories unguided
+    (as ``record_slab``'s refusal does), and malformed segments are raised by the next
+    ``commit``, ``finish`` or ``flush`` (a :class:`TraceStoreError` naming the step). Without
+    the driver binding (torch's copies) or with ``deferred=False``, ``commit`` does all of it
+    itself and returns whether the step was queued.
 
     Example::
 
@@ -81,10 +134,17 @@ class SlabStage:
             stage.capture()
         for step in ...:
             g.replay()
-            stage.commit([(t, pos, pos + 1) for t in batch])
+            stage.commit(Segments.decode(batch_ids, positions))
     """
 
-    def __init__(self, recorder: RolloutRecorder, slab: Any, rows: int | Sequence[int] | None = None, slots: int = 2):
+    def __init__(
+        self,
+        recorder: RolloutRecorder,
+        slab: Any,
+        rows: int | Sequence[int] | None = None,
+        slots: int = 2,
+        deferred: bool = True,
+    ):
         import torch
         from tracestore.kernels import stage_rows
 
@@ -110,6 +170,17 @@ class SlabStage:
         self._events: list[Any] = [None] * slots
         self._stage = stage_rows
         self._slot_events: list[Any] | None = None  # per-slot driver events (the driver path)
+        # the deferred path (decided at the first commit): committed steps whose copy is not queued
+        # yet, oldest first: (slot, segments, policy version, the commit's event); an entry leaves
+        # only once its copy and the slot's event are issued (the commit reads len() without a lock)
+        self._deferred: bool | None = None if deferred and getattr(self.slot, "is_cuda", False) else False
+        self._todo: deque[tuple[int, Any, int, DriverEvent]] = deque()
+        self._issue = threading.Lock()
+        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: TraceStoreError | None = None
+        self._steps = 0  # commits so far (named in a deferred error)
+        recorder._stages.append(self)
 
     def capture(self) -> None:
         """Stage the slabs' rows into the selected ring slot (inside the captured region)."""
@@ -118,12 +189,102 @@ class SlabStage:
 
     def commit(self, segments: Sequence[tuple[str, int, int]] | Segments, policy_version: int | None = None) -> bool:
         """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
+        if self._deferred:
+            return self._commit_deferred(segments, policy_version)
+        if self._deferred is None and self._start_deferred():
+            return self._commit_deferred(segments, policy_version)
         k = self.k
         ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
         self._events[k] = self._slot_event(ev, k)
         self.k = k = (k + 1) % self.slots
         self.recorder._copier.advance(self.slot, k, self._events[k])
         return ok
+
+    def _commit_deferred(self, segments: Any, policy_version: int | None) -> bool:
+        err = self._error
+        if err is not None:
+            self._error = None
+            raise err
+        drv, cur = self._drv, self._raw_stream(self._dev)
+        ready = drv.event()
+        drv.record(ready, cur)
+        k = self.k
+        v = self.recorder.policy_version if policy_version is None else int(policy_version)
+        self._steps += 1
+        self._todo.append((k, segments, v, ready))
+        self._wake.put(True)
+        self.k = k = k + 1 if k + 1 < self.slots else 0
+        if len(self._todo) >= self.slots:  # the copy that last read slot k is not queued yet: queue it here
+            self.recorder.stats["stager_behind"] += 1
+            self.stage_pending()
+        ev = self._events[k]
+        if isinstance(ev, DriverEvent) or ev is None:
+            drv.fill32(self._slot_ptr, k, 1, cur)
+            if ev is not None:
+                drv.wait(cur, ev)
+        else:  # that copy went through torch (the driver failed meanwhile)
+            self.recorder._copier.advance(self.slot, k, ev)
+        return True
+
+    def _start_deferred(self) -> bool:
+        """Whether commits defer their copies (the CUDA driver binding is usable for this stage's
+        device); starts the stager thread if so."""
+        import torch
+
+        copier = self.recorder._copier
+        drv = copier._driver()
+        dev = self.slot.device.index
+        self._deferred = bool(drv is not None and (copier.one_gpu or dev == torch.cuda.current_device()))
+        if self._deferred:
+            self._drv, self._raw_stream, self._dev = drv, copier.raw_stream, dev
+            self._slot_ptr = self.slot.data_ptr()
+            self._thread = threading.Thread(
+                target=_stager, args=(self, dev), daemon=True, name=f"tracestore-stager-{self.recorder.writer}"
+            )
+            self._thread.start()
+        return self._deferred
+
+    def stage_pending(self) -> None:
+        """Queue the copies of every committed step not yet queued, oldest first (the stager
+        thread's work; the engine thread's when it must not wait, and before a seal or flush)."""
+        with self._issue:
+            todo = self._todo
+            while todo:
+                k, segments, version, ready = todo[0]
+                try:
+                    views = self._views[k]
+                    _, ev = self.recorder._queue_slabs(segments, self.slabs, None, version, views, False, ready)
+                    if ev is not None:
+                        self._events[k] = self._slot_event(ev, k)
+                except TraceStoreError as exc:  # the caller's segments: raised at its next call
+                    self._error = _named(exc, f"slab stage commit {self._steps - len(todo) + 1}")
+                    log.warning("recorder %s: %s", self.recorder.writer, self._error)
+                    self._unguide(segments)
+                finally:
+                    todo.popleft()
+                    ready.driver.give_back(ready)
+
+    def _unguide(self, segments: Any) -> None:
+        """A refused step's trajectories are unguided (their records have a gap), where it names any."""
+        try:
+            trajs = list(getattr(segments, "trajectories", None) or (s[0] for s in segments))
+            self.recorder._unguided.mark([t for t in trajs if isinstance(t, str)], "malformed_commit")
+        except Exception:  # noqa: BLE001 - segments too malformed to name a trajectory
+            pass
+
+    def raise_error(self) -> None:
+        """Raise (once) the error a deferred commit met, if any."""
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        """Queue what is pending and stop the stager thread."""
+        if self._thread is not None:
+            self._wake.put(False)
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.stage_pending()
 
     def _slot_event(self, ev: Any, k: int) -> Any:
         """What the next replay writing slot ``k`` waits for: the copy's event, or for a driver
@@ -135,3 +296,25 @@ class SlabStage:
             self._slot_events = [ev.driver.event() for _ in range(self.slots)]  # kept, never pooled
         ev.driver.record(self._slot_events[k], self.recorder._copier.side_handle)
         return self._slot_events[k]
+
+
+def _named(exc: TraceStoreError, where: str) -> TraceStoreError:
+    """``exc`` with ``where`` in front of its message (the same class where it takes a message)."""
+    try:
+        named = type(exc)(f"{where}: {exc}")
+    except TypeError:
+        return exc
+    named.__cause__ = exc
+    return named
+
+
+def _stager(stage: SlabStage, device: int) -> None:
+    """The stager thread: on each commit's wake-up, queue the pending copies."""
+    import torch
+
+    torch.cuda.set_device(device)  # the driver calls act on this thread's current context
+    while stage._wake.get():
+        try:
+            stage.stage_pending()
+        except Exception:  # noqa: BLE001 - logged; the engine thread's next commit retries
+            log.exception("recorder %s: the slab stager failed", stage.recorder.writer)

@@ -115,6 +115,15 @@ def test_segments_in_column_form_are_checked_like_the_list() -> None:
             assert bytes(rec._np[g1 : g1 + 4]) == bytes(rec._np[g2 : g2 + 4])
         with pytest.raises(ShapeError, match="2 trajectories, 3 starts and 2 ends"):
             Segments(("a", "b"), [0, 1, 2], [1, 2])
+        # decode takes a snapshot: the engine may advance its positions array in place at once
+        pos = np.array([4, 9], dtype=np.int32)
+        snap = Segments.decode(("a", "b"), pos)
+        pos += 1
+        assert list(snap) == [("a", 4, 5), ("b", 9, 10)] and snap.starts.dtype == np.int64
+        with pytest.raises(ShapeError, match="2 trajectories, 3 positions; expected one position per trajectory"):
+            rec.record_slab(Segments.decode(("a", "b"), np.arange(3)), slab)
+        with pytest.raises(ShapeError, match="positions must be integers"):
+            _ = Segments.decode(("a", "b"), np.array([0.5, 1.0])).starts
         with pytest.raises(ValidationError, match=r"segment of b: expected 0 <= token_start < token_end, got \[4, 4\)"):
             rec.record_slab(Segments(("a", "b"), [0, 4], [1, 4]), slab)
         with pytest.raises(ValidationError, match=r"segment of a: .*got \[-1, 1\)"):
@@ -167,7 +176,7 @@ def test_slab_stage_on_the_cpu_stages_each_commit_from_its_slot() -> None:
             stage.capture()
             seen.append(slab.data[:2].clone())
             assert stage.commit([("a", step, step + 1), ("b", step, step + 1)])
-            assert int(stage.slot) == (step + 1) % 2
+            assert int(stage.slot) == (step + 1) % stage.slots
         for step in range(3):
             fwd = rec._queue.popleft()
             plan, off, rows = fwd.staged[0]

@@ -6,6 +6,8 @@ Run on a GPU machine: ``python -m pytest -q -m gpu tests/production``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,12 +17,14 @@ pytest.importorskip("cupy", reason="the CUDA kernels need CuPy")
 pytest.importorskip("transformers")
 pytest.importorskip("grpc")
 
-from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder  # noqa: E402
+import numpy as np  # noqa: E402
+from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments  # noqa: E402
 from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
 from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tests.production import line  # noqa: E402
+from tracestore.errors import ShapeError  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
@@ -114,6 +118,74 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, cop
         assert sp.terminate() == 0
     _check_steps(sp.storage, "graph", slab, want, trajs)
     assert rec.stats["driver_copies"] == (steps if copy == "driver" else 0), rec.stats
+
+
+def test_deferred_commits_stage_every_step_when_the_stager_falls_behind(tmp_path) -> None:  # noqa: ANN001
+    """Commits leave the copies to the stage's stager thread. Here that thread is stopped after
+    the first step, so each later commit finds the copy that last read its next slot not yet
+    queued (2 slots) and must queue it itself before that slot is rewritten; the engine advances
+    its positions array in place right after each commit. Storage holds every step's rows bit for
+    bit, at the right tokens."""
+    n_seq, steps = 32, 7
+    spec = RunSpec("behind", tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256) for i in range(4)))
+    slab = RecordSlab.allocate(spec.sites, n_seq, "cuda")
+    x = torch.zeros(n_seq, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.full((n_seq,), 0.01, device="cuda")
+    trajs = [f"t{i}" for i in range(n_seq)]
+    with ServeProcess(tmp_path, wal=False, unix_socket=True, flags=["--flush-interval", "0.1"]) as sp:
+        rec = RolloutRecorder(sp.unix_address, spec, writer="behind-0")
+        stage = rec.slab_stage(slab, slots=2)
+
+        def step() -> None:
+            for i, s in enumerate(spec.sites):
+                record_from_activations(x * (1 + i / 4), s, slab[s.name], global_scale=g)
+            stage.capture()
+
+        graph = capture_graph(step)
+        ids, positions = tuple(trajs), np.zeros(n_seq, np.int64)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        want = []
+        for k in range(steps):
+            x.copy_(torch.randn(n_seq, 256, device="cuda", generator=gen))
+            graph.replay()
+            assert stage.commit(Segments.decode(ids, positions))
+            positions += 1  # the engine's next positions, in place
+            want.append(slab.data[:n_seq].clone())
+            if k == 0:
+                stage._wake.put(False)  # stop the stager: from now on only the commits queue copies
+                stage._thread.join(timeout=10)
+                assert not stage._thread.is_alive()
+            assert len(stage._todo) < stage.slots, len(stage._todo)
+        assert rec.stats["stager_behind"] >= (steps - 1) // 2, rec.stats  # every other commit
+        for t in trajs:
+            rec.finish(t, steps + 1)
+        assert rec.flush(timeout=60), sp.log_tail()
+        rec.close()
+        assert sp.terminate() == 0
+    _check_steps(sp.storage, "behind", slab, want, trajs)
+    assert rec.stats["driver_copies"] == steps, rec.stats
+
+
+def test_deferred_commit_raises_a_malformed_step_at_the_next_call(tmp_path) -> None:  # noqa: ANN001
+    """A commit's segments are checked on the stager thread: a step with more rows than the stage
+    holds is refused there, its trajectories unguided, and the engine's next commit raises it."""
+    spec = RunSpec("bad", (SiteSpec("layers.0.mlp.input", "moe_input", 0, 64),))
+    slab = RecordSlab.allocate(spec.sites, 4, "cuda")
+    rec = RolloutRecorder("unix:" + str(tmp_path / "none.sock"), spec, writer="bad-0", connect=False)
+    try:
+        stage = rec.slab_stage(slab)
+        record_from_activations(torch.randn(4, 64, device="cuda"), spec.sites[0], slab[spec.sites[0].name], 0.01)
+        stage.capture()
+        assert stage.commit([("a", 0, 9)])  # 9 rows: accepted now, refused by the stager
+        for _ in range(1000):
+            if not stage._todo:
+                break
+            time.sleep(0.005)
+        with pytest.raises(ShapeError, match=r"slab stage commit 1: .*9 rows, more than the 4"):
+            stage.commit([("a", 9, 10)])
+        assert "a" in rec.unguided
+    finally:
+        rec.close(timeout=0)
 
 
 def _check_steps(storage: str, run: str, slab: RecordSlab, want: list, trajs: list[str]) -> None:
