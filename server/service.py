@@ -2,21 +2,25 @@
 
 Handlers take raw request bytes (generic handlers, no deserializer) and parse them themselves so
 a malformed message is INVALID_ARGUMENT with an explanation. Errors map to status codes by class
-(:func:`status_of`); no traceback ever reaches a client.
+(:func:`status_of`); no traceback ever reaches a client, and the storage location reaches only
+an admin.
+
+The service holds the call limits, the turns to read and the error reporting every handler
+shares; the parts with state of their own are beside it: one Write stream's threads and the
+:class:`ReadTurns` all streams take turns with (``write_stream.py``), the Read RPC's reader per run
+and its streamed slices (``reads.py``), and the unix socket the :class:`Sidecar` listens on
+(``unix_socket.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,10 +37,9 @@ from tracestore.errors import (
     StorageError,
     TraceStoreError,
     UnauthenticatedError,
-    ValidationError,
 )
 from tracestore.v1 import tracestore_pb2 as pb
-from tracestore.wire import run_spec_from_pb, run_spec_to_pb
+from tracestore.wire import run_spec_to_pb
 
 from .auth import (
     AuthInterceptor,
@@ -44,23 +47,24 @@ from .auth import (
     TokenFile,
     caller,
     is_loopback_host,
-    require_read,
     require_see,
     require_write,
 )
-from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
-from .engine import DEGRADED_REASONS, DrainingError, Engine, OverBudgetError, SequenceError, Waker
-from .ingest import parse_seal, parse_write, scan_write, seal_message, wal_parser
+from .config import HEALTH_THREADS, ServerConfig
+from .engine import DEGRADED_REASONS, DrainingError, Engine, Waker
+from .ingest import parse_seal, seal_message, wal_parser
+from .memory import OverBudgetError
 from .message import pack_wal_data
-from .metrics import Metrics, storage_op, unguided_reason
+from .metrics import Metrics, storage_op
+from .reads import Reads
 from .reflection import enable_server_reflection
+from .sessions import SequenceError
 from .shm import ShmPools
+from .unix_socket import bind_unix_socket, claim_unix_socket, remove_unix_socket, socket_access
+from .write_stream import ReadTurns, WriteStream
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
-# A Write stream that has waited this long for its next message while other streams wait for a turn
-# to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
-READ_TURN_IDLE_S = 2.0
 HEALTH_PERIOD_S = 1.0  # how often the health status follows Engine.degraded()
 # The health service name for liveness probes: NOT_SERVING only for what a restart mends (the
 # flusher thread died). A full WAL device or a storage outage is not mended by a restart, and an
@@ -93,97 +97,10 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
-    """Bytes a Read's output takes (per row of each site read: codes and scales of the column range,
-    policy version, global scale, token scale, valid and stale flags), computed from the request
-    alone; raises ValidationError for what no read could serve (undeclared or repeated sites,
-    negative versions, empty or negative token ranges, column ranges outside a site)."""
-    declared = set(spec.site_names)
-    for name in sites:
-        if name not in declared:
-            raise ValidationError(
-                f"run {spec.run} declares no site {name[:200]!r}; expected sites among {sorted(declared)}"
-            )
-    if len(set(sites)) != len(sites):
-        raise ValidationError(f"expected each site once in the Read request, got {sites}")
-    bad = [v for v in req.versions if v < 0]
-    if bad:
-        raise ValidationError(f"expected policy versions >= 0 in the Read request, got {bad[:10]}")
-    tokens = 0
-    for i, seg in enumerate(req.plan):
-        if not 0 <= seg.token_start < seg.token_end:
-            raise ValidationError(
-                f"plan segment {i} ({seg.trajectory[:200]!r}): expected 0 <= token_start < token_end, "
-                f"got [{seg.token_start}, {seg.token_end})"
-            )
-        tokens += seg.token_end - seg.token_start  # a Python int: no overflow, however large
-    nbytes = 0
-    for name in sites:
-        site = spec.site(name)
-        width = site.width
-        if req.has_columns:
-            if not 0 <= req.column_start < req.column_end <= site.width:
-                raise ValidationError(
-                    f"site {name}: expected a column range within [0, {site.width}], got "
-                    f"[{req.column_start}, {req.column_end})"
-                )
-            width = req.column_end - req.column_start
-        row = width * site.bits // 8 + width // site.fmt.block + 8 + 4 + 4 + 1 + 1
-        nbytes += tokens * site.rows_per_token * row
-    return nbytes
-
-
 def _details(exc: BaseException) -> str:
     if status_of(exc) is grpc.StatusCode.INTERNAL:
         return f"internal error ({type(exc).__name__}); see the sidecar log"
     return str(exc)[:2000]
-
-
-class ReadTurns:
-    """Turns to read a message, first come first served: a Write stream takes one before it asks
-    gRPC for its next message and gives it back once the message has arrived. There are only as
-    many as the memory budget covers at ``max_message_bytes`` each (a message arrives whole, up to
-    that size, once it is asked for), so the streams without one wait with nothing read."""
-
-    def __init__(self, turns: int, on_waiting: Callable[[int], None] | None = None) -> None:
-        self.free = turns
-        self._queue: deque[object] = deque()
-        self._cond = threading.Condition()
-        self._on_waiting = on_waiting
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.25) -> bool:
-        """Wait for a turn (in arrival order); False once ``give_up()`` is true (polled)."""
-        me = object()
-        with self._cond:
-            if self.free > 0 and not self._queue:
-                self.free -= 1
-                return True
-            self._queue.append(me)
-            self._changed()
-            try:
-                while not (self.free > 0 and self._queue[0] is me):
-                    if give_up():
-                        return False
-                    self._cond.wait(poll_s)
-                self.free -= 1
-                return True
-            finally:
-                self._queue.remove(me)
-                self._changed()
-                self._cond.notify_all()
-
-    def release(self) -> None:
-        with self._cond:
-            self.free += 1
-            self._cond.notify_all()
-
-    def _changed(self) -> None:
-        if self._on_waiting is not None:
-            self._on_waiting(len(self._queue))
 
 
 class CallSlots:
@@ -223,8 +140,7 @@ class TraceStoreService:
         self.metrics = metrics
         self.shm = shm
         self.config = config
-        self._readers: dict[str, Any] = {}
-        self._readers_lock = threading.Lock()
+        self.reads = Reads(engine, config, metrics)
         self.draining = False
         self.streams = CallSlots(config.max_streams)
         self.long_calls = CallSlots(max(1, config.workers - HEALTH_THREADS))
@@ -302,168 +218,12 @@ class TraceStoreService:
             self.streams.give()
 
     def _write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        waker = Waker()
-        box: dict[str, Any] = {"state": None, "epoch": None, "error": None, "failed_seq": None, "done": False}
-        # when the receiver asked gRPC for the next message (None: not waiting for one),
-        # and whether the consumer is working on a message
-        box.update(reading_since=None, busy=False)
-        local = context.peer().startswith("unix:")
-        shm = self.shm.view if local else None
-        self.metrics.active_streams.inc()
-
         who = self._caller()
-        may_write: set[str] = set()  # runs this stream's caller was found to be allowed to write
-
-        def run_spec(run: str) -> Any:  # every message's run passes here: each is authorized
-            if run not in may_write:
-                require_write(who, run)
-                may_write.add(run)
-            return self.engine.run_spec(run)
-
-        def declare(spec: pb.RunSpec) -> None:
-            require_write(who, spec.run)
-            self.engine.declare_run(run_spec_from_pb(spec))
-
-        # Two threads per stream: one takes messages off the wire (after reserving budget for them),
-        # one parses and admits them, so receiving message n+1 overlaps processing message n.
-        handoff: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=1)
-        bound = self.config.max_message_bytes  # gRPC delivers no bigger message
-
-        def give_up_turn() -> bool:
-            return box["error"] is not None or self.draining or not context.is_active()
-
-        def receive() -> None:
-            it = iter(requests)
-            try:
-                while box["error"] is None:
-                    # Once asked for a message, gRPC takes in all of it (flow control opens the window
-                    # to its size): ask only with a turn and room in the budget for the largest one.
-                    if not self.turns.acquire(give_up_turn):
-                        break
-                    try:
-                        reserved = self.engine.reserve(bound)
-                        box["reading_since"] = time.monotonic()
-                        try:
-                            raw = next(it)
-                        except BaseException:
-                            self.engine.unreserve(reserved)
-                            raise
-                    finally:
-                        box["reading_since"] = None
-                        self.turns.release()
-                    keep = min(reserved, max(len(raw), 1))  # what the message holds from here on
-                    if keep < reserved:
-                        self.engine.unreserve(reserved - keep)
-                    handoff.put((raw, keep))
-            except StopIteration:
-                pass
-            except grpc.RpcError:
-                pass  # the client went away mid-stream
-            except Exception as exc:  # noqa: BLE001 - over budget / draining before reading
-                if box["error"] is None:
-                    box["error"] = exc
-            finally:
-                handoff.put(None)
-
-        def consume() -> None:
-            try:
-                while True:
-                    box["busy"] = False
-                    item = handoff.get()
-                    box["busy"] = True
-                    if item is None:
-                        break
-                    raw, reserved = item
-                    if box["error"] is not None:
-                        self.engine.unreserve(reserved)
-                        continue
-                    seq = None
-                    reserved_left = reserved  # until submit() takes the reservation over
-                    try:
-                        req, msg, wal_parts = parse_write(
-                            raw, run_spec, shm, path="shm" if local else "grpc", declare=declare
-                        )  # fmt: skip
-                        seq = req.sequence
-                        hold = None
-                        if msg.shm_chunks and self.engine.wal is not None:
-                            # Durable at the WAL fsync, before its shard is written: a writer that keeps
-                            # its regions until released is read in place, any other gets a copy now.
-                            if req.keeps_staging:
-                                hold = (req.shm_pool, self.shm.capacity(req.shm_pool))
-                            else:
-                                msg.own_shm()
-                        for u in req.unguided:
-                            self.metrics.unguided_trajectories.labels(unguided_reason(u.reason)).inc(u.count)
-                        reserved_left = 0
-                        st, _dup = self.engine.submit(msg, wal_parts, reserved, hold, self._identity(who))
-                    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                        # A message refused before submit gives its reservation back (else each
-                        # malformed message shrank the budget of every stream for good)
-                        if reserved_left:
-                            self.engine.unreserve(reserved_left)
-                        if seq is None and isinstance(exc, PermissionDeniedError):
-                            # named, so that the writer drops that message rather than resend it
-                            with contextlib.suppress(Exception):
-                                seq = scan_write(raw)[0].sequence or None
-                        if box["error"] is None:
-                            box["error"], box["failed_seq"] = exc, seq
-                        waker.wake()
-                        continue  # drain the handoff (releasing reservations) until the receiver stops
-                    if box["state"] is not st:
-                        if box["state"] is not None:
-                            self.engine.unlisten(box["state"], waker)
-                        box["state"] = st
-                        self.engine.listen(st, waker)
-                    box["epoch"] = msg.epoch
-                    waker.wake()
-            finally:
-                box["done"] = True
-                waker.wake()
-
-        threading.Thread(target=receive, name="tracestore-write-receiver", daemon=True).start()
-        reader = threading.Thread(target=consume, name="tracestore-write-reader", daemon=True)
-        reader.start()
-        sent = (0, 0, 0)
-        try:
-            while True:
-                waker.wait(0.25)
-                st, err, done = box["state"], box["error"], box["done"]
-                if st is not None:
-                    epoch, durable, received, released = self.engine.progress(st)
-                    if epoch == box["epoch"] and (epoch, durable, released) != sent and durable > 0:
-                        sent = (epoch, durable, released)
-                        yield pb.WriteResponse(
-                            epoch=epoch, durable_sequence=durable, received_sequence=received,
-                            released_sequence=released,
-                        ).SerializeToString()  # fmt: skip
-                    if (done or self.draining or self._idle_while_others_wait(box, handoff)) and (
-                        err is None and durable >= received
-                    ):
-                        break  # on shutdown (or to let a waiting stream read): once all it sent is durable
-                elif err is None and (done or self._idle_while_others_wait(box, handoff)):
-                    break
-                if err is not None:
-                    meta = {} if box["failed_seq"] is None else {"tracestore-failed-sequence": str(box["failed_seq"])}
-                    self._fail(context, "Write", err, meta)
-                if not context.is_active():
-                    break
-            self.metrics.requests.labels("Write", "OK").inc()
-        finally:
-            self.metrics.active_streams.dec()
-            if box["state"] is not None:
-                self.engine.unlisten(box["state"], waker)
-
-    def _idle_while_others_wait(self, box: dict[str, Any], handoff: queue.Queue[Any]) -> bool:
-        """A stream's turn to read is wasted: it has waited READ_TURN_IDLE_S for a message that has not
-        come, everything it took is processed, and other streams wait for a turn."""
-        since = box["reading_since"]
-        return (
-            since is not None
-            and self.turns.waiting > 0
-            and time.monotonic() - since > READ_TURN_IDLE_S
-            and not box["busy"]
-            and handoff.empty()
-        )
+        stream = WriteStream(
+            self.engine, self.shm, self.metrics, self.turns, self.config,
+            who=who, identity=self._identity(who), draining=lambda: self.draining, fail=self._fail,
+        )  # fmt: skip
+        yield from stream.serve(requests, context)
 
     # -- Seal -------------------------------------------------------------------------------------
 
@@ -529,79 +289,11 @@ class TraceStoreService:
     def _read(self, raw: bytes, context: grpc.ServicerContext, reserved: list[int]) -> Iterator[bytes]:
         t0 = time.monotonic()
         try:
-            rows_by_site = self._read_rows(raw, reserved)
+            rows_by_site = self.reads.rows(raw, self._caller(), reserved)
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Read", exc, {})
             return
-        nbytes = 0
-        for site, rows in rows_by_site:
-            n = int(rows.codes.shape[0])
-            cb, sb = int(rows.codes.shape[1]), int(rows.scales.shape[1])
-            per_row = cb + sb + 4 + 4 + 1 + 8
-            step = max(1, READ_SLICE_BYTES // max(per_row, 1))
-            for a in range(0, max(n, 1), step):
-                b = min(n, a + step)
-                if not context.is_active():
-                    return
-                ts = rows.token_scales
-                msg = pb.ReadResponse(
-                    site=site,
-                    row_start=a,
-                    n_rows=b - a,
-                    total_rows=n,
-                    code_bytes=cb,
-                    scale_bytes=sb,
-                    codes=rows.codes[a:b].tobytes(),
-                    scales=rows.scales[a:b].tobytes(),
-                    global_scale=rows.global_scale[a:b].astype("<f4").tobytes(),
-                    token_scales=b"" if ts is None else ts[a:b].astype("<f4").tobytes(),
-                    has_token_scales=ts is not None,
-                    valid=rows.valid[a:b].astype("u1").tobytes(),
-                    policy_version=rows.policy_version[a:b].astype("<i8").tobytes(),
-                )
-                nbytes += (b - a) * per_row
-                yield msg.SerializeToString()
-        self.metrics.read_bytes.inc(nbytes)
-        self.metrics.read_latency.observe(time.monotonic() - t0)
-        self.metrics.requests.labels("Read", "OK").inc()
-
-    def _read_rows(self, raw: bytes, reserved: list[int]) -> list[tuple[str, Any]]:
-        from tracestore.plan import MicrobatchPlan
-        from tracestore.records import validate_id
-        from tracestore.storage.reader import StoreReader
-
-        from .ingest import _decode
-
-        req = _decode(pb.ReadRequest, raw, "Read request")
-        assert isinstance(req, pb.ReadRequest)
-        require_read(self._caller(), req.run)
-        validate_id("run", req.run)
-        spec = self.engine.run_spec(req.run)
-        sites = list(req.sites) or list(spec.site_names)
-        nbytes = read_size(req, spec, sites)  # checks the request; before anything is read or allocated
-        if nbytes > self.config.read_limit_bytes:
-            raise LimitError(
-                f"the read plan needs {nbytes} bytes of output, over this sidecar's limit of "
-                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the memory "
-                "budget holds beside one received message); read fewer tokens or sites at a time"
-            )
-        # (an empty trajectory id is a padding segment: the client sends None that way)
-        plan = MicrobatchPlan([(s.trajectory or None, s.token_start, s.token_end) for s in req.plan])
-        # Read-your-writes: commit what this sidecar holds before reading storage.
-        if not self.engine.flush(self.config.storage_timeout_s):
-            raise StorageError("could not commit pending records before the read (storage is behind); retry")
-        # the output, and the slices of it being serialized and sent
-        reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
-        on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
-        columns = (req.column_start, req.column_end) if req.has_columns else None
-        with self._readers_lock:
-            reader = self._readers.get(req.run)
-            if reader is None:
-                reader = self._readers[req.run] = StoreReader(self.engine.store, req.run)
-        result = reader.read(
-            plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
-        )
-        return [(s, result[s]) for s in sites]
+        yield from self.reads.stream(rows_by_site, context, t0)
 
     # -- Stat -------------------------------------------------------------------------------------
 
@@ -643,120 +335,6 @@ class TraceStoreService:
     def degraded(self) -> list[str]:
         """Why the engine reports itself unhealthy (its fixed set of reasons); empty: healthy."""
         return list(self.engine.degraded())
-
-
-def _claim_unix_socket(path: str) -> None:
-    """Remove a stale socket (one nobody listens on: left over from a crash); refuse one a live
-    server still answers on, and anything at ``path`` that is not a socket (a regular file,
-    directory or symlink there is never removed)."""
-    import socket
-    import stat
-
-    from .shm import file_kind
-
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ConfigError(f"cannot check --unix-socket {path}: {exc.strerror}") from exc
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(
-            f"--unix-socket {path} exists and is {file_kind(st.st_mode)}, not a socket; it is left alone: "
-            "remove it or choose another path"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        try:
-            now = os.lstat(path)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # still the socket checked above
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise ConfigError(f"cannot remove the stale unix socket {path}: {exc.strerror}") from exc
-        return
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot tell whether a server listens on unix socket {path} ({exc.strerror}); remove it or choose "
-            "another --unix-socket"
-        ) from exc
-    finally:
-        probe.close()
-    raise ConfigError(f"unix socket {path} is in use by a running server; choose another --unix-socket")
-
-
-def _socket_access(cfg: ServerConfig) -> tuple[int | None, int]:
-    """The unix socket's group (None: the sidecar's own) and mode, from ``socket_group`` and
-    ``socket_mode``. Other users (the mode's last digit) are never admitted: they would reach
-    every run, and no shared-memory pool could be checked against them (server/shm.py)."""
-    gid = None
-    if cfg.socket_group is not None:
-        name = str(cfg.socket_group)
-        if name.isdigit():
-            gid = int(name)
-        else:
-            import grp
-
-            try:
-                gid = grp.getgrnam(name).gr_gid
-            except KeyError:
-                raise ConfigError(f"socket_group {name!r} (--socket-group) is not a group on this host") from None
-    mode = (0o660 if gid is not None else 0o600) if cfg.socket_mode is None else cfg.socket_mode
-    if not isinstance(mode, int) or mode < 0 or mode & ~0o770:
-        raise ConfigError(
-            f"socket_mode (--socket-mode) must be at most 0770 (nothing for other users), got {mode!r}: admit "
-            "local users through --socket-group"
-        )
-    return gid, mode
-
-
-def _bind_unix_socket(server: grpc.Server, path: str, gid: int | None, mode: int) -> os.stat_result:
-    """Listen on unix socket ``path`` with group ``gid`` and ``mode`` from the first moment anyone
-    can reach it: bound inside a fresh 0700 directory next to ``path``, given its group and mode
-    there, then hard-linked to ``path`` (which never replaces anything that appeared there since
-    :func:`_claim_unix_socket`). Returns the socket's stat."""
-    import tempfile
-
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        private = tempfile.mkdtemp(prefix=".ts-", dir=parent)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on unix socket {path}: {exc}") from exc
-    tmp = os.path.join(private, "s")
-    try:
-        if len(os.fsencode(tmp)) > 107:  # sun_path holds 108 bytes with the NUL
-            raise ConfigError(
-                f"unix socket path {path} is too long: it is bound first as {tmp} ({len(os.fsencode(tmp))} bytes, "
-                "at most 107); choose a shorter --unix-socket"
-            )
-        try:
-            server.add_insecure_port(f"unix:{tmp}")
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on unix socket {path}") from exc
-        try:
-            if gid is not None:
-                os.chown(tmp, -1, gid)
-            os.chmod(tmp, mode)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot give unix socket {path} group {gid} and mode {mode:04o} ({exc.strerror}): the sidecar's "
-                "user must be a member of --socket-group"
-            ) from exc
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise ConfigError(f"{path} appeared while the sidecar bound it; choose another --unix-socket") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on unix socket {path}: {exc.strerror}") from exc
-        return os.lstat(path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        with contextlib.suppress(OSError):
-            os.rmdir(private)
 
 
 class Sidecar:
@@ -838,9 +416,9 @@ class Sidecar:
                 f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
             ) from exc
         if cfg.unix_socket:
-            gid, mode = _socket_access(cfg)
-            _claim_unix_socket(cfg.unix_socket)
-            st = _bind_unix_socket(server, cfg.unix_socket, gid, mode)
+            gid, mode = socket_access(cfg)
+            claim_unix_socket(cfg.unix_socket)
+            st = bind_unix_socket(server, cfg.unix_socket, gid, mode)
             self._socket_id = (st.st_dev, st.st_ino)
             # Pools must be readable by everyone the socket admits (server/shm.py): its group, or
             # only the sidecar's uid
@@ -943,10 +521,7 @@ class Sidecar:
             self._http.server_close()
         sock_id = getattr(self, "_socket_id", None)
         if self.config.unix_socket and sock_id is not None:
-            with contextlib.suppress(OSError):  # only our own socket, not whatever took the path since
-                st = os.lstat(self.config.unix_socket)
-                if (st.st_dev, st.st_ino) == sock_id:
-                    os.unlink(self.config.unix_socket)
+            remove_unix_socket(self.config.unix_socket, sock_id)
         return ok
 
     def wait(self) -> None:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import Engine, OverBudgetError, SequenceError
+from tracestore.server.engine import Engine
 from tracestore.server.ingest import parse_write, wal_parser
+from tracestore.server.memory import OverBudgetError
 from tracestore.server.metrics import Metrics
+from tracestore.server.sessions import SequenceError
 from tracestore.server.testing import SPEC, make_chunk, start_engine, submit_request, write_request
 
 from tracestore.errors import ConflictError, ValidationError
@@ -245,16 +247,16 @@ def test_a_message_waiting_for_room_keeps_its_streams_reservation(tmp_path: Path
         _, msg, parts = parse_write(raw, eng.run_spec, None)
         reserved = msg.nbytes
         with eng._lock:  # what a stream holds once reserve() let it read this message
-            eng._reserved += reserved
+            eng.budget.reserved += reserved
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(_try(lambda: eng.submit(msg, parts, reserved))))
         t.start()
         time.sleep(0.5)  # the message waits for room
         assert t.is_alive(), result
-        assert eng._reserved == reserved  # still counted while it waits
+        assert eng.budget.reserved == reserved  # still counted while it waits
         t.join()
         assert isinstance(result[0], OverBudgetError)  # storage never came back: refused ...
-        assert eng._reserved == 0  # ... and only then given back
+        assert eng.budget.reserved == 0  # ... and only then given back
     finally:
         eng.close()
 
@@ -269,7 +271,7 @@ def _try(fn: object) -> object:
 def test_open_streams_count_against_the_budget(memory_url: str) -> None:
     """Each open Write stream's own memory (its HTTP/2 window and threads) is held against the
     budget while it is open: the stream after the budget is full is refused with a clear error."""
-    from tracestore.server.engine import STREAM_BYTES
+    from tracestore.server.memory import STREAM_BYTES
 
     from tracestore.errors import LimitError
 
@@ -284,21 +286,26 @@ def test_open_streams_count_against_the_budget(memory_url: str) -> None:
         held.append(eng.reserve_stream())  # room again once one ends
         for h in held:
             eng.unreserve(h)
-        assert eng._reserved == 0
+        assert eng.budget.reserved == 0
     finally:
         eng.close()
 
 
 def test_the_engine_parts_do_not_import_the_engine() -> None:
-    """The flusher, the dedupe index and the message format are the engine's parts, reached
-    through narrow interfaces: none imports ``engine.py`` (no import cycle)."""
+    """The writer sessions, the memory accounting, the WAL bookkeeping, the flusher, the dedupe
+    index and the message format are the engine's parts, reached through narrow interfaces: none
+    imports ``engine.py`` (no import cycle)."""
     import ast
 
     import tracestore.server.dedupe
     import tracestore.server.flusher
+    import tracestore.server.journal
+    import tracestore.server.memory
     import tracestore.server.message
+    import tracestore.server.sessions
 
-    for mod in (tracestore.server.dedupe, tracestore.server.flusher, tracestore.server.message):
+    parts = (tracestore.server.sessions, tracestore.server.memory, tracestore.server.journal)
+    for mod in (*parts, tracestore.server.dedupe, tracestore.server.flusher, tracestore.server.message):
         assert mod.__file__ is not None
         tree = ast.parse(Path(mod.__file__).read_text())
         imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]

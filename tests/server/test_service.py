@@ -392,6 +392,6 @@ def test_refused_messages_return_their_reservation(tmp_path: Path) -> None:
             assert acks and acks[-1].durable_sequence == 1
         assert sc.engine is not None and sc.service is not None
         # all but the room kept for gRPC's copy of a message being received
-        wait_for("reservations returned", lambda: sc.engine._reserved == sc.service.copy_room)  # noqa: SLF001
+        wait_for("reservations returned", lambda: sc.engine.budget.reserved == sc.service.copy_room)
     finally:
         sc.stop(5)

@@ -15,7 +15,7 @@ import numpy as np
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.client.staging import StagingPool
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import SHM_HOLD_FRACTION
+from tracestore.server.memory import SHM_HOLD_FRACTION
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
@@ -53,7 +53,7 @@ def _read(url: str, trajs: list[str], n: int) -> dict[str, tuple[np.ndarray, np.
 def _held(sc: Sidecar) -> int:
     assert sc.engine is not None
     with sc.engine._lock:  # noqa: SLF001 - the engine's own accounting, read under its lock
-        return sum(sc.engine._held_bytes.values())  # noqa: SLF001
+        return sum(sc.engine.holds.held.values())
 
 
 def test_held_until_commit_then_released(tmp_path: Path) -> None:

@@ -1,0 +1,154 @@
+"""The Read RPC's side of the service: the size check of a request, a reader per run, the rows
+streamed back.
+
+A Read is sized from its request alone (:func:`read_size`) and refused over the read limit
+(``max_read_bytes``, within the memory budget) before anything is read or allocated; it commits
+what the sidecar holds first (read-your-writes), reserves its output in the engine's memory
+budget, reads storage through one ``StoreReader`` per run (kept between calls: :class:`Reads`
+owns them), and streams the rows in slices of about ``READ_SLICE_BYTES``. The caller must be
+allowed to read the run (``require_read``); the service (``service.py``) takes the call's slot
+and turns errors into status codes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import grpc
+
+from tracestore.errors import LimitError, StorageError, ValidationError
+from tracestore.v1 import tracestore_pb2 as pb
+
+from .auth import Identity, require_read
+from .config import READ_SLICE_BYTES, ServerConfig
+from .engine import Engine
+from .metrics import Metrics
+
+
+def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
+    """Bytes a Read's output takes (per row of each site read: codes and scales of the column range,
+    policy version, global scale, token scale, valid and stale flags), computed from the request
+    alone; raises ValidationError for what no read could serve (undeclared or repeated sites,
+    negative versions, empty or negative token ranges, column ranges outside a site)."""
+    declared = set(spec.site_names)
+    for name in sites:
+        if name not in declared:
+            raise ValidationError(
+                f"run {spec.run} declares no site {name[:200]!r}; expected sites among {sorted(declared)}"
+            )
+    if len(set(sites)) != len(sites):
+        raise ValidationError(f"expected each site once in the Read request, got {sites}")
+    bad = [v for v in req.versions if v < 0]
+    if bad:
+        raise ValidationError(f"expected policy versions >= 0 in the Read request, got {bad[:10]}")
+    tokens = 0
+    for i, seg in enumerate(req.plan):
+        if not 0 <= seg.token_start < seg.token_end:
+            raise ValidationError(
+                f"plan segment {i} ({seg.trajectory[:200]!r}): expected 0 <= token_start < token_end, "
+                f"got [{seg.token_start}, {seg.token_end})"
+            )
+        tokens += seg.token_end - seg.token_start  # a Python int: no overflow, however large
+    nbytes = 0
+    for name in sites:
+        site = spec.site(name)
+        width = site.width
+        if req.has_columns:
+            if not 0 <= req.column_start < req.column_end <= site.width:
+                raise ValidationError(
+                    f"site {name}: expected a column range within [0, {site.width}], got "
+                    f"[{req.column_start}, {req.column_end})"
+                )
+            width = req.column_end - req.column_start
+        row = width * site.bits // 8 + width // site.fmt.block + 8 + 4 + 4 + 1 + 1
+        nbytes += tokens * site.rows_per_token * row
+    return nbytes
+
+
+class Reads:
+    """Read requests over one :class:`Engine`, with the ``StoreReader`` of each run read so far."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self._readers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def rows(self, raw: bytes, who: Identity, reserved: list[int]) -> list[tuple[str, Any]]:
+        """The rows a Read request ``raw`` of caller ``who`` asks for, per site; ``reserved[0]``:
+        the budget reserved for them (the caller gives it back once the stream ends)."""
+        from tracestore.plan import MicrobatchPlan
+        from tracestore.records import validate_id
+        from tracestore.storage.reader import StoreReader
+
+        from .ingest import _decode
+
+        req = _decode(pb.ReadRequest, raw, "Read request")
+        assert isinstance(req, pb.ReadRequest)
+        require_read(who, req.run)
+        validate_id("run", req.run)
+        spec = self.engine.run_spec(req.run)
+        sites = list(req.sites) or list(spec.site_names)
+        nbytes = read_size(req, spec, sites)  # checks the request; before anything is read or allocated
+        if nbytes > self.config.read_limit_bytes:
+            raise LimitError(
+                f"the read plan needs {nbytes} bytes of output, over this sidecar's limit of "
+                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the memory "
+                "budget holds beside one received message); read fewer tokens or sites at a time"
+            )
+        # (an empty trajectory id is a padding segment: the client sends None that way)
+        plan = MicrobatchPlan([(s.trajectory or None, s.token_start, s.token_end) for s in req.plan])
+        # Read-your-writes: commit what this sidecar holds before reading storage.
+        if not self.engine.flush(self.config.storage_timeout_s):
+            raise StorageError("could not commit pending records before the read (storage is behind); retry")
+        # the output, and the slices of it being serialized and sent
+        reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
+        on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
+        columns = (req.column_start, req.column_end) if req.has_columns else None
+        with self._lock:
+            reader = self._readers.get(req.run)
+            if reader is None:
+                reader = self._readers[req.run] = StoreReader(self.engine.store, req.run)
+        result = reader.read(
+            plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
+        )
+        return [(s, result[s]) for s in sites]
+
+    def stream(self, rows_by_site: list[tuple[str, Any]], context: grpc.ServicerContext, t0: float) -> Iterator[bytes]:
+        """Serialized ReadResponse slices of ``rows_by_site`` (a Read that began at ``t0``), while
+        the caller is there to take them."""
+        nbytes = 0
+        for site, rows in rows_by_site:
+            n = int(rows.codes.shape[0])
+            cb, sb = int(rows.codes.shape[1]), int(rows.scales.shape[1])
+            per_row = cb + sb + 4 + 4 + 1 + 8
+            step = max(1, READ_SLICE_BYTES // max(per_row, 1))
+            for a in range(0, max(n, 1), step):
+                b = min(n, a + step)
+                if not context.is_active():
+                    return
+                ts = rows.token_scales
+                msg = pb.ReadResponse(
+                    site=site,
+                    row_start=a,
+                    n_rows=b - a,
+                    total_rows=n,
+                    code_bytes=cb,
+                    scale_bytes=sb,
+                    codes=rows.codes[a:b].tobytes(),
+                    scales=rows.scales[a:b].tobytes(),
+                    global_scale=rows.global_scale[a:b].astype("<f4").tobytes(),
+                    token_scales=b"" if ts is None else ts[a:b].astype("<f4").tobytes(),
+                    has_token_scales=ts is not None,
+                    valid=rows.valid[a:b].astype("u1").tobytes(),
+                    policy_version=rows.policy_version[a:b].astype("<i8").tobytes(),
+                )
+                nbytes += (b - a) * per_row
+                yield msg.SerializeToString()
+        self.metrics.read_bytes.inc(nbytes)
+        self.metrics.read_latency.observe(time.monotonic() - t0)
+        self.metrics.requests.labels("Read", "OK").inc()

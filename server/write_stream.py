@@ -1,0 +1,287 @@
+"""One Write stream of the service, and the turns to read that all Write streams share.
+
+A Write stream (:class:`WriteStream`) runs two threads beside the gRPC one: a receiver takes
+messages off the wire, each only once it holds a turn to read (:class:`ReadTurns`) and has
+reserved room in the engine's memory budget for the largest message gRPC may deliver, and hands
+it on; a consumer parses each message, authorizes its run, decides whether its shared-memory
+payload is held in place or copied, and submits it to the engine. The gRPC thread sends an ack
+whenever the writer's durable (or released) sequence moves, and ends the stream with the first
+error, at shutdown, or when it has waited :data:`READ_TURN_IDLE_S` for a message while other
+streams wait for a turn (in the last two cases once all it sent is durable).
+
+The stream reports errors through the service's ``fail`` (``service.py``: the status code and
+the details the caller may see), which aborts the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tracestore.errors import PermissionDeniedError
+from tracestore.v1 import tracestore_pb2 as pb
+from tracestore.wire import run_spec_from_pb
+
+from .auth import Identity, require_write
+from .config import ServerConfig
+from .engine import Engine
+from .flusher import Waker
+from .ingest import parse_write, scan_write
+from .metrics import Metrics, unguided_reason
+from .sessions import WriterState
+from .shm import ShmPools
+
+# A Write stream that has waited this long for its next message while other streams wait for a turn
+# to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
+READ_TURN_IDLE_S = 2.0
+
+# The service's error report: (context, method, error, trailing metadata); aborts the call.
+Fail = Callable[[grpc.ServicerContext, str, BaseException, dict[str, str]], None]
+
+
+class ReadTurns:
+    """Turns to read a message, first come first served: a Write stream takes one before it asks
+    gRPC for its next message and gives it back once the message has arrived. There are only as
+    many as the memory budget covers at ``max_message_bytes`` each (a message arrives whole, up to
+    that size, once it is asked for), so the streams without one wait with nothing read."""
+
+    def __init__(self, turns: int, on_waiting: Callable[[int], None] | None = None) -> None:
+        self.free = turns
+        self._queue: deque[object] = deque()
+        self._cond = threading.Condition()
+        self._on_waiting = on_waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.25) -> bool:
+        """Wait for a turn (in arrival order); False once ``give_up()`` is true (polled)."""
+        me = object()
+        with self._cond:
+            if self.free > 0 and not self._queue:
+                self.free -= 1
+                return True
+            self._queue.append(me)
+            self._changed()
+            try:
+                while not (self.free > 0 and self._queue[0] is me):
+                    if give_up():
+                        return False
+                    self._cond.wait(poll_s)
+                self.free -= 1
+                return True
+            finally:
+                self._queue.remove(me)
+                self._changed()
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._cond:
+            self.free += 1
+            self._cond.notify_all()
+
+    def _changed(self) -> None:
+        if self._on_waiting is not None:
+            self._on_waiting(len(self._queue))
+
+
+class WriteStream:
+    """The state of one open Write stream: what its two threads share with the gRPC thread (the
+    writer session it acks, its first error, whether the consumer has stopped, whether it is
+    waiting for a message or working on one) and the one-message handoff between them.
+
+    ``who`` is the caller (read in the gRPC thread), ``identity`` the name its writer ids are
+    owned by (None with authentication off); ``draining()`` says the sidecar is shutting down."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        shm: ShmPools,
+        metrics: Metrics,
+        turns: ReadTurns,
+        config: ServerConfig,
+        *,
+        who: Identity,
+        identity: str | None,
+        draining: Callable[[], bool],
+        fail: Fail,
+    ) -> None:
+        self.engine, self.shm, self.metrics, self.turns = engine, shm, metrics, turns
+        self.bound = config.max_message_bytes  # gRPC delivers no bigger message
+        self.who, self.identity = who, identity
+        self.draining, self.fail = draining, fail
+        self.waker = Waker()
+        self.state: WriterState | None = None  # the session of the last message admitted
+        self.epoch: int | None = None  # ... and its epoch
+        self.error: BaseException | None = None  # the first failure: it ends the stream
+        self.failed_seq: int | None = None  # the sequence of the message that failed, if known
+        self.done = False  # the consumer has stopped
+        # when the receiver asked gRPC for the next message (None: not waiting for one),
+        # and whether the consumer is working on a message
+        self.reading_since: float | None = None
+        self.busy = False
+        # Two threads per stream: one takes messages off the wire (after reserving budget for them),
+        # one parses and admits them, so receiving message n+1 overlaps processing message n.
+        self.handoff: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=1)
+        self.may_write: set[str] = set()  # runs this stream's caller was found to be allowed to write
+
+    def run_spec(self, run: str) -> Any:  # every message's run passes here: each is authorized
+        if run not in self.may_write:
+            require_write(self.who, run)
+            self.may_write.add(run)
+        return self.engine.run_spec(run)
+
+    def declare(self, spec: pb.RunSpec) -> None:
+        require_write(self.who, spec.run)
+        self.engine.declare_run(run_spec_from_pb(spec))
+
+    def serve(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The stream's responses (serialized WriteResponse acks); runs in the gRPC thread."""
+        local = context.peer().startswith("unix:")
+        self.metrics.active_streams.inc()
+        threading.Thread(
+            target=self._receive, args=(requests, context), name="tracestore-write-receiver", daemon=True
+        ).start()
+        reader = threading.Thread(target=self._consume, args=(local,), name="tracestore-write-reader", daemon=True)
+        reader.start()
+        sent = (0, 0, 0)
+        try:
+            while True:
+                self.waker.wait(0.25)
+                st, err, done = self.state, self.error, self.done
+                if st is not None:
+                    epoch, durable, received, released = self.engine.progress(st)
+                    if epoch == self.epoch and (epoch, durable, released) != sent and durable > 0:
+                        sent = (epoch, durable, released)
+                        yield pb.WriteResponse(
+                            epoch=epoch, durable_sequence=durable, received_sequence=received,
+                            released_sequence=released,
+                        ).SerializeToString()  # fmt: skip
+                    if (done or self.draining() or self.idle_while_others_wait()) and (
+                        err is None and durable >= received
+                    ):
+                        break  # on shutdown (or to let a waiting stream read): once all it sent is durable
+                elif err is None and (done or self.idle_while_others_wait()):
+                    break
+                if err is not None:
+                    meta = {} if self.failed_seq is None else {"tracestore-failed-sequence": str(self.failed_seq)}
+                    self.fail(context, "Write", err, meta)
+                if not context.is_active():
+                    break
+            self.metrics.requests.labels("Write", "OK").inc()
+        finally:
+            self.metrics.active_streams.dec()
+            if self.state is not None:
+                self.engine.unlisten(self.state, self.waker)
+
+    def _receive(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
+        def give_up_turn() -> bool:
+            return self.error is not None or self.draining() or not context.is_active()
+
+        it = iter(requests)
+        try:
+            while self.error is None:
+                # Once asked for a message, gRPC takes in all of it (flow control opens the window
+                # to its size): ask only with a turn and room in the budget for the largest one.
+                if not self.turns.acquire(give_up_turn):
+                    break
+                try:
+                    reserved = self.engine.reserve(self.bound)
+                    self.reading_since = time.monotonic()
+                    try:
+                        raw = next(it)
+                    except BaseException:
+                        self.engine.unreserve(reserved)
+                        raise
+                finally:
+                    self.reading_since = None
+                    self.turns.release()
+                keep = min(reserved, max(len(raw), 1))  # what the message holds from here on
+                if keep < reserved:
+                    self.engine.unreserve(reserved - keep)
+                self.handoff.put((raw, keep))
+        except StopIteration:
+            pass
+        except grpc.RpcError:
+            pass  # the client went away mid-stream
+        except Exception as exc:  # noqa: BLE001 - over budget / draining before reading
+            if self.error is None:
+                self.error = exc
+        finally:
+            self.handoff.put(None)
+
+    def _consume(self, local: bool) -> None:
+        shm = self.shm.view if local else None
+        try:
+            while True:
+                self.busy = False
+                item = self.handoff.get()
+                self.busy = True
+                if item is None:
+                    break
+                raw, reserved = item
+                if self.error is not None:
+                    self.engine.unreserve(reserved)
+                    continue
+                seq = None
+                reserved_left = reserved  # until submit() takes the reservation over
+                try:
+                    req, msg, wal_parts = parse_write(
+                        raw, self.run_spec, shm, path="shm" if local else "grpc", declare=self.declare
+                    )  # fmt: skip
+                    seq = req.sequence
+                    hold = None
+                    if msg.shm_chunks and self.engine.wal is not None:
+                        # Durable at the WAL fsync, before its shard is written: a writer that keeps
+                        # its regions until released is read in place, any other gets a copy now.
+                        if req.keeps_staging:
+                            hold = (req.shm_pool, self.shm.capacity(req.shm_pool))
+                        else:
+                            msg.own_shm()
+                    for u in req.unguided:
+                        self.metrics.unguided_trajectories.labels(unguided_reason(u.reason)).inc(u.count)
+                    reserved_left = 0
+                    st, _dup = self.engine.submit(msg, wal_parts, reserved, hold, self.identity)
+                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                    # A message refused before submit gives its reservation back (else each
+                    # malformed message shrank the budget of every stream for good)
+                    if reserved_left:
+                        self.engine.unreserve(reserved_left)
+                    if seq is None and isinstance(exc, PermissionDeniedError):
+                        # named, so that the writer drops that message rather than resend it
+                        with contextlib.suppress(Exception):
+                            seq = scan_write(raw)[0].sequence or None
+                    if self.error is None:
+                        self.error, self.failed_seq = exc, seq
+                    self.waker.wake()
+                    continue  # drain the handoff (releasing reservations) until the receiver stops
+                if self.state is not st:
+                    if self.state is not None:
+                        self.engine.unlisten(self.state, self.waker)
+                    self.state = st
+                    self.engine.listen(st, self.waker)
+                self.epoch = msg.epoch
+                self.waker.wake()
+        finally:
+            self.done = True
+            self.waker.wake()
+
+    def idle_while_others_wait(self) -> bool:
+        """This stream's turn to read is wasted: it has waited READ_TURN_IDLE_S for a message that
+        has not come, everything it took is processed, and other streams wait for a turn."""
+        since = self.reading_since
+        return (
+            since is not None
+            and self.turns.waiting > 0
+            and time.monotonic() - since > READ_TURN_IDLE_S
+            and not self.busy
+            and self.handoff.empty()
+        )
