@@ -16,7 +16,8 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
    timed with ``perf_counter`` after the step's kernels; between calls the engine thread sleeps
    ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
 2. ``decode``: a decode loop replaying one CUDA graph per step (the 40-layer MoE step of
-   bench_kernels, and a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads), without
+   bench_kernels, a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads, and a light
+   one: hidden 2048, FFN 8192, 16/4 heads), without
    records, with the 20 record kernels only, and with record kernels + ``SlabStage.capture()`` in
    the graph and ``commit`` after each replay (staging copies on the side stream). Overhead =
    (loop time per step with recording - without) / without, CUDA events around the loop. Before
@@ -190,13 +191,17 @@ class MoEStep:
 
 class DenseStep:
     """A 24-layer dense decode step: hidden 4096, FFN 14336 (SwiGLU), GQA 32 query / 8 K/V heads of
-    128 (weights streamed as in decode); records on the MLP input of the last 20 layers."""
+    128 (weights streamed as in decode); records on the MLP input of the last 20 layers. The light
+    step (``light=True``): hidden 2048, FFN 8192, 16 / 4 heads of 128 (a ~1.5B model; about 1.3 ms
+    per step at batch 256 on an H200), where the recording's fixed costs weigh most."""
 
     layers, hidden, inter, kv = 24, 4096, 14336, 1024
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, light: bool = False) -> None:
         dev, dt = "cuda", torch.bfloat16
         torch.manual_seed(0)
+        if light:
+            self.hidden, self.inter, self.kv = 2048, 8192, 512
         L, H, Fi = self.layers, self.hidden, self.inter
         self.w_qkv = [torch.randn(H, H + 2 * self.kv, device=dev, dtype=dt) * 0.02 for _ in range(L)]
         self.w_o = [torch.randn(H, H, device=dev, dtype=dt) * 0.02 for _ in range(L)]
@@ -393,7 +398,7 @@ def main() -> None:
     ap.add_argument("--train-len", type=int, default=1024)
     ap.add_argument("--train-reps", type=int, default=8)
     ap.add_argument("--train-block", type=int, default=3)
-    ap.add_argument("--only", default="host,moe,dense,train")
+    ap.add_argument("--only", default="host,moe,dense,light,train")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -405,6 +410,7 @@ def main() -> None:
         ("host", lambda: host_time(args, rows)),
         ("moe", lambda: decode_loop("moe40", MoEStep(args.batch), args, rows)),
         ("dense", lambda: decode_loop("dense24", DenseStep(args.batch), args, rows)),
+        ("light", lambda: decode_loop("dense24-light", DenseStep(args.batch, light=True), args, rows)),
         ("train", lambda: train_step(args, rows)),
     ):
         if part in only:

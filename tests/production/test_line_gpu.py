@@ -174,7 +174,9 @@ def test_deferred_commit_raises_a_malformed_step_at_the_next_call(tmp_path) -> N
     rec = RolloutRecorder("unix:" + str(tmp_path / "none.sock"), spec, writer="bad-0", connect=False)
     try:
         stage = rec.slab_stage(slab)
-        record_from_activations(torch.randn(4, 64, device="cuda"), spec.sites[0], slab[spec.sites[0].name], 0.01)
+        record_from_activations(
+            torch.randn(4, 64, device="cuda"), spec.sites[0], slab[spec.sites[0].name], global_scale=0.01
+        )
         stage.capture()
         assert stage.commit([("a", 0, 9)])  # 9 rows: accepted now, refused by the stager
         for _ in range(1000):
