@@ -240,6 +240,7 @@ class RolloutRecorder:
         self._staged_size: dict[tuple[int, int], int] = {}  # staged bytes per (slab plan, rows)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
+        self._stage_lock = threading.Lock()  # held while a stage queues deferred copies
         if connect:
             self._session.start()
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError, ShapeError, TraceStoreError
+from tracestore.errors import ConfigError, ShapeError
 
 from ._cuda import DriverEvent
 
@@ -122,7 +122,7 @@ class SlabStage:
     never rewritten before its copy was queued and ordered. ``commit`` then returns True once the
     step is accepted: a step refused later for lack of staging marks its trajectories unguided
     (as ``record_slab``'s refusal does), and malformed segments are raised by the next
-    ``commit``, ``finish`` or ``flush`` (a :class:`TraceStoreError` naming the step). Without
+    ``commit``, ``finish`` or ``flush`` (the error met, its message naming the step). Without
     the driver binding (torch's copies) or with ``deferred=False``, ``commit`` does all of it
     itself and returns whether the step was queued.
 
@@ -175,10 +175,10 @@ class SlabStage:
         # only once its copy and the slot's event are issued (the commit reads len() without a lock)
         self._deferred: bool | None = None if deferred and getattr(self.slot, "is_cuda", False) else False
         self._todo: deque[tuple[int, Any, int, DriverEvent]] = deque()
-        self._issue = threading.Lock()
+        self._issue = recorder._stage_lock  # one per recorder: its stages' copies are queued one at a time
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._error: TraceStoreError | None = None
+        self._error: Exception | None = None
         self._steps = 0  # commits so far (named in a deferred error)
         recorder._stages.append(self)
 
@@ -256,7 +256,7 @@ class SlabStage:
                     _, ev = self.recorder._queue_slabs(segments, self.slabs, None, version, views, False, ready)
                     if ev is not None:
                         self._events[k] = self._slot_event(ev, k)
-                except TraceStoreError as exc:  # the caller's segments: raised at its next call
+                except Exception as exc:  # noqa: BLE001 - e.g. the caller's segments: raised at its next call
                     self._error = _named(exc, f"slab stage commit {self._steps - len(todo) + 1}")
                     log.warning("recorder %s: %s", self.recorder.writer, self._error)
                     self._unguide(segments)
@@ -298,11 +298,11 @@ class SlabStage:
         return self._slot_events[k]
 
 
-def _named(exc: TraceStoreError, where: str) -> TraceStoreError:
+def _named(exc: Exception, where: str) -> Exception:
     """``exc`` with ``where`` in front of its message (the same class where it takes a message)."""
     try:
         named = type(exc)(f"{where}: {exc}")
-    except TypeError:
+    except Exception:  # noqa: BLE001 - a class that does not take a message
         return exc
     named.__cause__ = exc
     return named
