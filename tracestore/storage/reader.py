@@ -269,6 +269,17 @@ def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
 
 
+def _disjoint(cands: list[tuple[Manifest, ChunkEntry]]) -> bool:
+    """Candidates (sorted newest version first, then by token start) of one version that do not
+    overlap: each is read as a whole, and nothing is compared."""
+    end = -1
+    for m, e in cands:
+        if m.policy_version != cands[0][0].policy_version or e.token_start < end:
+            return False
+        end = e.token_start + e.n_tokens
+    return True
+
+
 class StoreReader:
     """Reads one run of a :class:`~tracestore.storage.store.Store` aligned to microbatch plans.
 
@@ -483,12 +494,12 @@ class StoreReader:
                         for m, e in self._by_traj.get((owner, s.name), ())
                         if m.policy_version in vs and e.token_start < hi and e.token_end > lo
                     ]
-                    if len(cands) == 1:  # the common case: one chunk holds the whole range
-                        m, e = cands[0]
-                        a, b = max(lo, e.token_start), min(hi, e.token_end)
-                        tasks[s.name].append(_Task(e, m, a, b, base + a, False))
-                        continue
                     cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
+                    if _disjoint(cands):  # the common case: one version's chunks, none overlapping
+                        for m, e in cands:
+                            a, b = max(lo, e.token_start), min(hi, e.token_end)
+                            tasks[s.name].append(_Task(e, m, a, b, base + a, False))
+                        continue
                     filled = np.full(hi - lo, -1, dtype=np.int64)
                     for m, e in cands:
                         a, b = max(lo, e.token_start), min(hi, e.token_end)
@@ -515,41 +526,46 @@ class StoreReader:
             out = output_arrays(_pool_bytes(size), layout, sections)
         outs = {s.name: _SiteOut(s, col[s.name], *checked_out(s, n, cb, sb, out), hold_gil)
                 for s, n, cb, sb in layout}  # fmt: skip
-        # 3. fetch the chunks; each verified batch is placed by the thread that decoded it, while
-        # the next batch decodes (rows of different tasks never overlap: see the planning above)
-        needed: dict[str, tuple[Manifest, dict[ChunkEntry, None]]] = {}
-        places: dict[tuple[str, ChunkEntry], list[tuple[_SiteOut, _Task]]] = {}
+        # 3. fetch the chunks; each verified chunk is placed by the thread that decoded it, while
+        # other batches decode (rows of different tasks never overlap: see the planning above).
+        # Bookkeeping by entry identity: a ChunkEntry's hash walks all its fields.
+        needed: dict[str, tuple[Manifest, dict[int, ChunkEntry]]] = {}
+        places: dict[int, list[tuple[_SiteOut, _Task]]] = {}
+        compared: set[int] = set()  # entries a same-version overlap is compared with, kept when read
+        loaded: dict[int, StoredChunk] = {}
         for name, tl in tasks.items():
             for t in tl:
                 if t.manifest.shard is None:
                     raise CorruptionError(f"manifest of {t.manifest.writer}/{t.manifest.seq} lists chunks but no shard")
-                needed.setdefault(t.manifest.shard, (t.manifest, {}))[1][t.entry] = None
-                places.setdefault((t.manifest.shard, t.entry), []).append((outs[name], t))
-        loaded: dict[tuple[str, ChunkEntry], StoredChunk] = {}
+                needed.setdefault(t.manifest.shard, (t.manifest, {}))[1][id(t.entry)] = t.entry
+                if t.compare:
+                    compared.add(id(t.entry))
+                else:
+                    places.setdefault(id(t.entry), []).append((outs[name], t))
 
-        def place(path: str, chunks: list[StoredChunk]) -> None:
-            for c in chunks:
-                for out, t in places[(path, c.entry)]:
-                    if not t.compare:
-                        out.place(t, c)
+        def place(c: StoredChunk) -> None:
+            key = id(c.entry)
+            for site_out, t in places.get(key, ()):
+                site_out.place(t, c)
+            if key in compared:
+                loaded[key] = c
 
         jobs = sorted(needed.items())
         if len(jobs) == 1:  # one shard: no hand-off to the reader's pool (a fresh reader starts no thread)
             path, (m, es) = jobs[0]
-            for e, chunk in self._load(path, m, list(es), stats, place, hold_gil).items():
-                loaded[(path, e)] = chunk
+            self._load(path, m, list(es.values()), stats, place, hold_gil)
         else:
-            futs = {
-                path: self._pool.submit(self._load, path, m, list(es), stats, place, hold_gil) for path, (m, es) in jobs
-            }
-            for path, fut in futs.items():
-                for e, chunk in fut.result().items():
-                    loaded[(path, e)] = chunk
+            futs = [
+                self._pool.submit(self._load, path, m, list(es.values()), stats, place, hold_gil)
+                for path, (m, es) in jobs
+            ]
+            for fut in futs:
+                fut.result()
         # 4. same-version overlaps are compared once everything is in place; then finish each site
         for name, tl in tasks.items():
             for t in tl:
                 if t.compare:
-                    outs[name].compare(t, loaded[(t.manifest.shard or "", t.entry)], self.run)
+                    outs[name].compare(t, loaded[id(t.entry)], self.run)
         rows: dict[str, SiteRows] = {}
         missing: list[str] = []
         for s in site_specs:
@@ -568,16 +584,13 @@ class StoreReader:
         m: Manifest,
         entries: list[ChunkEntry],
         stats: ReadStats,
-        on_batch: Callable[[str, list[StoredChunk]], None],
+        on_chunk: Callable[[StoredChunk], None],
         hold_gil: bool = False,
-    ) -> dict[ChunkEntry, StoredChunk]:
+    ) -> None:
         storage = self.store.storage
         where = f"{self.store.url}/{path}"
 
-        def batch_done(chunks: list[StoredChunk]) -> None:
-            on_batch(path, chunks)
-
-        def _op() -> tuple[dict[ChunkEntry, StoredChunk], int]:
+        def _op() -> int:
             footer = self.store.cached_footer(m)
             f, shared = _open_ranged(storage, path)
             try:
@@ -591,7 +604,7 @@ class StoreReader:
                     pf = open_parquet(f, where, footer)
                     # over a file several threads may read, batches of row groups decode concurrently
                     source = (lambda meta: pf if meta is None else open_parquet(f, where, meta)) if shared else pf
-                    out = read_chunks(source, m, entries, where, on_batch=batch_done, hold_gil=hold_gil)
+                    read_chunks(source, m, entries, where, on_chunk, hold_gil=hold_gil)
                 except CorruptionError:
                     if isinstance(f, CountingFile) and f.io_error is not None:  # the storage failed, not the bytes
                         raise f.io_error from None
@@ -599,13 +612,13 @@ class StoreReader:
                 if footer is None:
                     self.store.keep_footer(m, pf.metadata)
                 if isinstance(f, CountingFile):
-                    return out, f.bytes_read
-                return out, _fetched_bytes(pf.metadata, entries, footer is None)
+                    return f.bytes_read
+                return _fetched_bytes(pf.metadata, entries, footer is None)
             finally:
                 f.close()
 
         try:
-            out, nbytes = storage.call(f"read {path}", _op)
+            nbytes = storage.call(f"read {path}", _op)
         except NotFoundError:
             raise NotFoundError(f"shard {where} listed in a manifest is gone (deleted by retention?)") from None
         with self._stats_lock:
@@ -614,7 +627,6 @@ class StoreReader:
             stats.chunks += len(entries)
             stats.bytes_read += nbytes
         storage.count_read(nbytes)
-        return out
 
     def _check_missing(
         self, plan: MicrobatchPlan, s: SiteSpec, rows: SiteRows, vs: set[int], stats: ReadStats, out: list[str]

@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,8 @@ import pyarrow.parquet as pq
 
 from tracestore.checksum import crc32_held
 from tracestore.errors import CorruptionError
-from tracestore.records import _CHECKSUM_TAG, RecordChunk, chunk_checksum_parts, crc32, crc32_combine
-from tracestore.storage.arrow import CHUNK_SCHEMA, KEY_COLUMNS, SCHEMA_VERSION, chunk_from_parts, schema_version_of
+from tracestore.records import _CHECKSUM_TAG, chunk_checksum_parts, crc32, crc32_combine
+from tracestore.storage.arrow import CHUNK_SCHEMA, SCHEMA_VERSION, schema_version_of
 from tracestore.storage.manifest import ChunkEntry, Manifest, ManifestColumns
 
 
@@ -71,11 +72,14 @@ class StoredChunk:
 # chunk's checksum is recomputed over the manifest's key together with the stored bytes and
 # compared with the manifest's (a row holding another key or other bytes cannot match); skipping
 # them saves 8 column chunks per row group (the stored checksum alone: ~10 of ~160 ms CPU per
-# 192 MiB GuidanceReader read of sidecar shards). Full validation (``keys=True``) reads them all.
+# 192 MiB GuidanceReader read of sidecar shards). Full validation (:func:`verify_shard`) reads them all.
 DATA_COLUMNS = ["global_scale", "codes", "scales", "token_scales"]
-# Row groups decode in batches of about this size on the worker pool, each verified and placed
-# as it lands (a 30 MB plan read: 4 batches; 8 and 16 MiB measured alike, 24 vs 25 ms median).
-READ_BATCH_BYTES = 8 << 20
+# Row groups decode in batches of about this size on the worker pool, each chunk verified and
+# placed as it lands. Small batches are still in the CPU cache when their chunks are hashed and
+# copied: on the 2-core bench box (shared with other work), 8 MiB batches against about one row
+# group each (1.5 MiB groups) took 22.7 / 25.6 ms of process CPU against 21.4 / 24.2 per 30 MB plan
+# read (two runs of 60, interleaved), and 138 against 118 ms per 180 MiB read of two shards.
+READ_BATCH_BYTES = 2 << 20
 # Arrow's column threads as well: page decoding and page-CRC verification run in Arrow's C++
 # without the GIL, so a batch's columns decode in parallel while the batches' Python (chunk CRCs,
 # placing) takes turns on the GIL. Measured on the 2-core bench box, a 30 MB plan read (20 row
@@ -89,26 +93,25 @@ def read_chunks(
     manifest: Manifest,
     entries: Sequence[ChunkEntry],
     where: str,
+    on_chunk: Callable[[StoredChunk], None],
     *,
-    on_batch: Callable[[list[StoredChunk]], None] | None = None,
-    keys: bool = False,
     hold_gil: bool = False,
-) -> dict[ChunkEntry, StoredChunk]:
-    """Read the row groups holding ``entries``; return their chunks, each verified.
+) -> None:
+    """Read the row groups holding ``entries`` and hand each chunk, verified, to ``on_chunk``.
 
     Every chunk's checksum is recomputed (:func:`tracestore.records.chunk_checksum`) over the
     manifest's key and the stored bytes and must equal the manifest's value, so a flipped byte,
     a truncated file or another shard's file in this place raises :class:`CorruptionError`
     naming the shard and the chunk. Parquet page checksums are verified by Arrow's decoder
-    (:func:`open_parquet`). ``keys=True`` also decodes the key columns and the stored checksum
-    and compares them with the manifest (full validation, ``tracestore inspect``).
+    (:func:`open_parquet`).
 
     ``source`` is a ParquetFile (batches decode one after another on it) or a function
     ``open(footer_or_None)`` that opens one over a thread-safe file such as a memory map (batches
-    of ~:data:`READ_BATCH_BYTES` then decode concurrently on the worker pool). ``on_batch(chunks)``
-    is called with each verified batch as soon as it is verified, in the thread that decoded it
-    (with a function ``source``, several batches may be handed over at once from different
-    threads: ``on_batch`` must be thread-safe), so a caller can place rows as they land.
+    of ~:data:`READ_BATCH_BYTES` then decode concurrently on the worker pool). ``on_chunk(chunk)``
+    is called in the thread that decoded the chunk, right after its checksum matched (while its
+    bytes are still in the CPU cache), so a caller can place rows as they land; with a function
+    ``source`` several threads call it at once (it must be thread-safe). The chunk's arrays are
+    views into the decoded batch: a caller that keeps a chunk keeps its batch's memory.
 
     ``hold_gil``: the chunk CRCs of up to 1 MiB keep the GIL (for a read in a background
     thread beside a thread that is busy in Python; see :func:`tracestore.storage.reader._copy_held`).
@@ -117,7 +120,7 @@ def read_chunks(
     for e in entries:
         by_group.setdefault(e.row_group, []).append(e)
     if not by_group:
-        return {}
+        return
     pf = source if isinstance(source, pq.ParquetFile) else source(None)
     version = schema_version_of(pf.schema_arrow)
     if version != SCHEMA_VERSION:
@@ -146,60 +149,49 @@ def read_chunks(
         batches[-1].append(g)
         acc += n
 
-    def decode(batch: list[int], bpf: pq.ParquetFile) -> list[StoredChunk]:
-        entries_of = [e for g in batch for e in by_group[g]]
-        return _read_batch(bpf, manifest, batch, entries_of, where, keys, hold_gil)
+    def decode(batch: list[int], bpf: pq.ParquetFile) -> None:
+        _read_batch(bpf, manifest, batch, [e for g in batch for e in by_group[g]], where, on_chunk, hold_gil)
 
-    def done(chunks: list[StoredChunk]) -> list[StoredChunk]:
-        if on_batch is not None:
-            on_batch(chunks)
-        return chunks
-
-    results: list[list[StoredChunk]] = []
     if isinstance(source, pq.ParquetFile) or len(batches) == 1:
-        results = [done(decode(batch, pf)) for batch in batches]
-    else:
-        meta = pf.metadata
-        opener = source
+        for batch in batches:
+            decode(batch, pf)
+        return
+    meta = pf.metadata
+    opener = source
+    # The calling thread and up to VERIFY_WORKERS pool threads take the batches in order, each the
+    # next one nobody took, until none is left; each decodes, verifies and places its batches
+    # itself. Placing is mostly numpy copies, which release the GIL, so it runs on every core
+    # instead of queuing behind the calling thread while the workers wait (placing in the calling
+    # thread only: bench_ingest --only read, 7 runs of 3 reps each, alternated, ratio to raw Parquet
+    # median 0.826 / mean 0.80; placing in the workers: 0.839 / 0.87, on a 2-core box whose runs
+    # vary 0.65-0.92 on their own).
+    todo = iter(batches)
+    lock = threading.Lock()
+    stop = threading.Event()  # set when a batch failed, or the read is over
 
-        def decode_own(batch: list[int]) -> list[StoredChunk]:
-            return done(decode(batch, opener(meta)))
+    def drain(bpf: pq.ParquetFile | None) -> None:
+        while True:
+            with lock:
+                batch = None if stop.is_set() else next(todo, None)
+            if batch is None:
+                return
+            if bpf is None:
+                bpf = opener(meta)
+            try:
+                decode(batch, bpf)
+            except BaseException:
+                stop.set()
+                raise
 
-        # Each worker decodes, verifies and hands its batch to on_batch itself; the calling thread
-        # does the same with the first batch. Placing is mostly numpy copies, which release the
-        # GIL, so it runs on every core instead of queuing behind the calling thread while the
-        # workers wait (placing in the calling thread only: bench_ingest --only read, 7 runs of
-        # 3 reps each, alternated, ratio to raw Parquet median 0.826 / mean 0.80; placing in the
-        # workers: 0.839 / 0.87, on a 2-core box whose runs vary 0.65-0.92 on their own).
-        futures = [worker_pool().submit(decode_own, batch) for batch in batches[1:]]
-        try:
-            results = [done(decode(batches[0], pf))] + [f.result() for f in futures]
-        finally:
-            for f in futures:
-                f.cancel()
-    return {c.entry: c for batch in results for c in batch}
-
-
-def read_entries(
-    pf: pq.ParquetFile, manifest: Manifest, entries: Sequence[ChunkEntry], where: str
-) -> dict[ChunkEntry, RecordChunk]:
-    """Read and fully validate ``entries`` (key columns too) as :class:`RecordChunk` objects."""
-    out = {}
-    for e, c in read_chunks(pf, manifest, entries, where, keys=True).items():
-        key = {
-            "run": manifest.run,
-            "policy_version": manifest.policy_version,
-            "trajectory": e.trajectory,
-            "site": e.site,
-            "token_start": e.token_start,
-            "n_tokens": e.n_tokens,
-            "n_rows": e.n_rows,
-        }
-        ts = None if c.token_scales is None else c.token_scales.view(np.uint8)
-        out[e] = chunk_from_parts(
-            key, c.global_scale, e.checksum, c.codes.reshape(-1), c.scales.reshape(-1), ts, verify=False, where=where
-        )
-    return out
+    futures = [worker_pool().submit(drain, None) for _ in range(min(VERIFY_WORKERS, len(batches) - 1))]
+    try:
+        drain(pf)
+        for f in futures:
+            f.result()
+    finally:
+        stop.set()
+        for f in futures:
+            f.cancel()
 
 
 def _byte_views(col: pa.ChunkedArray) -> list[np.ndarray | None]:
@@ -219,10 +211,6 @@ def _byte_views(col: pa.ChunkedArray) -> list[np.ndarray | None]:
     return out
 
 
-def _columns(keys: bool) -> list[str]:
-    return list(CHUNK_SCHEMA.names) if keys else DATA_COLUMNS
-
-
 def _chunk_desc(e: ChunkEntry) -> str:
     return f"chunk (trajectory {e.trajectory}, site {e.site}, tokens [{e.token_start}, {e.token_end}))"
 
@@ -238,12 +226,12 @@ def _read_batch(
     groups: list[int],
     entries: list[ChunkEntry],
     where: str,
-    keys: bool,
+    on_chunk: Callable[[StoredChunk], None],
     hold_gil: bool = False,
-) -> list[StoredChunk]:
-    """Decode some row groups and verify every wanted chunk (see :func:`read_chunks`)."""
+) -> None:
+    """Decode some row groups, verify every wanted chunk and hand it on (see :func:`read_chunks`)."""
     try:
-        table = pf.read_row_groups(groups, columns=_columns(keys), use_threads=DECODE_THREADS)
+        table = pf.read_row_groups(groups, columns=DATA_COLUMNS, use_threads=DECODE_THREADS)
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise CorruptionError(
             f"shard {where}: row groups {groups} holding {_describe(entries)} fail to decode: {exc}"
@@ -255,27 +243,14 @@ def _read_batch(
         row += manifest.row_groups[g]
     if table.num_rows != row:
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
-    g_col = table.column("global_scale").to_numpy()
-    crc = table.column("checksum").to_numpy() if "checksum" in table.column_names else None
+    gs_all = table.column("global_scale").to_numpy().tolist()
     codes, scales, tscales = (_byte_views(table.column(n)) for n in ("codes", "scales", "token_scales"))
-    key_cols = {n: table.column(n).to_pylist() for n in KEY_COLUMNS} if keys else {}
-    out = []
     run, version = manifest.run, manifest.policy_version
-    gs_all = g_col.tolist()
+    crc_fn = crc32_held if hold_gil else None
     # per chunk only what the checks need (this loop holds the GIL while the other decode
     # workers wait for it): the parts are contiguous 1-D views, hashed as they lie
     for e in entries:
         j = base[e.row_group] + e.row
-        if keys or crc is not None:
-            expect = (run, version, e.trajectory, e.site, e.token_start, e.n_tokens, e.n_rows)
-            got = tuple(key_cols[k][j] for k in KEY_COLUMNS) if keys else expect
-            stored = e.checksum if crc is None else int(crc[j])  # read in full validation only
-            if got != expect or stored != e.checksum:
-                raise CorruptionError(
-                    f"shard {where}: {_chunk_desc(e)} in row group {e.row_group} row {e.row} holds "
-                    f"{got[2:5] if keys else 'another chunk'} (checksum {stored:#010x}, manifest "
-                    f"{e.checksum:#010x}): wrong file in place?"
-                )
         c, s, ts = codes[j], scales[j], tscales[j]
         n = e.n_rows
         if c is None or s is None or c.size % n or s.size % n or (ts is not None and ts.size != 4 * n):
@@ -284,17 +259,14 @@ def _read_batch(
         gs = gs_all[j]
         actual = chunk_checksum_parts(
             run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, [c], [s], gs,
-            None if ts is None else [ts], crc_fn=crc32_held if hold_gil else None,
+            None if ts is None else [ts], crc_fn=crc_fn,
         )  # fmt: skip
-        c2, s2 = c.reshape(n, cb), s.reshape(n, sb)
-        t4 = None if ts is None else ts.view("<f4")
         if actual != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {_chunk_desc(e)}: checksum mismatch "
                 f"(stored {e.checksum:#010x}, computed {actual:#010x})"
             )
-        out.append(StoredChunk(e, c2, s2, gs, t4))
-    return out
+        on_chunk(StoredChunk(e, c.reshape(n, cb), s.reshape(n, sb), gs, None if ts is None else ts.view("<f4")))
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
