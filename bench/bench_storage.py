@@ -29,14 +29,23 @@ carries the machine's 1-minute load average and CPU pressure measured before its
   and fsync (the equal-work baseline); also our encoder into a null sink, ``torch.save`` of one
   file per trajectory (what a user would write without tracestore), and the shard published from
   memory (``write_shard`` on ``memory://``, the path S3 takes) vs raw ``write_table`` into a
-  ``BufferOutputStream`` and its bytes (what an upload needs);
+  ``BufferOutputStream`` and its bytes (what an upload needs). ``ours`` rows are the default
+  ``Store``, which writes this shard as two files side by side on a machine with 2+ cores (column
+  ``files``); the ``one file`` rows are ``Store(shard_files=1)`` in the same run;
 - ``read-plan``: ``StoreReader.read`` of a microbatch plan (2 of the step's trajectories, all sites,
   page and chunk checksums verified, aligned arrays; a fresh reader and a long-lived one with cached
   manifests and footers) vs the original baseline, a raw pyarrow ``read_row_groups`` of the same row
   groups (defaults); also raw with Arrow's page checksum verification (the equal-work baseline),
   raw tuned like our reader (memory map, data columns, page checksums; no chunk checksums, no
   aligned output), ``torch.load`` of those trajectories' files; plus a pipeline-stage +
-  tensor-parallel read (half the sites, half the columns) with the bytes it fetched;
+  tensor-parallel read (half the sites, half the columns) with the bytes it fetched; the reads use
+  a one-file shard, and a cold ``StoreReader.read`` of the same chunks written as two files has a
+  row of its own;
+- ``split``: one file vs two files side by side (``Store(shard_files=1|2)``, split whatever the
+  size), on local disk and ``memory://``, interleaved, per shard shape: 8 trajectories of 256 to
+  2048 tokens in 512-token chunks (15-120 MiB), 60 MiB in 64- and 128-token chunks, and a decode
+  shard of one-token chunks; ``one_file_over_this`` = one-file median / this median (where the
+  default thresholds of ``Store`` come from);
 - ``footprint``: bytes on storage per token (shard + manifest) vs the 7,680 B target (+1%);
 - ``compression``: per-column codec alternatives (size ratio, encode and decode throughput);
 - ``validate``: ``validate_version`` (what ``tracestore inspect --validate`` runs per version:
@@ -48,7 +57,7 @@ carries the machine's 1-minute load average and CPU pressure measured before its
   sites per step, ~300k chunks per 120 MB shard) and prefill shards (the write case's 512-token
   chunks). ``cpu_ms`` there adds the worker processes' CPU.
 
-Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5] [--cases validate]``
+Run: ``python bench/bench_storage.py [--trajectories 8] [--tokens 2048] [--repeat 5] [--cases write,split]``
 (``--quick``: a small write/read case only, a check that the bench runs); prints the machine and
 tables and appends rows to ``bench/results/bench_storage.jsonl``. The bench imports the storage
 modules of whichever tracestore is importable, so the same file measures an older tree too
@@ -250,6 +259,36 @@ def _rows(case: str, times: dict[str, tuple[list[float], list[float]]], ours: st
 
 
 WRITE_OURS, READ_OURS = "ours write_shard (durable)", "ours StoreReader.read (cold reader)"
+WRITE_ONE_FILE = "ours write_shard (durable), one file"
+READ_SPLIT = "ours StoreReader.read (cold reader), two-file shard"
+
+
+def store_with(url: str, **kw: Any) -> Store | None:
+    """A Store with two-file options (``shard_files``...), its run declared; None on a tree from
+    before them (the bench measures older trees too)."""
+    try:
+        st = Store(url, **kw)
+    except TypeError:
+        return None
+    st.put_run(SPEC)
+    return st
+
+
+def info_paths(info: Any) -> list[str]:
+    """Every file a write_shard published: its Parquet file(s) and manifest(s)."""
+    parts = getattr(info, "parts", ()) or (info,)
+    return [p for part in parts for p in (part.path, part.manifest_path) if p]
+
+
+def shard_files_of(store: Store, chunks: list[RecordChunk]) -> int:
+    """How many files ``store`` writes ``chunks`` as (1 on a tree without two-file shards)."""
+    if not hasattr(store, "shard_files"):
+        return 1
+    payload = sum(c.nbytes for c in chunks)
+    big = payload >= store.split_min_bytes and payload >= store.split_min_chunk_bytes * len(chunks)
+    return store.shard_files if big and len({c.trajectory for c in chunks}) > 1 else 1
+
+
 WRITE_BASELINE = "raw pq.write_table, our codecs + page crc + fsync"
 READ_BASELINE = "raw pq read_row_groups + page crc"
 TARGET = 0.8
@@ -289,8 +328,9 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     table = chunks_to_table(chunks)
     rows: list[dict[str, Any]] = []
     url = f"file://{workdir}/store"
-    store = Store(url)
+    store = Store(url)  # the default: two files side by side for this shard on 2+ cores (case split)
     store.put_run(SPEC)
+    one_file = store_with(url, shard_files=1)  # None on a tree from before two-file shards
     (workdir / "store" / SPEC.run / "v0" / "w0").mkdir(parents=True)  # exists on a running sidecar
     by_traj: dict[str, list[RecordChunk]] = {}
     for c in chunks:
@@ -335,12 +375,14 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             os.fsync(fh.fileno())
         written.append(path)
 
-    def ours() -> None:  # a sidecar's successive shards land in its existing writer directory
-        last["info"] = store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
-        written.extend(workdir / "store" / p for p in (last["info"].path, last["info"].manifest_path))
+    def ours(st: Store = store) -> None:  # a sidecar's successive shards land in its existing writer directory
+        last["info"] = st.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
+        written.extend(workdir / "store" / p for p in info_paths(last["info"]))
 
-    mem_store = Store(f"memory://bench-storage-{os.getpid()}")
+    mem_url = f"memory://bench-storage-{os.getpid()}"
+    mem_store = Store(mem_url)
     mem_store.put_run(SPEC)
+    mem_one_file = store_with(mem_url, shard_files=1)
     mem_written: list[str] = []
 
     def raw_memory() -> None:  # what S3 gets without tracestore: encode into memory, bytes to upload
@@ -348,9 +390,8 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         pq.write_table(table, sink)
         sink.getvalue().to_pybytes()
 
-    def ours_memory() -> None:  # published from memory as on S3 (memory:// keeps the bytes)
-        info = mem_store.write_shard(SPEC.run, 0, "w0", next(seq), chunks)
-        mem_written.extend(p for p in (info.path, info.manifest_path) if p)
+    def ours_memory(st: Store = mem_store) -> None:  # published from memory as on S3 (memory:// keeps the bytes)
+        mem_written.extend(info_paths(st.write_shard(SPEC.run, 0, "w0", next(seq), chunks)))
 
     def encode_only() -> None:
         encode_shard(SPEC.run, 0, "enc", 0, "unused", chunks, sink=NullSink())
@@ -375,25 +416,37 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             mem_store.storage.rm(rel)
         mem_written.clear()
 
+    providers = {
+        "raw pq.write_table (page cache only)": raw,
+        "raw pq.write_table, our codecs + page crc": raw_fmt,
+        "raw pq.write_table + fsync": raw_sync,
+        WRITE_BASELINE: raw_equal,
+        WRITE_OURS: ours,
+        "ours encode_shard to a null sink (no I/O)": encode_only,
+        "raw pq.write_table to memory + bytes": raw_memory,
+        "ours write_shard (memory://, as S3)": ours_memory,
+        "torch.save per traj (no fsync)": torch_save,
+    }
+    if one_file is not None and mem_one_file is not None:
+        providers[WRITE_ONE_FILE] = lambda: ours(one_file)
+        providers["ours write_shard (memory://, as S3), one file"] = lambda: ours_memory(mem_one_file)
     load_before = machine_load()
-    times = interleaved(
-        {
-            "raw pq.write_table (page cache only)": raw,
-            "raw pq.write_table, our codecs + page crc": raw_fmt,
-            "raw pq.write_table + fsync": raw_sync,
-            WRITE_BASELINE: raw_equal,
-            WRITE_OURS: ours,
-            "ours encode_shard to a null sink (no I/O)": encode_only,
-            "raw pq.write_table to memory + bytes": raw_memory,
-            "ours write_shard (memory://, as S3)": ours_memory,
-            "torch.save per traj (no fsync)": torch_save,
-        },
-        args.repeat,
-        cleanup,
-    )
-    ours()  # the shard the reads below use
+    times = interleaved(providers, args.repeat, cleanup)
+    n_files = shard_files_of(store, chunks)
+    for r in _rows("write", times, WRITE_OURS, payload / 2**20):
+        if r["provider"].startswith("ours write_shard"):  # how many files the shard was written as
+            r["files"] = 1 if r["provider"].endswith("one file") else n_files
+        rows.append({**r, **load_before})
+    # the reads below use a one-file shard (comparable with the raw reads of that file and with
+    # earlier runs) and, on their own row, the same chunks as two files
+    ours(one_file or store)
     info = last["info"]
-    rows += [{**r, **load_before} for r in _rows("write", times, WRITE_OURS, payload / 2**20)]
+    split_info = None
+    if one_file is not None:
+        split_dir = workdir / "split"
+        split_store = store_with(f"file://{split_dir}", shard_files=2, split_min_bytes=0, split_min_chunk_bytes=0)
+        assert split_store is not None
+        split_info = split_store.write_shard(SPEC.run, 0, "w0", 0, chunks)
 
     # ---- reads: a microbatch of two trajectories, all sites
     trajs = sorted(by_traj)
@@ -409,6 +462,9 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     def cold() -> None:
         out["res"] = StoreReader(store, SPEC.run).read(plan)  # a fresh reader: footer and manifest reads count
 
+    def cold_split() -> None:
+        out["split"] = StoreReader(split_store, SPEC.run).read(plan)
+
     def raw_read() -> None:  # the original baseline: pyarrow defaults
         out["raw"] = pq.ParquetFile(shard_file).read_row_groups(groups)
 
@@ -417,19 +473,19 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
             groups, columns=DATA_COLUMNS
         )
 
+    readers = {
+        READ_OURS: cold,
+        "ours StoreReader.read (warm reader)": lambda: warm.read(plan),
+        "raw pq read_row_groups (same groups)": raw_read,
+        READ_BASELINE: lambda: pq.ParquetFile(shard_file, page_checksum_verification=True).read_row_groups(groups),
+        "raw pq mmap + page crc, data columns": raw_mmap,
+        "torch.load per traj": lambda: [torch.load(torch_dir / f"{t}.pt") for t in pick],
+        "raw pq.read_table (whole step)": lambda: pq.read_table(shard_file),
+    }
+    if split_info is not None:
+        readers[READ_SPLIT] = cold_split
     load_before = machine_load()
-    times = interleaved(
-        {
-            READ_OURS: cold,
-            "ours StoreReader.read (warm reader)": lambda: warm.read(plan),
-            "raw pq read_row_groups (same groups)": raw_read,
-            READ_BASELINE: lambda: pq.ParquetFile(shard_file, page_checksum_verification=True).read_row_groups(groups),
-            "raw pq mmap + page crc, data columns": raw_mmap,
-            "torch.load per traj": lambda: [torch.load(torch_dir / f"{t}.pt") for t in pick],
-            "raw pq.read_table (whole step)": lambda: pq.read_table(shard_file),
-        },
-        args.read_repeat,
-    )
+    times = interleaved(readers, args.read_repeat)
     res = out["res"]
     read_bytes = sum(r.codes.nbytes + r.scales.nbytes for r in res.values())
     fetched = {
@@ -441,6 +497,10 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         "torch.load per traj": sum(os.path.getsize(torch_dir / f"{t}.pt") for t in pick),
         "raw pq.read_table (whole step)": shard_file.stat().st_size,
     }
+    if split_info is not None:
+        fetched[READ_SPLIT] = out["split"].stats.bytes_read
+        for name in res:
+            np.testing.assert_array_equal(out["split"][name].codes, res[name].codes)  # same rows from two files
     for r in _rows("read-plan", times, READ_OURS, read_bytes / 2**20):
         rows.append({**r, "fetched_MiB": round(fetched[r["provider"]] / 2**20, 1), **load_before})
 
@@ -470,11 +530,78 @@ def bench_write_read(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
     manifest_bytes = len(store.storage.cat(info.manifest_path))
     torch_bytes = sum(os.path.getsize(torch_dir / f"{t}.pt") for t in trajs)
     rows.append(_footprint("ours (real scales)", info.nbytes + manifest_bytes, tokens))
+    if split_info is not None:
+        split_bytes = sum(p.nbytes + len(split_store.storage.cat(p.manifest_path)) for p in split_info.parts)
+        rows.append(_footprint(f"ours, {len(split_info.parts)} files (real scales)", split_bytes, tokens))
     rows.append(_footprint("torch.save per traj (real scales)", torch_bytes, tokens))
     rnd = make_step(args.trajectories, args.tokens, args.chunk_tokens, random_scales=True, seed=1)
     rinfo = store.write_shard(SPEC.run, 0, "rand", 0, rnd)
     rman = len(store.storage.cat(rinfo.manifest_path))
     rows.append(_footprint("ours (random scales, worst case)", rinfo.nbytes + rman, tokens))
+    return rows
+
+
+def bench_split(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """One file vs two files side by side (``Store(shard_files=2)``, split whatever the size) per
+    shard shape, on local disk and memory://, interleaved: where the default threshold lies."""
+    shapes: list[tuple[str, list[RecordChunk]]] = [
+        (f"8 traj x {n} tok, {min(n, 512)}-tok chunks", make_step(8, n, min(n, 512), random_scales=False))
+        for n in args.split_tokens
+    ]
+    shapes += [(f"8 traj x 1024 tok, {k}-tok chunks", make_step(8, 1024, k, random_scales=False)) for k in (64, 128)]
+    shapes.append(
+        (
+            f"decode: 256 seqs x {args.split_decode_steps} steps",
+            decode_shard(SPEC.run, 256, args.split_decode_steps, 0, 7),
+        )
+    )
+    rows: list[dict[str, Any]] = []
+    seq = iter(range(1 << 30))
+    local_dir = workdir / "split-case"
+    for shape, chunks in shapes:
+        stores: dict[str, Any] = {}
+        for where, url in (("local", f"file://{local_dir}"), ("memory://", f"memory://bench-split-{os.getpid()}")):
+            for files in (1, 2):
+                st = store_with(url, shard_files=files, split_min_bytes=0, split_min_chunk_bytes=0)
+                if st is None:
+                    return []  # a tree without two-file shards
+                stores[f"{where} {'one file' if files == 1 else 'two files'}"] = st
+        (local_dir / SPEC.run / "v0" / "w0").mkdir(parents=True, exist_ok=True)
+        mem = stores["memory:// one file"].storage
+
+        def cleanup(mem: Any = mem) -> None:
+            for f in (local_dir / SPEC.run / "v0" / "w0").iterdir():
+                f.unlink()
+            for rel in mem.find(f"{SPEC.run}/v0"):
+                mem.rm(rel)
+
+        load_before = machine_load()
+        providers = {
+            name: (lambda st=st, chunks=chunks: st.write_shard(SPEC.run, 0, "w0", next(seq), chunks))
+            for name, st in stores.items()
+        }
+        times = interleaved(providers, args.split_repeat, cleanup)
+        payload = sum(c.nbytes for c in chunks)
+        for name, (ws, cs) in times.items():
+            one = times[name.replace("two files", "one file")][0]
+            rows.append(
+                {
+                    "case": "split",
+                    "shape": shape,
+                    "provider": name,
+                    "payload_MiB": round(payload / 2**20, 1),
+                    "chunks": len(chunks),
+                    "chunk_KiB": round(payload / len(chunks) / 1024, 1),
+                    "median_ms": round(_median(ws) * 1e3, 1),
+                    "min_ms": round(min(ws) * 1e3, 1),
+                    "spread": _spread(ws),
+                    "cpu_ms": round(_median(cs) * 1e3, 1),
+                    "one_file_over_this": round(_median(one) / _median(ws), 3),
+                    "one_file_over_this_min": round(min(one) / min(ws), 3),
+                    **load_before,
+                }
+            )
+        del chunks
     return rows
 
 
@@ -673,7 +800,17 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=8192, help="real quantized tokens for the compression table")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results")
-    ap.add_argument("--cases", default="write,compression,validate", help="comma list of write, compression, validate")
+    ap.add_argument(
+        "--cases", default="write,split,compression,validate", help="comma list of write, split, compression, validate"
+    )
+    ap.add_argument("--split-repeat", type=int, default=7, help="repetitions of the split case")
+    ap.add_argument(
+        "--split-tokens",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[256, 512, 1024, 2048],
+        help="tokens per trajectory of the split case's prefill shapes (8 trajectories; 2048: 120 MiB)",
+    )
+    ap.add_argument("--split-decode-steps", type=int, default=8, help="decode steps of the split case's decode shard")
     ap.add_argument("--validate-shards", type=int, default=4, help="shards per store in the validate case")
     ap.add_argument("--decode-steps", type=int, default=30, help="decode steps per shard (256 x 20 chunks each)")
     ap.add_argument("--validate-repeat", type=int, default=5)
@@ -696,6 +833,8 @@ def main() -> None:
     try:
         if "write" in cases:
             rows += bench_write_read(args, workdir)
+        if "split" in cases:
+            rows += bench_split(args, workdir)
         if "validate" in cases:
             rows += bench_validate(args, workdir)
     finally:
@@ -709,12 +848,18 @@ def main() -> None:
         ("target", ["target", "ours_ms", "baseline_ms", "ratio", "ratio_min", "needed", "ok"]),
         (
             "write",
-            ["provider", "payload_MiB", "median_ms", "min_ms", "cpu_ms", "MiB_per_s", "ratio_vs_ours", "ratio_min"],
+            ["provider", "files", "payload_MiB", "median_ms", "min_ms", "cpu_ms", "MiB_per_s", "ratio_vs_ours"]
+            + ["ratio_min", "spread"],
         ),
         (
             "read-plan",
             ["provider", "payload_MiB", "fetched_MiB", "median_ms", "min_ms", "cpu_ms", "MiB_per_s"]
             + ["ratio_vs_ours", "ratio_min"],
+        ),
+        (
+            "split",
+            ["shape", "provider", "payload_MiB", "chunk_KiB", "median_ms", "min_ms", "cpu_ms"]
+            + ["one_file_over_this", "one_file_over_this_min"],
         ),
         ("footprint", ["provider", "bytes", "tokens", "bytes_per_token", "target", "ok"]),
         (

@@ -9,8 +9,9 @@ its thread, its retries and its health, and reaches the engine only through :cla
 2. the flusher waits until the newest PLAN entry of the round is durable
    (:meth:`FlushSource.wait_planned`): a restart then repeats the same shard numbers (a no-op for
    the store), never a second shard of the same chunks;
-3. it writes each shard, one ``Store.write_shard`` per policy version, and reports it with
-   :meth:`FlushSource.committed` (the engine logs DONE, releases the memory and acknowledges), or
+3. it writes each shard, one ``Store.write_shard`` per policy version (a large one as two files
+   encoded side by side; the call returns once both and their manifests are durable), and reports
+   it with :meth:`FlushSource.committed` (the engine logs DONE, releases the memory and acknowledges), or
    stops the round at the first failure: the group stays queued and is retried after a backoff
    (doubling from 0.05 s to 5 s);
 4. :meth:`FlushSource.round_finished` ends every round that named shards, failed or not.

@@ -39,10 +39,10 @@ def _state(sc: Sidecar) -> str:
     return f"backlog {st.backlog_bytes} B, writers (epoch, received, durable, committed) {ws}; log: {sc.log()[-600:]}"
 
 
-def _crash_trials(point_id: str, tmp_path: Path, env_for: dict[int, dict[str, str]]) -> None:
+def _crash_trials(point_id: str, tmp_path: Path, env_for: dict[int, dict[str, str]], *, tokens: int = 256) -> None:
     r = row(f"1 crash {point_id}")
     sc = Sidecar(tmp_path, flags=FLAGS)
-    w = Writer("crash-w", trajs=4, tokens=256, window=4)  # ~62 KiB messages: 16 per segment
+    w = Writer("crash-w", trajs=4, tokens=tokens, window=4)  # 256 tokens: ~62 KiB messages, 16 per segment
     not_reached: list[int] = []
     problems: list[str] = []
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 from tracestore.server.flusher import Batch, Flusher, Round
 from tracestore.server.message import Message
 from tracestore.server.metrics import Metrics
@@ -84,3 +85,54 @@ def test_a_refused_shard_is_retried_until_committed_once_and_health_follows() ->
     assert not flusher.is_alive()
     assert flusher.health(0.0) == []  # stopped, not dead
     assert source.committed_batches == [source.batch]
+
+
+def test_a_two_file_shard_is_committed_only_once_both_files_and_manifests_are_durable(tmp_path) -> None:
+    """A batch written as two files side by side (Store splitting every shard): while the second
+    file's publish is held, the first file is on disk but nothing is visible and nothing is
+    committed (no DONE, no acknowledgement); released, the batch commits once and every record
+    reads back from either file."""
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import PART_SEQ_STRIDE, Store
+
+    store = Store(f"file://{tmp_path}/data", shard_files=2, split_min_bytes=0, split_min_chunk_bytes=0)
+    store.put_run(SPEC)
+    trajs = [f"t{i}" for i in range(4)]
+    chunks = [make_chunk(t, 0, 8, site, seed=i) for i, t in enumerate(trajs) for site in (s.name for s in SPEC.sites)]
+    msg = Message(SPEC.run, "w0", 1, 1, chunks, [], [], nbytes=100, crcs=[c.checksum for c in chunks])
+    source = OneBatch(Batch(SPEC.run, "w0", 42, [msg]))
+    real = store.storage.publish_stream
+    held, entered = threading.Event(), threading.Event()
+
+    def publish_stream(rel: str, produce: object) -> object:
+        if f"part-{42 + PART_SEQ_STRIDE}" in rel:
+            entered.set()
+            assert held.wait(10)
+        return real(rel, produce)  # type: ignore[arg-type]
+
+    store.storage.publish_stream = publish_stream  # type: ignore[method-assign]
+    flusher = Flusher(source, store, Metrics())
+    flusher.start()
+    try:
+        _until("the second file's publish", entered.is_set)
+        _until(
+            "the first file", lambda: (tmp_path / "data" / SPEC.run / "v0" / "w0" / "part-00000042.parquet").exists()
+        )
+        time.sleep(0.1)
+        assert store.manifest_paths(SPEC.run, 0) == [] and source.committed_batches == []
+        held.set()
+        _until("the commit", lambda: source.committed_batches)
+        assert source.committed_batches == [source.batch]
+        paths = Store(store.url).manifest_paths(SPEC.run, 0)
+        assert [p.rsplit("/", 1)[1] for p in paths] == [
+            "part-00000042.manifest.json",
+            f"part-{42 + PART_SEQ_STRIDE}.manifest.json",
+        ]
+        res = StoreReader(Store(store.url), SPEC.run).read([(t, 0, 8) for t in trajs])
+        for site in SPEC.sites:
+            assert res[site.name].valid.all()
+            want = np.concatenate([c.codes for t in trajs for c in chunks if c.trajectory == t and c.site == site.name])
+            np.testing.assert_array_equal(res[site.name].codes, want)
+    finally:
+        held.set()
+        assert flusher.stop(5.0)

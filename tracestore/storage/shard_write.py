@@ -8,6 +8,10 @@ shard, with a CRC-32 in every page header (``write_page_checksum``; every read v
 :mod:`tracestore.storage.shard_read`), while the worker pool builds the next row groups' Arrow
 tables.
 
+A large write is cut into two shards by :func:`split_shard` (whole trajectories, about equal
+bytes), which :meth:`tracestore.storage.store.Store.write_shard` encodes side by side, one Parquet
+writer each (two cores: the writers release the GIL while they encode and compress).
+
 Column compression: code bits are stored uncompressed (packed low FP4 bits are incompressible:
 bench/bench_storage.py measured every codec at 1.00x on them); every other column is zstd level
 1: scales and token scales (real E4M3 scales: 0.65x) and the small per-chunk key and checksum
@@ -84,6 +88,67 @@ def check_shard_inputs(
         if item.run != run or item.policy_version != policy_version:
             raise ValidationError(f"{item!r} does not belong to shard run {run} v{policy_version}")
     return _dedupe_sorted(chunks)
+
+
+ShardPart = tuple[list[RecordChunk], list[TrajectorySeal], list[PrefixLink]]
+
+
+def split_shard(
+    ordered: Sequence[RecordChunk],
+    seals: Sequence[TrajectorySeal] = (),
+    links: Sequence[PrefixLink] = (),
+    parts: int = 2,
+) -> list[ShardPart]:
+    """Cut one shard's content into up to ``parts`` shards of about equal bytes, whole trajectories each.
+
+    ``ordered``: the chunks as :func:`check_shard_inputs` returns them (sorted, de-duplicated). A
+    trajectory's chunks, seals and links stay together, and so does a link's source with the
+    trajectory linked to it (one unit), so every part is a complete shard of its own: nothing in it
+    points into another part. Units are placed largest first, each on the part with the fewest
+    bytes so far (ties: the lower part; units of equal bytes in name order). The result is a pure
+    function of the input, so a retry of the same shard splits it the same way and its parts are
+    byte-identical repeats. Parts that would hold no chunks are not made: one part (everything)
+    when fewer than two units hold chunks.
+    """
+    parent: dict[str, str] = {}
+
+    def find(t: str) -> str:
+        root = t
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[t] != root:
+            parent[t], t = root, parent[t]
+        return root
+
+    for c in ordered:
+        find(c.trajectory)
+    for s in seals:
+        find(s.trajectory)
+    for x in links:
+        a, b = find(x.trajectory), find(x.source)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    weight: dict[str, int] = {}
+    for c in ordered:
+        root = find(c.trajectory)
+        weight[root] = weight.get(root, 0) + c.nbytes
+    if parts < 2 or len(weight) < 2:
+        return [(list(ordered), list(seals), list(links))]
+    load = [0] * min(parts, len(weight))
+    where: dict[str, int] = {}
+    for root in sorted(weight, key=lambda r: (-weight[r], r)):
+        k = min(range(len(load)), key=lambda i: (load[i], i))
+        where[root] = k
+        load[k] += weight[root]
+    out: list[ShardPart] = [([], [], []) for _ in load]
+    for c in ordered:
+        out[where[find(c.trajectory)]][0].append(c)
+    # seals and links of trajectories without chunks here stay with part 0
+    for s in seals:
+        out[where.get(find(s.trajectory), 0)][1].append(s)
+    for x in links:
+        out[where.get(find(x.trajectory), 0)][2].append(x)
+    return out
 
 
 def encode_shard(

@@ -21,17 +21,28 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from tracestore import faults as _faults
-from tracestore.errors import ConflictError, CorruptionError, NotFoundError, ValidationError
+from tracestore.errors import ConfigError, ConflictError, CorruptionError, NotFoundError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import EventHook, Storage
 from tracestore.storage.manifest import Manifest, shard_name
-from tracestore.storage.shard_write import MIN_ROW_GROUP_BYTES, ROW_GROUP_BYTES, check_shard_inputs, encode_shard
+from tracestore.storage.shard_write import (
+    MIN_ROW_GROUP_BYTES,
+    ROW_GROUP_BYTES,
+    ShardPart,
+    check_shard_inputs,
+    encode_shard,
+    split_shard,
+)
+
+log = logging.getLogger("tracestore.storage")
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
@@ -42,21 +53,68 @@ _NO_TEMP = re.compile(r"(?!)")  # version directories hold none
 STALE_TEMP_AGE_S = 600.0
 """Default grace of :meth:`Store.remove_stale_temp_files`, at least 10x the storage timeout."""
 
+PART_SEQ_STRIDE = 10**18
+"""The second file of a split shard ``seq`` is shard ``seq + PART_SEQ_STRIDE`` of the same writer
+(``part-1000000000000000007`` beside ``part-00000007``); :meth:`Store.write_shard` refuses shard
+numbers from here up, so the two ranges never meet (a sidecar's numbers, microseconds since 1970,
+reach 10**18 in the year 33658)."""
+SHARD_FILES_ENV = "TRACESTORE_SHARD_FILES"
+SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
+SPLIT_MIN_BYTES = 64 << 20
+"""Default payload from which a write is split into two files written side by side. Measured on a
+2-core box (bench/bench_storage.py, case ``split``; one-file time / two-file time, median of 6
+runs): 15 MiB 0.83 local, 0.94 memory:// (a loss); 30 MiB 1.03 / 1.18; 60 MiB 1.05 / 1.08; 120 MiB
+1.19 / 1.08. Below this a shard stays one file: fewer files for readers, and no measured gain to lose."""
+SPLIT_MIN_CHUNK_BYTES = 32 << 10
+"""Only shards whose chunks hold this many bytes on average are split: the per-chunk work (checks,
+sort, index, manifest) holds the GIL, so a shard of small chunks gains nothing from a second
+encoder and loses the cost of cutting it in two (case ``split``, 60 MiB: 24 KiB chunks 1.00 local,
+1.05 memory://; 48 KiB chunks 1.02 / 1.29; a decode shard of one-token chunks, 0.4 KiB: 0.82 / 0.94)."""
+
+
+def default_shard_files() -> int:
+    """``TRACESTORE_SHARD_FILES`` (1 or 2) when set, else 2 on a machine with 2 or more cores, else 1."""
+    raw = os.environ.get(SHARD_FILES_ENV, "").strip()
+    if not raw:
+        return 2 if (os.cpu_count() or 1) >= 2 else 1
+    if raw not in ("1", "2"):
+        raise ConfigError(f"{SHARD_FILES_ENV}={raw!r}: expected 1 or 2 (the most files one shard is written as)")
+    return int(raw)
+
+
+def default_split_min_bytes() -> int:
+    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (64 MiB)."""
+    raw = os.environ.get(SPLIT_MIB_ENV, "").strip()
+    if not raw:
+        return SPLIT_MIN_BYTES
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not 0 <= mib < float("inf"):
+        raise ConfigError(f"{SPLIT_MIB_ENV}={raw!r}: expected a number of MiB >= 0")
+    return int(mib * (1 << 20))
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
-    """The result of :meth:`Store.write_shard`."""
+    """The result of :meth:`Store.write_shard`.
+
+    A write split into two files (:meth:`Store.write_shard`) is described as a whole (``path`` and
+    ``manifest_path`` of its first file, counts and bytes of both) and file by file in ``parts``.
+    """
 
     run: str
     policy_version: int
     writer: str
     seq: int
-    path: str | None  # root-relative Parquet path; None for a seal/link-only write
+    path: str | None  # root-relative Parquet path (of the first file); None for a seal/link-only write
     manifest_path: str
     n_chunks: int
-    nbytes: int  # bytes of the Parquet file
+    nbytes: int  # bytes of the Parquet file(s)
     payload_bytes: int  # codes + scales + token scales of the chunks
     written: bool  # False when an identical shard was already there (a repeated call)
+    parts: tuple[ShardInfo, ...] = ()  # the files of a split write, first first; () for one file
 
 
 def _version(v: object) -> int:
@@ -73,6 +131,12 @@ class Store:
     none starting after ``retry_deadline`` seconds (default: ``TRACESTORE_STORAGE_RETRY_DEADLINE``
     or 30 s); ``on_event(kind, op,
     detail)`` is called on each retry / timeout / error (for metrics). ``stats`` counts them.
+
+    ``shard_files`` (1 or 2), ``split_min_bytes``, ``split_min_chunk_bytes``: a
+    :meth:`write_shard` of at least ``split_min_bytes`` of record payload, in chunks of at least
+    ``split_min_chunk_bytes`` on average, is written as two shard files encoded side by side when
+    ``shard_files`` is 2 (defaults: :func:`default_shard_files`, :func:`default_split_min_bytes`,
+    :data:`SPLIT_MIN_CHUNK_BYTES`).
     """
 
     def __init__(
@@ -86,6 +150,9 @@ class Store:
         row_group_bytes: int = ROW_GROUP_BYTES,
         min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
         retry_deadline: float | None = None,
+        shard_files: int | None = None,
+        split_min_bytes: int | None = None,
+        split_min_chunk_bytes: int = SPLIT_MIN_CHUNK_BYTES,
     ) -> None:
         self.storage = Storage(
             url, storage_options, timeout=timeout, retries=retries, on_event=on_event, retry_deadline=retry_deadline
@@ -93,6 +160,13 @@ class Store:
         self.url = url
         self.row_group_bytes = int(row_group_bytes)
         self.min_row_group_bytes = int(min_row_group_bytes)
+        self.shard_files = default_shard_files() if shard_files is None else int(shard_files)
+        if self.shard_files not in (1, 2):
+            raise ValidationError(f"shard_files must be 1 or 2, got {shard_files!r}")
+        self.split_min_bytes = default_split_min_bytes() if split_min_bytes is None else int(split_min_bytes)
+        if self.split_min_bytes < 0:
+            raise ValidationError(f"split_min_bytes must be >= 0, got {split_min_bytes!r}")
+        self.split_min_chunk_bytes = int(split_min_chunk_bytes)
         self._runs: dict[str, RunSpec] = {}
         self._manifests: dict[str, Manifest] = {}  # manifests are immutable once published
         # Parquet footers of shards, shared by every reader of this store: keyed by the manifest's
@@ -186,18 +260,39 @@ class Store:
         chunks: Sequence[RecordChunk],
         seals: Sequence[TrajectorySeal] = (),
         links: Sequence[PrefixLink] = (),
+        *,
+        files: int | None = None,
     ) -> ShardInfo:
         """Publish one complete shard create-only, then its manifest. Repeating the call is a no-op.
 
         Chunks are validated against the run's sites; seals must list declared sites. Returns
         :class:`ShardInfo`. Raises ConflictError if ``(run, version, writer, seq)`` already holds
         different data.
+
+        Two files: with ``files=2`` (default: the store's ``shard_files``) and at least
+        ``split_min_bytes`` of payload in two or more trajectories, the shard is cut by trajectory
+        (:func:`~tracestore.storage.shard_write.split_shard`) into shard ``seq`` and shard
+        ``seq + PART_SEQ_STRIDE``, each a complete shard with its own manifest, encoded and
+        published side by side. Both Parquet files are durable before either manifest is
+        published, and the manifest of ``seq`` is published last: when it is there, everything is.
+        A crash before that leaves at most the other file's trajectories visible, which a repeat of
+        the call completes (the split is a function of the content, so the repeat is byte-identical).
+        A repeat that chooses the other layout (one file where an earlier attempt wrote two, or the
+        reverse: another core count or setting after a restart) finds the first attempt's file in
+        its way and completes that layout instead.
         """
         validate_id("run", run)
         validate_id("writer", writer)
         policy_version = _version(policy_version)
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise ValidationError(f"seq must be an integer >= 0, got {seq!r}")
+        if seq >= PART_SEQ_STRIDE:
+            raise ValidationError(
+                f"seq must be < {PART_SEQ_STRIDE} (numbers from there up name the second files of split shards), "
+                f"got {seq}"
+            )
+        if files is not None and files not in (1, 2):
+            raise ValidationError(f"files must be 1 or 2, got {files!r}")
         spec = self.get_run(run)
         self._ensure_run_json(spec)
         for c in chunks:
@@ -212,8 +307,111 @@ class Store:
         for x in links:
             if not isinstance(x, PrefixLink):
                 raise ValidationError(f"links must be PrefixLink objects, got {type(x).__name__}")
-        check_shard_inputs(run, policy_version, chunks, seals, links)  # fail before anything is written
-        shard_path, manifest_path = self.shard_paths(run, policy_version, writer, seq)
+        # fail before anything is written
+        ordered = check_shard_inputs(run, policy_version, chunks, seals, links)
+        one: list[ShardPart] = [(list(chunks), list(seals), list(links))]
+        n_files = self.shard_files if files is None else files
+        layout = one
+        if n_files > 1 and ordered:
+            payload = sum(c.nbytes for c in ordered)
+            if payload >= self.split_min_bytes and payload >= self.split_min_chunk_bytes * len(ordered):
+                layout = split_shard(ordered, seals, links, n_files)
+        key = (run, policy_version, writer, seq)
+        try:
+            done = self._write_parts(key, layout)
+        except ConflictError:
+            # the other layout, as an earlier attempt of this shard may have chosen it
+            other = one if len(layout) > 1 else split_shard(ordered, seals, links, 2)
+            if len(other) == len(layout):
+                raise
+            try:
+                done = self._write_parts(key, other)
+            except ConflictError:
+                pass
+            else:
+                log.info("shard %s/v%d/%s/%d repeated as %d file(s), as it was first written", *key, len(other))
+                return done
+            raise
+        return done
+
+    def _write_parts(self, key: tuple[str, int, str, int], layout: Sequence[ShardPart]) -> ShardInfo:
+        """Publish the files of ``layout`` (part k as shard ``seq + k * PART_SEQ_STRIDE``) side by
+        side, then their manifests, part 0's last."""
+        run, policy_version, writer, seq = key
+        n = len(layout)
+        if n == 1:
+            done = [self._publish_shard_file(key, seq, *layout[0])]
+        else:
+            results: list[tuple[bool, Manifest] | None] = [None] * n
+            errors: list[BaseException | None] = [None] * n
+
+            def publish(k: int) -> None:
+                try:
+                    results[k] = self._publish_shard_file(key, seq + k * PART_SEQ_STRIDE, *layout[k])
+                except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+                    errors[k] = exc
+
+            # daemon threads, like the storage calls they wait on: an exit never waits for storage
+            helpers = [
+                threading.Thread(target=publish, args=(k,), name="tracestore-shard-part", daemon=True)
+                for k in range(1, n)
+            ]
+            for t in helpers:
+                t.start()
+            publish(0)
+            for t in helpers:
+                t.join()
+            failed = [e for e in errors if e is not None]
+            if failed:  # nothing is visible: no manifest of this layout was published
+                raise next((e for e in failed if isinstance(e, ConflictError)), failed[0])
+            done = [r for r in results if r is not None]
+        for _ in done:
+            _faults.point("store.shard_published")
+        infos: list[ShardInfo] = []
+        for k in [*range(1, n), 0]:
+            written, manifest = done[k]
+            manifest_path = self.shard_paths(run, policy_version, writer, manifest.seq)[1]
+            written = self.storage.publish(manifest_path, manifest.to_json()) or written
+            _faults.point("store.manifest_published")
+            with self._lock:
+                self._manifests[manifest_path] = manifest
+            infos.append(
+                ShardInfo(
+                    run,
+                    policy_version,
+                    writer,
+                    manifest.seq,
+                    manifest.shard,
+                    manifest_path,
+                    len(manifest.chunks),
+                    manifest.shard_bytes,
+                    sum(e.nbytes for e in manifest.chunks),
+                    written,
+                )
+            )
+        if n == 1:
+            return infos[0]
+        parts = (infos[-1], *infos[:-1])
+        return dataclasses.replace(
+            parts[0],
+            n_chunks=sum(p.n_chunks for p in parts),
+            nbytes=sum(p.nbytes for p in parts),
+            payload_bytes=sum(p.payload_bytes for p in parts),
+            written=any(p.written for p in parts),
+            parts=parts,
+        )
+
+    def _publish_shard_file(
+        self,
+        key: tuple[str, int, str, int],
+        seq: int,
+        chunks: Sequence[RecordChunk],
+        seals: Sequence[TrajectorySeal],
+        links: Sequence[PrefixLink],
+    ) -> tuple[bool, Manifest]:
+        """Encode and publish one shard's Parquet file (none without chunks); (written, its manifest)."""
+        run, policy_version, writer, _ = key
+        shard_path = self.shard_paths(run, policy_version, writer, seq)[0]
 
         def encode(sink: Any = None) -> tuple[bytes | memoryview | None, Manifest]:
             return encode_shard(
@@ -230,31 +428,13 @@ class Store:
                 sink=sink,
             )
 
-        written = False
         if chunks and self.storage.local:
             # stream to disk while encoding (no in-memory copy of the shard; writeback overlaps encoding)
             written, (_, manifest) = self.storage.publish_stream(shard_path, encode)
-        else:
-            data, manifest = encode()
-            if data is not None:
-                written = self.storage.publish(shard_path, data)
-        _faults.point("store.shard_published")
-        written = self.storage.publish(manifest_path, manifest.to_json()) or written
-        _faults.point("store.manifest_published")
-        with self._lock:
-            self._manifests[manifest_path] = manifest
-        return ShardInfo(
-            run,
-            policy_version,
-            writer,
-            seq,
-            manifest.shard,
-            manifest_path,
-            len(manifest.chunks),
-            manifest.shard_bytes,
-            sum(e.nbytes for e in manifest.chunks),
-            written,
-        )
+            return written, manifest
+        data, manifest = encode()
+        written = self.storage.publish(shard_path, data) if data is not None else False
+        return written, manifest
 
     # ------------------------------------------------------------------ listing
 
