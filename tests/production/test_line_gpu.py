@@ -111,11 +111,7 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, cop
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             want.append(slab.data[:n_seq].clone())  # after the graph on the stream: this step's rows
-        for t in trajs:
-            rec.finish(t, steps + 1)
-        assert rec.flush(timeout=60), sp.log_tail()
-        rec.close()
-        assert sp.terminate() == 0
+        _seal_and_stop(rec, sp, trajs, steps)
     _check_steps(sp.storage, "graph", slab, want, trajs)
     assert rec.stats["driver_copies"] == (steps if copy == "driver" else 0), rec.stats
 
@@ -157,11 +153,7 @@ def test_deferred_commits_stage_every_step_when_the_stager_falls_behind(tmp_path
                 assert not stage._thread.is_alive()
             assert len(stage._todo) < stage.slots, len(stage._todo)
         assert rec.stats["stager_behind"] >= (steps - 1) // 2, rec.stats  # every other commit
-        for t in trajs:
-            rec.finish(t, steps + 1)
-        assert rec.flush(timeout=60), sp.log_tail()
-        rec.close()
-        assert sp.terminate() == 0
+        _seal_and_stop(rec, sp, trajs, steps)
     _check_steps(sp.storage, "behind", slab, want, trajs)
     assert rec.stats["driver_copies"] == steps, rec.stats
 
@@ -188,6 +180,15 @@ def test_deferred_commit_raises_a_malformed_step_at_the_next_call(tmp_path) -> N
         assert "a" in rec.unguided
     finally:
         rec.close(timeout=0)
+
+
+def _seal_and_stop(rec: RolloutRecorder, sp: ServeProcess, trajs: list[str], steps: int) -> None:
+    """Seal every trajectory after ``steps`` decode steps, flush, close, stop the sidecar cleanly."""
+    for t in trajs:
+        rec.finish(t, steps + 1)
+    assert rec.flush(timeout=60), sp.log_tail()
+    rec.close()
+    assert sp.terminate() == 0
 
 
 def _check_steps(storage: str, run: str, slab: RecordSlab, want: list, trajs: list[str]) -> None:

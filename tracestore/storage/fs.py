@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import filecmp
 import io
+import math
 import os
 import queue
 import threading
@@ -50,18 +51,24 @@ RETRY_DEADLINE_ENV = "TRACESTORE_STORAGE_RETRY_DEADLINE"
 """The variable that sets the retry deadline of every :class:`Storage` made without one."""
 
 
-def default_retry_deadline() -> float:
-    """``TRACESTORE_STORAGE_RETRY_DEADLINE`` when set, else :data:`DEFAULT_RETRY_DEADLINE_S`."""
-    raw = os.environ.get(RETRY_DEADLINE_ENV, "").strip()
+def env_number(name: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
+    """The finite number in ``$name`` that ``ok`` accepts (``default`` when unset or empty);
+    anything else is a :class:`ConfigError` saying what was ``expected``."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_RETRY_DEADLINE_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"{RETRY_DEADLINE_ENV}={raw!r}: expected a number of seconds > 0")
+    if not (math.isfinite(value) and ok(value)):
+        raise ConfigError(f"{name}={raw!r}: expected {expected}")
     return value
+
+
+def default_retry_deadline() -> float:
+    """``TRACESTORE_STORAGE_RETRY_DEADLINE`` when set, else :data:`DEFAULT_RETRY_DEADLINE_S`."""
+    return env_number(RETRY_DEADLINE_ENV, DEFAULT_RETRY_DEADLINE_S, lambda v: v > 0, "a number of seconds > 0")
 
 
 def backoff_wait(backoff: float, max_backoff: float) -> tenacity.wait.wait_base:

@@ -31,7 +31,7 @@ from typing import Any
 from tracestore import faults as _faults
 from tracestore.errors import ConfigError, ConflictError, CorruptionError, NotFoundError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
-from tracestore.storage.fs import EventHook, Storage
+from tracestore.storage.fs import EventHook, Storage, env_number
 from tracestore.storage.manifest import Manifest, shard_name
 from tracestore.storage.shard_write import (
     MIN_ROW_GROUP_BYTES,
@@ -84,15 +84,7 @@ def default_shard_files() -> int:
 
 def default_split_min_bytes() -> int:
     """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (64 MiB)."""
-    raw = os.environ.get(SPLIT_MIB_ENV, "").strip()
-    if not raw:
-        return SPLIT_MIN_BYTES
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = float("nan")
-    if not 0 <= mib < float("inf"):
-        raise ConfigError(f"{SPLIT_MIB_ENV}={raw!r}: expected a number of MiB >= 0")
+    mib = env_number(SPLIT_MIB_ENV, SPLIT_MIN_BYTES / (1 << 20), lambda v: v >= 0, "a number of MiB >= 0")
     return int(mib * (1 << 20))
 
 
