@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._cuda import DriverEvent
-from .chunks import SlabPlan
+from .items import SlabPlan
 from .staging import StagingPool
 
 log = logging.getLogger("tracestore.client")

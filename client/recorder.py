@@ -14,8 +14,9 @@ them unguided (they are never sealed, so a reader sees them as incomplete), coun
 carries on.
 
 This module is the engine-facing part: arguments, staging copies and the queue. The sender's
-parts own their state: :mod:`tracestore.client.chunks` (the sender's end of the queue and the
-chunk builder) and :mod:`tracestore.client.session` (the Write stream, acknowledgements,
+parts own their state: :mod:`tracestore.client.items` (the queue items and the unguided ledger),
+:mod:`tracestore.client.outbox` (the sender's end of the queue), :mod:`tracestore.client.chunks`
+(the chunk builder) and :mod:`tracestore.client.session` (the Write stream, acknowledgements,
 reconnects, fencing and giving up).
 
 Example::
@@ -44,19 +45,10 @@ import numpy as np
 from tracestore.errors import ConfigError, DTypeError, ShapeError, TraceStoreError, ValidationError
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
 
-from .chunks import (
-    ChunkBuilder,
-    Finish,
-    Forward,
-    Outbox,
-    Outgoing,
-    Region,
-    SlabForward,
-    SlabPlan,
-    Unguided,
-    bounded_put,
-)
+from .chunks import ChunkBuilder
 from .copier import StagingCopier
+from .items import Finish, Forward, Outgoing, Region, SlabForward, SlabPlan, Unguided, bounded_put
+from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
 from .slab import Segments, SlabStage
 from .staging import GROUP_ENV, StagingPool

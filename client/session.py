@@ -26,7 +26,9 @@ from tracestore.records import RunSpec
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_to_pb
 
-from .chunks import ChunkBuilder, Forward, Outbox, Outgoing, Unguided
+from .chunks import ChunkBuilder
+from .items import Forward, Outgoing, Unguided
+from .outbox import Outbox
 from .transport import channel, method
 
 log = logging.getLogger("tracestore.client")
