@@ -7,7 +7,7 @@ slices from the shared storage URL and take training steps with guided fake-quan
 Layout. ``n_rollout`` rollout actors, each with a sidecar process beside it (WAL on, ``file://``
 storage shared by all), generate with a tiny random-init transformers MoE model
 (:func:`tracestore.demo.model.build_model`) and record every MoE-block input and K/V site with
-:class:`tracestore.client.hf_hooks.FP4SiteRecorder`. Each trajectory is recorded under a
+:class:`tracestore.client.hf_recorder.FP4SiteRecorder`. Each trajectory is recorded under a
 write-once attempt id and handed out as a :class:`~tracestore.client.traceref.TraceRef` once its
 shard is on storage (``RolloutRecorder.refs``). The driver gathers samples (token ids, which any
 framework moves anyway) and refs, and hands every trainer rank the whole step: each rank builds
@@ -97,7 +97,7 @@ class Rollout:
         recording every forward; ``kill_sidecar_after``: SIGKILL the sidecar after that many
         forwards (a crash in the middle of the rollout). Returns (samples, refs)."""
         import torch
-        from tracestore.client.hf_hooks import FP4SiteRecorder
+        from tracestore.client.hf_recorder import FP4SiteRecorder
 
         from tracestore.packing import pack_bits
 

@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import FP4SiteRecorder, HFSiteHooks  # noqa: E402
+from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
+from tracestore.client.hf_recorder import FP4SiteRecorder  # noqa: E402
 
 from tracestore.demo.model import ARCHS, ModelSpec, build_model  # noqa: E402
 from tracestore.demo.train import codes_on_grid  # noqa: E402
