@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
 
 from tracestore.errors import TraceStoreError
 
@@ -168,9 +167,4 @@ def driver() -> Driver | None:
     return _DRIVER[0]
 
 
-def stream_handle(stream: Any) -> int:
-    """The ``CUstream`` of a ``torch.cuda.Stream``."""
-    return int(stream.cuda_stream)
-
-
-__all__ = ["CudaDriverError", "Driver", "DriverEvent", "driver", "stream_handle"]
+__all__ = ["CudaDriverError", "Driver", "DriverEvent", "driver"]

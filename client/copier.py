@@ -186,12 +186,14 @@ class StagingCopier:
         self.stats["driver_copies"] += 1
         return ev
 
-    def advance(self, slot: Any, k: int, wait: Any) -> None:
+    def advance(self, slot: Any, k: int, wait: Any, cur: int | None = None) -> None:
         """For a ring of device slots: set ``slot`` (an int32 device tensor) to ``k`` on the
-        current stream, and make that stream wait for ``wait`` (the copy that last read slot k)."""
+        current stream (``cur``: its raw handle, where the caller has it), and make that stream
+        wait for ``wait`` (the copy that last read slot k)."""
         drv = self.driver or None
         if drv is not None:
-            cur = self.raw_stream(slot.device.index)
+            if cur is None:
+                cur = self.raw_stream(slot.device.index)
             drv.fill32(slot.data_ptr(), k, 1, cur)
             if isinstance(wait, DriverEvent):
                 drv.wait(cur, wait)

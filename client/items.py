@@ -78,11 +78,17 @@ class SlabPlan:
     row_bytes: int
     rows_per_token: int
     code_scale_bytes: int  # per row, summed over the sites: the payload before token scales
+    _sizes: dict[int, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def staged_bytes(self, rows: int) -> int:
-        """Room for the raw rows and for the per-site layout made of them (64-byte aligned)."""
-        lay = sum(-(-(rows * (f.code_bytes + f.scale_bytes + 4) + 4) // 64) * 64 for _, _, f in self.fields)
-        return -(-max(rows * self.row_bytes, lay) // 64) * 64
+        """Room for the raw rows and for the per-site layout made of them (64-byte aligned);
+        remembered per row count (at most the slab's capacity of them: a decode step asks again
+        every step)."""
+        size = self._sizes.get(rows)
+        if size is None:
+            lay = sum(-(-(rows * (f.code_bytes + f.scale_bytes + 4) + 4) // 64) * 64 for _, _, f in self.fields)
+            size = self._sizes[rows] = -(-max(rows * self.row_bytes, lay) // 64) * 64
+        return size
 
 
 @dataclasses.dataclass

@@ -229,7 +229,6 @@ class RolloutRecorder:
         self._sealed_at: dict[str, tuple[int, int, TrajectorySeal]] = {}
         self._attempts: dict[str, int] = {}
         self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
-        self._staged_size: dict[tuple[int, int], int] = {}  # staged bytes per (slab plan, rows)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
         self._stage_lock = threading.Lock()  # held while a stage queues deferred copies
@@ -390,7 +389,6 @@ class RolloutRecorder:
         plan = SlabPlan(tuple(fields), int(slab.row_bytes), int(slab.rows_per_token), per_row)
         if len(self._slab_plans) > 64:
             self._slab_plans.clear()
-            self._staged_size.clear()
         self._slab_plans[id(slab)] = (slab, plan)
         return plan
 
@@ -431,13 +429,7 @@ class RolloutRecorder:
                     f"than the {limit} it stages"
                 )
             staged.append((plan, total, rows))
-            key = (id(plan), rows)  # (plans live in _slab_plans; both are cleared together)
-            size = self._staged_size.get(key)
-            if size is None:
-                if len(self._staged_size) > 4096:
-                    self._staged_size.clear()
-                size = self._staged_size[key] = plan.staged_bytes(rows)
-            total += size
+            total += plan.staged_bytes(rows)
             nbytes += rows * plan.code_scale_bytes
         if not self._admit(segs, trajs):
             return False, None

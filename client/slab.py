@@ -201,10 +201,7 @@ class SlabStage:
         return ok
 
     def _commit_deferred(self, segments: Any, policy_version: int | None) -> bool:
-        err = self._error
-        if err is not None:
-            self._error = None
-            raise err
+        self.raise_error()
         drv, cur = self._drv, self._raw_stream(self._dev)
         ready = drv.event()
         drv.record(ready, cur)
@@ -217,13 +214,7 @@ class SlabStage:
         if len(self._todo) >= self.slots:  # the copy that last read slot k is not queued yet: queue it here
             self.recorder.stats["stager_behind"] += 1
             self.stage_pending()
-        ev = self._events[k]
-        if isinstance(ev, DriverEvent) or ev is None:
-            drv.fill32(self._slot_ptr, k, 1, cur)
-            if ev is not None:
-                drv.wait(cur, ev)
-        else:  # that copy went through torch (the driver failed meanwhile)
-            self.recorder._copier.advance(self.slot, k, ev)
+        self.recorder._copier.advance(self.slot, k, self._events[k], cur)
         return True
 
     def _start_deferred(self) -> bool:
@@ -237,7 +228,6 @@ class SlabStage:
         self._deferred = bool(drv is not None and (copier.one_gpu or dev == torch.cuda.current_device()))
         if self._deferred:
             self._drv, self._raw_stream, self._dev = drv, copier.raw_stream, dev
-            self._slot_ptr = self.slot.data_ptr()
             self._thread = threading.Thread(
                 target=_stager, args=(self, dev), daemon=True, name=f"tracestore-stager-{self.recorder.writer}"
             )

@@ -220,11 +220,15 @@ class RunSpec:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RunSpec:
-        try:
-            d = json.loads(text)
-        except ValueError as exc:
-            raise ValidationError(f"RunSpec JSON does not parse: {exc}") from exc
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text, "RunSpec"))
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """``json.loads(text)``; text that does not parse is a ValidationError naming ``what``."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValidationError(f"{what} JSON does not parse: {exc}") from exc
 
 
 def _u8_2d(name: str, a: object) -> np.ndarray:

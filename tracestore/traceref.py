@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from tracestore.errors import ConfigError, MissingRecordsError, ValidationError
-from tracestore.records import RunSpec, validate_id
+from tracestore.records import RunSpec, parse_json, validate_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from tracestore.storage.reader import StoreReader
@@ -209,11 +209,7 @@ class TraceRef:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> TraceRef:
-        try:
-            d = json.loads(text)
-        except ValueError as exc:
-            raise ValidationError(f"TraceRef JSON does not parse: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text, "TraceRef"))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a plain tuple of the fields (smaller than a dataclass's default pickle), re-validated on load
