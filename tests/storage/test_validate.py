@@ -74,7 +74,7 @@ def test_validate_a_healthy_store(tmp_path, mode):
 
 def test_worker_processes_verify_units(tmp_path):
     """Units verified in a worker process (this process does not help here) give the same answers."""
-    from tracestore.cli.inspect import _Verifier, _Workers
+    from tracestore.cli.verify import _Verifier, _Workers
 
     store, _ = _mixed_store(tmp_path)
     manifests = [ManifestColumns.from_json(store.storage.cat(p), p) for p in store.manifest_paths(RUN, 0)]
