@@ -34,9 +34,8 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -45,7 +44,6 @@ import pyarrow.parquet as pq
 
 from tracestore.errors import (
     ConfigError,
-    ConflictError,
     CorruptionError,
     MissingRecordsError,
     NotFoundError,
@@ -56,12 +54,12 @@ from tracestore.records import SiteSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import CountingFile, Storage
 from tracestore.storage.links import LinkIndex, OnMissing
 from tracestore.storage.manifest import ChunkEntry, Manifest
+from tracestore.storage.read_out import ReadResult, ReadStats, ReadTask, SiteOut, site_outs
 from tracestore.storage.rows import (
     ColumnRange,
     Layout,
     OutputArrays,
     SiteRows,
-    checked_out,
     column_range,
     output_arrays,
     output_sections,
@@ -85,155 +83,6 @@ __all__ = [
 StalePolicy = Literal["drop", "flag"]
 
 
-@dataclasses.dataclass
-class ReadStats:
-    shards: int = 0
-    row_groups: int = 0
-    chunks: int = 0
-    bytes_read: int = 0  # bytes handed to the Parquet decoder by the storage
-    missing_rows: int = 0  # rows masked because no record was found (on_missing="mask")
-    exempt_rows: int = 0  # final positions of sealed trajectories (unrecorded by design)
-
-
-class ReadResult(Mapping[str, SiteRows]):
-    """``result[site] -> SiteRows``; ``result.stats`` says what the read fetched."""
-
-    def __init__(self, plan: MicrobatchPlan, rows: dict[str, SiteRows], stats: ReadStats) -> None:
-        self.plan = plan
-        self.rows = rows
-        self.stats = stats
-
-    def __getitem__(self, site: str) -> SiteRows:
-        try:
-            return self.rows[site]
-        except KeyError:
-            raise NotFoundError(f"site {site!r} was not read; read sites: {list(self.rows)}") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-@dataclasses.dataclass
-class _Task:
-    entry: ChunkEntry
-    manifest: Manifest
-    lo: int  # source token range [lo, hi)
-    hi: int
-    out_token: int  # plan token index of lo
-    compare: bool  # True: check equality with what is already there (same version overlap)
-
-
-class _SiteOut:
-    """One site's output rows, filled task by task; tasks write disjoint rows, so several threads
-    may place at once (only the lazy token-scale array is created under a lock)."""
-
-    def __init__(
-        self,
-        site: SiteSpec,
-        cols: ColumnRange,
-        n: int,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        pv: np.ndarray,
-        g: np.ndarray,
-        valid: np.ndarray,
-        hold_gil: bool = False,
-    ) -> None:
-        self.site = site
-        self.copy = _copy_held if hold_gil else _copy
-        self.cols = cols
-        self.n = n
-        self.cb = (cols[0] * site.bits // 8, cols[1] * site.bits // 8)
-        self.sb = (cols[0] // site.fmt.block, cols[1] // site.fmt.block)
-        # codes/scales uninitialised: every row is written exactly once, by a record or by the zero fill
-        self.codes = codes
-        self.scales = scales
-        self.pv, self.g, self.valid = pv, g, valid
-        self.pv.fill(-1)
-        self.g.fill(1.0)
-        self.valid.fill(False)
-        self.ts: np.ndarray | None = None
-        self._lock = threading.Lock()
-
-    def _rows(self, t: _Task, c: StoredChunk) -> tuple[int, int, int, int]:
-        k = self.site.rows_per_token
-        r0, r1 = (t.lo - c.entry.token_start) * k, (t.hi - c.entry.token_start) * k
-        o0 = t.out_token * k
-        return r0, r1, o0, o0 + (r1 - r0)
-
-    def place(self, t: _Task, c: StoredChunk) -> None:
-        r0, r1, o0, o1 = self._rows(t, c)
-        self.copy(self.codes[o0:o1], c.codes[r0:r1, self.cb[0] : self.cb[1]])
-        self.copy(self.scales[o0:o1], c.scales[r0:r1, self.sb[0] : self.sb[1]])
-        self.g[o0:o1] = c.global_scale
-        self.pv[o0:o1] = t.manifest.policy_version
-        self.valid[o0:o1] = True
-        if c.token_scales is not None:
-            if self.ts is None:
-                with self._lock:
-                    if self.ts is None:
-                        self.ts = np.ones(self.n, np.float32)
-            self.ts[o0:o1] = c.token_scales[r0:r1]
-
-    def compare(self, t: _Task, c: StoredChunk, run: str) -> None:
-        """A same-version chunk overlapping rows already placed must hold identical bytes."""
-        r0, r1, o0, o1 = self._rows(t, c)
-        ts = self.ts
-        same = (
-            np.array_equal(self.codes[o0:o1], c.codes[r0:r1, self.cb[0] : self.cb[1]])
-            and np.array_equal(self.scales[o0:o1], c.scales[r0:r1, self.sb[0] : self.sb[1]])
-            and bool(np.all(self.g[o0:o1] == np.float32(c.global_scale)))
-            and (ts is None or c.token_scales is None or ts[o0:o1].tobytes() == c.token_scales[r0:r1].tobytes())
-        )
-        if not same:
-            raise ConflictError(
-                f"run {run} v{t.manifest.policy_version} trajectory {t.entry.trajectory} site {self.site.name} "
-                f"tokens [{t.lo}, {t.hi}) are stored twice with different bytes (shard {t.manifest.shard})"
-            )
-
-    def finish(self, stale_below: int) -> SiteRows:
-        valid = self.valid
-        if not valid.all():
-            self.codes[~valid] = 0
-            self.scales[~valid] = 0
-        stale_rows = valid & (self.pv < stale_below)
-        return SiteRows(self.site, self.cols, self.codes, self.scales, self.g, self.ts, valid, self.pv, stale_rows)
-
-
-HELD_COPY_BYTES = 4 << 20  # copies up to this size keep the GIL (~0.5 ms at most); larger ones release it
-
-
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    dst[...] = src  # numpy releases the GIL for all but small copies
-
-
-def _copy_held(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src``, keeping the GIL when both are contiguous blocks of at most
-    :data:`HELD_COPY_BYTES` (memoryview assignment is a plain memcpy under the GIL).
-
-    numpy releases the GIL for copies of more than a few hundred elements, and getting it back
-    waits for whichever thread holds it. Beside a thread that is busy in Python (a training loop
-    while the reader prefetches) every such release costs up to the switch interval (5 ms): a
-    198 MiB plan read (1056 chunks) took 3.1-3.2 s there instead of ~0.13 s alone, and 0.66-0.79 s
-    with these copies and the page and chunk CRCs keeping the GIL (2-core box). Alone, keeping it
-    costs ~25% (our own decode threads no longer overlap their copies), so only the background
-    prefetch reads this way (``StoreReader.read(hold_gil=True)``)."""
-    n = dst.nbytes
-    if (
-        0 < n <= HELD_COPY_BYTES
-        and dst.dtype == src.dtype
-        and dst.shape == src.shape
-        and dst.flags.c_contiguous
-        and src.flags.c_contiguous
-    ):
-        dst.data.cast("B")[:] = src.data.cast("B")
-    else:
-        dst[...] = src
-
-
 def _open_ranged(storage: Storage, path: str) -> tuple[Any, bool]:
     """``path`` opened for a decoder's ranged reads, and whether several threads may read it at
     once. On local disk a memory map: the decoder reads pages in place (no copy into read
@@ -252,11 +101,6 @@ def _fetched_bytes(md: pq.FileMetaData, entries: Sequence[ChunkEntry], with_foot
     cols = [names.index(n) for n in DATA_COLUMNS]
     nbytes = sum(md.row_group(g).column(c).total_compressed_size for g in {e.row_group for e in entries} for c in cols)
     return nbytes + (md.serialized_size + 8 if with_footer else 0)
-
-
-def _pool_bytes(n: int) -> np.ndarray:
-    """A writable uint8 array of ``n`` bytes in Arrow's memory pool (it owns the memory)."""
-    return np.frombuffer(pa.allocate_buffer(max(n, 1)), np.uint8)[:n]
 
 
 def _ranges(tokens: np.ndarray) -> list[tuple[int, int]]:
@@ -401,7 +245,8 @@ class StoreReader:
         :class:`MissingRecordsError` naming trajectory, site and tokens; ``"mask"`` returns them
         invalid. ``require_sealed`` demands a seal for every trajectory in the plan. ``hold_gil``:
         short copies and CRCs keep the GIL, for a read in a background thread beside one that is
-        busy in Python (see :func:`_copy_held`); the default gives it up and decodes faster alone.
+        busy in Python (see :func:`~tracestore.storage.read_out._copy_held`); the default gives it
+        up and decodes faster alone.
         ``out``: where each site's rows go (:class:`OutputArrays` of the shapes :meth:`layout`
         gives, for every site read; default: one new buffer from Arrow's memory pool), e.g. rows of
         a shared-memory block that another process maps (:mod:`tracestore.client.read_process`).
@@ -475,7 +320,7 @@ class StoreReader:
                     "(require_sealed=True)"
                 )
         # 1. plan -> tasks per site
-        tasks: dict[str, list[_Task]] = {s.name: [] for s in site_specs}
+        tasks: dict[str, list[ReadTask]] = {s.name: [] for s in site_specs}
         pieces_of = []
         for seg in plan.segments:
             pieces_of.append(
@@ -498,7 +343,7 @@ class StoreReader:
                     if _disjoint(cands):  # the common case: one version's chunks, none overlapping
                         for m, e in cands:
                             a, b = max(lo, e.token_start), min(hi, e.token_end)
-                            tasks[s.name].append(_Task(e, m, a, b, base + a, False))
+                            tasks[s.name].append(ReadTask(e, m, a, b, base + a, False))
                         continue
                     filled = np.full(hi - lo, -1, dtype=np.int64)
                     for m, e in cands:
@@ -506,31 +351,20 @@ class StoreReader:
                         window = filled[a - lo : b - lo]
                         free = window == -1
                         if free.all():  # the common case: nothing of this range is filled yet
-                            tasks[s.name].append(_Task(e, m, a, b, base + a, False))
+                            tasks[s.name].append(ReadTask(e, m, a, b, base + a, False))
                             window[:] = m.policy_version
                             continue
                         for kind, mask in ((False, free), (True, window == m.policy_version)):
                             for ra, rb in _ranges(np.nonzero(mask)[0]):
-                                tasks[s.name].append(_Task(e, m, a + ra, a + rb, base + a + ra, kind))
+                                tasks[s.name].append(ReadTask(e, m, a + ra, a + rb, base + a + ra, kind))
                         window[free] = m.policy_version
-        # 2. output buffers. One allocation for every site's codes and scales, from Arrow's memory
-        # pool: it keeps freed memory mapped and hands it to the next read, where a fresh numpy
-        # array is new memory to fault in (192 MiB here: 18-440 ms with numpy, 16-38 ms from the
-        # pool; 40 separate per-site arrays of a 30 MB read cost 20 ms against 4.5 ms for one).
-        # The per-row arrays (policy version, global scale, valid) come from the same allocation:
-        # fresh numpy arrays of them cost 3 ms per 192 MiB read in the reading thread (page
-        # faults), before any shard is fetched.
-        layout = read_layout(site_specs, col, plan.n_tokens)
-        if out is None:
-            size, sections = output_sections(layout)
-            out = output_arrays(_pool_bytes(size), layout, sections)
-        outs = {s.name: _SiteOut(s, col[s.name], *checked_out(s, n, cb, sb, out), hold_gil)
-                for s, n, cb, sb in layout}  # fmt: skip
+        # 2. output buffers (one allocation for all sites unless ``out`` gives them)
+        outs = site_outs(site_specs, col, plan.n_tokens, out, hold_gil)
         # 3. fetch the chunks; each verified chunk is placed by the thread that decoded it, while
         # other batches decode (rows of different tasks never overlap: see the planning above).
         # Bookkeeping by entry identity: a ChunkEntry's hash walks all its fields.
         needed: dict[str, tuple[Manifest, dict[int, ChunkEntry]]] = {}
-        places: dict[int, list[tuple[_SiteOut, _Task]]] = {}
+        places: dict[int, list[tuple[SiteOut, ReadTask]]] = {}
         compared: set[int] = set()  # entries a same-version overlap is compared with, kept when read
         loaded: dict[int, StoredChunk] = {}
         for name, tl in tasks.items():
