@@ -112,7 +112,7 @@ class GuidanceReader:
         with self._lock:
             if key not in self._pending:
                 # In the background, beside the training loop's Python: short copies and CRCs keep
-                # the GIL instead of queueing for it after each (tracestore.storage.reader._copy_held).
+                # the GIL instead of queueing for it after each (tracestore.storage.read_out._copy_held).
                 # The rows are staged there too (pinned for a CUDA device): read() then only
                 # queues the non-blocking copies to the device.
                 self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())

@@ -1,6 +1,6 @@
 """Parquet page checksums: every page a shard holds carries one and every read verifies it on every
 backend (a flipped byte inside a page, compressed or not, is a CorruptionError naming the shard
-before any chunk checksum is computed), and the local shard file (tracestore.storage.fs.ShardFile)
+before any chunk checksum is computed), and the local shard file (tracestore.storage.local.ShardFile)
 checksums exactly the bytes it ends up holding."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from tracestore import CorruptionError
 from tracestore.errors import StorageError
-from tracestore.storage.fs import ShardFile
+from tracestore.storage.local import ShardFile
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.shard_write import encode_shard
 from tracestore.storage.store import Store

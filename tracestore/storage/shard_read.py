@@ -114,7 +114,7 @@ def read_chunks(
     views into the decoded batch: a caller that keeps a chunk keeps its batch's memory.
 
     ``hold_gil``: the chunk CRCs of up to 1 MiB keep the GIL (for a read in a background
-    thread beside a thread that is busy in Python; see :func:`tracestore.storage.reader._copy_held`).
+    thread beside a thread that is busy in Python; see :func:`tracestore.storage.read_out._copy_held`).
     """
     by_group: dict[int, list[ChunkEntry]] = {}
     for e in entries:

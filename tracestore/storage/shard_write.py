@@ -169,7 +169,7 @@ def encode_shard(
 
     Without ``sink`` (memory:// and S3 publish from memory) the bytes are encoded into Arrow's
     growing buffer and returned without a copy. With ``sink`` the Parquet bytes go into it
-    instead and the returned bytes are None: a :class:`tracestore.storage.fs.ShardFile` (a native
+    instead and the returned bytes are None: a :class:`tracestore.storage.local.ShardFile` (a native
     Arrow ``stream``, told of each row group by ``progress()``) or a writable binary file object;
     either has ``size`` and ``crc32`` attributes that are final after its ``finish()``.
     """
