@@ -11,11 +11,9 @@ one flush (group commit, as in PostgreSQL's WAL and Kafka's log flush). Measured
 on the bench box: a buffered ``writev`` cost 2.3 ms of CPU on the appending thread (page-cache
 allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 ns/B off the ingest
 path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
-A crash can leave a torn tail only at the very end of the newest segment: replay cuts a bad entry
-there only when no intact entry follows it anywhere in the file (zero padding after the last entry
-is the end of a segment). A bad entry followed by intact ones, a bad entry in an older segment, or a
-missing segment between two present ones is corruption of acknowledged data: replay refuses
-(:class:`CorruptionError` naming the segment and byte offset) and never truncates.
+Replay repairs only a torn tail of the newest segment (zero padding after the last entry is the end
+of a segment) and refuses any other damage; the entry format, the segment files and the replay
+checks are in :mod:`tracestore.server.wal_file`.
 Segments are deleted oldest first once the caller says their entries are committed elsewhere *and*
 the entry saying so is durable (``delete_before(index, after=ticket)``).
 
@@ -35,59 +33,35 @@ import logging
 import mmap
 import os
 import queue
-import re
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from tracestore import faults
 from tracestore.checksum import FAST, crc32, crc32_address, crc32_combine
-from tracestore.errors import ConfigError, CorruptionError, StorageError
+from tracestore.errors import CorruptionError, StorageError
+
+from .wal_file import (
+    HEADER,
+    MAX_ENTRY,
+    Buffer,
+    Checked,
+    Part,
+    Segment,
+    cut,
+    find_segments,
+    fsync_dir,
+    lock_directory,
+    replay_segments,
+    segment_path,
+)
 
 log = logging.getLogger("tracestore.server")
-HEADER = struct.Struct("<IIB")
-MAX_ENTRY = 1 << 31
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
-_SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
-
-Buffer = bytes | bytearray | memoryview
 
 
-class Checked(NamedTuple):
-    """An entry part whose CRC-32 (seed 0) the caller has computed already (the sidecar checks
-    every received payload's CRC): the entry's CRC is combined from it (``crc32_combine``, ~0.2 us)
-    instead of reading the part's bytes a second time.
-
-    ``verify``: the bytes may change under us (a writer's shared memory, which another process
-    could overwrite between the caller's CRC and the copy here). The copy in the log is then
-    checked against ``crc`` right after it is made, while it is in cache, and the append refused
-    (CorruptionError, nothing appended) if they differ: an entry whose bytes do not match its CRC
-    would stop every later replay of the log, not only the offending writer's message."""
-
-    data: Buffer
-    crc: int
-    verify: bool = False
-
-
-Part = Buffer | Checked
-
-
-@dataclass
-class Segment:
-    index: int
-    path: Path
-    size: int = 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# The write path's own os calls (pwrite, fdatasync) stay in this module, beside the sync thread
+# that makes them (tests/server/test_wal_recovery.py fails them through this module's ``os``).
 
 
 def _pwrite(fd: int, buf: mmap.mmap, n: int, offset: int) -> None:
@@ -104,81 +78,6 @@ def _write_jobs(jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]]) 
         if out is not None:
             _pwrite(fd, *out)
         os.ftruncate(fd, size)
-
-
-def _lock_directory(directory: Path) -> int:
-    """Take an exclusive ``flock`` on ``directory/LOCK`` for the log's lifetime; a second log (a second
-    sidecar) on the same directory would delete or truncate the first one's live segments."""
-    import fcntl
-
-    path = directory / "LOCK"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(
-            f"write-ahead log directory {directory} is in use by another running sidecar (it holds {path}); "
-            "give each sidecar its own --wal-dir"
-        ) from None
-    return fd
-
-
-def _entry_at(data: bytes | memoryview, pos: int) -> tuple[int, int] | None:
-    """``(kind, end)`` of an intact entry at ``pos``, or None."""
-    if pos + HEADER.size > len(data):
-        return None
-    length, crc, kind = HEADER.unpack_from(data, pos)
-    end = pos + HEADER.size + length
-    if end > len(data):
-        return None
-    if crc32(data[pos + HEADER.size : end], crc32(bytes([kind]))) != crc:
-        return None
-    return kind, end
-
-
-SECTOR = 512  # the device writes whole sectors: a torn write zero-fills from a sector boundary on
-
-
-def _zeroed_from_a_sector(data: bytes, pos: int) -> bool:
-    """Whether everything from some sector boundary after ``pos`` to the end is zero: what a write
-    cut short by a crash leaves of a complete-looking entry (the file's size covers blocks whose data
-    never reached the device, which read back as zeros). A complete entry with a wrong checksum and
-    no such zero tail is damage to bytes that were written, possibly acknowledged."""
-    end = len(data.rstrip(b"\0"))
-    boundary = -(-max(end, pos + 1) // SECTOR) * SECTOR
-    return boundary < len(data)
-
-
-def _intact_after(data: bytes, start: int) -> int | None:
-    """Offset of the first intact entry at or after ``start`` (any byte offset), or None. Candidates
-    are offsets whose header names a known entry type (1..15) and a length that fits in the file;
-    only those are checksummed (a few per 4 KiB of random bytes, none in zero padding)."""
-    import numpy as np
-
-    n = len(data)
-    if n - start < HEADER.size:
-        return None
-    buf = np.frombuffer(data, dtype=np.uint8)
-    step = 1 << 22
-    for lo in range(start, n - HEADER.size + 1, step):
-        hi = min(n - HEADER.size + 1, lo + step)
-        kinds = buf[lo + 8 : hi + 8]
-        cand = np.flatnonzero((kinds >= 1) & (kinds <= 15))
-        if cand.size == 0:
-            continue
-        at = cand + lo
-        length = (
-            buf[at].astype(np.uint64)
-            | (buf[at + 1].astype(np.uint64) << 8)
-            | (buf[at + 2].astype(np.uint64) << 16)
-            | (buf[at + 3].astype(np.uint64) << 24)
-        )
-        fits = at[(at.astype(np.uint64) + HEADER.size + length) <= n]
-        for pos in fits.tolist():
-            if _entry_at(data, pos) is not None:
-                return int(pos)
-    return None
 
 
 class WriteAheadLog:
@@ -233,7 +132,7 @@ class WriteAheadLog:
         self._delete_pending = 0  # delete_before(index) deferred until that header is durable
         self._delete_after = 0  # ... and until this ticket (the caller's DONE entry) is durable
         self._synced_pos = (0, 0)  # (segment index, size) the last successful fdatasync covered
-        self._lock_fd = _lock_directory(self.dir)
+        self._lock_fd = lock_directory(self.dir)
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -247,78 +146,8 @@ class WriteAheadLog:
         before any entry of the log is yielded, and nothing is truncated: those bytes may be
         acknowledged records.
         """
-        found = sorted(
-            (int(m.group(1)), p) for p in self.dir.iterdir() if (m := _SEGMENT_RE.fullmatch(p.name)) is not None
-        )
-        for (a, pa), (b, _) in zip(found, found[1:], strict=False):
-            if b != a + 1:
-                raise CorruptionError(
-                    f"write-ahead log {self.dir} is missing segment(s) {a + 1}..{b - 1} between {pa.name} and "
-                    f"wal-{b:012d}.log: acknowledged records may be lost; restore the missing segment(s), or "
-                    "move the directory aside to start empty (losing what was acknowledged and not yet committed)"
-                )
-        self.segments = [Segment(i, p, p.stat().st_size) for i, p in found]
-        # Check every segment first: a corrupt log must stop the start before the caller acts on
-        # any of its entries.
-        ends: list[int] = []
-        for n, seg in enumerate(self.segments):
-            with open(seg.path, "rb") as f:
-                data = f.read()
-            end = self._scan(seg, data, last=n == len(self.segments) - 1)
-            ends.append(end)
-        for seg, end in zip(self.segments, ends, strict=True):
-            if end < seg.size:  # a torn tail of the newest segment
-                with open(seg.path, "r+b") as f:
-                    f.truncate(end)
-                    os.fsync(f.fileno())
-                seg.size = end
-            with open(seg.path, "rb") as f:
-                data = f.read(end)
-            pos = 0
-            while pos < end:
-                length, _, kind = HEADER.unpack_from(data, pos)
-                nxt = pos + HEADER.size + length
-                yield seg.index, kind, data[pos + HEADER.size : nxt]
-                pos = nxt
-
-    def _scan(self, seg: Segment, data: bytes, *, last: bool) -> int:
-        """Byte offset where ``seg``'s intact entries end; raises CorruptionError for damage that is
-        not a torn tail of the newest segment."""
-        pos = 0
-        while pos < len(data):
-            entry = _entry_at(data, pos)
-            if entry is not None:
-                pos = entry[1]
-                continue
-            if data.count(0, pos) == len(data) - pos:
-                return pos  # zero padding after the last entry (direct mode): the end, not damage
-            if pos + HEADER.size > len(data):
-                bad = "truncated entry header"
-            else:
-                length = HEADER.unpack_from(data, pos)[0]
-                bad = "truncated entry" if pos + HEADER.size + length > len(data) else "checksum mismatch"
-            later = _intact_after(data, pos + 1)
-            if last and later is None and (bad != "checksum mismatch" or _zeroed_from_a_sector(data, pos)):
-                log.warning(
-                    "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
-                    "never acknowledged)", seg.path, len(data) - pos, pos, bad,
-                )  # fmt: skip
-                return pos
-            where = (
-                "an older segment"
-                if not last
-                else f"the newest segment, with an intact entry at byte {later}"
-                if later is not None
-                else "the newest segment's last entry, which is complete (a torn write leaves it short or "
-                "zero-filled from a sector on)"
-            )
-            raise CorruptionError(
-                f"write-ahead log segment {seg.path} is corrupt at byte {pos} ({bad}) in {where}: the entries "
-                "from there on may hold acknowledged records, so the sidecar will not start and has changed "
-                "nothing. Restore the segment from a backup, or move the WAL directory aside to start empty "
-                "(losing the acknowledged records not yet committed to storage)"
-            )
-        return pos
+        self.segments = find_segments(self.dir)
+        yield from replay_segments(self.segments)
 
     # -- appending ------------------------------------------------------------------------------
 
@@ -366,7 +195,7 @@ class WriteAheadLog:
         if self._fd >= 0:  # the sync thread fsyncs and closes it before reporting later tickets
             self._retired.append(self._fd)
         index = self.segments[-1].index + 1 if self.segments else 1
-        path = self.dir / f"wal-{index:012d}.log"
+        path = segment_path(self.dir, index)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.direct:
             try:
@@ -380,7 +209,7 @@ class WriteAheadLog:
                 self._fill = self._base = 0
         else:
             self._fd = os.open(path, flags | os.O_APPEND, 0o644)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.segments.append(Segment(index, path, 0))
         if header is None and self._segment_header is not None:
             header = self._segment_header()
@@ -610,15 +439,13 @@ class WriteAheadLog:
                     if seg.index < index:
                         keep.append(seg)
                     elif seg.index == index:
-                        with open(seg.path, "r+b") as f:
-                            f.truncate(size)
-                            os.fsync(f.fileno())
+                        cut(seg.path, size)
                         seg.size = size
                         keep.append(seg)
                     else:
                         with contextlib.suppress(FileNotFoundError):
                             seg.path.unlink()
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 self.segments = keep
                 self._written = self._synced
                 self._fill = self._base = 0
@@ -679,7 +506,7 @@ class WriteAheadLog:
                     keep.append(seg)
             self.segments = keep
         if freed:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return freed
 
     def close(self) -> None:

@@ -1,0 +1,243 @@
+"""The write-ahead log's files: the entry format, the segment files of a directory, and replay.
+
+An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload;
+a segment is ``wal-<index>.log`` (12 digits), entries back to back, possibly followed by zero
+padding (direct mode cuts it on rotation and close, a crash may leave it). Nothing here holds a
+:class:`~tracestore.server.wal.WriteAheadLog`'s state: these are the checks replay runs on the files
+before the log opens, and the file-system helpers it shares with the appending side.
+
+A crash can leave a torn tail only at the very end of the newest segment: replay cuts a bad entry
+there only when no intact entry follows it anywhere in the file (zero padding after the last entry
+is the end of a segment). A bad entry followed by intact ones, a bad entry in an older segment, or a
+missing segment between two present ones is corruption of acknowledged data: replay refuses
+(:class:`CorruptionError` naming the segment and byte offset) and never truncates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from tracestore.checksum import crc32
+from tracestore.errors import ConfigError, CorruptionError
+
+log = logging.getLogger("tracestore.server")
+HEADER = struct.Struct("<IIB")
+MAX_ENTRY = 1 << 31
+SECTOR = 512  # the device writes whole sectors: a torn write zero-fills from a sector boundary on
+_SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Checked(NamedTuple):
+    """An entry part whose CRC-32 (seed 0) the caller has computed already (the sidecar checks
+    every received payload's CRC): the entry's CRC is combined from it (``crc32_combine``, ~0.2 us)
+    instead of reading the part's bytes a second time.
+
+    ``verify``: the bytes may change under us (a writer's shared memory, which another process
+    could overwrite between the caller's CRC and the copy here). The copy in the log is then
+    checked against ``crc`` right after it is made, while it is in cache, and the append refused
+    (CorruptionError, nothing appended) if they differ: an entry whose bytes do not match its CRC
+    would stop every later replay of the log, not only the offending writer's message."""
+
+    data: Buffer
+    crc: int
+    verify: bool = False
+
+
+Part = Buffer | Checked
+
+
+@dataclass
+class Segment:
+    index: int
+    path: Path
+    size: int = 0
+
+
+def segment_path(directory: Path, index: int) -> Path:
+    return directory / f"wal-{index:012d}.log"
+
+
+# -- file-system helpers ----------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cut(path: Path, size: int) -> None:
+    """Truncate ``path`` to ``size`` bytes and fsync it."""
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        os.fsync(f.fileno())
+
+
+def lock_directory(directory: Path) -> int:
+    """Take an exclusive ``flock`` on ``directory/LOCK`` for the log's lifetime; a second log (a second
+    sidecar) on the same directory would delete or truncate the first one's live segments."""
+    import fcntl
+
+    path = directory / "LOCK"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"write-ahead log directory {directory} is in use by another running sidecar (it holds {path}); "
+            "give each sidecar its own --wal-dir"
+        ) from None
+    return fd
+
+
+# -- scanning ---------------------------------------------------------------------------------------
+
+
+def entry_at(data: bytes | memoryview, pos: int) -> tuple[int, int] | None:
+    """``(kind, end)`` of an intact entry at ``pos``, or None."""
+    if pos + HEADER.size > len(data):
+        return None
+    length, crc, kind = HEADER.unpack_from(data, pos)
+    end = pos + HEADER.size + length
+    if end > len(data):
+        return None
+    if crc32(data[pos + HEADER.size : end], crc32(bytes([kind]))) != crc:
+        return None
+    return kind, end
+
+
+def zeroed_from_a_sector(data: bytes, pos: int) -> bool:
+    """Whether everything from some sector boundary after ``pos`` to the end is zero: what a write
+    cut short by a crash leaves of a complete-looking entry (the file's size covers blocks whose data
+    never reached the device, which read back as zeros). A complete entry with a wrong checksum and
+    no such zero tail is damage to bytes that were written, possibly acknowledged."""
+    end = len(data.rstrip(b"\0"))
+    boundary = -(-max(end, pos + 1) // SECTOR) * SECTOR
+    return boundary < len(data)
+
+
+def intact_after(data: bytes, start: int) -> int | None:
+    """Offset of the first intact entry at or after ``start`` (any byte offset), or None. Candidates
+    are offsets whose header names a known entry type (1..15) and a length that fits in the file;
+    only those are checksummed (a few per 4 KiB of random bytes, none in zero padding)."""
+    import numpy as np
+
+    n = len(data)
+    if n - start < HEADER.size:
+        return None
+    buf = np.frombuffer(data, dtype=np.uint8)
+    step = 1 << 22
+    for lo in range(start, n - HEADER.size + 1, step):
+        hi = min(n - HEADER.size + 1, lo + step)
+        kinds = buf[lo + 8 : hi + 8]
+        cand = np.flatnonzero((kinds >= 1) & (kinds <= 15))
+        if cand.size == 0:
+            continue
+        at = cand + lo
+        length = (
+            buf[at].astype(np.uint64)
+            | (buf[at + 1].astype(np.uint64) << 8)
+            | (buf[at + 2].astype(np.uint64) << 16)
+            | (buf[at + 3].astype(np.uint64) << 24)
+        )
+        fits = at[(at.astype(np.uint64) + HEADER.size + length) <= n]
+        for pos in fits.tolist():
+            if entry_at(data, pos) is not None:
+                return int(pos)
+    return None
+
+
+def scan_segment(seg: Segment, data: bytes, *, last: bool) -> int:
+    """Byte offset where ``seg``'s intact entries end; raises CorruptionError for damage that is
+    not a torn tail of the newest segment."""
+    pos = 0
+    while pos < len(data):
+        entry = entry_at(data, pos)
+        if entry is not None:
+            pos = entry[1]
+            continue
+        if data.count(0, pos) == len(data) - pos:
+            return pos  # zero padding after the last entry (direct mode): the end, not damage
+        if pos + HEADER.size > len(data):
+            bad = "truncated entry header"
+        else:
+            length = HEADER.unpack_from(data, pos)[0]
+            bad = "truncated entry" if pos + HEADER.size + length > len(data) else "checksum mismatch"
+        later = intact_after(data, pos + 1)
+        if last and later is None and (bad != "checksum mismatch" or zeroed_from_a_sector(data, pos)):
+            log.warning(
+                "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
+                "never acknowledged)", seg.path, len(data) - pos, pos, bad,
+            )  # fmt: skip
+            return pos
+        where = (
+            "an older segment"
+            if not last
+            else f"the newest segment, with an intact entry at byte {later}"
+            if later is not None
+            else "the newest segment's last entry, which is complete (a torn write leaves it short or "
+            "zero-filled from a sector on)"
+        )
+        raise CorruptionError(
+            f"write-ahead log segment {seg.path} is corrupt at byte {pos} ({bad}) in {where}: the entries "
+            "from there on may hold acknowledged records, so the sidecar will not start and has changed "
+            "nothing. Restore the segment from a backup, or move the WAL directory aside to start empty "
+            "(losing the acknowledged records not yet committed to storage)"
+        )
+    return pos
+
+
+# -- replay -----------------------------------------------------------------------------------------
+
+
+def find_segments(directory: Path) -> list[Segment]:
+    """The segments in ``directory``, oldest first; CorruptionError when one is missing between two."""
+    found = sorted(
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := _SEGMENT_RE.fullmatch(p.name)) is not None
+    )
+    for (a, pa), (b, _) in zip(found, found[1:], strict=False):
+        if b != a + 1:
+            raise CorruptionError(
+                f"write-ahead log {directory} is missing segment(s) {a + 1}..{b - 1} between {pa.name} and "
+                f"wal-{b:012d}.log: acknowledged records may be lost; restore the missing segment(s), or "
+                "move the directory aside to start empty (losing what was acknowledged and not yet committed)"
+            )
+    return [Segment(i, p, p.stat().st_size) for i, p in found]
+
+
+def replay_segments(segments: list[Segment]) -> Iterator[tuple[int, int, bytes]]:
+    """Yield ``(segment_index, type, payload)`` for every intact entry of ``segments``, oldest first,
+    after checking them all (:func:`scan_segment`) and cutting a torn tail of the newest one
+    (its ``size`` is updated)."""
+    # Check every segment first: a corrupt log must stop the start before the caller acts on
+    # any of its entries.
+    ends: list[int] = []
+    for n, seg in enumerate(segments):
+        with open(seg.path, "rb") as f:
+            data = f.read()
+        end = scan_segment(seg, data, last=n == len(segments) - 1)
+        ends.append(end)
+    for seg, end in zip(segments, ends, strict=True):
+        if end < seg.size:  # a torn tail of the newest segment
+            cut(seg.path, end)
+            seg.size = end
+        with open(seg.path, "rb") as f:
+            data = f.read(end)
+        pos = 0
+        while pos < end:
+            length, _, kind = HEADER.unpack_from(data, pos)
+            nxt = pos + HEADER.size + length
+            yield seg.index, kind, data[pos + HEADER.size : nxt]
+            pos = nxt
