@@ -15,7 +15,7 @@ from typing import Any
 
 _LAZY = {
     "RolloutRecorder": "tracestore.client.recorder",
-    "SiteOutput": "tracestore.client.recorder",
+    "SiteOutput": "tracestore.client.site_output",
     "SlabStage": "tracestore.client.slab",
     "Segments": "tracestore.client.slab",
     "GuidedFP4Hooks": "tracestore.client.train_hooks",

@@ -28,12 +28,9 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import operator
 import os
-import stat
 import sys
 import threading
 import time
@@ -42,16 +39,18 @@ from typing import Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError, DTypeError, ShapeError, TraceStoreError, ValidationError
-from tracestore.records import PrefixLink, RunSpec, TrajectorySeal, validate_id
+from tracestore.errors import ConfigError, ShapeError, TraceStoreError, ValidationError
+from tracestore.records import PrefixLink, RunSpec, validate_id
 
 from .chunks import ChunkBuilder
 from .copier import StagingCopier
-from .items import Finish, Forward, Outgoing, Region, SlabForward, SlabPlan, Unguided, bounded_put
+from .items import Finish, Forward, Region, SlabForward, SlabPlan, Unguided
 from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
+from .site_output import SiteOutput, check_array, per_row_g
 from .slab import Segments, SlabStage
-from .staging import GROUP_ENV, StagingPool
+from .staging import GROUP_ENV, StagingPool, socket_group
+from .traceref import SealLedger
 from .transport import resolve_token
 
 log = logging.getLogger("tracestore.client")
@@ -60,21 +59,6 @@ log = logging.getLogger("tracestore.client")
 # its chunks are long already (the decode bench found ~32-token chunks enough to keep per-chunk
 # work on both sides small).
 _LONG_SEGMENT = 32
-
-
-@dataclasses.dataclass
-class SiteOutput:
-    """One site's rows of one forward: ``codes`` uint8 [rows, code_bytes], ``scales`` uint8
-    [rows, scale_bytes] (torch tensors on any device, or numpy), ``global_scale`` the decode-side
-    g: a float or a one-element tensor, or a float32 tensor of one g per row (per-token NVFP4
-    activation scales; stored as the rows' token scales with the chunk's g 1.0, which dequantizes
-    to the same values bit for bit, docs/numerics.md §6-§7), ``token_scales`` float32 [rows] or
-    None (not together with a per-row g)."""
-
-    codes: Any
-    scales: Any
-    global_scale: Any = 1.0
-    token_scales: Any = None
 
 
 class RolloutRecorder:
@@ -154,7 +138,7 @@ class RolloutRecorder:
             )
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
         if shared and shm_group is None and not os.environ.get(GROUP_ENV):
-            shm_group = _socket_group(address)
+            shm_group = socket_group(address)
         self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir, group=shm_group)
         self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)
         # Pin at start-up, not at the first forward (pinning GBs takes seconds; a failure shows then); by
@@ -202,6 +186,7 @@ class RolloutRecorder:
         # for a lock the sender holds while it expands and serializes.
         self._queue = self._outbox.queue
         self._chunks = ChunkBuilder(run_spec, writer, self.pool, self._np, self.batch_bytes, self._unguided)
+        self._seals = SealLedger(self._lock, self._unguided, writer, run_spec.run)  # for refs()
         self._session = WriteSession(
             address,
             self._credentials,
@@ -213,7 +198,7 @@ class RolloutRecorder:
             self._unguided,
             self._wake,
             self.stats,
-            self._note_sealed,
+            self._seals.note_sealed,
             shm=self.pool.name is not None,
             give_up_s=self.give_up_s,
             reconnect_backoff_s=self.reconnect_backoff_s,
@@ -221,13 +206,6 @@ class RolloutRecorder:
             inflight_bytes=self.inflight_bytes,
         )
         self._thread = self._session.thread
-        # TraceRef bookkeeping (tracestore.client.traceref): the token count finish() was given,
-        # the (epoch, sequence, seal) of each durable seal, and the highest attempt handed out per
-        # base trajectory (why each trajectory is unguided: the Unguided ledger). Bounded: the
-        # oldest entries go first.
-        self._finished: dict[str, tuple[int, int]] = {}  # trajectory -> (n_tokens, policy version)
-        self._sealed_at: dict[str, tuple[int, int, TrajectorySeal]] = {}
-        self._attempts: dict[str, int] = {}
         self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
         self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
         self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
@@ -282,11 +260,11 @@ class RolloutRecorder:
             if site is None:
                 raise ValidationError(f"run {self.run_spec.run} declares no site {name!r}: {list(self._sites)}")
             rows = n_tok * site.rows_per_token
-            _check(out.codes, (rows, site.code_bytes), f"{name}.codes")
-            _check(out.scales, (rows, site.scale_bytes), f"{name}.scales")
-            out = _per_row_g(out, name, rows)
+            check_array(out.codes, (rows, site.code_bytes), f"{name}.codes")
+            check_array(out.scales, (rows, site.scale_bytes), f"{name}.scales")
+            out = per_row_g(out, name, rows)
             if out.token_scales is not None:
-                _check(out.token_scales, (rows,), f"{name}.token_scales", dtype="float32")
+                check_array(out.token_scales, (rows,), f"{name}.token_scales", dtype="float32")
             nc, ns = rows * site.code_bytes, rows * site.scale_bytes
             nt = rows * 4 if out.token_scales is not None else 0
             plans.append((name, site, out, total, nc, ns, nt))
@@ -519,7 +497,7 @@ class RolloutRecorder:
         if self._stages:
             self._drain_stages()
         version = self._outbox.versions.get(trajectory, self.policy_version)
-        bounded_put(self._finished, trajectory, (int(n_tokens), version))
+        self._seals.finished(trajectory, int(n_tokens), version)
         session = self._session
         if session.error is not None:  # stopped: nothing is sealed, and its queue has no reader
             self._unguided.mark([trajectory], session.stop_reason)
@@ -579,18 +557,7 @@ class RolloutRecorder:
         not handed out. Attempts of one trajectory on one recorder must increase, so a retried or
         aborted rollout never writes under an earlier attempt's id (across recorders, pass the
         framework's own retry counter)."""
-        from .traceref import attempt_id
-
-        last = self._attempts.get(trajectory, -1)
-        n = last + 1 if attempt is None else attempt
-        stored = attempt_id(trajectory, n)  # validates trajectory and n
-        if n <= last:
-            raise ValidationError(
-                f"recorder {self.writer} already handed out attempt {last} of {trajectory}: attempt {n} would "
-                f"write under an earlier attempt's id; records are write-once per (trajectory, attempt)"
-            )
-        bounded_put(self._attempts, trajectory, n)
-        return stored
+        return self._seals.attempt(trajectory, attempt)
 
     def refs(self, trajectories: Sequence[str], timeout: float = 60.0) -> list[Any]:
         """One :class:`tracestore.client.traceref.TraceRef` per stored id of ``trajectories`` (each
@@ -602,95 +569,6 @@ class RolloutRecorder:
         from .traceref import make_refs
 
         return make_refs(self, list(trajectories), timeout)
-
-    def _seal_state(self, trajectory: str) -> tuple[str, Any]:
-        """("sealed", (epoch, seq, seal)) once the seal's message is durable; ("unguided",
-        (version, n_tokens, reason)); ("pending", None) after finish(); else ("unknown", None)."""
-        with self._lock:
-            at = self._sealed_at.get(trajectory)
-            if at is not None:
-                return "sealed", at
-            fin = self._finished.get(trajectory)
-            if trajectory in self._unguided_ids and fin is not None:
-                return "unguided", (fin[1], fin[0], self._unguided.why(trajectory))
-            if fin is not None:
-                return "pending", None
-            return "unknown", None
-
-    def _forget_seal(self, trajectory: str) -> None:
-        with self._lock:
-            self._sealed_at.pop(trajectory, None)
-            self._finished.pop(trajectory, None)
-            self._unguided.forget(trajectory)
-
-    def _note_sealed(self, out: Outgoing) -> None:
-        """The seals of ``out``, durable now (under the lock, from the acknowledgement)."""
-        run = self.run_spec.run
-        for s in out.req.seals:
-            seal = TrajectorySeal(run, s.policy_version, s.trajectory, s.n_tokens, tuple(s.sites))
-            bounded_put(self._sealed_at, s.trajectory, (int(out.req.epoch), out.seq, seal))
-
-
-def _per_row_g(out: SiteOutput, name: str, rows: int) -> SiteOutput:
-    """``out`` with a per-row global scale moved into the token scales (chunk g 1.0); one value
-    passes unchanged. A g of another length, or one per row beside token scales, is refused."""
-    g = out.global_scale
-    n = getattr(g, "numel", None)
-    n = n() if callable(n) else getattr(g, "size", 1)
-    if n == 1:
-        return out
-    if n != rows:
-        raise ShapeError(
-            f"{name}.global_scale has {n} values: give the forward's one decode-side g, or one per row ({rows})"
-        )
-    if out.token_scales is not None:
-        raise ConfigError(
-            f"{name}: a per-row global_scale and token_scales together cannot be stored exactly (the record keeps "
-            "one per-row scale); fold them into one per-row scale"
-        )
-    if not _dtype_is_cached(getattr(g, "dtype", None), "float32"):
-        raise DTypeError(f"{name}.global_scale per row must be float32, got {getattr(g, 'dtype', type(g).__name__)}")
-    return SiteOutput(out.codes, out.scales, 1.0, g.reshape(-1))
-
-
-def _dtype_is(dt: Any, want: str) -> bool:
-    return str(dt if dt is not None else "").endswith(want)
-
-
-# str() of a numpy dtype is Python code (~2.5 us; 40 calls per decode step of 20 sites): decided
-# once per dtype object (numpy and torch dtypes are hashable singletons)
-_dtype_is_cached = functools.lru_cache(maxsize=256)(_dtype_is)
-
-
-def _check(x: Any, shape: tuple[int, ...], name: str, dtype: str = "uint8") -> None:
-    got = tuple(getattr(x, "shape", ()))
-    if got != shape:
-        raise ShapeError(f"{name} must have shape {list(shape)}, got {list(got)}")
-    dt = getattr(x, "dtype", None)
-    try:
-        ok = _dtype_is_cached(dt, dtype)
-    except TypeError:  # an unhashable dtype-like attribute: decided every time
-        ok = _dtype_is(dt, dtype)
-    if not ok:
-        raise DTypeError(f"{name} must have dtype {dtype}, got {dt if dt is not None else ''}")
-
-
-def _socket_group(address: str) -> int | None:
-    """The group of the sidecar's unix socket at ``address`` when the socket admits that group
-    and this process is in it (then the sidecar reads only pools of that group, server/shm.py)."""
-    if not address.startswith("unix:"):
-        return None
-    path = address.removeprefix("unix:")
-    if path.startswith("//"):
-        path = path[2:]
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if not stat.S_ISSOCK(st.st_mode) or not st.st_mode & stat.S_IWGRP:
-        return None
-    mine = st.st_gid == os.getegid() or st.st_gid in os.getgroups() or os.geteuid() == 0
-    return st.st_gid if mine else None
 
 
 __all__ = ["RolloutRecorder", "Segments", "SiteOutput", "SlabStage", "WriterFencedError"]

@@ -248,3 +248,21 @@ class StagingPool:
         if self._owner_fd >= 0:
             os.close(self._owner_fd)  # (drops the lock)
             self._owner_fd = -1
+
+
+def socket_group(address: str) -> int | None:
+    """The group of the sidecar's unix socket at ``address`` when the socket admits that group
+    and this process is in it (then the sidecar reads only pools of that group, server/shm.py)."""
+    if not address.startswith("unix:"):
+        return None
+    path = address.removeprefix("unix:")
+    if path.startswith("//"):
+        path = path[2:]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or not st.st_mode & stat.S_IWGRP:
+        return None
+    mine = st.st_gid == os.getegid() or st.st_gid in os.getgroups() or os.geteuid() == 0
+    return st.st_gid if mine else None

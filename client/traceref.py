@@ -29,8 +29,72 @@ from tracestore.traceref import (
 )
 from tracestore.traceref import _unpickle as _unpickle  # pickled refs made before the move name it here
 
+from .items import Outgoing, Unguided, bounded_put
+
 if TYPE_CHECKING:  # pragma: no cover
+    import threading
+
     from .recorder import RolloutRecorder
+
+
+class SealLedger:
+    """What a recorder knows of its trajectories' seals, for its refs (bounded dicts, the oldest
+    entries dropped first): the length and policy version ``finish()`` was given, each seal's
+    (epoch, sequence, seal) once its message is durable, and the highest attempt handed out per
+    trajectory. Why a trajectory is unguided is the :class:`Unguided` ledger's. ``lock``: the
+    recorder's, held by the acknowledgement that calls :meth:`note_sealed`."""
+
+    def __init__(self, lock: threading.Lock, unguided: Unguided, writer: str, run: str) -> None:
+        self._lock = lock
+        self._unguided = unguided
+        self._writer = writer
+        self._run = run
+        self._finished: dict[str, tuple[int, int]] = {}  # trajectory -> (n_tokens, policy version)
+        self._sealed_at: dict[str, tuple[int, int, TrajectorySeal]] = {}
+        self._attempts: dict[str, int] = {}
+
+    def finished(self, trajectory: str, n_tokens: int, version: int) -> None:
+        bounded_put(self._finished, trajectory, (n_tokens, version))
+
+    def attempt(self, trajectory: str, attempt: int | None) -> str:
+        """The stored id of ``attempt`` (default: the next one) of ``trajectory``; see
+        :meth:`tracestore.client.RolloutRecorder.attempt`."""
+        last = self._attempts.get(trajectory, -1)
+        n = last + 1 if attempt is None else attempt
+        stored = attempt_id(trajectory, n)  # validates trajectory and n
+        if n <= last:
+            raise ValidationError(
+                f"recorder {self._writer} already handed out attempt {last} of {trajectory}: attempt {n} would "
+                f"write under an earlier attempt's id; records are write-once per (trajectory, attempt)"
+            )
+        bounded_put(self._attempts, trajectory, n)
+        return stored
+
+    def state(self, trajectory: str) -> tuple[str, Any]:
+        """("sealed", (epoch, seq, seal)) once the seal's message is durable; ("unguided",
+        (version, n_tokens, reason)); ("pending", None) after finish(); else ("unknown", None)."""
+        with self._lock:
+            at = self._sealed_at.get(trajectory)
+            if at is not None:
+                return "sealed", at
+            fin = self._finished.get(trajectory)
+            if trajectory in self._unguided and fin is not None:
+                return "unguided", (fin[1], fin[0], self._unguided.why(trajectory))
+            if fin is not None:
+                return "pending", None
+            return "unknown", None
+
+    def forget(self, trajectory: str) -> None:
+        with self._lock:
+            self._sealed_at.pop(trajectory, None)
+            self._finished.pop(trajectory, None)
+            self._unguided.forget(trajectory)
+
+    def note_sealed(self, out: Outgoing) -> None:
+        """The seals of ``out``, durable now (under the lock, from the acknowledgement)."""
+        for s in out.req.seals:
+            seal = TrajectorySeal(self._run, s.policy_version, s.trajectory, s.n_tokens, tuple(s.sites))
+            bounded_put(self._sealed_at, s.trajectory, (int(out.req.epoch), out.seq, seal))
 
 
 # ---------------------------------------------------------------------------------------- producing
@@ -47,7 +111,7 @@ def make_refs(recorder: RolloutRecorder, trajectories: Sequence[str], timeout: f
     while True:
         for t in trajectories:
             if t not in state or state[t][0] == "pending":
-                state[t] = recorder._seal_state(t)
+                state[t] = recorder._seals.state(t)
         pending = [t for t in trajectories if state[t][0] == "pending"]
         if not pending or time.monotonic() >= deadline:
             break
@@ -74,7 +138,7 @@ def make_refs(recorder: RolloutRecorder, trajectories: Sequence[str], timeout: f
                          "" if ok else "unpublished", recorder.writer)
             )  # fmt: skip
             if ok:
-                recorder._forget_seal(t)
+                recorder._seals.forget(t)
         else:
             version, n_tokens, reason = info
             out.append(
