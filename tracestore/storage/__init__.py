@@ -6,7 +6,9 @@ and ``tracestore.StoreReader`` (re-exported lazily from :mod:`.store` and :mod:`
 sidecar and ``tracestore.client.GuidanceReader``. The rooms:
 
 - :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
-- :mod:`.store` — the run/version/writer layout, ``write_shard`` and the listing of manifests;
+- :mod:`.store` — the run/version/writer layout, runs and ``write_shard`` (one or two shard files);
+- :mod:`.catalog` — what is committed: listing, the manifest and footer caches, retention, the
+  stale-temp sweep;
 - :mod:`.manifest` — the manifest format: chunk index, seals, links, JSON with its checksum;
 - :mod:`.shard_write` — encoding a shard: sort, row groups, codecs, one Parquet writer;
 - :mod:`.shard_read` — verified decoding of a shard's row groups, and full verification;
