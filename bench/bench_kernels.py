@@ -185,7 +185,7 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
     )
     default_rg, default_gg = KR.BLOCKS_PER_THREAD, KG.BLOCKS_PER_THREAD
     default_rv = KR.RECORD_VARIANT
-    for variant in KR.RECORD_VARIANTS:  # per-element formulations (V in kernels/_source.py)
+    for variant in KR.RECORD_VARIANTS:  # per-element formulations (V in kernels/_source_record.py)
         KR.RECORD_VARIANT = variant
         for group in (1, 2, 4):  # scale blocks per thread
             KR.BLOCKS_PER_THREAD = group

@@ -1,7 +1,7 @@
 """Training-side TRACE rounding and RTN fake-quant as PyTorch custom ops (docs/integration.md, "Applying guidance").
 
 ``tracestore::guided_fp4`` and ``tracestore::rtn_fp4`` are ``torch.library`` custom ops with a
-CPU kernel (the torch reference in ``tracestore.guided``), a CUDA kernel (``_source.py``'s
+CPU kernel (the torch reference in ``tracestore.guided``), a CUDA kernel (``_source_guided.py``'s
 ``guided_fwd``, bit-exact to the reference), a fake implementation (so ``torch.compile`` traces
 them without graph breaks) and a straight-through autograd formula (:func:`_ste_backward`).
 

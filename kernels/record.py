@@ -2,7 +2,7 @@
 
 Anatomy: a static :class:`RecordBuffer` slab per site (allocated once, before any graph
 capture) and three launchers that write a forward's rows into it at ``row_offset``. On a GPU each
-launcher is one CUDA kernel (``_source.py``) on torch's current stream: no allocation, no sync,
+launcher is one CUDA kernel (``_source_record.py``) on torch's current stream: no allocation, no sync,
 no host read of device data, so the calls can live inside a captured ``torch.cuda.CUDAGraph``
 (call each once before capturing so its kernel is compiled and loaded). On the CPU the same calls
 run the torch reference (``quantize`` + ``pack_bits`` + ``unswizzle_scales``) into the same buffers.
@@ -286,7 +286,7 @@ def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Te
 
 # scale blocks per thread in record_from_activations (1, 2 or 4; bench_kernels compares them)
 BLOCKS_PER_THREAD = 2
-# record_act's per-element formulation (bit flags of ``V`` in kernels/_source.py; bench_kernels
+# record_act's per-element formulation (bit flags of ``V`` in kernels/_source_record.py; bench_kernels
 # compares them, the GPU tests run every one): 0 = the original integer-pipe arithmetic, 5 = the
 # magic number by FMUL and the amax on packed 16-bit pairs (H200: 0.0927 -> 0.0802 ms).
 RECORD_VARIANT = 5
