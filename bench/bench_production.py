@@ -16,10 +16,12 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
    timed with ``perf_counter`` after the step's kernels; between calls the engine thread sleeps
    ``--step-ms`` (8 ms: the MoE decode step) as it would wait on the GPU.
 2. ``decode``: a decode loop replaying one CUDA graph per step (the 40-layer MoE step of
-   bench_kernels, a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads, and a light
-   one: hidden 2048, FFN 8192, 16/4 heads), without
+   bench_kernels, a 24-layer dense step: hidden 4096, FFN 14336, GQA 32/8 heads, a light one:
+   hidden 2048, FFN 8192, 16/4 heads, and a lighter one: hidden 1536, FFN 6144, 12/4 heads), without
    records, with the 20 record kernels only, and with record kernels + ``SlabStage.capture()`` in
-   the graph and ``commit`` after each replay (staging copies on the side stream). Overhead =
+   the graph and ``commit`` after each replay (staging copies on the side stream); both again with
+   the record kernels forked onto a ``kernels.RecordBranch`` (a parallel branch of the graph beside
+   the engine's next kernels, joined before the slab is staged). Overhead =
    (loop time per step with recording - without) / without, CUDA events around the loop. Before
    timing, 8 steps check that the pinned staging holds each step's slab rows bit for bit.
 3. ``train``: one training step (forward, backward, AdamW step) of a transformers MoE model with
@@ -192,16 +194,20 @@ class MoEStep:
 class DenseStep:
     """A 24-layer dense decode step: hidden 4096, FFN 14336 (SwiGLU), GQA 32 query / 8 K/V heads of
     128 (weights streamed as in decode); records on the MLP input of the last 20 layers. The light
-    step (``light=True``): hidden 2048, FFN 8192, 16 / 4 heads of 128 (a ~1.5B model; about 1.3 ms
-    per step at batch 256 on an H200), where the recording's fixed costs weigh most."""
+    step (``light="light"``): hidden 2048, FFN 8192, 16 / 4 heads of 128 (a ~1.5B model; about 1.9 ms
+    per step at batch 256 on an H200), where the recording's fixed costs weigh most; the lighter one
+    (``light="lighter"``): hidden 1536, FFN 6144, 12 / 4 heads (a ~1B model, the
+    lightest step whose recording overhead we report)."""
 
     layers, hidden, inter, kv = 24, 4096, 14336, 1024
 
-    def __init__(self, batch: int, light: bool = False) -> None:
+    SHAPES = {"light": (2048, 8192, 512), "lighter": (1536, 6144, 512)}
+
+    def __init__(self, batch: int, light: str | None = None) -> None:
         dev, dt = "cuda", torch.bfloat16
         torch.manual_seed(0)
         if light:
-            self.hidden, self.inter, self.kv = 2048, 8192, 512
+            self.hidden, self.inter, self.kv = self.SHAPES[light]
         L, H, Fi = self.layers, self.hidden, self.inter
         self.w_qkv = [torch.randn(H, H + 2 * self.kv, device=dev, dtype=dt) * 0.02 for _ in range(L)]
         self.w_o = [torch.randn(H, H, device=dev, dtype=dt) * 0.02 for _ in range(L)]
@@ -235,41 +241,57 @@ def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict
     def record(j: int, h: torch.Tensor) -> None:
         K.record_from_activations(h, sites[j], slab[sites[j].name], global_scale=g)
 
+    branch = K.RecordBranch("cuda")
+
+    def record_on_branch(j: int, h: torch.Tensor) -> None:
+        with branch.fork(h):  # beside the engine's next kernels: a parallel branch of the graph
+            record(j, h)
+
     # connect=False: no sender, so the staged raw rows stay in the pool for the bit-for-bit check
     rec = RolloutRecorder("127.0.0.1:1", spec, writer="bench", connect=False, staging_bytes=1 << 30)
     stage = rec.slab_stage(slab)
 
-    def with_stage() -> None:
-        model(record)
-        stage.capture()
+    def with_stage(rec_fn: Any) -> None:
+        model(rec_fn)
+        stage.capture()  # joins the branch first (a no-op without one)
+
+    def branch_only() -> None:
+        model(record_on_branch)
+        branch.join()
 
     graphs = {
         "no records": capture(lambda: model(None)),
         "record kernels only": capture(lambda: model(record)),
-        "record kernels + staging (graph) + commit": capture(with_stage),
+        "record kernels + staging (graph) + commit": capture(lambda: with_stage(record)),
+        "record kernels on a branch only": capture(branch_only),
+        "record kernels on a branch + staging (graph) + commit": capture(lambda: with_stage(record_on_branch)),
     }
     ids = tuple(f"t{i}" for i in range(batch))
     positions = np.zeros(batch, np.int64)  # the engine's positions, advanced in place each step
-    # bit-for-bit: each step's staged bytes against a snapshot of the slab taken after its replay
-    graph = graphs["record kernels + staging (graph) + commit"]
-    snaps = []
-    for _step in range(8):
-        model.x0.normal_()
-        graph.replay()
-        stage.commit(Segments.decode(ids, positions))
-        positions += 1
-        snaps.append(slab.data[:batch].clone())
-    rec._drain_stages()  # the stager's pending copies queued (what finish() and flush() do)
-    offs = [fwd.staged[0][1] for fwd in list(rec._queue)[-8:]]
-    torch.cuda.synchronize()
+    exact: dict[str, bool] = {}
     row_bytes = slab.row_bytes
-    exact = all(
-        bytes(rec._np[o : o + batch * row_bytes]) == s.cpu().numpy().tobytes() for o, s in zip(offs, snaps, strict=True)
-    )
-    print(f"  {name}: staged bytes equal the slab bit for bit over 8 steps: {exact}")
-    for fwd in list(rec._queue):
-        rec.pool.release(fwd.region.offset)
-    rec._queue.clear()
+    for label, graph in graphs.items():
+        if not label.endswith("commit"):
+            continue
+        # bit-for-bit: each step's staged bytes against a snapshot of the slab taken after its replay
+        snaps = []
+        for _step in range(8):
+            model.x0.normal_()
+            graph.replay()
+            stage.commit(Segments.decode(ids, positions))
+            positions += 1
+            snaps.append(slab.data[:batch].clone())
+        rec._drain_stages()  # the stager's pending copies queued (what finish() and flush() do)
+        offs = [fwd.staged[0][1] for fwd in list(rec._queue)[-8:]]
+        torch.cuda.synchronize()
+        exact[label] = all(
+            bytes(rec._np[o : o + batch * row_bytes]) == s.cpu().numpy().tobytes()
+            for o, s in zip(offs, snaps, strict=True)
+        )
+        print(f"  {name}: {label}: staged bytes equal the slab bit for bit over 8 steps: {exact[label]}")
+        for fwd in list(rec._queue):
+            rec.pool.release(fwd.region.offset)
+        rec._queue.clear()
     per_step: dict[str, list[float]] = {k: [] for k in graphs}
     for _rep in range(args.reps):
         for label, graph in graphs.items():
@@ -300,12 +322,12 @@ def decode_loop(name: str, model: Any, args: argparse.Namespace, rows: list[dict
             "max_ms": max(ts),
             "baseline_ms": base,
             "overhead_%": 100 * (med - base) / base,
-            "staged_bytes_exact": exact if label.endswith("commit") else None,
+            "staged_bytes_exact": exact.get(label),
             "slab_bytes_per_step": batch * row_bytes,
             "stager_behind": rec.stats["stager_behind"] if label.endswith("commit") else None,
             "refused_forwards": rec.stats["refused_forwards"] if label.endswith("commit") else None,
         }
-        print(f"  {name:6s} {label:44s} {med:8.4f} ms/step  overhead {r['overhead_%']:6.3f}%")
+        print(f"  {name:6s} {label:54s} {med:8.4f} ms/step  overhead {r['overhead_%']:6.3f}%")
         rows.append(r)
     rec.close(timeout=0)
 
@@ -398,7 +420,7 @@ def main() -> None:
     ap.add_argument("--train-len", type=int, default=1024)
     ap.add_argument("--train-reps", type=int, default=8)
     ap.add_argument("--train-block", type=int, default=3)
-    ap.add_argument("--only", default="host,moe,dense,light,train")
+    ap.add_argument("--only", default="host,moe,dense,light,lighter,train")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -410,7 +432,8 @@ def main() -> None:
         ("host", lambda: host_time(args, rows)),
         ("moe", lambda: decode_loop("moe40", MoEStep(args.batch), args, rows)),
         ("dense", lambda: decode_loop("dense24", DenseStep(args.batch), args, rows)),
-        ("light", lambda: decode_loop("dense24-light", DenseStep(args.batch, light=True), args, rows)),
+        ("light", lambda: decode_loop("dense24-light", DenseStep(args.batch, light="light"), args, rows)),
+        ("lighter", lambda: decode_loop("dense24-lighter", DenseStep(args.batch, light="lighter"), args, rows)),
         ("train", lambda: train_step(args, rows)),
     ):
         if part in only:

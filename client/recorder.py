@@ -61,6 +61,14 @@ log = logging.getLogger("tracestore.client")
 _LONG_SEGMENT = 32
 
 
+def join_record_branches() -> None:
+    """Record kernels this thread forked onto a ``tracestore.kernels.RecordBranch`` join the current
+    stream before their rows are staged (nothing to do when the branch module was never loaded)."""
+    branch = sys.modules.get("tracestore.kernels.branch")
+    if branch is not None:
+        branch.join_pending()
+
+
 class RolloutRecorder:
     """Streams a rollout's TRACE records to a sidecar. See the module docstring.
 
@@ -250,6 +258,7 @@ class RolloutRecorder:
         """
         if self._stages:
             self._drain_stages()
+        join_record_branches()
         version = self.policy_version if policy_version is None else int(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
@@ -316,6 +325,7 @@ class RolloutRecorder:
         Inside a CUDA graph, use :meth:`slab_stage`."""
         if self._stages:
             self._drain_stages()
+        join_record_branches()
         slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
         ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True)
         return ok

@@ -4,7 +4,8 @@ docs/integration.md ("GPU capture", "Applying guidance"). Rollout side (CuPy CUD
 current stream, graph-capturable):
 :func:`record_from_activations`, :func:`record_from_codes`, :func:`record_kv_pages`,
 :func:`compute_global_scale`, writing into a :class:`RecordBuffer` (or the per-site views of one
-:class:`RecordSlab`, which a recorder stages with one copy, :func:`stage_rows` inside a graph). Training side
+:class:`RecordSlab`, which a recorder stages with one copy, :func:`stage_rows` inside a graph;
+:class:`RecordBranch` runs them beside the engine's kernels). Training side
 (``torch.library`` custom ops with fake and straight-through autograd): :func:`guided_fp4`,
 :func:`rtn_fp4`. Without a GPU every call runs the torch CPU reference, bit-identical.
 CuPy is imported on the first GPU launch only.
@@ -23,6 +24,7 @@ if __name__ != "tracestore.kernels":
 else:
     from tracestore.guidance import Guidance
 
+    from .branch import RecordBranch
     from .guided import guided_fp4, rtn_fp4
     from .record import (
         RecordBuffer,
@@ -36,6 +38,7 @@ else:
 
     __all__ = [
         "Guidance",
+        "RecordBranch",
         "RecordBuffer",
         "RecordSlab",
         "compute_global_scale",

@@ -43,6 +43,7 @@ from ._common import (
     use_gpu,
 )
 from ._params import AmaxAbs, FinalizeG, RecordAct, RecordCodes, RecordKV, RowDiv, RowsOut, StageRows
+from .branch import join_pending
 from .slab import RecordBuffer, RecordSlab
 from .slab import SlabField as SlabField  # re-exported: the layout of a RecordSlab row
 
@@ -69,6 +70,7 @@ def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Te
     if not use_gpu(slab.device):
         ring[int(slot.reshape(()).item()), :n_bytes].copy_(slab.data[:n_rows].reshape(-1))
         return
+    join_pending(slab.device)  # record kernels forked onto a RecordBranch finish before the copy
     if ring.data_ptr() % 16 or ring.shape[1] % 16:
         raise ShapeError("ring must start on a 16-byte boundary with rows a multiple of 16 bytes")
     n16 = n_bytes // 16

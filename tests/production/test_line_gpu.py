@@ -19,7 +19,7 @@ pytest.importorskip("grpc")
 
 import numpy as np  # noqa: E402
 from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments  # noqa: E402
-from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
+from tracestore.kernels import RecordBranch, RecordSlab, record_from_activations  # noqa: E402
 from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
@@ -77,11 +77,15 @@ def test_line_gpu_train_step_under_torch_compile(tmp_path) -> None:  # noqa: ANN
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
 
 
-@pytest.mark.parametrize("copy", ["driver", "torch"])
-def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, copy: str, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("copy", "branch"), [("driver", False), ("torch", False), ("driver", True)])
+def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(
+    tmp_path, copy: str, branch: bool, monkeypatch
+) -> None:  # noqa: ANN001
     """A decode loop replays one captured graph (record kernels on 20 sites + stage.capture());
     the engine thread commits after each replay without synchronizing; storage returns each step's
-    slab rows bit for bit. Both copy paths: the CUDA driver's (the default) and torch's."""
+    slab rows bit for bit. Both copy paths: the CUDA driver's (the default) and torch's; and the
+    record kernels on a RecordBranch (a parallel branch of the graph, each reading a temporary the
+    engine frees right after the fork), joined by stage.capture()."""
     _copy_path(copy, monkeypatch)
     n_seq, steps = 64, 5
     spec = RunSpec("graph", tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256) for i in range(20)))
@@ -93,9 +97,18 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, cop
         rec = RolloutRecorder(sp.unix_address, spec, writer="graph-0")
         stage = rec.slab_stage(slab)
 
+        side = RecordBranch("cuda")
+
         def step() -> None:
             for i, s in enumerate(spec.sites):
-                record_from_activations(x * (1 + i / 8), s, slab[s.name], global_scale=g)
+                if branch:
+                    h = x * (1 + i / 8)
+                    with side.fork(h):
+                        record_from_activations(h, s, slab[s.name], global_scale=g)
+                    del h  # freed at once: the allocator must not hand its block to the next site's temporary
+                    torch.tanh(x @ x.T)  # engine work the branch overlaps
+                else:
+                    record_from_activations(x * (1 + i / 8), s, slab[s.name], global_scale=g)
             stage.capture()
 
         graph = capture_graph(step)
@@ -111,9 +124,15 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(tmp_path, cop
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             want.append(slab.data[:n_seq].clone())  # after the graph on the stream: this step's rows
+            if branch:  # the branch's rows against the same records made eagerly on the engine's stream
+                ref = RecordSlab.allocate(spec.sites, n_seq, "cuda")
+                for i, s in enumerate(spec.sites):
+                    record_from_activations(x * (1 + i / 8), s, ref[s.name], global_scale=g)
+                assert torch.equal(want[-1], ref.data), f"step {k}: the branch's records differ"
         _seal_and_stop(rec, sp, trajs, steps)
     _check_steps(sp.storage, "graph", slab, want, trajs)
     assert rec.stats["driver_copies"] == (steps if copy == "driver" else 0), rec.stats
+    assert side.forks == (2 * len(spec.sites) if branch else 0)  # capture_graph: a warm-up call and the capture
 
 
 def test_deferred_commits_stage_every_step_when_the_stager_falls_behind(tmp_path) -> None:  # noqa: ANN001
