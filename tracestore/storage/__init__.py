@@ -6,6 +6,7 @@ and ``tracestore.StoreReader`` (re-exported lazily from :mod:`.store` and :mod:`
 sidecar and ``tracestore.client.GuidanceReader``. The rooms:
 
 - :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
+- :mod:`.local` — publishing on a local disk (create-only rename, writeback, ``ShardFile``);
 - :mod:`.store` — the run/version/writer layout, runs and ``write_shard`` (one or two shard files);
 - :mod:`.catalog` — what is committed: listing, the manifest and footer caches, retention, the
   stale-temp sweep;
@@ -14,6 +15,7 @@ sidecar and ``tracestore.client.GuidanceReader``. The rooms:
 - :mod:`.shard_read` — verified decoding of a shard's row groups, and full verification;
 - :mod:`.arrow` — the Arrow schema of record chunks and the lossless chunk <-> Arrow conversion;
 - :mod:`.reader` — microbatch-aligned, rank-sharded, verified reads of a plan's rows;
+- :mod:`.read_out` — a read's output side: its result, stats and the copies into place;
 - :mod:`.links` — a run's prefix links, resolved and checked against their sources on a read;
 - :mod:`.rows` — ``SiteRows``, a read's rows of one site, and the buffer layout a read fills.
 """
