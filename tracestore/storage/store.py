@@ -70,11 +70,15 @@ numbers from here up, so the two ranges never meet (a sidecar's numbers, microse
 reach 10**18 in the year 33658)."""
 SHARD_FILES_ENV = "TRACESTORE_SHARD_FILES"
 SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
-SPLIT_MIN_BYTES = 64 << 20
+SPLIT_MIN_BYTES = 24 << 20
 """Default payload from which a write is split into two files written side by side. Measured on a
-2-core box (bench/bench_storage.py, case ``split``; one-file time / two-file time, median of 6
-runs): 15 MiB 0.83 local, 0.94 memory:// (a loss); 30 MiB 1.03 / 1.18; 60 MiB 1.05 / 1.08; 120 MiB
-1.19 / 1.08. Below this a shard stays one file: fewer files for readers, and no measured gain to lose."""
+2-core box, ``Store.write_shard`` of one step's 512-token chunks, 10 rounds in a new random order
+each, medians of 9 writes per round (wall ms, one file / two files / the tree before one writer per
+shard, whose two writers encoded one file): 30 MiB on memory:// 51.3 / 38.6 / 38.9, on local disk
+135 / 94 / 90; 15 MiB on memory:// 28.4 / 25.1 / 26.9. bench/bench_storage.py's case ``split``
+(one-file time / two-file time, median of 6 runs) earlier gave 15 MiB 0.83 local, 0.94 memory://
+(a loss); 30 MiB 1.03 / 1.18; 60 MiB 1.05 / 1.08; 120 MiB 1.19 / 1.08. Below this a shard stays one
+file: fewer files for readers, and no gain beyond this box's noise."""
 SPLIT_MIN_CHUNK_BYTES = 32 << 10
 """Only shards whose chunks hold this many bytes on average are split: the per-chunk work (checks,
 sort, index, manifest) holds the GIL, so a shard of small chunks gains nothing from a second
@@ -93,7 +97,7 @@ def default_shard_files() -> int:
 
 
 def default_split_min_bytes() -> int:
-    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (64 MiB)."""
+    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (24 MiB)."""
     mib = env_number(SPLIT_MIB_ENV, SPLIT_MIN_BYTES / (1 << 20), lambda v: v >= 0, "a number of MiB >= 0")
     return int(mib * (1 << 20))
 
