@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tracestore.errors import ConfigError, require
@@ -80,7 +81,9 @@ def channel(address: str, channel_credentials: Any = None, token: str | None = N
     for a ``grpcs://``/``https://`` address (the system's root certificates unless credentials are
     given). ``token`` (default ``$TRACESTORE_TOKEN``) goes as ``authorization: Bearer`` metadata:
     as call credentials over TLS; over a plaintext unix or loopback channel, where gRPC refuses
-    call credentials, by an interceptor that adds the metadata to every call."""
+    call credentials, by an interceptor that adds the metadata to every call. Without a token, a
+    unix-socket channel sends a fresh peer token with each call when the sidecar serves
+    ``<socket>.peer`` (it authorizes unix peers by uid/gid: tracestore/peer.py)."""
     grpc: Any = require("grpc", "server")
     token = resolve_token(address, channel_credentials, token)
     target = grpc_target(address)
@@ -93,18 +96,47 @@ def channel(address: str, channel_credentials: Any = None, token: str | None = N
             )
         return grpc.secure_channel(target, channel_credentials, options=CHANNEL_OPTIONS)
     ch = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return ch if token is None else grpc.intercept_channel(ch, *_bearer_interceptors(grpc, token))
+    if token is not None:
+        header = ("authorization", f"Bearer {token}")
+        return grpc.intercept_channel(ch, *_bearer_interceptors(grpc, lambda: header))
+    path = unix_socket_path(target)
+    if path is not None:  # a sidecar that authorizes unix peers by uid/gid serves <path>.peer
+        return grpc.intercept_channel(ch, *_bearer_interceptors(grpc, lambda: _peer_header(path)))
+    return ch
 
 
-def _bearer_interceptors(grpc: Any, token: str) -> list[Any]:
-    """Client interceptors that add ``authorization: Bearer <token>`` to every call's metadata."""
-    header = ("authorization", f"Bearer {token}")
+def unix_socket_path(target: str) -> str | None:
+    """The file of a ``unix:`` target (``unix:///abs``, ``unix:/abs``, ``unix:relative``), else None."""
+    if not target.startswith("unix:"):
+        return None
+    rest = target.removeprefix("unix:")
+    return rest.removeprefix("//") if rest.startswith("///") else rest
+
+
+def _peer_header(path: str) -> tuple[str, str] | None:
+    """``authorization`` metadata with a fresh peer token when the sidecar at unix socket ``path``
+    serves its ``.peer`` endpoint (tracestore/peer.py), else None (the socket's permissions decide).
+    Fetched per call: a token lives a minute and dies with the sidecar that signed it."""
+    from tracestore.peer import PEER_SUFFIX, fetch_peer_token
+
+    if not os.path.exists(path + PEER_SUFFIX):
+        return None
+    try:
+        return ("authorization", f"Bearer {fetch_peer_token(path)}")
+    except ConfigError:  # the sidecar is going away: the call fails on its own, with gRPC's status
+        return None
+
+
+def _bearer_interceptors(grpc: Any, header: Callable[[], tuple[str, str] | None]) -> list[Any]:
+    """Client interceptors that add ``header()`` (``authorization: Bearer <token>``; None: nothing)
+    to every call's metadata."""
 
     class Details(grpc.ClientCallDetails):
         def __init__(self, d: Any) -> None:
             self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
             self.wait_for_ready, self.compression = d.wait_for_ready, d.compression
-            self.metadata = [*(d.metadata or ()), header]
+            h = header()
+            self.metadata = [*(d.metadata or ()), *(() if h is None else (h,))]
 
     class Bearer(
         grpc.UnaryUnaryClientInterceptor,

@@ -21,11 +21,20 @@ belong to the identity that first used them, so tokens listed under one name act
 (rotate a token by listing the new one under the old name, then removing the old one). Health and
 reflection stay open (probes need them).
 
-Unix-socket peers: grpcio reports such a peer only as ``unix:`` (no uid/gid: the peer credentials
-of the socket are not exposed to Python), so callers cannot be told apart by uid there and the
+Unix-socket peers: grpcio reports such a peer only as ``unix:`` (no uid/gid), so by default the
 socket file's permissions are the boundary: a unix-socket call without a token is the identity
 ``unix-socket`` with every scope, unless the sidecar is told to require tokens there too. A token
-presented on the socket is checked like any other (a wrong one is refused, never ignored).
+presented on the socket is checked like any other (a wrong one is refused, never ignored). The
+token file may also authorize unix-socket peers by their uid or gid::
+
+    uid:1000 write:rl-*,read:rl-* rollout      # or user:<name>; resolved when the file is read
+    gid:2000 read:*                            # or group:<name>: the peer's primary group
+
+Such a peer proves its uid and gid with a peer token from ``<unix socket>.peer``
+(``server/peer_auth.py``: the kernel's SO_PEERCRED, signed by the sidecar, valid a minute, good
+only on the unix socket); the uid's entry wins over the gid's, and the identity is named by the
+entry's name, else ``uid:<n>``/``gid:<n>``. With any such entry in the file, a unix-socket call
+without a token is refused.
 
 Authorization: the interceptor puts the caller's :class:`Identity` in a context variable for the
 handler's duration (:func:`caller`); the handlers check it against each request's run.
@@ -55,6 +64,9 @@ from typing import Any
 import grpc
 
 from tracestore.errors import ConfigError, PermissionDeniedError
+from tracestore.peer import PREFIX as PEER_PREFIX
+
+from .peer_auth import PeerTokens
 
 log = logging.getLogger("tracestore.server.auth")
 
@@ -147,8 +159,51 @@ def parse_scopes(text: str, where: str) -> tuple[tuple[str, ...], tuple[str, ...
 
 
 def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]]:
-    """(SHA-256 digest, identity) per line of a token file (format in the module docstring).
-    Errors name the file and line, never the line's text beyond its scope field."""
+    """(SHA-256 digest, identity) per token line of a token file (format in the module docstring)."""
+    return parse_token_file(path)[0]
+
+
+PEER_KINDS = ("uid", "gid", "user", "group")
+
+
+def _peer_rule(fields: list[str], where: str) -> tuple[tuple[str, int], Identity]:
+    """``uid:<n>``/``user:<name>``/``gid:<n>``/``group:<name>`` ``<scopes> [name]`` ->
+    (("uid" or "gid", number), identity)."""
+    kind, _, value = fields[0].partition(":")
+    if len(fields) not in (2, 3) or not value:
+        raise ConfigError(f"{where}: expected '{kind}:<{'name' if kind in ('user', 'group') else 'number'}> "
+                          "<scope>[,<scope>...] [name]'")  # fmt: skip
+    if kind in ("uid", "gid"):
+        if not value.isdigit():
+            raise ConfigError(f"{where}: {kind}:{value!r} is not a number (user:<name> and group:<name> take names)")
+        key = (kind, int(value))
+    elif kind == "user":
+        import pwd
+
+        try:
+            key = ("uid", pwd.getpwnam(value).pw_uid)
+        except KeyError:
+            raise ConfigError(f"{where}: user {value!r} is not a user on this host") from None
+    else:
+        import grp
+
+        try:
+            key = ("gid", grp.getgrnam(value).gr_gid)
+        except KeyError:
+            raise ConfigError(f"{where}: group {value!r} is not a group on this host") from None
+    write, read, admin = parse_scopes(fields[1], where)
+    name = fields[2] if len(fields) == 3 else f"{key[0]}:{key[1]}"
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"{where}: name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ : + -")
+    return key, Identity(name, write, read, admin)
+
+
+def parse_token_file(
+    path: str | os.PathLike[str],
+) -> tuple[list[tuple[bytes, Identity]], dict[tuple[str, int], Identity]]:
+    """The token lines (SHA-256 digest, identity) and the unix-peer lines ((``"uid"``|``"gid"``,
+    number) -> identity) of a token file. Errors name the file and line, never the line's text
+    beyond its scope field."""
     p = Path(path)
     try:
         st = p.stat()
@@ -158,6 +213,7 @@ def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]
     if st.st_mode & 0o002:
         log.warning("token file %s is writable by every user: anyone on this host can add a token", p)
     entries: list[tuple[bytes, Identity]] = []
+    rules: dict[tuple[str, int], Identity] = {}
     seen: set[bytes] = set()
     unnamed: set[str] = set()
     for n, line in enumerate(text.splitlines(), start=1):
@@ -165,11 +221,12 @@ def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]
         if not fields:
             continue
         where = f"{p}:{n}"
-        if fields[0].startswith(("uid:", "gid:")):
-            raise ConfigError(
-                f"{where}: uid:/gid: entries are not supported: grpcio does not report the uid or gid of a "
-                "unix-socket peer, so the socket file's permissions (owner, group, mode) decide who connects"
-            )
+        if fields[0].partition(":")[0] in PEER_KINDS:
+            key, who = _peer_rule(fields, where)
+            if key in rules:
+                raise ConfigError(f"{where}: {key[0]}:{key[1]} is listed twice")
+            rules[key] = who
+            continue
         m = _DIGEST.fullmatch(fields[0])
         if m is None or len(fields) not in (2, 3):
             raise ConfigError(f"{where}: expected 'sha256:<64 hex digits> <scope>[,<scope>...] [name]'")
@@ -186,25 +243,30 @@ def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]
         if not _NAME.fullmatch(name):
             raise ConfigError(f"{where}: name {name!r} must be 1-64 of A-Z a-z 0-9 . _ @ : + -")
         entries.append((digest, Identity(name, write, read, admin)))
-    return entries
+    return entries, rules
 
 
 class TokenFile:
-    """The tokens the sidecar accepts, from ``path``; :meth:`reload` reads the file again (a file
-    that fails to parse leaves the tokens in use unchanged)."""
+    """The tokens (and unix-peer uid/gid entries) the sidecar accepts, from ``path``; :meth:`reload`
+    reads the file again (a file that fails to parse leaves the entries in use unchanged)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
-        self._entries = load_token_file(self.path)
-        if not self._entries:
+        self._entries, self._peers = parse_token_file(self.path)
+        if not self._entries and not self._peers:
             log.warning("token file %s lists no tokens: every TCP call will be refused", self.path)
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def peer_rules(self) -> int:
+        """How many uid/gid entries the file has (unix-socket peers need a peer token when any)."""
+        return len(self._peers)
+
     def reload(self) -> int:
-        entries = load_token_file(self.path)
-        self._entries = entries  # one reference swap: calls in flight see the old or the new list
+        entries, peers = parse_token_file(self.path)
+        self._entries, self._peers = entries, peers  # reference swaps: calls in flight see old or new
         return len(entries)
 
     def authenticate(self, token: str) -> Identity | None:
@@ -214,6 +276,11 @@ class TokenFile:
             if hmac.compare_digest(digest, known):
                 found = who
         return found
+
+    def authenticate_peer(self, uid: int, gid: int) -> Identity | None:
+        """The identity of a unix-socket peer: its uid's entry, else its gid's, else None."""
+        peers = self._peers
+        return peers.get(("uid", uid)) or peers.get(("gid", gid))
 
 
 def bearer_token(metadata: Any) -> tuple[str | None, bool]:
@@ -240,10 +307,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
     ``on_refused()`` is called for every refusal (a metric)."""
 
     def __init__(
-        self, tokens: TokenFile, *, unix_needs_token: bool = False, on_refused: Callable[[], None] | None = None
+        self,
+        tokens: TokenFile,
+        *,
+        unix_needs_token: bool = False,
+        on_refused: Callable[[], None] | None = None,
+        peer_tokens: PeerTokens | None = None,
     ) -> None:
         self.tokens = tokens
         self.unix_needs_token = unix_needs_token
+        self.peer_tokens = peer_tokens
         self.on_refused = on_refused
         self._log_lock = threading.Lock()
         self._last_log = 0.0
@@ -257,19 +330,42 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         token, malformed = bearer_token(details.invocation_metadata)
-        who = self.tokens.authenticate(token) if token is not None else None
+        tokens = self.tokens
+        peer = None  # (uid, gid) of a valid peer token
+        if token is not None and token.startswith(PEER_PREFIX):
+            who = None
+            peer = self.peer_tokens.verify(token) if self.peer_tokens is not None else None
+        else:
+            who = tokens.authenticate(token) if token is not None else None
         presented = token is not None or malformed
 
         def resolve(context: grpc.ServicerContext) -> Identity:
             if who is not None:
                 return who
-            if not presented and not self.unix_needs_token and context.peer().startswith("unix:"):
+            unix = context.peer().startswith("unix:")
+            peers_ruled = tokens.peer_rules > 0
+            if peer is not None and unix:
+                found = tokens.authenticate_peer(*peer)
+                if found is not None:
+                    return found
+                if not peers_ruled and not self.unix_needs_token:
+                    return UNIX_PEER  # no uid/gid entries: the socket's permissions decide, as without a token
+                why = f"unix-socket peer uid {peer[0]} (gid {peer[1]}) has no uid: or gid: entry in the token file"
+            elif peer is not None:
+                why = "a unix-socket peer token is accepted only on the unix socket"
+            elif not presented and unix and not self.unix_needs_token and not peers_ruled:
                 return UNIX_PEER
-            why = (
-                "the bearer token is not accepted"
-                if presented
-                else "this call needs 'authorization: Bearer <token>' metadata (call credentials)"
-            )
+            elif presented:
+                why = "the bearer token is not accepted"
+            elif unix:
+                why = (
+                    "this sidecar authorizes unix-socket peers by uid/gid: send a peer token from "
+                    "<socket>.peer (tracestore's client does) or a bearer token"
+                    if peers_ruled
+                    else "this call needs 'authorization: Bearer <token>' metadata (call credentials)"
+                )
+            else:
+                why = "this call needs 'authorization: Bearer <token>' metadata (call credentials)"
             self._refused(method, context.peer(), why)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
             raise AssertionError("unreachable: abort raises")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ from .ingest import parse_seal, seal_message, wal_parser
 from .memory import OverBudgetError
 from .message import pack_wal_data
 from .metrics import Metrics, storage_op
+from .peer_auth import PEER_SUFFIX, PeerEndpoint, PeerTokens
 from .reads import Reads
 from .reflection import enable_server_reflection
 from .sessions import SequenceError
@@ -362,6 +364,8 @@ class Sidecar:
         self._serving: bool | None = None  # the health status last set (None: not yet)
         self._tls: ServerTls | None = None
         self._tokens: TokenFile | None = None
+        self._peer_tokens: PeerTokens | None = None
+        self._peer_endpoint: PeerEndpoint | None = None
 
     def _storage_event(self, kind: str, op: str, detail: str) -> None:
         # The store names the object ("write run-a/v0/..."): keep the operation word only, one of a
@@ -395,7 +399,11 @@ class Sidecar:
         if self._tokens is not None:
             refused = self.metrics.rejected.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc
             needs = cfg.unix_needs_token
-            interceptors.append(AuthInterceptor(self._tokens, unix_needs_token=needs, on_refused=refused))
+            # unix-socket peers may prove their uid/gid with a token from <socket>.peer (peer_auth.py)
+            self._peer_tokens = PeerTokens() if cfg.unix_socket and hasattr(socket, "SO_PEERCRED") else None
+            interceptors.append(
+                AuthInterceptor(self._tokens, unix_needs_token=needs, on_refused=refused, peer_tokens=self._peer_tokens)
+            )
         server = grpc.server(
             # a thread per Write stream up to the cap, and `workers` more (health, Stat, Read, Seal)
             futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="tracestore-rpc"),
@@ -418,8 +426,10 @@ class Sidecar:
         if cfg.unix_socket:
             gid, mode = socket_access(cfg)
             claim_unix_socket(cfg.unix_socket)
-            st = bind_unix_socket(server, cfg.unix_socket, gid, mode)
+            st = bind_unix_socket(lambda tmp: server.add_insecure_port(f"unix:{tmp}"), cfg.unix_socket, gid, mode)
             self._socket_id = (st.st_dev, st.st_ino)
+            if self._peer_tokens is not None:
+                self._peer_endpoint = PeerEndpoint(cfg.unix_socket + PEER_SUFFIX, self._peer_tokens, gid, mode)
             # Pools must be readable by everyone the socket admits (server/shm.py): its group, or
             # only the sidecar's uid
             self.shm.group = st.st_gid if mode & 0o020 else None
@@ -479,9 +489,12 @@ class Sidecar:
             )
         else:
             clear = not cfg.tls_cert and not is_loopback_host(cfg.host)
+            peers = self._tokens.peer_rules
             log.info(
                 "serving %s with %d bearer token(s)%s%s", tcp, len(self._tokens),
-                f"; unix:{cfg.unix_socket} needs tokens too" if cfg.unix_needs_token else "",
+                f"; unix:{cfg.unix_socket} needs tokens too" if cfg.unix_needs_token else
+                f"; unix:{cfg.unix_socket} peers authorized by {peers} uid/gid entr{'y' if peers == 1 else 'ies'}"
+                if peers and cfg.unix_socket else "",
                 "; tokens cross the network in the clear (--insecure)" if clear else "",
             )  # fmt: skip
 
@@ -522,6 +535,8 @@ class Sidecar:
         sock_id = getattr(self, "_socket_id", None)
         if self.config.unix_socket and sock_id is not None:
             remove_unix_socket(self.config.unix_socket, sock_id)
+        if self._peer_endpoint is not None:
+            self._peer_endpoint.stop()
         return ok
 
     def wait(self) -> None:

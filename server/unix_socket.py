@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-
-import grpc
+from collections.abc import Callable
 
 from tracestore.errors import ConfigError
 
@@ -89,11 +88,14 @@ def socket_access(cfg: ServerConfig) -> tuple[int | None, int]:
     return gid, mode
 
 
-def bind_unix_socket(server: grpc.Server, path: str, gid: int | None, mode: int) -> os.stat_result:
+def bind_unix_socket(
+    listen: Callable[[str], object], path: str, gid: int | None, mode: int, what: str = "--unix-socket"
+) -> os.stat_result:
     """Listen on unix socket ``path`` with group ``gid`` and ``mode`` from the first moment anyone
-    can reach it: bound inside a fresh 0700 directory next to ``path``, given its group and mode
-    there, then hard-linked to ``path`` (which never replaces anything that appeared there since
-    :func:`claim_unix_socket`). Returns the socket's stat."""
+    can reach it: ``listen(tmp)`` binds a socket at a path inside a fresh 0700 directory next to
+    ``path`` (a gRPC server's ``add_insecure_port("unix:" + tmp)``, or a plain socket's ``bind``),
+    which is given its group and mode there, then hard-linked to ``path`` (which never replaces
+    anything that appeared there since :func:`claim_unix_socket`). Returns the socket's stat."""
     import tempfile
 
     parent = os.path.dirname(os.path.abspath(path))
@@ -106,12 +108,12 @@ def bind_unix_socket(server: grpc.Server, path: str, gid: int | None, mode: int)
         if len(os.fsencode(tmp)) > 107:  # sun_path holds 108 bytes with the NUL
             raise ConfigError(
                 f"unix socket path {path} is too long: it is bound first as {tmp} ({len(os.fsencode(tmp))} bytes, "
-                "at most 107); choose a shorter --unix-socket"
+                f"at most 107); choose a shorter {what}"
             )
         try:
-            server.add_insecure_port(f"unix:{tmp}")
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on unix socket {path}") from exc
+            listen(tmp)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(f"cannot listen on unix socket {path}: {exc}") from exc
         try:
             if gid is not None:
                 os.chown(tmp, -1, gid)
@@ -124,7 +126,7 @@ def bind_unix_socket(server: grpc.Server, path: str, gid: int | None, mode: int)
         try:
             os.link(tmp, path)
         except FileExistsError:
-            raise ConfigError(f"{path} appeared while the sidecar bound it; choose another --unix-socket") from None
+            raise ConfigError(f"{path} appeared while the sidecar bound it; choose another {what}") from None
         except OSError as exc:
             raise ConfigError(f"cannot listen on unix socket {path}: {exc.strerror}") from exc
         return os.lstat(path)

@@ -26,7 +26,6 @@ from tracestore.storage.store import (
     SHARD_FILES_ENV,
     SPLIT_MIB_ENV,
     SPLIT_MIN_BYTES,
-    SPLIT_MIN_BYTES_REMOTE,
     SPLIT_MIN_CHUNK_BYTES,
     Store,
     default_shard_files,
@@ -170,7 +169,6 @@ def test_default_policy_splits_only_large_shards_of_large_chunks(tmp_path, monke
     store.put_run(SPEC)
     assert store.shard_files == (2 if (os.cpu_count() or 1) >= 2 else 1)
     assert (store.split_min_bytes, store.split_min_chunk_bytes) == (SPLIT_MIN_BYTES, SPLIT_MIN_CHUNK_BYTES)
-    assert Store(f"memory://split-default-{os.getpid()}").split_min_bytes == SPLIT_MIN_BYTES_REMOTE < SPLIT_MIN_BYTES
     assert store.write_shard(RUN, 0, "w0", 0, _chunks()).parts == ()  # small: one file
     store.split_min_bytes = 0
     assert store.write_shard(RUN, 0, "w0", 1, _chunks(2)).parts == ()  # small chunks: one file
@@ -182,11 +180,7 @@ def test_default_policy_splits_only_large_shards_of_large_chunks(tmp_path, monke
 def test_settings_and_refusals(tmp_path, monkeypatch):
     monkeypatch.setenv(SHARD_FILES_ENV, "1")
     monkeypatch.setenv(SPLIT_MIB_ENV, "0.5")
-    assert (default_shard_files(), default_split_min_bytes(), default_split_min_bytes(local=False)) == (
-        1,
-        1 << 19,
-        1 << 19,
-    )
+    assert (default_shard_files(), default_split_min_bytes()) == (1, 1 << 19)
     assert Store(f"file://{tmp_path}/a").shard_files == 1
     for bad_files in ("3", "two"):
         monkeypatch.setenv(SHARD_FILES_ENV, bad_files)
