@@ -52,7 +52,6 @@ __all__ = [
     "SHARD_FILES_ENV",
     "SPLIT_MIB_ENV",
     "SPLIT_MIN_BYTES",
-    "SPLIT_MIN_BYTES_REMOTE",
     "SPLIT_MIN_CHUNK_BYTES",
     "STALE_TEMP_AGE_S",
     "ShardInfo",
@@ -72,17 +71,15 @@ reach 10**18 in the year 33658)."""
 SHARD_FILES_ENV = "TRACESTORE_SHARD_FILES"
 SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
 SPLIT_MIN_BYTES = 24 << 20
-"""Default payload from which a write to a local disk is split into two files written side by side
-(:data:`SPLIT_MIN_BYTES_REMOTE` for object stores). Measured on a 2-core box with
-``bench/ab_write_shard.py`` (``Store.write_shard`` of 512-token chunks, 8-10 rounds in a new random
-order each, medians of 9 writes; one file / two files / the tree before one writer per shard,
-whose two writers encoded one file): 30 MiB on local disk 135 / 94 / 90 ms; 15 MiB on local disk
-37.9 / 38.8 / 43.9 ms, the two files for 28% more CPU (52 vs 41 ms). Below this a local shard
-stays one file: fewer files for readers, and no gain beyond this box's noise."""
-SPLIT_MIN_BYTES_REMOTE = 12 << 20
-"""The same for object stores (any non-local fsspec backend), where a shard is encoded into memory
-and uploaded: on ``memory://`` (the same runs) 30 MiB 51.3 / 38.6 / 38.9 ms, 15 MiB 31.3 / 29.2 /
-29.5 ms (paired to the old tree 0.91x one file, 0.99x two)."""
+"""Default payload from which a write is split into two files written side by side. Measured on a
+2-core box with ``bench/ab_write_shard.py`` (``Store.write_shard`` of 512-token chunks, 8-10 rounds
+in a new random order each, medians of 9 writes; one file / two files / the tree before one writer
+per shard, whose two writers encoded one file): 30 MiB on memory:// 51.3 / 38.6 / 38.9 ms, on local
+disk 135 / 94 / 90 ms; 15 MiB on memory:// 31.3 / 29.2 / 29.5 ms, on local disk 37.9 / 38.8 / 43.9
+ms. Two files cost more CPU (15 MiB: 40 vs 33 ms on memory://, 52 vs 41 on disk), which the
+sidecar's ingest pays when its flusher shares the cores with it: with a 12 MiB threshold on
+memory:// the gRPC ingest rows of ``bench_ingest`` (15 MiB commit-ack shards) fell from 0.93x to
+0.63x of the old tree, so below this a shard stays one file."""
 SPLIT_MIN_CHUNK_BYTES = 32 << 10
 """Only shards whose chunks hold this many bytes on average are split: the per-chunk work (checks,
 sort, index, manifest) holds the GIL, so a shard of small chunks gains nothing from a second
@@ -100,11 +97,9 @@ def default_shard_files() -> int:
     return int(raw)
 
 
-def default_split_min_bytes(local: bool = True) -> int:
-    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (24 MiB) for a
-    local disk and :data:`SPLIT_MIN_BYTES_REMOTE` (12 MiB) for an object store."""
-    default = SPLIT_MIN_BYTES if local else SPLIT_MIN_BYTES_REMOTE
-    mib = env_number(SPLIT_MIB_ENV, default / (1 << 20), lambda v: v >= 0, "a number of MiB >= 0")
+def default_split_min_bytes() -> int:
+    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (24 MiB)."""
+    mib = env_number(SPLIT_MIB_ENV, SPLIT_MIN_BYTES / (1 << 20), lambda v: v >= 0, "a number of MiB >= 0")
     return int(mib * (1 << 20))
 
 
@@ -172,9 +167,7 @@ class Store(Catalog):
         self.shard_files = default_shard_files() if shard_files is None else int(shard_files)
         if self.shard_files not in (1, 2):
             raise ValidationError(f"shard_files must be 1 or 2, got {shard_files!r}")
-        self.split_min_bytes = (
-            default_split_min_bytes(storage.local) if split_min_bytes is None else int(split_min_bytes)
-        )
+        self.split_min_bytes = default_split_min_bytes() if split_min_bytes is None else int(split_min_bytes)
         if self.split_min_bytes < 0:
             raise ValidationError(f"split_min_bytes must be >= 0, got {split_min_bytes!r}")
         self.split_min_chunk_bytes = int(split_min_chunk_bytes)
