@@ -28,8 +28,10 @@ mode), no world bits, no group write, no set-id bits, and a size in [4096, ``max
 
 The trade-off of not knowing the peer: a member of the socket's group can name another member's
 pool and have its staged bytes stored under its own writer id. It gains nothing it could not read
-itself (the pool is group-readable, and the ``Read`` RPC serves every run to every client), but a
-per-uid policy ("only your own pools") would need the peer's uid, which this gRPC stack cannot give.
+itself (the pool is group-readable, and the ``Read`` RPC serves every run it may read), so pools are
+not tied to the caller's uid even when the token file authorizes unix peers by uid
+(``server/peer_auth.py``): what the caller may write is checked by its identity's scopes, not by
+whose pool the bytes came from.
 Truncation. A pool's owner can truncate it under a mapping; reading the mapping past the new end
 raises SIGBUS, which kills the sidecar (in C code: not an exception Python could catch). A pool
 owned by the sidecar's own uid (or root) is mapped and read in place (zero copy): whoever owns it
