@@ -28,6 +28,8 @@ from typing import Any
 
 from tracestore.errors import ConfigError
 
+from .transport import unix_socket_path
+
 log = logging.getLogger("tracestore.client")
 
 
@@ -253,11 +255,9 @@ class StagingPool:
 def socket_group(address: str) -> int | None:
     """The group of the sidecar's unix socket at ``address`` when the socket admits that group
     and this process is in it (then the sidecar reads only pools of that group, server/shm.py)."""
-    if not address.startswith("unix:"):
+    path = unix_socket_path(address)
+    if path is None:
         return None
-    path = address.removeprefix("unix:")
-    if path.startswith("//"):
-        path = path[2:]
     try:
         st = os.stat(path)
     except OSError:

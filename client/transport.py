@@ -106,11 +106,11 @@ def channel(address: str, channel_credentials: Any = None, token: str | None = N
 
 
 def unix_socket_path(target: str) -> str | None:
-    """The file of a ``unix:`` target (``unix:///abs``, ``unix:/abs``, ``unix:relative``), else None."""
+    """The file of a ``unix:`` target (``unix:///abs`` or ``unix://abs`` -> ``/abs`` / ``abs``,
+    ``unix:/abs``, ``unix:relative``), else None."""
     if not target.startswith("unix:"):
         return None
-    rest = target.removeprefix("unix:")
-    return rest.removeprefix("//") if rest.startswith("///") else rest
+    return target.removeprefix("unix:").removeprefix("//")
 
 
 def _peer_header(path: str) -> tuple[str, str] | None:

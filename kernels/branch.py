@@ -109,10 +109,7 @@ def join_pending(device: torch.device | None = None) -> int:
     p = getattr(_local, "pending", None)
     if not p:
         return 0
-    n = 0
-    for key, branch in list(p.items()):
-        if device is None or branch.device == device:
-            del p[key]
-            torch.cuda.current_stream(branch.device).wait_stream(branch.stream)
-            n += 1
-    return n
+    joined = [b for b in p.values() if device is None or b.device == device]
+    for branch in joined:
+        branch.join()
+    return len(joined)

@@ -343,26 +343,25 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if who is not None:
                 return who
             unix = context.peer().startswith("unix:")
-            peers_ruled = tokens.peer_rules > 0
             if peer is not None and unix:
                 found = tokens.authenticate_peer(*peer)
                 if found is not None:
                     return found
-                if not peers_ruled and not self.unix_needs_token:
-                    return UNIX_PEER  # no uid/gid entries: the socket's permissions decide, as without a token
-                why = f"unix-socket peer uid {peer[0]} (gid {peer[1]}) has no uid: or gid: entry in the token file"
-            elif peer is not None:
-                why = "a unix-socket peer token is accepted only on the unix socket"
-            elif not presented and unix and not self.unix_needs_token and not peers_ruled:
+            # no uid/gid entries: on the unix socket its permissions decide, for a valid peer token or none
+            if unix and not self.unix_needs_token and not tokens.peer_rules and (peer is not None or not presented):
                 return UNIX_PEER
+            if peer is not None:
+                why = (
+                    f"unix-socket peer uid {peer[0]} (gid {peer[1]}) has no uid: or gid: entry in the token file"
+                    if unix
+                    else "a unix-socket peer token is accepted only on the unix socket"
+                )
             elif presented:
                 why = "the bearer token is not accepted"
-            elif unix:
+            elif unix and tokens.peer_rules:
                 why = (
                     "this sidecar authorizes unix-socket peers by uid/gid: send a peer token from "
                     "<socket>.peer (tracestore's client does) or a bearer token"
-                    if peers_ruled
-                    else "this call needs 'authorization: Bearer <token>' metadata (call credentials)"
                 )
             else:
                 why = "this call needs 'authorization: Bearer <token>' metadata (call credentials)"

@@ -31,13 +31,12 @@ import struct
 import threading
 import time
 
-from tracestore.peer import PEER_SUFFIX, PREFIX, TOKEN_TTL_S
+from tracestore.peer import PREFIX, TOKEN_TTL_S
 
 from .unix_socket import bind_unix_socket, claim_unix_socket
 
 log = logging.getLogger("tracestore.server.auth")
 
-__all__ = ["PEER_SUFFIX", "PREFIX", "TOKEN_TTL_S", "PeerEndpoint", "PeerTokens"]
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -77,7 +76,6 @@ class PeerEndpoint:
 
     def __init__(self, path: str, tokens: PeerTokens, gid: int | None, mode: int) -> None:
         self.path, self.tokens = path, tokens
-        self.served = 0
         claim_unix_socket(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -101,7 +99,6 @@ class PeerEndpoint:
                     conn.settimeout(2.0)
                     _pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
                     conn.sendall((self.tokens.mint(uid, gid) + "\n").encode())
-                    self.served += 1
                 except OSError as exc:  # a peer that went away: nothing to answer
                     log.debug("peer endpoint: %s", exc)
 

@@ -39,6 +39,7 @@ from tracestore.errors import (
     TraceStoreError,
     UnauthenticatedError,
 )
+from tracestore.peer import PEER_SUFFIX
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_to_pb
 
@@ -57,7 +58,7 @@ from .ingest import parse_seal, seal_message, wal_parser
 from .memory import OverBudgetError
 from .message import pack_wal_data
 from .metrics import Metrics, storage_op
-from .peer_auth import PEER_SUFFIX, PeerEndpoint, PeerTokens
+from .peer_auth import PeerEndpoint, PeerTokens
 from .reads import Reads
 from .reflection import enable_server_reflection
 from .sessions import SequenceError
