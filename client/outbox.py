@@ -9,7 +9,6 @@ import operator
 import struct
 import time
 from collections import deque
-from typing import Any
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class Outbox:
         pool: StagingPool,
         npool: np.ndarray,
         unguided: Unguided,
-        policy_version: Any,
+        policy_version: int,
         *,
         batch_bytes: int,
         window_bytes: int,
@@ -67,7 +66,10 @@ class Outbox:
         self._pool = pool
         self._np = npool
         self._unguided = unguided
-        self._policy_version = policy_version  # () -> the recorder's current policy version
+        # the recorder's current policy version (RolloutRecorder.policy_version reads and sets it): a
+        # value, not a callback into the recorder, so the recorder is in no reference cycle and its
+        # staging pool is freed when the last reference goes (not at some later cyclic collection)
+        self.policy_version = int(policy_version)
         self.batch_bytes = batch_bytes
         self.window_bytes = window_bytes
         self.linger_s = linger_s
@@ -236,7 +238,7 @@ class Outbox:
 
     def _seal(self, f: Finish) -> TrajectorySeal | None:
         known = self._sites_of.pop(f.trajectory, None)
-        version = self.versions.pop(f.trajectory, self._policy_version())
+        version = self.versions.pop(f.trajectory, self.policy_version)
         if f.n_tokens < 0 or f.trajectory in self._unguided.ids:
             return None
         names = f.sites if f.sites is not None else tuple(sorted(known or self._sites))

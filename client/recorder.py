@@ -125,7 +125,6 @@ class RolloutRecorder:
         self._credentials = (channel_credentials, resolve_token(address, channel_credentials, token))
         self.run_spec = run_spec
         self.writer = writer
-        self.policy_version = int(policy_version)
         self.batch_bytes = int(batch_bytes)
         # Taken off the queue at once and coalesced (then cut into messages of batch_bytes): 16
         # MiB windows of 256 x 20-site decode steps made ~8-token chunks, 64 MiB ~32-token ones;
@@ -185,7 +184,7 @@ class RolloutRecorder:
             self.pool,
             self._np,
             self._unguided,
-            lambda: self.policy_version,
+            int(policy_version),
             batch_bytes=self.batch_bytes,
             window_bytes=self.window_bytes,
             linger_s=self.linger_s,
@@ -522,6 +521,15 @@ class RolloutRecorder:
                 raise ValidationError(f"run {self.run_spec.run} declares no sites {unknown}: {list(self._sites)}")
         self._queue.append(Finish(trajectory, int(n_tokens), names))
         return True
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version records are stamped with when a call does not name one."""
+        return self._outbox.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._outbox.policy_version = int(version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = int(version)
