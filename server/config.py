@@ -15,12 +15,6 @@ MIN_WORKERS = HEALTH_THREADS + 4
 # A Read's reply goes out in slices of about this size; while one is sent it exists ~3 times (the
 # rows' bytes, the message, its serialization).
 READ_SLICE_BYTES = 4 << 20
-# The HTTP/2 receive window of one Write stream (gRPC's ``grpc.http2.lookahead_bytes``; BDP probing
-# is off). gRPC's own 64 KiB made a TLS stream wait for a window update every 64 KiB, so decrypting
-# never overlapped the handler; see ServerConfig.stream_window for the default and docs/protocol.md.
-MIN_STREAM_WINDOW = 64 << 10
-DEFAULT_STREAM_WINDOW = 4 << 20
-MAX_STREAM_WINDOW = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +38,6 @@ class ServerConfig:
     moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
     row bytes of the sites read), and a Read holds its size against the memory budget while it
     runs. ``max_writers``/``max_runs``: writer sessions and runs one sidecar keeps.
-    ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: see
-    :attr:`stream_window`); an open stream holds it against the memory budget.
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
     (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
     """
@@ -72,7 +64,6 @@ class ServerConfig:
     backpressure_timeout_s: float = 5.0
     max_message_bytes: int = 64 * MiB
     max_streams: int = 256
-    stream_window_bytes: int | None = None
     workers: int = 64
     max_read_bytes: int = 256 * MiB
     max_writers: int = 1024
@@ -114,28 +105,12 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
-        w = self.stream_window_bytes
-        bad_window = isinstance(w, bool) or not isinstance(w, int) or not MIN_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW
-        if w is not None and bad_window:
-            raise ConfigError(
-                f"stream_window_bytes must be an integer from {MIN_STREAM_WINDOW} (gRPC's own window) to "
-                f"{MAX_STREAM_WINDOW}, got {w!r}"
-            )
         if 2 * self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
                 f"max_message_bytes ({self.max_message_bytes}) must be at most half of memory_budget_bytes "
                 f"({self.memory_budget_bytes}): the budget keeps room for one message being copied out of "
                 "gRPC's buffers besides the messages being read"
             )
-
-    @property
-    def stream_window(self) -> int:
-        """The HTTP/2 receive window of one Write stream: ``stream_window_bytes``, by default
-        4 MiB, and never more than 1/64 of the memory budget (nor less than gRPC's 64 KiB), so that
-        the windows of open streams, which each hold theirs against the budget, leave it room."""
-        if self.stream_window_bytes is not None:
-            return self.stream_window_bytes
-        return max(MIN_STREAM_WINDOW, min(DEFAULT_STREAM_WINDOW, self.memory_budget_bytes // 64))
 
     @property
     def reading_streams(self) -> int:
@@ -208,10 +183,6 @@ class ServerConfig:
             # BDP probing let 100 slow streams grow the server by ~1.7 GiB (measured); we bound
             # in-flight bytes with our own budget instead.
             ("grpc.http2.bdp_probe", 0),
-            # ... and a fixed receive window per stream instead, held against that budget
-            # (memory.STREAM_OVERHEAD_BYTES). With gRPC's 64 KiB a client waited for a window
-            # update every 64 KiB, so over TLS decrypting never overlapped our handler.
-            ("grpc.http2.lookahead_bytes", self.stream_window),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 30_000),

@@ -83,43 +83,6 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
         assert 0 < cfg.read_reservation(cfg.read_limit_bytes) <= budget - message, (budget, message)
 
 
-def test_stream_window_flag_default_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each Write stream's HTTP/2 receive window is a setting (gRPC's lookahead, BDP probing off):
-    4 MiB by default, at most 1/64 of the memory budget, and an open stream holds it (plus its
-    buffers) against the budget."""
-    from tracestore.server.config import ServerConfig
-    from tracestore.server.memory import STREAM_OVERHEAD_BYTES, MemoryBudget
-
-    from tracestore.errors import ConfigError
-
-    for k in list(os.environ):
-        if k.startswith("TRACESTORE_"):
-            monkeypatch.delenv(k)
-    cfg = config_from_args(build_parser().parse_args(["serve"]))
-    assert cfg.stream_window_bytes is None and cfg.stream_window == 4 << 20
-    opts = dict(cfg.grpc_options())
-    assert opts["grpc.http2.lookahead_bytes"] == 4 << 20 and opts["grpc.http2.bdp_probe"] == 0
-    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=2 << 20).stream_window == 1 << 20
-    assert ServerConfig(memory_budget_bytes=2 << 20, max_message_bytes=1 << 20).stream_window == 64 << 10
-    monkeypatch.setenv("TRACESTORE_STREAM_WINDOW_KIB", "256")
-    cfg = config_from_args(build_parser().parse_args(["serve"]))
-    assert cfg.stream_window == 256 << 10 == dict(cfg.grpc_options())["grpc.http2.lookahead_bytes"]
-    cfg = config_from_args(build_parser().parse_args(["serve", "--stream-window-kib", "16384"]))
-    assert cfg.stream_window == 16 << 20  # an explicit window is taken as given
-    import threading
-
-    from tracestore.server.metrics import Metrics
-
-    budget = MemoryBudget(cfg, Metrics(), threading.Condition(), press=lambda: None)
-    assert budget.reserve_stream() == (16 << 20) + STREAM_OVERHEAD_BYTES
-    for bad in ("32", "65537", "x"):
-        with pytest.raises(ConfigError, match=r"--stream-window-kib=.*expected an integer in 64\.\.65536"):
-            config_from_args(build_parser().parse_args(["serve", "--stream-window-kib", bad]))
-    for value in (1024, 128 << 20, True, 1.5):
-        with pytest.raises(ConfigError, match="stream_window_bytes"):
-            ServerConfig(stream_window_bytes=value)  # type: ignore[arg-type]
-
-
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
