@@ -29,11 +29,11 @@ SMALL = ModelSpec(
     "qwen3_moe", layers=4, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, expert_hidden=64, vocab=256
 )
 SMALL_ARGS = ["--layers", "4", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--experts", "4", "--vocab", "256",
-              "--trajectories", "2", "--prompt", "8", "--tokens", "16", "--device", "cpu", "--no-progress"]  # fmt: skip
+              "--trajectories", "4", "--prompt", "8", "--tokens", "16", "--device", "cpu", "--no-progress"]  # fmt: skip
 
 
 def small_config(**kw: object) -> DemoConfig:
-    base: dict[str, object] = {"model": SMALL, "trajectories": 2, "prompt": 8, "tokens": 16, "device": "cpu"}
+    base: dict[str, object] = {"model": SMALL, "trajectories": 4, "prompt": 8, "tokens": 16, "device": "cpu"}
     return DemoConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -42,9 +42,15 @@ def assert_issue_expectations(results: dict) -> None:
     rows = results["moe_input"]
     assert len(rows) == SMALL.layers
     half = SMALL.layers // 2
+    # FP4 amplifies a discrepancy where it flips codes. At layer 0 the trainer's and the rollout's
+    # inputs differ only by the attention's reduction order, which on some CPUs (an AVX2-only AMD
+    # EPYC, 2026-12-02) flips no code in these small runs: there vanilla QAT equals the rollout
+    # (excess -1) and there is nothing to amplify. The deeper half must flip codes everywhere.
+    assert all(r["mse_rtn"] > 0 for r in rows if r["layer"] >= half), [r["mse_rtn"] for r in rows]
     for r in rows:
         assert r["mse_bf16"] > 0, "the BF16 reference must show some train-rollout discrepancy"
-        assert r["excess_rtn"] > 1, "vanilla QAT must show FP4-amplified discrepancy"
+        if r["mse_rtn"] > 0:
+            assert r["excess_rtn"] > 1, "vanilla QAT must show FP4-amplified discrepancy where codes flip"
         assert r["ratio_trace_all"] <= 0.05, r
         assert r["ratio_trace_full"] <= 0.05, r
         if r["layer"] >= half:
