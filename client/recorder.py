@@ -125,6 +125,7 @@ class RolloutRecorder:
         self._credentials = (channel_credentials, resolve_token(address, channel_credentials, token))
         self.run_spec = run_spec
         self.writer = writer
+        policy_version = int(policy_version)  # checked before the pool exists; the Outbox keeps it
         self.batch_bytes = int(batch_bytes)
         # Taken off the queue at once and coalesced (then cut into messages of batch_bytes): 16
         # MiB windows of 256 x 20-site decode steps made ~8-token chunks, 64 MiB ~32-token ones;
@@ -184,7 +185,7 @@ class RolloutRecorder:
             self.pool,
             self._np,
             self._unguided,
-            int(policy_version),
+            policy_version,
             batch_bytes=self.batch_bytes,
             window_bytes=self.window_bytes,
             linger_s=self.linger_s,
@@ -532,7 +533,7 @@ class RolloutRecorder:
         self._outbox.policy_version = int(version)
 
     def set_policy_version(self, version: int) -> None:
-        self.policy_version = int(version)
+        self.policy_version = version
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued is durably acknowledged; True on success within ``timeout``
