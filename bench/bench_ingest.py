@@ -38,7 +38,9 @@ TCP sidecar (file://, WAL fsync acks) started plainly and with ``--tls-cert/--tl
 --auth-tokens`` (certificates made for the run, the recorder sending its token as call
 credentials over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order,
 each round one sample of each ratio to the plain sidecar; and ``raw-grpc`` plaintext vs TLS in the
-same rounds (what TLS costs grpcio itself on the box).
+same rounds (what TLS costs grpcio itself on the box). With ``--recorders K`` also K recorders in
+processes of their own at once (as K tensor-parallel engine processes beside one sidecar), each on
+its own connection and with 1/K of the bytes, against the plain and the TLS + token sidecar.
 
 Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode|auth]``;
 prints a table, appends to ``bench/results/bench_ingest.jsonl``.
@@ -400,30 +402,100 @@ def run_recorder(
     """Stream ``n_fwd`` forwards through a fresh recorder; B/s from the first timed forward to the
     last ack (``cpu``: measures both processes over that window; ``creds``: the recorder's
     ``channel_credentials``/``token``)."""
+    rec = _warm_recorder(address, tag, outputs, **creds)
+    with cpu or contextlib.nullcontext():
+        t0, t1 = _timed_forwards(rec, n_fwd, tag, outputs)
+    stats = _close_checked(rec)
+    return n_fwd * fwd_bytes() / (t1 - t0), stats
+
+
+def _warm_recorder(address: str, tag: str, outputs: dict[str, Any], **creds: Any) -> Any:
+    """A recorder for the bench with one forward recorded and acked (connection, run declaration)."""
     from tracestore.client import RolloutRecorder
 
     rec = RolloutRecorder(address, SPEC, f"bench-{tag}", staging_bytes=256 << 20, batch_bytes=MSG, **creds)
-    need = fwd_bytes() + 4096
-    # warm-up forward (connection, run declaration)
     rec.record_forward([(f"{tag}-warm-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
     if not rec.flush(120):
         raise RuntimeError(f"warm-up not acked: {rec.stats}")
-    with cpu or contextlib.nullcontext():
-        t0 = time.perf_counter()
-        for f in range(n_fwd):
-            while rec.pool.capacity - rec.pool.in_use < need:  # pace like an engine with a full ring would
-                time.sleep(0.0005)
-            ok = rec.record_forward([(f"{tag}-{f}-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs)
-            if not ok:
-                raise RuntimeError(f"forward refused: {rec.stats}")
-        if not rec.flush(600):
-            raise RuntimeError(f"not acked: {rec.stats}")
-        dt = time.perf_counter() - t0
+    return rec
+
+
+def _timed_forwards(rec: Any, n_fwd: int, tag: str, outputs: dict[str, Any]) -> tuple[float, float]:
+    """Record ``n_fwd`` forwards and wait for their acks: (start, end) on ``time.perf_counter``."""
+    need = fwd_bytes() + 4096
+    t0 = time.perf_counter()
+    for f in range(n_fwd):
+        while rec.pool.capacity - rec.pool.in_use < need:  # pace like an engine with a full ring would
+            time.sleep(0.0005)
+        if not rec.record_forward([(f"{tag}-{f}-{k}", 0, TOKENS) for k in range(TRAJ_PER_FWD)], outputs):
+            raise RuntimeError(f"forward refused: {rec.stats}")
+    if not rec.flush(600):
+        raise RuntimeError(f"not acked: {rec.stats}")
+    return t0, time.perf_counter()
+
+
+def _close_checked(rec: Any) -> dict[str, int]:
     stats = dict(rec.stats)
     rec.close()
     if stats["unguided"]:
         raise RuntimeError(f"records dropped: {stats}")
-    return n_fwd * fwd_bytes() / dt, stats
+    return stats
+
+
+def _recorder_process(conn: Any, address: str, tag: str, ca: str | None, token: str | None) -> None:
+    """One engine process's recorder (``--recorders``): warms up, then for each ``n_fwd`` received
+    on ``conn`` records that many forwards and answers (start, end); None ends it."""
+    creds: dict[str, Any] = {}
+    if ca is not None:
+        import grpc
+
+        creds["channel_credentials"] = grpc.ssl_channel_credentials(Path(ca).read_bytes())
+    if token is not None:
+        creds["token"] = token
+    outputs = forward_outputs()
+    rec = _warm_recorder(address, tag, outputs, **creds)
+    conn.send("ready")
+    rounds = 0
+    while (n_fwd := conn.recv()) is not None:
+        conn.send(_timed_forwards(rec, n_fwd, f"{tag}-{rounds}", outputs))
+        rounds += 1
+    _close_checked(rec)
+    conn.send("closed")
+
+
+class RecorderProcesses:
+    """``k`` recorders in processes of their own, as ``k`` engine processes (tensor-parallel ranks)
+    beside one sidecar would run them, each on its own connection: calling it with a forward count
+    has each record that many at once and returns the aggregate B/s (all bytes, first start to
+    last ack)."""
+
+    def __init__(self, k: int, address: str, tag: str, ca: Path | None = None, token: str | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(k):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_recorder_process, args=(theirs, address, f"{tag}-p{i}", ca and str(ca), token),
+                            daemon=True)  # fmt: skip
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+        for c in self.conns:
+            if not c.poll(120) or c.recv() != "ready":
+                raise RuntimeError("a recorder process did not start")
+
+    def __call__(self, n_fwd: int) -> float:
+        for c in self.conns:
+            c.send(n_fwd)
+        spans = [c.recv() for c in self.conns]
+        return len(spans) * n_fwd * fwd_bytes() / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for c, p in zip(self.conns, self.procs, strict=True):
+            if c.poll(60):
+                c.recv()
+            p.join(10)
 
 
 def settle(address: str, timeout: float = 300.0, **creds: Any) -> None:
@@ -764,10 +836,17 @@ def bench_auth(ns: Any) -> int:
         ]
         ratios: dict[str, list[float]] = {}
         raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
+        n_rec = ns.recorders
+        groups: list[tuple[str, ServeProcess, dict[str, Any], RecorderProcesses]] = []
         try:
             for _name, sp, creds in sides:  # warm-up: connection, run declaration, the sidecar's heap
                 run_recorder(sp.address, n_fwd, f"warm-{len(creds)}", outputs, **creds)
                 settle(sp.address, **creds)
+            if n_rec > 1:  # n_rec engine processes' recorders at once, each on its own connection
+                for (name, sp, creds), ca in ((sides[0], None), (sides[1], pki["ca"])):
+                    group = RecorderProcesses(n_rec, sp.address, f"k{len(creds)}", ca, creds.get("token"))
+                    name = name.replace("ours-grpc-durable", f"ours, {n_rec} recorder processes")
+                    groups.append((name, sp, creds, group))
             for r in range(ns.repeat):
                 rates = {}
                 for name, sp, creds in sides if r % 2 == 0 else sides[::-1]:
@@ -781,11 +860,22 @@ def bench_auth(ns: Any) -> int:
                     rates[name] = raw(total)
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((raw.cpu.client, raw.cpu.server))
-                for check, a, b in (
+                for name, sp, creds, group in groups if r % 2 == 0 else groups[::-1]:
+                    assert sp.proc is not None
+                    cpu = CpuMeter(sp.proc.pid)  # the client column: this process only, not the recorders'
+                    with cpu:
+                        rates[name] = group(max(1, n_fwd // n_rec))
+                    settle(sp.address, **creds)
+                    samples.setdefault(name, []).append(rates[name])
+                    cpus.setdefault(name, []).append((cpu.client, cpu.server))
+                pairs = [
                     ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0]),
                     ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0]),
                     ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0]),
-                ):
+                ]
+                if groups:
+                    pairs.append((f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0]))
+                for check, a, b in pairs:
                     ratios.setdefault(check, []).append(rates[a] / rates[b])
                 print(f"round {r + 1}/{ns.repeat} done", file=sys.stderr)
         finally:
@@ -793,6 +883,8 @@ def bench_auth(ns: Any) -> int:
                 sp.kill()
             for _, raw in raws:
                 raw.close()
+            for *_, group in groups:
+                group.close()
     mib = n_fwd * fwd_bytes() >> 20
     rows: list[dict[str, Any]] = [
         dict(provider=k, GBps=statistics.median(v) / 1e9, min_GBps=min(v) / 1e9, max_GBps=max(v) / 1e9, n=len(v),
@@ -809,6 +901,9 @@ def bench_auth(ns: Any) -> int:
     m = machine()
     print(f"# bench_ingest --only auth on {m.get('cpu')} ({m.get('cores')} cores), {mib} MiB per measurement, "
           f"{ns.repeat} rounds (order alternating); load average at the end {os.getloadavg()[0]:.1f}")  # fmt: skip
+    if ns.recorders > 1:
+        each = max(1, n_fwd // ns.recorders) * fwd_bytes() >> 20
+        print(f"# {ns.recorders} recorder processes: {each} MiB each; their client_cpu_s is the bench process's only")
     print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s"])
     print()
     print_table(checks, ["check", "median_ratio", "min_ratio", "max_ratio", "target", "met"])
@@ -826,6 +921,10 @@ def main() -> int:
                     help="ingest: the ingest providers; read: ingest untimed into one durable sidecar, then time "
                     "the reads; decode: the decode-step caller time; auth: durable TCP ingest without and with "
                     "TLS + tokens (default: ingest and read)")  # fmt: skip
+    ap.add_argument("--recorders", type=int, default=1,
+                    help="--only auth: also measure this many recorder processes at once (each on its own "
+                    "connection, as tensor-parallel engine processes beside one sidecar), plaintext vs TLS + token, "
+                    "the same bytes in all")  # fmt: skip
     ap.add_argument("--decode", action="store_true", help="alias of --only decode")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement (--decode)")
     ap.add_argument("--step-ms", type=float, default=25.0, help="sleep between decode steps (--decode)")
