@@ -42,7 +42,11 @@ def test_line_cpu_with_activation_checkpointing(tmp_path) -> None:  # noqa: ANN0
     ref = line.train_identity(roll, got)
     grads = {n: p.grad.clone() for n, p in roll.model.named_parameters() if p.grad is not None}
     roll.model.zero_grad(set_to_none=True)
-    roll.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(roll.model, "activation_checkpointing_enable"):  # transformers >= 5.24 renames it
+        roll.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        roll.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     again = line.train_identity(roll, got)
     for name in ref.seen:
         assert torch.equal(again.seen[name], ref.seen[name]), name
