@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="the hook helper needs the demo extra
 from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
 from tracestore.client.train_hooks import GuidedFP4Hooks  # noqa: E402
 
+from tests.hf_compat import checkpointing_off, checkpointing_on  # noqa: E402
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
 from tracestore.formats import NVFP4  # noqa: E402
 from tracestore.fp4 import quantize  # noqa: E402
@@ -38,9 +39,9 @@ def batch() -> torch.Tensor:
 def grads(model: Any, checkpointing: str | None) -> dict[str, torch.Tensor]:
     """Parameter gradients of a fixed random projection of the logits (no cache: a training forward)."""
     if checkpointing is None:
-        _checkpointing_off(model)
+        checkpointing_off(model)
     else:
-        _checkpointing_on(model, {"use_reentrant": checkpointing == "reentrant"})
+        checkpointing_on(model, {"use_reentrant": checkpointing == "reentrant"})
         if checkpointing == "reentrant":
             model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
     model.zero_grad(set_to_none=True)
@@ -50,20 +51,6 @@ def grads(model: Any, checkpointing: str | None) -> dict[str, torch.Tensor]:
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
-
-
-def _checkpointing_on(model: Any, kwargs: dict[str, Any]) -> None:
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renames it
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _checkpointing_off(model: Any) -> None:
-    if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

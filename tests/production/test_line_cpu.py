@@ -12,6 +12,7 @@ pytest.importorskip("grpc")
 from tracestore.client import RolloutRecorder, Segments, SiteOutput  # noqa: E402
 from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
 
+from tests.hf_compat import checkpointing_on  # noqa: E402
 from tests.production import line  # noqa: E402
 from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError  # noqa: E402
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
@@ -42,11 +43,7 @@ def test_line_cpu_with_activation_checkpointing(tmp_path) -> None:  # noqa: ANN0
     ref = line.train_identity(roll, got)
     grads = {n: p.grad.clone() for n, p in roll.model.named_parameters() if p.grad is not None}
     roll.model.zero_grad(set_to_none=True)
-    kwargs = {"use_reentrant": False}
-    if hasattr(roll.model, "activation_checkpointing_enable"):  # transformers >= 5.24 renames it
-        roll.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        roll.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpointing_on(roll.model, {"use_reentrant": False})
     again = line.train_identity(roll, got)
     for name in ref.seen:
         assert torch.equal(again.seen[name], ref.seen[name]), name
