@@ -837,6 +837,7 @@ def bench_auth(ns: Any) -> int:
         ratios: dict[str, list[float]] = {}
         raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
         n_rec = ns.recorders
+        per_rec = max(1, n_fwd // n_rec)  # forwards per recorder process: the same bytes in all
         groups: list[tuple[str, ServeProcess, dict[str, Any], RecorderProcesses]] = []
         try:
             for _name, sp, creds in sides:  # warm-up: connection, run declaration, the sidecar's heap
@@ -864,7 +865,7 @@ def bench_auth(ns: Any) -> int:
                     assert sp.proc is not None
                     cpu = CpuMeter(sp.proc.pid)  # the client column: this process only, not the recorders'
                     with cpu:
-                        rates[name] = group(max(1, n_fwd // n_rec))
+                        rates[name] = group(per_rec)
                     settle(sp.address, **creds)
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
@@ -901,9 +902,11 @@ def bench_auth(ns: Any) -> int:
     m = machine()
     print(f"# bench_ingest --only auth on {m.get('cpu')} ({m.get('cores')} cores), {mib} MiB per measurement, "
           f"{ns.repeat} rounds (order alternating); load average at the end {os.getloadavg()[0]:.1f}")  # fmt: skip
-    if ns.recorders > 1:
-        each = max(1, n_fwd // ns.recorders) * fwd_bytes() >> 20
-        print(f"# {ns.recorders} recorder processes: {each} MiB each; their client_cpu_s is the bench process's only")
+    if n_rec > 1:
+        print(
+            f"# {n_rec} recorder processes: {per_rec * fwd_bytes() >> 20} MiB each; their client_cpu_s is the "
+            "bench process's only"
+        )
     print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s"])
     print()
     print_table(checks, ["check", "median_ratio", "min_ratio", "max_ratio", "target", "met"])
