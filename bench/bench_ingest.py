@@ -901,7 +901,8 @@ def bench_auth(ns: Any) -> int:
                     pairs.append((f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0]))
                 for check, a, b in pairs:
                     ratios.setdefault(check, []).append(rates[a] / rates[b])
-                print(f"round {r + 1}/{ns.repeat} done", file=sys.stderr)
+                line = " ".join(f"#{i}:{rates[name] / 1e9:.3f}" for i, name in enumerate(samples, 1))
+                print(f"round {r + 1}/{ns.repeat}, GB/s by the table's #: {line}", file=sys.stderr)
         finally:
             for sp in (plain, tokens, secure):
                 sp.kill()
@@ -911,10 +912,10 @@ def bench_auth(ns: Any) -> int:
                 group.close()
     mib = n_fwd * fwd_bytes() >> 20
     rows: list[dict[str, Any]] = [
-        dict(provider=k, GBps=statistics.median(v) / 1e9, min_GBps=min(v) / 1e9, max_GBps=max(v) / 1e9, n=len(v),
-             MiB=mib, client_cpu_s=statistics.median(c for c, _ in cpus[k]),
-             server_cpu_s=statistics.median(s for _, s in cpus[k]))
-        for k, v in samples.items()
+        {"#": n, "provider": k, "GBps": statistics.median(v) / 1e9, "min_GBps": min(v) / 1e9,
+         "max_GBps": max(v) / 1e9, "n": len(v), "MiB": mib, "client_cpu_s": statistics.median(c for c, _ in cpus[k]),
+         "server_cpu_s": statistics.median(s for _, s in cpus[k])}
+        for n, (k, v) in enumerate(samples.items(), 1)
     ]  # fmt: skip
     checks = []
     for k, v in ratios.items():  # TCP: at most 10% slower; the unix socket: unchanged, within 5%
@@ -930,7 +931,7 @@ def bench_auth(ns: Any) -> int:
             f"# {n_rec} recorder processes: {per_rec * fwd_bytes() >> 20} MiB each; their client_cpu_s is the "
             "bench process's only"
         )
-    print_table(rows, ["provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s"])
+    print_table(rows, ["#", "provider", "GBps", "min_GBps", "max_GBps", "n", "MiB", "client_cpu_s", "server_cpu_s"])
     print()
     print_table(checks, ["check", "median_ratio", "min_ratio", "max_ratio", "target", "met"])
     if not ns.no_save:
