@@ -39,10 +39,12 @@ TCP sidecar (file://, WAL fsync acks) started plainly and with ``--tls-cert/--tl
 credentials over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order,
 each round one sample of each ratio to the plain sidecar; and ``raw-grpc`` plaintext vs TLS in the
 same rounds (what TLS costs grpcio itself on the box). Over the unix socket (shared-memory
-descriptors), in the same rounds: the plain sidecar's socket (its permissions the only check) vs a
-sidecar whose token file authorizes this uid (``uid:`` rule: the recorder fetches a peer token from
-``<socket>.peer``) and the same socket with a bearer token; the target there is "unchanged", a
-median ratio of at least ``UNCHANGED``. With ``--recorders K`` also K recorders in
+descriptors), in the same rounds: a sidecar without authorization (the socket's permissions the only
+check) vs one whose token file authorizes this uid (``uid:`` rule: the recorder fetches a peer token
+from ``<socket>.peer``) and one that takes the bench's bearer token; the target there is
+"unchanged", a median ratio of at least ``UNCHANGED``. Every side has a sidecar of its own (each
+takes the same bytes per round), and the page cache is written back (``os.sync``) after each
+measurement, so one side's shards do not land in the next one's fsyncs. With ``--recorders K`` also K recorders in
 processes of their own at once (as K tensor-parallel engine processes beside one sidecar), each on
 its own connection and with 1/K of the bytes, against the plain and the TLS + token sidecar.
 
@@ -833,16 +835,26 @@ def bench_auth(ns: Any) -> int:
         d = Path(tmp)
         pki = write_test_pki(d / "pki")
         token = os.urandom(24).hex()
-        (d / "tokens").write_text(  # the bench's token, and this uid for unix-socket peers (peer tokens)
-            f"sha256:{hashlib.sha256(token.encode()).hexdigest()} write:*,read:*,admin bench\n"
-            f"uid:{os.getuid()} write:*,read:*,admin bench-peer\n"
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        (d / "tokens").write_text(f"sha256:{digest} write:*,read:*,admin bench\n")
+        # ... and a file that also authorizes this uid on the unix socket (the recorder sends peer tokens)
+        (d / "peers").write_text(
+            f"sha256:{digest} write:*,read:*,admin bench\nuid:{os.getuid()} write:*,read:*,admin\n"
         )
         quiet = ["--metrics-port", "off"]
-        plain = ServeProcess(d / "plain", unix_socket=True, flags=quiet).start()
-        tokens = ServeProcess(d / "tokens-only", unix_socket=True, flags=[*quiet, "--auth-tokens", str(d / "tokens")])
-        tokens.start()
-        secure = ServeProcess(d / "tls", flags=[*quiet, "--tls-cert", str(pki["server"]), "--tls-key",
-                              str(pki["server_key"]), "--auth-tokens", str(d / "tokens")]).start()  # fmt: skip
+        servers: list[ServeProcess] = []
+
+        def serve(name: str, *flags: str, unix: bool = False) -> ServeProcess:
+            """One sidecar per measured side, so each takes the same bytes per round."""
+            servers.append(ServeProcess(d / name, unix_socket=unix, flags=[*quiet, *flags]).start())
+            return servers[-1]
+
+        tls_flags = ("--tls-cert", str(pki["server"]), "--tls-key", str(pki["server_key"]))
+        plain, secure = serve("plain"), serve("tls", *tls_flags, "--auth-tokens", str(d / "tokens"))
+        tokens = serve("tokens-only", "--auth-tokens", str(d / "tokens"))
+        unix_plain = serve("unix-plain", unix=True)
+        unix_uid = serve("unix-uid", "--auth-tokens", str(d / "peers"), unix=True)
+        unix_bearer = serve("unix-bearer", "--auth-tokens", str(d / "tokens"), unix=True)
         tls = {"channel_credentials": grpc.ssl_channel_credentials(pki["ca"].read_bytes()), "token": token}
         shm = "ours-shm-durable (unix socket + shared memory, WAL fsync ack)"
         sides: list[tuple[str, ServeProcess, str, dict[str, Any]]] = [
@@ -850,9 +862,9 @@ def bench_auth(ns: Any) -> int:
             ("ours-grpc-durable (WAL fsync ack), TLS + bearer token", secure, secure.address, tls),
             ("ours-grpc-durable (WAL fsync ack), plaintext loopback + bearer token", tokens, tokens.address,
              {"token": token}),
-            (f"{shm}, no auth (the socket's permissions)", plain, plain.unix_address, {}),
-            (f"{shm}, uid: rule (peer token)", tokens, tokens.unix_address, {}),
-            (f"{shm}, bearer token", tokens, tokens.unix_address, {"token": token}),
+            (f"{shm}, no auth (the socket's permissions)", unix_plain, unix_plain.unix_address, {}),
+            (f"{shm}, uid: rule (peer token)", unix_uid, unix_uid.unix_address, {}),
+            (f"{shm}, bearer token", unix_bearer, unix_bearer.unix_address, {"token": token}),
         ]  # fmt: skip
         ratios: dict[str, list[float]] = {}
         raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
@@ -863,6 +875,7 @@ def bench_auth(ns: Any) -> int:
             for i, (_name, _sp, address, creds) in enumerate(sides):  # warm-up: connection, run, the heap
                 run_recorder(address, n_fwd, f"warm-{i}", outputs, **creds)
                 settle(address, **creds)
+            os.sync()
             if n_rec > 1:  # n_rec engine processes' recorders at once, each on its own connection
                 for (name, sp, _address, creds), ca in ((sides[0], None), (sides[1], pki["ca"])):
                     group = RecorderProcesses(n_rec, sp.address, f"k{len(creds)}", ca, creds.get("token"))
@@ -876,6 +889,7 @@ def bench_auth(ns: Any) -> int:
                     cpu = CpuMeter(sp.proc.pid)
                     rates[name] = run_recorder(address, n_fwd, f"a{r}-s{i}", outputs, cpu, **creds)[0]
                     settle(address, **creds)
+                    os.sync()  # this write's shards and WAL on disk now, not in the next measurement's fsyncs
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
                 for name, raw in raws if r % 2 == 0 else raws[::-1]:
@@ -888,6 +902,7 @@ def bench_auth(ns: Any) -> int:
                     with cpu:
                         rates[name] = group(per_rec)
                     settle(sp.address, **creds)
+                    os.sync()
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
                 pairs = [
@@ -904,7 +919,7 @@ def bench_auth(ns: Any) -> int:
                 line = " ".join(f"#{i}:{rates[name] / 1e9:.3f}" for i, name in enumerate(samples, 1))
                 print(f"round {r + 1}/{ns.repeat}, GB/s by the table's #: {line}", file=sys.stderr)
         finally:
-            for sp in (plain, tokens, secure):
+            for sp in servers:
                 sp.kill()
             for _, raw in raws:
                 raw.close()
