@@ -46,7 +46,9 @@ from ``<socket>.peer``) and one that takes the bench's bearer token; the target 
 takes the same bytes per round), and the page cache is written back (``os.sync``) after each
 measurement, so one side's shards do not land in the next one's fsyncs. With ``--recorders K`` also K recorders in
 processes of their own at once (as K tensor-parallel engine processes beside one sidecar), each on
-its own connection and with 1/K of the bytes, against the plain and the TLS + token sidecar.
+its own connection and with 1/K of the bytes, against the plain and the TLS + token sidecar. With
+``--compare-window KIB`` also the plaintext and the TLS + token sidecars with ``--stream-window-kib
+KIB`` in the same rounds: what that receive window gains over the default (gRPC's 64 KiB).
 
 Run: ``python bench/bench_ingest.py [--mib 192] [--repeat 3] [--only ingest|read|decode|auth]``;
 prints a table, appends to ``bench/results/bench_ingest.jsonl``.
@@ -855,6 +857,12 @@ def bench_auth(ns: Any) -> int:
         unix_plain = serve("unix-plain", unix=True)
         unix_uid = serve("unix-uid", "--auth-tokens", str(d / "peers"), unix=True)
         unix_bearer = serve("unix-bearer", "--auth-tokens", str(d / "tokens"), unix=True)
+        window = ns.compare_window  # the same two TCP sidecars with this receive window as well
+        if window:
+            plain_w = serve("plain-w", "--stream-window-kib", str(window))
+            secure_w = serve(
+                "tls-w", *tls_flags, "--auth-tokens", str(d / "tokens"), "--stream-window-kib", str(window)
+            )
         tls = {"channel_credentials": grpc.ssl_channel_credentials(pki["ca"].read_bytes()), "token": token}
         shm = "ours-shm-durable (unix socket + shared memory, WAL fsync ack)"
         sides: list[tuple[str, ServeProcess, str, dict[str, Any]]] = [
@@ -866,7 +874,13 @@ def bench_auth(ns: Any) -> int:
             (f"{shm}, uid: rule (peer token)", unix_uid, unix_uid.unix_address, {}),
             (f"{shm}, bearer token", unix_bearer, unix_bearer.unix_address, {"token": token}),
         ]  # fmt: skip
+        if window:
+            sides += [
+                (f"{sides[0][0]}, {window} KiB window", plain_w, plain_w.address, {}),
+                (f"{sides[1][0]}, {window} KiB window", secure_w, secure_w.address, tls),
+            ]  # fmt: skip
         ratios: dict[str, list[float]] = {}
+        targets: dict[str, float | None] = {}
         raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
         n_rec = ns.recorders
         per_rec = max(1, n_fwd // n_rec)  # forwards per recorder process: the same bytes in all
@@ -905,16 +919,27 @@ def bench_auth(ns: Any) -> int:
                     os.sync()
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
-                pairs = [
-                    ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0]),
-                    ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0]),
-                    ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0]),
-                    ("uid: rule (peer token) / no auth, unix socket + shm durable ingest", sides[4][0], sides[3][0]),
-                    ("bearer token / no auth, unix socket + shm durable ingest", sides[5][0], sides[3][0]),
-                ]
+                pairs = [  # (check, numerator, denominator, target: None for information only)
+                    ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0], 0.9),
+                    ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0], 0.9),
+                    ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0], None),
+                    ("uid: rule (peer token) / no auth, unix socket + shm durable ingest", sides[4][0], sides[3][0],
+                     UNCHANGED),
+                    ("bearer token / no auth, unix socket + shm durable ingest", sides[5][0], sides[3][0], UNCHANGED),
+                ]  # fmt: skip
                 if groups:
-                    pairs.append((f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0]))
-                for check, a, b in pairs:
+                    pairs.append(
+                        (f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0], 0.9)
+                    )
+                if window:
+                    pairs += [
+                        (f"TLS + token / plaintext, both {window} KiB window", sides[7][0], sides[6][0], None),
+                        (f"TLS + token, {window} KiB window / plaintext, default", sides[7][0], sides[0][0], None),
+                        (f"TLS + token: {window} KiB window / default", sides[7][0], sides[1][0], None),
+                        (f"plaintext: {window} KiB window / default", sides[6][0], sides[0][0], None),
+                    ]
+                for check, a, b, target in pairs:
+                    targets[check] = target
                     ratios.setdefault(check, []).append(rates[a] / rates[b])
                 line = " ".join(f"#{i}:{rates[name] / 1e9:.3f}" for i, name in enumerate(samples, 1))
                 print(f"round {r + 1}/{ns.repeat}, GB/s by the table's #: {line}", file=sys.stderr)
@@ -934,7 +959,7 @@ def bench_auth(ns: Any) -> int:
     ]  # fmt: skip
     checks = []
     for k, v in ratios.items():  # TCP: at most 10% slower; the unix socket: unchanged, within 5%
-        target = None if k.startswith("raw") else UNCHANGED if "unix socket" in k else 0.9
+        target = targets[k]
         met = "n/a" if target is None else "yes" if statistics.median(v) >= target else "NO"
         checks.append(dict(check=k, median_ratio=statistics.median(v), min_ratio=min(v), max_ratio=max(v),
                            target=target, met=met))  # fmt: skip
@@ -967,6 +992,10 @@ def main() -> int:
                     help="--only auth: also measure this many recorder processes at once (each on its own "
                     "connection, as tensor-parallel engine processes beside one sidecar), plaintext vs TLS + token, "
                     "the same bytes in all")  # fmt: skip
+    ap.add_argument("--compare-window", type=int, default=0, metavar="KIB",
+                    help="--only auth: also the plaintext and the TLS + token TCP sidecars with this "
+                    "--stream-window-kib in the same rounds, and what it gains over the default (gRPC's 64 KiB)",
+                    )  # fmt: skip
     ap.add_argument("--decode", action="store_true", help="alias of --only decode")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement (--decode)")
     ap.add_argument("--step-ms", type=float, default=25.0, help="sleep between decode steps (--decode)")

@@ -85,6 +85,9 @@ SETTINGS = (
     Setting("--max-message-mib", MIB, 64, "largest gRPC message, MiB; at most half of --memory-budget-mib"),
     Setting("--max-streams", integer(1), 256,
             "open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED"),
+    Setting("--stream-window-kib", integer(64, 65536), None,
+            "HTTP/2 receive window of each Write stream, KiB (default: gRPC's 64); 4096 lifts one recorder's TLS "
+            "ingest but, under a flood of streams, is memory outside the budget (docs/protocol.md)"),
     Setting("--workers", integer(8), 64, "gRPC threads besides one per Write stream (health, Stat, Seal, Read)"),
     Setting("--max-read-mib", MIB, 256,
             "largest Read (plan rows x row bytes of the sites read), never more than the memory budget, MiB"),
@@ -325,6 +328,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         backpressure_timeout_s=ns.backpressure_timeout,
         max_message_bytes=ns.max_message_mib * MiB,
         max_streams=ns.max_streams,
+        stream_window_bytes=None if ns.stream_window_kib is None else ns.stream_window_kib << 10,
         workers=ns.workers,
         max_read_bytes=ns.max_read_mib * MiB,
         max_writers=ns.max_writers,

@@ -15,6 +15,14 @@ MIN_WORKERS = HEALTH_THREADS + 4
 # A Read's reply goes out in slices of about this size; while one is sent it exists ~3 times (the
 # rows' bytes, the message, its serialization).
 READ_SLICE_BYTES = 4 << 20
+# The HTTP/2 receive window of one Write stream (``--stream-window-kib``; gRPC's
+# ``grpc.http2.lookahead_bytes``, BDP probing off): how far a client may send ahead of the message
+# the sidecar asked for. gRPC's own 64 KiB by default. A window of one recorder message (4 MiB) lets
+# the next message arrive while the last is taken in, which over TLS lifts one recorder's ingest;
+# but gRPC gives every stream it takes in that window before the sidecar admits or refuses it, so
+# under a flood of streams it is memory outside the budget. See docs/protocol.md, "The stream window".
+GRPC_STREAM_WINDOW = 64 << 10
+MAX_STREAM_WINDOW = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +46,8 @@ class ServerConfig:
     moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
     row bytes of the sites read), and a Read holds its size against the memory budget while it
     runs. ``max_writers``/``max_runs``: writer sessions and runs one sidecar keeps.
+    ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
+    64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
     (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
     """
@@ -64,6 +74,7 @@ class ServerConfig:
     backpressure_timeout_s: float = 5.0
     max_message_bytes: int = 64 * MiB
     max_streams: int = 256
+    stream_window_bytes: int | None = None
     workers: int = 64
     max_read_bytes: int = 256 * MiB
     max_writers: int = 1024
@@ -105,12 +116,30 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
+        w = self.stream_window_bytes
+        bad_window = isinstance(w, bool) or not isinstance(w, int) or not GRPC_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW
+        if w is not None and bad_window:
+            raise ConfigError(
+                f"stream_window_bytes must be an integer from {GRPC_STREAM_WINDOW} (gRPC's own window) to "
+                f"{MAX_STREAM_WINDOW}, got {w!r}"
+            )
+        if w is not None and not bad_window and 4 * w > self.memory_budget_bytes:
+            raise ConfigError(
+                f"stream_window_bytes ({w}) must be at most a quarter of memory_budget_bytes "
+                f"({self.memory_budget_bytes}): every open Write stream holds its window against the budget"
+            )
         if 2 * self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
                 f"max_message_bytes ({self.max_message_bytes}) must be at most half of memory_budget_bytes "
                 f"({self.memory_budget_bytes}): the budget keeps room for one message being copied out of "
                 "gRPC's buffers besides the messages being read"
             )
+
+    @property
+    def stream_window(self) -> int:
+        """The HTTP/2 receive window of one Write stream, which an open stream holds against the
+        memory budget: ``stream_window_bytes``, else gRPC's own 64 KiB."""
+        return GRPC_STREAM_WINDOW if self.stream_window_bytes is None else self.stream_window_bytes
 
     @property
     def reading_streams(self) -> int:
@@ -183,6 +212,9 @@ class ServerConfig:
             # BDP probing let 100 slow streams grow the server by ~1.7 GiB (measured); we bound
             # in-flight bytes with our own budget instead.
             ("grpc.http2.bdp_probe", 0),
+            # A larger receive window per stream only where asked for: it lifts one recorder's TLS
+            # ingest 15-22%, but a stream gets it before we admit or refuse it (module comment).
+            *((("grpc.http2.lookahead_bytes", self.stream_window_bytes),) if self.stream_window_bytes else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 30_000),

@@ -209,7 +209,7 @@ class Engine:
             return estimate
 
     def reserve_stream(self) -> int:
-        """Room for one more open Write stream's own memory (``STREAM_BYTES``: its HTTP/2 window and
+        """Room for one more open Write stream's own memory (``budget.stream_bytes``: its HTTP/2 window and
         its threads), held until the stream ends (:meth:`unreserve`); LimitError at once when the
         budget cannot hold it beside what it holds now. Without this, 300 streams flooding a 64 MiB
         budget grew the sidecar by up to 144 MiB: budget + their windows and threads."""

@@ -31,11 +31,12 @@ from .message import Message
 from .metrics import Metrics
 from .sessions import WriterState
 
-# Memory one open Write stream costs the sidecar besides its messages, counted against the budget
-# while the stream is open: gRPC's HTTP/2 receive window (64 KiB without BDP probing) and buffers,
-# and its three threads' stacks. Measured: 300 idle streams +19 MiB RSS (~64 KiB each); under a flood
-# the windows fill and the threads run, so twice that and some.
-STREAM_BYTES = 192 << 10
+# Memory one open Write stream costs the sidecar besides its messages and its HTTP/2 receive window
+# (ServerConfig.stream_window), counted against the budget with the window while the stream is open:
+# gRPC's buffers and the stream's three threads' stacks. Measured with gRPC's 64 KiB window: 300 idle
+# streams +19 MiB RSS (~64 KiB each); under a flood the windows fill and the threads run, so 192 KiB
+# per stream covered window and all.
+STREAM_OVERHEAD_BYTES = 128 << 10
 # A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
 # writer's staging pool: the rest stays free for the writer's forwards in flight.
 SHM_HOLD_FRACTION = 0.5
@@ -56,6 +57,7 @@ class MemoryBudget:
 
     def __init__(self, config: ServerConfig, metrics: Metrics, room: threading.Condition, press: Callable[[], None]):
         self.limit = config.memory_budget_bytes
+        self.stream_bytes = config.stream_window + STREAM_OVERHEAD_BYTES  # one open Write stream's
         self.in_use = 0
         self.reserved = 0
         self._config = config
@@ -70,16 +72,18 @@ class MemoryBudget:
         return others + nbytes <= self.limit or others == 0
 
     def reserve_stream(self) -> int:
-        """Reserve :data:`STREAM_BYTES` for an open Write stream; LimitError at once when the
+        """Reserve :attr:`stream_bytes` for an open Write stream; LimitError at once when the
         budget cannot hold it beside what it holds now."""
-        if self.in_use + self.reserved + STREAM_BYTES > self.limit:
+        n = self.stream_bytes
+        if self.in_use + self.reserved + n > self.limit:
             raise LimitError(
-                f"the memory budget ({self.limit} bytes) cannot hold another Write "
-                f"stream ({STREAM_BYTES} bytes of buffers and threads) beside the {self.in_use} bytes of "
-                f"records and {self.reserved} bytes reserved now; retry later or raise --memory-budget-mib"
+                f"the memory budget ({self.limit} bytes) cannot hold another Write stream ({n} bytes: "
+                f"its HTTP/2 window, buffers and threads) beside the {self.in_use} bytes of records and "
+                f"{self.reserved} bytes reserved now; retry later, raise --memory-budget-mib or lower "
+                "--stream-window-kib"
             )
-        self.reserved += STREAM_BYTES
-        return STREAM_BYTES
+        self.reserved += n
+        return n
 
     def wait(self, deadline: float, *, first: bool, detail: str) -> None:
         """No room: count the backpressure once per message (``first``), ask the flusher to commit

@@ -83,6 +83,45 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
         assert 0 < cfg.read_reservation(cfg.read_limit_bytes) <= budget - message, (budget, message)
 
 
+def test_stream_window_flag_default_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Write stream's HTTP/2 receive window is a setting (gRPC's lookahead, BDP probing off):
+    gRPC's own 64 KiB unless given (no lookahead option then), and an open stream holds its window
+    plus its buffers against the memory budget; a window over a quarter of the budget is refused."""
+    import threading
+
+    from tracestore.server.config import ServerConfig
+    from tracestore.server.memory import STREAM_OVERHEAD_BYTES, MemoryBudget
+    from tracestore.server.metrics import Metrics
+
+    from tracestore.errors import ConfigError
+
+    for k in list(os.environ):
+        if k.startswith("TRACESTORE_"):
+            monkeypatch.delenv(k)
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    assert cfg.stream_window_bytes is None and cfg.stream_window == 64 << 10
+    opts = dict(cfg.grpc_options())
+    assert "grpc.http2.lookahead_bytes" not in opts and opts["grpc.http2.bdp_probe"] == 0
+    budget = MemoryBudget(cfg, Metrics(), threading.Condition(), press=lambda: None)
+    assert budget.reserve_stream() == (64 << 10) + STREAM_OVERHEAD_BYTES == 192 << 10  # as before the setting
+    monkeypatch.setenv("TRACESTORE_STREAM_WINDOW_KIB", "256")
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    assert cfg.stream_window == 256 << 10 == dict(cfg.grpc_options())["grpc.http2.lookahead_bytes"]
+    cfg = config_from_args(build_parser().parse_args(["serve", "--stream-window-kib", "4096"]))
+    assert cfg.stream_window == 4 << 20 == dict(cfg.grpc_options())["grpc.http2.lookahead_bytes"]
+    budget = MemoryBudget(cfg, Metrics(), threading.Condition(), press=lambda: None)
+    assert budget.reserve_stream() == (4 << 20) + STREAM_OVERHEAD_BYTES
+    for bad in ("32", "65537", "x"):
+        with pytest.raises(ConfigError, match=r"--stream-window-kib=.*expected an integer in 64\.\.65536"):
+            config_from_args(build_parser().parse_args(["serve", "--stream-window-kib", bad]))
+    for value in (1024, 128 << 20, True, 1.5):
+        with pytest.raises(ConfigError, match="stream_window_bytes must be an integer"):
+            ServerConfig(stream_window_bytes=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="at most a quarter of memory_budget_bytes"):
+        ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=1 << 20, stream_window_bytes=32 << 20)
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=1 << 20, stream_window_bytes=16 << 20)
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:

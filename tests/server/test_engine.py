@@ -271,8 +271,6 @@ def _try(fn: object) -> object:
 def test_open_streams_count_against_the_budget(memory_url: str) -> None:
     """Each open Write stream's own memory (its HTTP/2 window and threads) is held against the
     budget while it is open: the stream after the budget is full is refused with a clear error."""
-    from tracestore.server.memory import STREAM_BYTES
-
     from tracestore.errors import LimitError
 
     eng = _engine(memory_url, None, memory_budget_bytes=4 << 20, max_message_bytes=1 << 20)
@@ -281,7 +279,7 @@ def test_open_streams_count_against_the_budget(memory_url: str) -> None:
         with pytest.raises(LimitError, match="cannot hold another Write stream"):
             for _ in range(1000):
                 held.append(eng.reserve_stream())
-        assert len(held) == (4 << 20) // STREAM_BYTES
+        assert len(held) == (4 << 20) // eng.budget.stream_bytes
         eng.unreserve(held.pop())
         held.append(eng.reserve_stream())  # room again once one ends
         for h in held:
