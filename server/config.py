@@ -213,7 +213,7 @@ class ServerConfig:
             # in-flight bytes with our own budget instead.
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
-            # ingest 15-22%, but a stream gets it before we admit or refuse it (module comment).
+            # ingest 19-33%, but a stream gets it before we admit or refuse it (module comment).
             *((("grpc.http2.lookahead_bytes", self.stream_window_bytes),) if self.stream_window_bytes else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),

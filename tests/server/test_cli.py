@@ -120,6 +120,16 @@ def test_stream_window_flag_default_and_budget(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="at most a quarter of memory_budget_bytes"):
         ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=1 << 20, stream_window_bytes=32 << 20)
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=1 << 20, stream_window_bytes=16 << 20)
+    # the refusal of one stream too many says what to change, the window only where it was set
+    from tracestore.errors import LimitError
+
+    for window, advice in ((None, False), (1 << 20, True)):
+        small = ServerConfig(memory_budget_bytes=4 << 20, max_message_bytes=1 << 20, stream_window_bytes=window)
+        budget = MemoryBudget(small, Metrics(), threading.Condition(), press=lambda: None)
+        with pytest.raises(LimitError, match="raise --memory-budget-mib") as refused:
+            for _ in range(100):
+                budget.reserve_stream()
+        assert ("--stream-window-kib" in str(refused.value)) is advice, refused.value
 
 
 def _free(port: int) -> bool:
