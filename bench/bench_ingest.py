@@ -35,16 +35,16 @@ memory:// sidecars are fresh in every repetition (a memory:// store keeps every 
 
 ``--only auth`` (not part of the default run) measures what TLS and bearer tokens cost: the durable
 TCP sidecar (file://, WAL fsync acks) started plainly and with ``--tls-cert/--tls-key
---auth-tokens`` (certificates made for the run, the recorder sending its token as call
-credentials over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order,
-each round one sample of each ratio to the plain sidecar; and ``raw-grpc`` plaintext vs TLS in the
-same rounds (what TLS costs grpcio itself on the box). Over the unix socket (shared-memory
-descriptors), in the same rounds: a sidecar without authorization (the socket's permissions the only
-check) vs one whose token file authorizes this uid (``uid:`` rule: the recorder fetches a peer token
-from ``<socket>.peer``) and one that takes the bench's bearer token; the target there is
-"unchanged", a median ratio of at least ``UNCHANGED``. Every side has a sidecar of its own (each
-takes the same bytes per round), and the page cache is written back (``os.sync``) after each
-measurement, so one side's shards do not land in the next one's fsyncs. With ``--recorders K`` also K recorders in
+--auth-tokens`` (certificates made for the run, the recorder sending its token as call credentials
+over TLS), and with tokens alone (plaintext loopback), in rounds of alternating order, each round
+one sample of each ratio to the plain sidecar; and ``raw-grpc`` plaintext vs TLS in the same rounds
+(what TLS costs grpcio itself on the box). Over the unix socket (shared-memory descriptors), in the
+same rounds: a sidecar without authorization (the socket's permissions the only check) vs one whose
+token file authorizes this uid (``uid:`` rule: the recorder fetches a peer token from
+``<socket>.peer``) and one that takes the bench's bearer token; the target there is "unchanged", a
+median ratio of at least ``UNCHANGED``. Every side has a sidecar of its own (each takes the same
+bytes per round), and the page cache is written back (``os.sync``) after each measurement, so one
+side's shards do not land in the next one's fsyncs. With ``--recorders K`` also K recorders in
 processes of their own at once (as K tensor-parallel engine processes beside one sidecar), each on
 its own connection and with 1/K of the bytes, against the plain and the TLS + token sidecar. With
 ``--compare-window KIB`` also the plaintext and the TLS + token sidecars with ``--stream-window-kib
