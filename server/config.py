@@ -19,8 +19,9 @@ READ_SLICE_BYTES = 4 << 20
 # ``grpc.http2.lookahead_bytes``, BDP probing off): how far a client may send ahead of the message
 # the sidecar asked for. gRPC's own 64 KiB by default. A window of one recorder message (4 MiB) lets
 # the next message arrive while the last is taken in, which over TLS lifts one recorder's ingest;
-# but gRPC gives every stream it takes in that window before the sidecar admits or refuses it, so
-# under a flood of streams it is memory outside the budget. See docs/protocol.md, "The stream window".
+# but gRPC's buffers for the filled windows of many streams took more memory than the windows each
+# stream holds against the budget (a flood outgrew the memory bound). See docs/protocol.md, "The
+# stream window".
 GRPC_STREAM_WINDOW = 64 << 10
 MAX_STREAM_WINDOW = 64 << 20
 
@@ -213,7 +214,7 @@ class ServerConfig:
             # in-flight bytes with our own budget instead.
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
-            # ingest 19-33%, but a stream gets it before we admit or refuse it (module comment).
+            # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module comment).
             *((("grpc.http2.lookahead_bytes", self.stream_window_bytes),) if self.stream_window_bytes else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),
