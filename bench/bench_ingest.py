@@ -880,7 +880,6 @@ def bench_auth(ns: Any) -> int:
                 (f"{sides[1][0]}, {window} KiB window", secure_w, secure_w.address, tls),
             ]  # fmt: skip
         ratios: dict[str, list[float]] = {}
-        targets: dict[str, float | None] = {}
         raws = [("raw-grpc, plaintext", RawGrpc()), ("raw-grpc, TLS", RawGrpc(tls_dir=d / "pki"))]
         n_rec = ns.recorders
         per_rec = max(1, n_fwd // n_rec)  # forwards per recorder process: the same bytes in all
@@ -895,6 +894,23 @@ def bench_auth(ns: Any) -> int:
                     group = RecorderProcesses(n_rec, sp.address, f"k{len(creds)}", ca, creds.get("token"))
                     name = name.replace("ours-grpc-durable", f"ours, {n_rec} recorder processes")
                     groups.append((name, sp, creds, group))
+            pairs = [  # (check, numerator, denominator, target: None for information only)
+                ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0], 0.9),
+                ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0], 0.9),
+                ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0], None),
+                ("uid: rule (peer token) / no auth, unix socket + shm durable ingest", sides[4][0], sides[3][0],
+                 UNCHANGED),
+                ("bearer token / no auth, unix socket + shm durable ingest", sides[5][0], sides[3][0], UNCHANGED),
+            ]  # fmt: skip
+            if groups:
+                pairs.append((f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0], 0.9))
+            if window:
+                pairs += [
+                    (f"TLS + token / plaintext, both {window} KiB window", sides[7][0], sides[6][0], None),
+                    (f"TLS + token, {window} KiB window / plaintext, default", sides[7][0], sides[0][0], None),
+                    (f"TLS + token: {window} KiB window / default", sides[7][0], sides[1][0], None),
+                    (f"plaintext: {window} KiB window / default", sides[6][0], sides[0][0], None),
+                ]
             for r in range(ns.repeat):
                 rates = {}
                 order = list(enumerate(sides))
@@ -919,27 +935,7 @@ def bench_auth(ns: Any) -> int:
                     os.sync()
                     samples.setdefault(name, []).append(rates[name])
                     cpus.setdefault(name, []).append((cpu.client, cpu.server))
-                pairs = [  # (check, numerator, denominator, target: None for information only)
-                    ("TLS + token / plaintext, durable TCP ingest", sides[1][0], sides[0][0], 0.9),
-                    ("token only (loopback) / plaintext, durable TCP ingest", sides[2][0], sides[0][0], 0.9),
-                    ("raw grpcio: TLS / plaintext (the stack's own TLS cost)", raws[1][0], raws[0][0], None),
-                    ("uid: rule (peer token) / no auth, unix socket + shm durable ingest", sides[4][0], sides[3][0],
-                     UNCHANGED),
-                    ("bearer token / no auth, unix socket + shm durable ingest", sides[5][0], sides[3][0], UNCHANGED),
-                ]  # fmt: skip
-                if groups:
-                    pairs.append(
-                        (f"TLS + token / plaintext, {n_rec} recorder processes", groups[1][0], groups[0][0], 0.9)
-                    )
-                if window:
-                    pairs += [
-                        (f"TLS + token / plaintext, both {window} KiB window", sides[7][0], sides[6][0], None),
-                        (f"TLS + token, {window} KiB window / plaintext, default", sides[7][0], sides[0][0], None),
-                        (f"TLS + token: {window} KiB window / default", sides[7][0], sides[1][0], None),
-                        (f"plaintext: {window} KiB window / default", sides[6][0], sides[0][0], None),
-                    ]
-                for check, a, b, target in pairs:
-                    targets[check] = target
+                for check, a, b, _target in pairs:
                     ratios.setdefault(check, []).append(rates[a] / rates[b])
                 line = " ".join(f"#{i}:{rates[name] / 1e9:.3f}" for i, name in enumerate(samples, 1))
                 print(f"round {r + 1}/{ns.repeat}, GB/s by the table's #: {line}", file=sys.stderr)
@@ -958,6 +954,7 @@ def bench_auth(ns: Any) -> int:
         for n, (k, v) in enumerate(samples.items(), 1)
     ]  # fmt: skip
     checks = []
+    targets = {check: target for check, *_, target in pairs}
     for k, v in ratios.items():  # TCP: at most 10% slower; the unix socket: unchanged, within 5%
         target = targets[k]
         met = "n/a" if target is None else "yes" if statistics.median(v) >= target else "NO"
