@@ -118,17 +118,17 @@ class ServerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
         w = self.stream_window_bytes
-        bad_window = isinstance(w, bool) or not isinstance(w, int) or not GRPC_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW
-        if w is not None and bad_window:
-            raise ConfigError(
-                f"stream_window_bytes must be an integer from {GRPC_STREAM_WINDOW} (gRPC's own window) to "
-                f"{MAX_STREAM_WINDOW}, got {w!r}"
-            )
-        if w is not None and not bad_window and 4 * w > self.memory_budget_bytes:
-            raise ConfigError(
-                f"stream_window_bytes ({w}) must be at most a quarter of memory_budget_bytes "
-                f"({self.memory_budget_bytes}): every open Write stream holds its window against the budget"
-            )
+        if w is not None:
+            if isinstance(w, bool) or not isinstance(w, int) or not GRPC_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW:
+                raise ConfigError(
+                    f"stream_window_bytes must be an integer from {GRPC_STREAM_WINDOW} (gRPC's own window) to "
+                    f"{MAX_STREAM_WINDOW}, got {w!r}"
+                )
+            if 4 * w > self.memory_budget_bytes:
+                raise ConfigError(
+                    f"stream_window_bytes ({w}) must be at most a quarter of memory_budget_bytes "
+                    f"({self.memory_budget_bytes}): every open Write stream holds its window against the budget"
+                )
         if 2 * self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
                 f"max_message_bytes ({self.max_message_bytes}) must be at most half of memory_budget_bytes "
@@ -215,7 +215,7 @@ class ServerConfig:
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
             # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module comment).
-            *((("grpc.http2.lookahead_bytes", self.stream_window_bytes),) if self.stream_window_bytes else ()),
+            *((("grpc.http2.lookahead_bytes", self.stream_window),) if self.stream_window_bytes is not None else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 30_000),

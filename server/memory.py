@@ -58,7 +58,6 @@ class MemoryBudget:
     def __init__(self, config: ServerConfig, metrics: Metrics, room: threading.Condition, press: Callable[[], None]):
         self.limit = config.memory_budget_bytes
         self.stream_bytes = config.stream_window + STREAM_OVERHEAD_BYTES  # one open Write stream's
-        self._window_set = config.stream_window_bytes is not None
         self.in_use = 0
         self.reserved = 0
         self._config = config
@@ -81,7 +80,7 @@ class MemoryBudget:
                 f"the memory budget ({self.limit} bytes) cannot hold another Write stream ({n} bytes: "
                 f"its HTTP/2 window, buffers and threads) beside the {self.in_use} bytes of records and "
                 f"{self.reserved} bytes reserved now; retry later or raise --memory-budget-mib"
-                + (" or lower --stream-window-kib" if self._window_set else "")
+                + (" or lower --stream-window-kib" if self._config.stream_window_bytes is not None else "")
             )
         self.reserved += n
         return n
