@@ -32,11 +32,15 @@ itself (the pool is group-readable, and the ``Read`` RPC serves every run it may
 not tied to the caller's uid even when the token file authorizes unix peers by uid
 (``server/peer_auth.py``): what the caller may write is checked by its identity's scopes, not by
 whose pool the bytes came from.
+A pool carrying a POSIX ACL is refused: its group mode bits are then the ACL's mask, which says
+nothing about which group members may read it.
+
 Truncation. A pool's owner can truncate it under a mapping; reading the mapping past the new end
 raises SIGBUS, which kills the sidecar (in C code: not an exception Python could catch). A pool
-owned by the sidecar's own uid (or root) is mapped and read in place (zero copy): whoever owns it
-could kill the sidecar anyway. A pool of any other owner (a group member's, see above) is never
-mapped: :meth:`ShmPools.view` copies the referenced bytes out with ``pread`` on the checked
+owned by the sidecar's own uid is mapped and read in place (zero copy): its owner could kill the
+sidecar anyway. A pool of any other owner (a group member's, see above, and root's too: a root
+engine in another container could not otherwise kill a non-root sidecar) is never mapped:
+:meth:`ShmPools.view` copies the referenced bytes out with ``pread`` on the checked
 descriptor, and a short read (the pool shrank) is an INVALID_ARGUMENT naming the pool, so no
 other user can take the sidecar down. The copy is the one ``Message.own_shm`` would make anyway
 for a writer that does not keep its staging; a writer that does pays one memcpy per payload byte.
@@ -122,14 +126,21 @@ class ShmPools:
                     copied = self._copied[name] = opened
                 if self._on_change is not None:
                     self._on_change(self._bytes())
-        size = len(mm) if mm is not None else copied[1]  # type: ignore[index]
-        if offset < 0 or length < 0 or offset + length > size:
-            raise ValidationError(
-                f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {size} bytes"
-            )
-        if mm is not None:
-            return memoryview(mm)[offset : offset + length]
-        return self._pread(name, copied[0], offset, length)  # type: ignore[index]
+            size = len(mm) if mm is not None else copied[1]  # type: ignore[index]
+            if offset < 0 or length < 0 or offset + length > size:
+                raise ValidationError(
+                    f"shared-memory reference [{offset}, {offset + length}) lies outside pool {name!r} of {size} bytes"
+                )
+            if mm is not None:
+                return memoryview(mm)[offset : offset + length]
+            # A descriptor of our own for the copy: once the lock is released another stream may
+            # close the pool's (_forget_gone, the pool unlinked), and the next open() in this
+            # process would reuse its number, so a pread on it could read that other file.
+            fd = os.dup(copied[0])  # type: ignore[index]
+        try:
+            return self._pread(name, fd, offset, length)
+        finally:
+            os.close(fd)
 
     def _pread(self, name: str, fd: int, offset: int, length: int) -> memoryview:
         buf = bytearray(length)
@@ -167,7 +178,8 @@ class ShmPools:
         try:
             st = os.fstat(fd)
             self._check(name, st)
-            if st.st_uid not in (self.uid, 0):
+            _check_no_acl(name, self.dir, fd)
+            if st.st_uid != self.uid:
                 keep = True
                 return fd, st.st_size
             try:
@@ -227,6 +239,21 @@ class ShmPools:
             for fd, _ in self._copied.values():
                 os.close(fd)
             self._copied.clear()
+
+
+def _check_no_acl(name: str, where: Path, fd: int) -> None:
+    """Refuse a pool that carries a POSIX access ACL: its group bits in ``st_mode`` are then the
+    ACL's mask, not what the group may read (an ACL can grant the sidecar's uid alone), so the mode
+    check would not show who else could read it."""
+    try:
+        names = os.listxattr(fd)
+    except OSError:  # no extended attributes on this file system: no ACLs either
+        return
+    if "system.posix_acl_access" in names:
+        raise PermissionDeniedError(
+            f"shared-memory pool {name!r} in {where} carries a POSIX ACL: expected plain mode bits (0600, or 0640 "
+            "for a group), so that who may read it is what its mode says"
+        )
 
 
 def file_kind(mode: int) -> str:

@@ -301,3 +301,99 @@ def test_another_users_pool_truncated_under_the_sidecar_is_refused_not_a_crash(t
             got = _read_back_at(sp.address, "t-before")
             time.sleep(0.05)
         assert got == payload[: nc + ns]
+
+
+def _group_pool(shm: Path, name: str, byte: int, *, uid: int, gid: int) -> Path:
+    path = shm / name
+    path.write_bytes(bytes([byte]) * (64 << 10))
+    os.chown(path, uid, gid)
+    os.chmod(path, 0o640)
+    return path
+
+
+@root_only
+def test_a_copy_never_reads_through_a_descriptor_closed_and_reused_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another uid's pool is copied out with pread. Before: view() took the pool's descriptor under
+    the lock and read from it after releasing it; meanwhile another stream naming any pool closed
+    the descriptors of unlinked pools, and the next open() in the sidecar reused the number, so the
+    copy read that other file (here a root-only one) as the pool's bytes. The thread switch at the
+    unlocked read is made deterministic with events."""
+    gid = 54322
+    pools = ShmPools(str(tmp_path), group=gid)
+    name = "tracestore-pool-reused"
+    path = _group_pool(tmp_path, name, ord("A"), uid=65534, gid=gid)
+    pools.view(name, 0, 0)  # opened once: its descriptor is kept for later copies
+    paused, resume = threading.Event(), threading.Event()
+    pread = ShmPools._pread
+
+    def preempted(self: ShmPools, pool: str, fd: int, offset: int, length: int) -> memoryview:
+        paused.set()
+        resume.wait(10)
+        return pread(self, pool, fd, offset, length)
+
+    monkeypatch.setattr(ShmPools, "_pread", preempted)
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(bytes(pools.view(name, 0, 4096))))
+    t.start()
+    assert paused.wait(10)
+    monkeypatch.setattr(ShmPools, "_pread", pread)
+    path.unlink()  # the pool's owner unlinks it ...
+    with pytest.raises(ValidationError):
+        pools.view("tracestore-pool-missing", 0, 0)  # ... and names another: the sidecar forgets the first
+    secret = _secret_file(tmp_path)
+    fd = os.open(secret, os.O_RDONLY)  # the next descriptor the sidecar opens
+    try:
+        resume.set()
+        t.join(10)
+    finally:
+        os.close(fd)
+        pools.close()
+    assert got == [b"A" * 4096], f"the copy of {name} read {got[0][:24] if got else None!r}, not the pool's bytes"
+
+
+@root_only
+def test_a_pool_with_a_posix_acl_is_refused(tmp_path: Path) -> None:
+    """With a POSIX ACL a pool's group mode bits are the ACL's mask: a 0640 pool of the socket's
+    group whose ACL lets only the sidecar's uid read it (group::---) passed the group check, so any
+    other member could name it and read it back through the sidecar."""
+    import struct
+
+    gid = 54323
+    name = "tracestore-pool-acl"
+    path = _group_pool(tmp_path, name, ord("V"), uid=65534, gid=gid)
+
+    def entry(tag: int, perm: int, qualifier: int = 0xFFFFFFFF) -> bytes:  # struct posix_acl_xattr_entry
+        return struct.pack("<HHI", tag, perm, qualifier)
+
+    # user::rw- user:<sidecar>:r-- group::--- mask::r-- other::--- (tags: linux/posix_acl_xattr.h)
+    acl = struct.pack("<I", 2) + entry(1, 6) + entry(2, 4, os.geteuid()) + entry(4, 0) + entry(0x10, 4) + entry(0x20, 0)
+    try:
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError as exc:
+        pytest.skip(f"this file system takes no POSIX ACLs: {exc}")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    pools = ShmPools(str(tmp_path), group=gid)
+    try:
+        with pytest.raises(PermissionDeniedError, match="carries a POSIX ACL"):
+            pools.view(name, 0, 8)
+    finally:
+        pools.close()
+
+
+@root_only
+def test_a_root_owned_pool_is_copied_by_a_sidecar_of_another_uid(tmp_path: Path) -> None:
+    """A non-root sidecar mapped root's pools in place ("root could kill it anyway"), but a root
+    engine in another container cannot otherwise: truncating such a pool under the mapping killed
+    the sidecar with SIGBUS. Only the sidecar's own pools are mapped; root's are copied with pread."""
+    gid = 54324
+    name = "tracestore-pool-root"
+    _group_pool(tmp_path, name, ord("R"), uid=0, gid=gid)
+    pools = ShmPools(str(tmp_path), group=gid)
+    pools.uid = 61901  # the sidecar runs as another uid than the pool's owner (root)
+    try:
+        assert bytes(pools.view(name, 0, 4)) == b"RRRR"
+        assert name in pools._copied and name not in pools._maps, "root's pool was mapped in place"
+    finally:
+        pools.close()
