@@ -50,7 +50,20 @@ def is_local_target(target: str) -> bool:
     if target.startswith(("unix:", "unix-abstract:")):
         return True
     rest = target.removeprefix("dns:").removeprefix("ipv4:").removeprefix("ipv6:").lstrip("/")
-    host = rest.rpartition(":")[0].strip("[]")
+    return all(_loopback_host(_target_host(a)) for a in rest.split(","))  # ipv4:/ipv6: may list several
+
+
+def _target_host(address: str) -> str:
+    """The host of ``host[:port]`` as gRPC reads it: an IPv6 address only in brackets
+    (``[::1]:7433``); a bare one with several colons is a host without a port (``::1:7433`` is the
+    address ``::1:7433``, port 443)."""
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    host, sep, _port = address.rpartition(":")
+    return address if not sep or ":" in host else host
+
+
+def _loopback_host(host: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:

@@ -73,6 +73,7 @@ log = logging.getLogger("tracestore.server.auth")
 SERVICE_PREFIX = "/tracestore.v1.TraceStore/"
 _DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
 _NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,64}")
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -174,7 +175,7 @@ def _peer_rule(fields: list[str], where: str) -> tuple[tuple[str, int], Identity
         raise ConfigError(f"{where}: expected '{kind}:<{'name' if kind in ('user', 'group') else 'number'}> "
                           "<scope>[,<scope>...] [name]'")  # fmt: skip
     if kind in ("uid", "gid"):
-        if not value.isdigit():
+        if not _DIGITS.fullmatch(value):  # (not str.isdigit: it takes '²', which int() refuses)
             raise ConfigError(f"{where}: {kind}:{value!r} is not a number (user:<name> and group:<name> take names)")
         key = (kind, int(value))
     elif kind == "user":
@@ -182,14 +183,14 @@ def _peer_rule(fields: list[str], where: str) -> tuple[tuple[str, int], Identity
 
         try:
             key = ("uid", pwd.getpwnam(value).pw_uid)
-        except KeyError:
+        except (KeyError, ValueError):  # ValueError: a name with a NUL in it
             raise ConfigError(f"{where}: user {value!r} is not a user on this host") from None
     else:
         import grp
 
         try:
             key = ("gid", grp.getgrnam(value).gr_gid)
-        except KeyError:
+        except (KeyError, ValueError):
             raise ConfigError(f"{where}: group {value!r} is not a group on this host") from None
     write, read, admin = parse_scopes(fields[1], where)
     name = fields[2] if len(fields) == 3 else f"{key[0]}:{key[1]}"
@@ -207,11 +208,21 @@ def parse_token_file(
     p = Path(path)
     try:
         st = p.stat()
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {p}: {exc.strerror or exc}") from None
     if st.st_mode & 0o002:
-        log.warning("token file %s is writable by every user: anyone on this host can add a token", p)
+        raise ConfigError(
+            f"token file {p} is writable by every user (mode {st.st_mode & 0o777:04o}): anyone on this host could add "
+            "a token of their own; expected at most 0640 (chmod o-w)"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{p}:{line}: not UTF-8 text (byte {exc.start} of the file); expected a UTF-8 token file"
+        ) from None
     entries: list[tuple[bytes, Identity]] = []
     rules: dict[tuple[str, int], Identity] = {}
     seen: set[bytes] = set()

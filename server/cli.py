@@ -153,12 +153,25 @@ def storage_options_from(ns: argparse.Namespace) -> dict[str, Any] | None:
         except ValueError as exc:
             raise ConfigError(f"{where}: expected {JSON_OBJECT.expected} ({exc})") from None
     if ns.storage_options is not None and sources.get("storage_options") == "flag":
-        log.warning(
-            "--storage-options on the command line is visible to every local user in /proc/%d/cmdline; "
-            "use --storage-options-file or TRACESTORE_STORAGE_OPTIONS for credentials",
-            os.getpid(),
-        )
+        secret = sorted(_secret_keys(ns.storage_options))
+        if secret:
+            raise ConfigError(
+                f"--storage-options on the command line names {', '.join(map(repr, secret))}: the command line is "
+                "visible to every local user (/proc/PID/cmdline), so it may carry only options that say where, "
+                f"not who ({', '.join(sorted(SHOWN_OPTIONS))}); put the rest in --storage-options-file (mode "
+                "0600) or TRACESTORE_STORAGE_OPTIONS"
+            )
     return _checked_options(ns.storage_options)
+
+
+def _secret_keys(options: Any) -> set[str]:
+    """The keys of fsspec options (nested tables too) that are not in :data:`SHOWN_OPTIONS`."""
+    if not isinstance(options, dict):
+        return set()
+    out = {k for k in options if k not in SHOWN_OPTIONS}
+    for value in options.values():
+        out |= _secret_keys(value)
+    return out
 
 
 def _checked_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -392,6 +405,10 @@ def tune_gc() -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    # SIGHUP's default action ends the process: one sent while the sidecar starts (a WAL replay can
+    # take minutes; a Secret rotated meanwhile) only asks for a reload once it serves.
+    pending_reload = threading.Event()
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: pending_reload.set())
     tune_malloc()
     try:
         from .service import Sidecar
@@ -461,6 +478,8 @@ def run(ns: argparse.Namespace) -> int:
     # SIGHUP: read the TLS files and the token file again (what fails to load is logged and the
     # files in use stay)
     signal.signal(signal.SIGHUP, lambda _signum, _frame: sidecar.reload())
+    if pending_reload.is_set():
+        sidecar.reload()
     if ns.ready_file:
         tmp = ns.ready_file + ".tmp"
         with open(tmp, "w") as f:

@@ -53,7 +53,8 @@ class ServerConfig:
     (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
     """
 
-    storage: str = "file://./tracestore-data"
+    # repr=False: a storage URL may carry credentials (user:password@)
+    storage: str = dataclasses.field(default="file://./tracestore-data", repr=False)
     # repr=False: credentials live here and a logged or printed config must not show them
     storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
     host: str = "127.0.0.1"

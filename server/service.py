@@ -417,7 +417,8 @@ class Sidecar:
         # grpc.reflection.v1 and v1alpha (server/reflection.py)
         enable_server_reflection((pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME), server)
         try:
-            address = f"{cfg.host}:{cfg.port}"
+            host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host  # IPv6
+            address = f"{host}:{cfg.port}"
             tls = self._tls
             self.port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
         except RuntimeError as exc:
@@ -507,7 +508,7 @@ class Sidecar:
                 continue
             try:
                 n = part.reload()
-            except TraceStoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - a SIGHUP never takes the sidecar down
                 log.error("reload of the %s failed, the ones in use stay: %s", what, exc)
             else:
                 log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")

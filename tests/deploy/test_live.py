@@ -374,10 +374,11 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     log = open(tmp / "serve.log", "wb")  # noqa: SIM115
     serve = subprocess.Popen(
         [sys.executable, "-m", "tracestore.cli", "serve", "--storage", "s3://tracestore-ci/records",
-         "--storage-options", json.dumps(options), "--storage-timeout", "2", "--flush-interval", "0.5",
+         "--storage-timeout", "2", "--flush-interval", "0.5",
          "--wal-dir", str(tmp / "wal"), "--port", "0", "--metrics-port", "0", "--grace", "3",
          "--ready-file", str(ready)],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
+        env={**os.environ, "TRACESTORE_STORAGE_OPTIONS": json.dumps(options)},  # credentials: never the command line
     )  # fmt: skip
     try:
         info = wait_for("tracestore serve to be ready", lambda: ready.exists() and json.loads(ready.read_text()), 60,

@@ -316,6 +316,11 @@ def test_token_file_reload(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
             sc.reload()  # logged, and the tokens in use stay
             assert code(new["w"]) == "OK"
             assert any("reload of the token file failed" in r.getMessage() for r in caplog.records)
+            # Before: a file that is not UTF-8 (an editor saved a comment as latin-1) raised
+            # UnicodeDecodeError out of the SIGHUP handler and the sidecar exited.
+            path.write_bytes((token_line(new["w"], "write:*") + "  # owner: Jos\xe9\n").encode("latin-1"))
+            sc.reload()
+            assert code(new["w"]) == "OK"
     finally:
         sc.stop(5)
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -340,11 +345,21 @@ def test_token_file_format(tmp_path: Path) -> None:
         ("uid:x1000 write:*", "is not a number"),
         ("plain-token write:*", "expected 'sha256:"),
         ("sha256:" + "ab" * 32 + " read:*\nsha256:" + "ab" * 4 + "cd" * 28 + " read:*", "share the digest prefix"),
+        ("uid:\u00b2 write:*", "is not a number"),  # str.isdigit() takes it, int() did not: a traceback
+        ("user:a\x00b write:*", "is not a user"),  # getpwnam raised ValueError: a traceback
     ):
         p.write_text(bad + "\n")
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             load_token_file(p)
         assert "plain-token" not in str(e.value)
+    p.write_bytes(b"# owner: Jos\xe9\n" + token_line("a", "read:x").encode())
+    with pytest.raises(ConfigError, match=re.escape(f"{p}:1: not UTF-8 text")):
+        load_token_file(p)
+    # Writable by every user: anyone could add a token of their own (before: only a warning)
+    p.write_text(token_line("a", "read:x"))
+    p.chmod(0o666)
+    with pytest.raises(ConfigError, match="writable by every user"):
+        load_token_file(p)
 
 
 @pytest.mark.parametrize(
@@ -408,8 +423,15 @@ def test_storage_options_from_file_env_or_command_line(
     monkeypatch.setenv("TRACESTORE_STORAGE_OPTIONS", json.dumps(secret))
     assert storage_options_from(_ns()) == secret
     assert not caplog.records
-    assert storage_options_from(_ns(storage_options=json.dumps(secret))) == secret
-    assert any("/proc/" in r.getMessage() for r in caplog.records)  # visible to every local user
+    # On the command line (visible to every local user in /proc/PID/cmdline) only options that say
+    # where, not who: before, credentials there were taken with a warning.
+    with pytest.raises(ConfigError, match=r"names 'key', 'secret'.*/proc/PID/cmdline") as e:
+        storage_options_from(_ns(storage_options=json.dumps(secret)))
+    assert secret["secret"] not in str(e.value)
+    with pytest.raises(ConfigError, match="names 'aws_secret_access_key'"):
+        storage_options_from(_ns(storage_options=json.dumps({"client_kwargs": {"aws_secret_access_key": "x"}})))
+    where = {"endpoint_url": "http://127.0.0.1:9000", "client_kwargs": {"region_name": "us-east-1"}}
+    assert storage_options_from(_ns(storage_options=json.dumps(where))) == where
     f.chmod(0o644)
     caplog.clear()
     storage_options_from(_ns(storage_options_file=str(f)))
@@ -437,6 +459,59 @@ def test_client_addresses_and_token_safety(monkeypatch: pytest.MonkeyPatch) -> N
     assert resolve_token("10.0.0.1:7433", grpc.ssl_channel_credentials(), token="t") == "t"
     with pytest.raises(ConfigError, match="in the clear"):
         resolve_token("10.0.0.1:7433", token="t")
+    # gRPC reads a bare IPv6 target with several colons as a host without a port: "::1:7433" is the
+    # address ::1:7433 (not loopback), port 443. Before, it was split at the last colon into ::1.
+    for remote in ("::1:7433", "ipv4:127.0.0.1:1,10.0.0.1:1", "ipv6:[::1]:1,[2001:db8::1]:1"):
+        with pytest.raises(ConfigError, match="in the clear"):
+            resolve_token(remote, token="t")
+    assert resolve_token("ipv6:[::1]:1", token="t") == "t"
     monkeypatch.setenv("TRACESTORE_TOKEN", "from-env")
     with pytest.raises(ConfigError, match="in the clear"):
         RolloutRecorder("10.0.0.1:7433", SPEC, "w", staging_bytes=1 << 20, connect=False)
+
+
+def test_sighup_while_the_sidecar_starts_does_not_end_it(tmp_path: Path) -> None:
+    """SIGHUP (sent after rotating a Secret) reaching a sidecar that is still starting (checking
+    storage, replaying its WAL) ended it: the handler was installed only once it served."""
+    import signal
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(token_line("t-" + secrets.token_hex(8), "admin") + "\n")
+    ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "tracestore.cli", "serve", "--storage", f"file://{tmp_path}/data", "--wal-dir",
+           str(tmp_path / "wal"), "--port", "0", "--metrics-port", "off", "--auth-tokens", str(tokens),
+           "--ready-file", str(ready), "--log-level", "INFO"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while b" serve, pid " not in log.read_bytes():  # its settings line: started, not serving yet
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGHUP)
+        wait_for("the sidecar to serve", lambda: ready.exists(), 60)
+        assert proc.poll() is None, f"SIGHUP during start ended the sidecar ({proc.returncode}):\n{log.read_text()}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_ipv6_loopback_host_binds_and_the_config_hides_the_storage_url(tmp_path: Path) -> None:
+    """--host ::1 (a documented loopback host) failed to bind ("in use?"): the address was not
+    bracketed. And repr(ServerConfig) showed a password in the storage URL."""
+    import socket
+
+    assert "pw" not in repr(ServerConfig(storage="s3://user:pw@host/bucket"))
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    sc = Sidecar(ServerConfig(storage=f"memory://auth-v6-{os.getpid()}", wal_dir=None, host="::1", port=0,
+                              metrics_port=None)).start()  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"[::1]:{sc.port}") as ch:
+            h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        sc.stop(5)
