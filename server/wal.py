@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -99,7 +100,16 @@ class WriteAheadLog:
         direct: bool = True,
     ) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # The sidecar's alone: segments hold the records of every writer (those staged in 0600 or
+        # 0640 shared memory too), so no other user may read them.
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        mode = stat.S_IMODE(self.dir.stat().st_mode)
+        if mode & 0o077:
+            log.warning(
+                "write-ahead log directory %s has mode %04o: other users may list it (its segments are 0600); "
+                "expected 0700 (chmod go-rwx)", self.dir, mode,
+            )  # fmt: skip
         self.segment_bytes = int(segment_bytes)
         self._on_synced = on_synced
         self._segment_header = segment_header
@@ -199,16 +209,16 @@ class WriteAheadLog:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.direct:
             try:
-                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
             except OSError:  # tmpfs and others refuse O_DIRECT: page cache + fsync instead
                 self.direct = False
-                self._fd = os.open(path, flags | os.O_APPEND, 0o644)
+                self._fd = os.open(path, flags | os.O_APPEND, 0o600)
             else:
                 if not self._bufs:
                     self._bufs = [mmap.mmap(-1, self._buffer_bytes) for _ in range(2)]
                 self._fill = self._base = 0
         else:
-            self._fd = os.open(path, flags | os.O_APPEND, 0o644)
+            self._fd = os.open(path, flags | os.O_APPEND, 0o600)
         fsync_dir(self.dir)
         self.segments.append(Segment(index, path, 0))
         if header is None and self._segment_header is not None:
