@@ -188,6 +188,12 @@ class ServerConfig:
             raise ConfigError("tls_client_ca (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
         if self.unix_needs_token and self.auth_tokens is None:
             raise ConfigError("unix_needs_token (--unix-needs-token) needs a token file (--auth-tokens)")
+        if self.auth_tokens is not None and self.wal_dir is None:
+            raise ConfigError(
+                "auth_tokens (--auth-tokens) needs a write-ahead log (--wal-dir): which identity owns each writer id "
+                "is recorded there, and without it a restart would forget, letting another identity fence that "
+                "writer or write its records"
+            )
         from .auth import is_loopback_host
 
         if not self.insecure and not is_loopback_host(self.host):

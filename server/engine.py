@@ -282,10 +282,18 @@ class Engine:
                 waited = True
             self._dedupe.check(msg)
             claim = identity if st.owner is None else None
-            if self.journal is not None:
-                self.journal.append(st, msg, wal_parts, claim)
             if claim:
-                st.owner = identity
+                # Set before the appends: when the DATA entry opens a new segment, that segment's
+                # STATE header (the snapshot of every session) must carry the claim, or it is lost
+                # with the segment that holds the OWNER entry once that one is retired.
+                st.owner = claim
+            if self.journal is not None:
+                try:
+                    self.journal.append(st, msg, wal_parts, claim)
+                except BaseException:
+                    if claim:
+                        st.owner = None
+                    raise
             self._remember(msg, identity)
             self.holds.admit(msg)
             if msg.epoch != st.epoch:

@@ -104,12 +104,12 @@ class WriteAheadLog:
         # 0640 shared memory too), so no other user may read them.
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         self.dir.mkdir(mode=0o700, exist_ok=True)
-        mode = stat.S_IMODE(self.dir.stat().st_mode)
-        if mode & 0o077:
-            log.warning(
-                "write-ahead log directory %s has mode %04o: other users may list it (its segments are 0600); "
-                "expected 0700 (chmod go-rwx)", self.dir, mode,
-            )  # fmt: skip
+        st = self.dir.stat()
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
+            # one we own (made before, with the umask): closed too. Another's (a mounted volume)
+            # stays as it is; its segments are 0600 all the same.
+            log.info("write-ahead log directory %s: mode %04o -> 0700", self.dir, stat.S_IMODE(st.st_mode))
+            os.chmod(self.dir, 0o700)
         self.segment_bytes = int(segment_bytes)
         self._on_synced = on_synced
         self._segment_header = segment_header

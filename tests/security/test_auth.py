@@ -66,7 +66,7 @@ def write_tokens(path: Path, callers: dict[str, str] = CALLERS, tokens: dict[str
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
     d = tmp_path_factory.mktemp("auth")
     write_tokens(d / "tokens")
-    cfg = ServerConfig(storage=f"file://{d / 'data'}", wal_dir=None, port=0, metrics_port=None,
+    cfg = ServerConfig(storage=f"file://{d / 'data'}", wal_dir=str(d / "wal"), port=0, metrics_port=None,
                        unix_socket=str(d / "s.sock"), flush_interval_s=0.05, auth_tokens=str(d / "tokens"))  # fmt: skip
     sc = Sidecar(cfg).start()
     store = Store(cfg.storage)
@@ -233,7 +233,8 @@ def test_unix_socket_peers_pass_by_socket_permissions(sidecar: Sidecar) -> None:
 
 def test_unix_needs_token(tmp_path: Path) -> None:
     write_tokens(tmp_path / "tokens")
-    cfg = ServerConfig(storage=f"memory://auth-unix-{os.getpid()}", wal_dir=None, port=0, metrics_port=None,
+    cfg = ServerConfig(storage=f"memory://auth-unix-{os.getpid()}", wal_dir=str(tmp_path / "wal"), port=0,
+                       metrics_port=None,
                        unix_socket=str(tmp_path / "s.sock"), auth_tokens=str(tmp_path / "tokens"),
                        unix_needs_token=True)  # fmt: skip
     sc = Sidecar(cfg).start()
@@ -296,8 +297,8 @@ def test_token_file_reload(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
     path = tmp_path / "tokens"
     old, new = {"w": "tok-old-" + secrets.token_hex(8)}, {"w": "tok-new-" + secrets.token_hex(8)}
     write_tokens(path, {"w": "write:*"}, old)
-    cfg = ServerConfig(storage=f"memory://auth-reload-{os.getpid()}", wal_dir=None, port=0, metrics_port=None,
-                       auth_tokens=str(path))  # fmt: skip
+    cfg = ServerConfig(storage=f"memory://auth-reload-{os.getpid()}", wal_dir=str(tmp_path / "wal"), port=0,
+                       metrics_port=None, auth_tokens=str(path))  # fmt: skip
     sc = Sidecar(cfg).start()
     caplog.set_level(logging.DEBUG)
     try:

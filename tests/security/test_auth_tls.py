@@ -143,7 +143,7 @@ def serve(tmp_path: Path, pki: dict[str, dict[str, Path]]) -> Iterator[tuple[Ser
     (live / "tokens").write_text(f"sha256:{hashlib.sha256(b'tok-one').hexdigest()} admin\n")
     flags = ["--tls-cert", str(live / "server"), "--tls-key", str(live / "server_key"),
              "--auth-tokens", str(live / "tokens"), "--log-level", "INFO"]  # fmt: skip
-    with ServeProcess(tmp_path / "sp", wal=False, flags=flags) as sp:
+    with ServeProcess(tmp_path / "sp", flags=flags) as sp:
         yield sp, live
 
 

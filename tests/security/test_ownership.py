@@ -88,3 +88,84 @@ def test_another_identity_cannot_fence_write_or_link_into_what_is_not_its_own(tm
         assert _write(sc.port, "alice", [write_request(3, [make_chunk("t-alice", 8, 4)], writer="w-alice")]) == "OK"
     finally:
         sc.stop(5)
+
+
+def _wait(what: str, ok: object, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ok():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_writer_claim_survives_the_segment_that_held_it(tmp_path: Path) -> None:
+    """Alice's first message makes an OWNER entry that fills its segment, so her DATA entry opens a
+    new one, whose STATE header snapshots every session. Before, the claim was set on the session
+    only after both appends, so that header said "no owner"; once the first segment was retired
+    (everything in it committed), a crash and replay forgot the claim, and mallory fenced w-alice
+    with epoch 2**64-1. The crash is the WAL directory as the disk holds it, copied while the
+    sidecar runs, and replayed by a new sidecar."""
+    import shutil
+
+    from tracestore.server.message import Owner, encode_entry
+    from tracestore.server.wal_file import HEADER
+
+    Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
+    mallory = write_request(1, [make_chunk("t-m", 0, 256)], writer="w-mallory")
+    owner_entry = HEADER.size + len(encode_entry(Owner(SPEC.run, "w-alice", "alice")))
+
+    def start(wal: str, segment_bytes: int) -> Sidecar:
+        lines = [f"sha256:{hashlib.sha256(t.encode()).hexdigest()} write:{SPEC.run} {n}" for n, t in TOKENS.items()]
+        (tmp_path / "tokens").write_text("\n".join(lines) + "\n")
+        cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / wal), port=0,
+                           metrics_port=None, flush_interval_s=0.05, auth_tokens=str(tmp_path / "tokens"),
+                           wal_segment_bytes=segment_bytes)  # fmt: skip
+        return Sidecar(cfg).start()
+
+    def after_mallory(sc: Sidecar) -> int:
+        assert _write(sc.port, "mallory", [mallory]) == "OK"
+        _wait("mallory committed", lambda: sc.engine.writers[(SPEC.run, "w-mallory")].committed_seq >= 1)
+        return sc.engine.wal.segments[-1].size
+
+    sc = start("wal-measure", 1 << 20)  # how full mallory's message leaves the segment
+    try:
+        size = after_mallory(sc)
+    finally:
+        sc.stop(5)
+    sc = start("wal", size + owner_entry)  # ... so that alice's OWNER entry fills it exactly
+    try:
+        assert after_mallory(sc) == size
+        assert _write(sc.port, "alice", [write_request(1, [make_chunk("t-alice", 0, 4)], writer="w-alice")]) == "OK"
+        eng = sc.engine
+        _wait("alice committed, the claim's segment retired",
+              lambda: eng.writers[(SPEC.run, "w-alice")].committed_seq >= 1 and len(eng.wal.segments) == 1)  # fmt: skip
+        shutil.copytree(tmp_path / "wal", tmp_path / "wal-crash")  # what a crash would leave
+    finally:
+        sc.stop(5)
+    sc = start("wal-crash", 1 << 20)
+    try:
+        fence = write_request(1, [make_chunk("t-m2", 0, 4)], writer="w-alice", epoch=2**64 - 1)
+        assert _write(sc.port, "mallory", [fence]) == "PERMISSION_DENIED"
+        assert _write(sc.port, "alice", [write_request(2, [make_chunk("t-alice", 4, 4)], writer="w-alice")]) == "OK"
+    finally:
+        sc.stop(5)
+
+
+def test_tokens_need_a_write_ahead_log(tmp_path: Path) -> None:
+    """Who owns each writer id is recorded in the WAL. Before, --auth-tokens with --wal-dir off was
+    served: a restart forgot every claim, and mallory fenced w-alice with epoch 2**64-1."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tracestore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"needs a write-ahead log \(--wal-dir\)"):
+        ServerConfig(storage="memory://x", wal_dir=None, auth_tokens=str(tmp_path / "tokens"))
+    (tmp_path / "tokens").write_text(f"sha256:{hashlib.sha256(b'x').hexdigest()} write:*\n")
+    cmd = [sys.executable, "-m", "tracestore.cli", "serve", "--storage", f"file://{tmp_path}/data", "--wal-dir", "off",
+           "--auth-tokens", str(tmp_path / "tokens"), "--port", "0", "--metrics-port", "off"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs a write-ahead log" in r.stderr, r.stderr

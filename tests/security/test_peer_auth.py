@@ -99,7 +99,7 @@ def base() -> Iterator[Path]:
 
 def _sidecar(base: Path, rules: str, **kw: object) -> Sidecar:
     (base / "tokens").write_text(token_line(ADMIN_TOKEN, "admin,write:*,read:*", "all") + "\n" + rules)
-    cfg = ServerConfig(storage=f"file://{base / 'store'}", wal_dir=None, port=0, metrics_port=None,
+    cfg = ServerConfig(storage=f"file://{base / 'store'}", wal_dir=str(base / "wal"), port=0, metrics_port=None,
                        unix_socket=str(base / "s.sock"), flush_interval_s=0.05, auth_tokens=str(base / "tokens"),
                        **kw)  # type: ignore[arg-type]  # fmt: skip
     sc = Sidecar(cfg).start()
@@ -121,7 +121,7 @@ def test_unix_peers_by_uid_through_the_client_and_refusals(base: Path) -> None:
         peer = Path(str(sock) + PEER_SUFFIX)
         assert stat.S_ISSOCK(os.lstat(peer).st_mode)
         assert stat.S_IMODE(os.lstat(peer).st_mode) == stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
-        assert sorted(p.name for p in base.iterdir()) == ["s.sock", "s.sock.peer", "store", "tokens"]
+        assert sorted(p.name for p in base.iterdir()) == ["s.sock", "s.sock.peer", "store", "tokens", "wal"]
         with channel(f"unix://{sock}") as ch:  # the client fetches a peer token for every call
             assert _write(ch, "by-uid", "w-me") == "PERMISSION_DENIED"  # uid entry: read only
             stat_call = ch.unary_unary("/tracestore.v1.TraceStore/Stat")
