@@ -75,6 +75,7 @@ def parse_write(
     verify: bool = True,
     path: str = "grpc",
     declare: Callable[[pb.RunSpec], None] | None = None,
+    before_copy: Callable[[str, int], None] | None = None,
 ) -> tuple[pb.WriteRequest, Message, list[Part]]:
     """Parse and validate one WriteRequest. Returns the wire message, the engine message and its
     write-ahead log entry (:func:`pack_wal_data` of the raw request and the shared-memory payloads,
@@ -85,6 +86,8 @@ def parse_write(
     right only while the writer keeps the regions, that is until the message is durable without a
     WAL (its shard committed), or, with a WAL, until the sidecar reports the message released to a
     writer that set ``keeps_staging``; otherwise ``Message.own_shm`` copies them out first.
+    ``before_copy(pool, nbytes)`` is told, before anything is read, how many bytes the message's
+    shared-memory references span (the sidecar copies another user's pool: room in the budget first).
     The checksum stays the one computed here, at receipt, so a writer that scribbles on a region
     it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
     checksum on read (DATA_LOSS), never silently different records.
@@ -94,9 +97,26 @@ def parse_write(
         check_run_spec(req.run_spec)
         declare(req.run_spec)  # the run spec may ride along with any message
     if shm is not None and req.shm_pool:
+        # Authorized first (run_spec checks the caller may write the run): a pool stays open while
+        # its file exists, so a caller that may not write must not get the sidecar to open one.
+        validate_id("run", req.run)
+        spec = run_spec(req.run)
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
+        if before_copy is not None:
+            before_copy(req.shm_pool, _shm_bytes(chunks, spec))
     msg, blobs = _parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path)
     return req, msg, pack_wal_data(data if crc is None else Checked(data, crc), blobs)
+
+
+def _shm_bytes(chunks: list[InlineChunk], spec: RunSpec) -> int:
+    """Bytes the shared-memory chunks of a message reference (those :func:`_parse` will refuse
+    anyway, an undeclared site or a bad token count, count nothing)."""
+    total = 0
+    for c, _inline, _crcs in chunks:
+        if c.HasField("shm") and c.site in spec.site_names and 0 < c.n_tokens <= 1 << 24:
+            _, nc, ns, nt = payload_sizes(spec.site(c.site), c.n_tokens, c.has_token_scales)
+            total += nc + ns + nt
+    return total
 
 
 def check_run_spec(spec: pb.RunSpec) -> None:

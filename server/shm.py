@@ -221,6 +221,11 @@ class ShmPools:
                 f"{where} is {st.st_size} bytes: expected {MIN_POOL_BYTES} to {self.max_pool_bytes} bytes"
             )
 
+    def copies(self, name: str) -> bool:
+        """Pool ``name`` is open and read with copies (another user's), not mapped in place."""
+        with self._lock:
+            return name in self._copied
+
     def capacity(self, name: str) -> int:
         """Bytes of pool ``name`` as mapped (0 if it is not mapped)."""
         with self._lock:

@@ -34,6 +34,7 @@ from .config import ServerConfig
 from .engine import Engine
 from .flusher import Waker
 from .ingest import parse_write, scan_write
+from .memory import OverBudgetError
 from .metrics import Metrics, unguided_reason
 from .sessions import WriterState
 from .shm import ShmPools
@@ -220,6 +221,21 @@ class WriteStream:
 
     def _consume(self, local: bool) -> None:
         shm = self.shm.view if local else None
+        copies = [0]
+
+        def before_copy(pool: str, nbytes: int) -> None:
+            # Another user's pool is copied while the message is parsed: room for the copies first
+            # (or small messages naming large regions made the sidecar copy past its budget).
+            if nbytes and self.shm.copies(pool):
+                limit = self.engine.budget.limit
+                if nbytes > limit:
+                    raise OverBudgetError(
+                        f"the message references {nbytes} bytes of shared-memory pool {pool!r}, more than the "
+                        f"whole memory budget of {limit} bytes; send smaller batches",
+                        retry_after_s=0.0,
+                    )
+                copies[0] = self.engine.reserve(nbytes)
+
         try:
             while True:
                 self.busy = False
@@ -233,10 +249,14 @@ class WriteStream:
                     continue
                 seq = None
                 reserved_left = reserved  # until submit() takes the reservation over
+                copies[0] = 0  # reserved for copies of another user's pool (before_copy)
                 try:
                     req, msg, wal_parts = parse_write(
-                        raw, self.run_spec, shm, path="shm" if local else "grpc", declare=self.declare
+                        raw, self.run_spec, shm, path="shm" if local else "grpc", declare=self.declare,
+                        before_copy=before_copy if shm is not None else None,
                     )  # fmt: skip
+                    reserved += copies[0]  # the copies are the message's from here on
+                    reserved_left, copies[0] = reserved, 0
                     seq = req.sequence
                     hold = None
                     if msg.shm_chunks and self.engine.wal is not None:
@@ -253,8 +273,8 @@ class WriteStream:
                 except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                     # A message refused before submit gives its reservation back (else each
                     # malformed message shrank the budget of every stream for good)
-                    if reserved_left:
-                        self.engine.unreserve(reserved_left)
+                    if reserved_left + copies[0]:
+                        self.engine.unreserve(reserved_left + copies[0])
                     if seq is None and isinstance(exc, PermissionDeniedError):
                         # named, so that the writer drops that message rather than resend it
                         with contextlib.suppress(Exception):

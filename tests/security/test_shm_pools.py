@@ -397,3 +397,72 @@ def test_a_root_owned_pool_is_copied_by_a_sidecar_of_another_uid(tmp_path: Path)
         assert name in pools._copied and name not in pools._maps, "root's pool was mapped in place"
     finally:
         pools.close()
+
+
+def test_a_caller_that_may_not_write_gets_no_pool_opened(tmp_path: Path) -> None:
+    """The sidecar opened the pool a Write names before it authorized the Write: a read-only caller's
+    refused Writes each left a pool open (a pool stays open while its file exists), and 64 of them
+    locked every recorder out of the shared-memory path."""
+    import hashlib
+
+    token = "reader-" + uuid.uuid4().hex
+    (tmp_path / "tokens").write_text(f"sha256:{hashlib.sha256(token.encode()).hexdigest()} read:* trainer\n")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / "wal"), port=0,
+                       metrics_port=None, unix_socket=str(tmp_path / "s.sock"), shm_dir=str(shm),
+                       auth_tokens=str(tmp_path / "tokens"))  # fmt: skip
+    sc = Sidecar(cfg).start()
+    try:
+        name = f"tracestore-{uuid.uuid4().hex[:8]}"
+        _file(shm / name, 0o600)
+        req = pb.WriteRequest(run=SPEC.run, writer="w-reader", epoch=1, sequence=1, shm_pool=name)
+        with grpc.insecure_channel(f"unix:{tmp_path / 's.sock'}") as ch:
+            call = ch.stream_stream("/tracestore.v1.TraceStore/Write")
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(iter([req.SerializeToString()]), metadata=[("authorization", f"Bearer {token}")], timeout=10))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+        assert sc.shm.capacity(name) == 0, "a caller that may not write got the sidecar to open its pool"
+    finally:
+        sc.stop(5)
+
+
+@root_only
+def test_copies_of_another_users_pool_are_counted_before_they_are_made(tmp_path: Path) -> None:
+    """Another user's pool is copied out while its message is parsed. Before, every reference was
+    copied first and the budget consulted after: a 325-byte message naming 4 x 96 MiB of a sparse
+    pool (holes cost its owner nothing) grew the sidecar by ~380 MiB against a 64 MiB budget, and
+    was refused anyway. Now the bytes a message references are reserved before any copy."""
+    from tracestore.server.testing import ServeProcess
+
+    from tracestore.wire import payload_sizes
+
+    def peak_rss(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM"))
+
+    gid = 54325
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    name = f"tracestore-pool-{uuid.uuid4().hex[:12]}"
+    with open(shm / name, "wb") as f:
+        f.truncate(1 << 30)
+    os.chown(shm / name, 65534, gid)  # a member of the socket's group: its pool is copied
+    os.chmod(shm / name, 0o640)
+    flags = ["--shm-dir", str(shm), "--socket-group", str(gid), "--memory-budget-mib", "64", "--max-message-mib", "8"]
+    with ServeProcess(tmp_path / "sc", unix_socket=True, flags=flags) as sp:
+        assert sp.proc is not None and sp.socket is not None
+        before = peak_rss(sp.proc.pid)
+        n = 1 << 23
+        _, nc, _, _ = payload_sizes(SITE, n, False)
+        req = pb.WriteRequest(run=SPEC.run, writer="member", epoch=1, sequence=1, shm_pool=name)
+        req.run_spec.CopyFrom(run_spec_to_pb(SPEC))
+        for i in range(4):
+            c = req.chunks.add(trajectory=f"t{i}", site=SITE.name, token_start=0, n_tokens=n, global_scale=1.0)
+            c.shm.codes_offset, c.shm.scales_offset = 0, nc
+        with grpc.insecure_channel(f"unix:{sp.socket}") as ch, pytest.raises(grpc.RpcError) as e:
+            list(ch.stream_stream("/tracestore.v1.TraceStore/Write")(iter([req.SerializeToString()]), timeout=60))
+        grew = peak_rss(sp.proc.pid) - before
+        assert grew < 64 << 20, f"the sidecar grew {grew >> 20} MiB copying a message it refused"
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "more than the whole memory budget" in (e.value.details() or "")
