@@ -9,12 +9,16 @@ that differs from the accepted one. With authentication on, a trajectory also be
 identity that first wrote it (:meth:`DedupeIndex.check_owner`).
 
 Memory stays bounded on a long-running sidecar: the index keeps the newest ``versions`` distinct
-policy versions of each run and forgets older ones (they are no longer written).
+policy versions of each run and forgets older ones (they are no longer written). Trajectory owners
+are kept apart from that window (a caller chooses the versions it writes, so four messages in new
+versions would otherwise have dropped every owner of the run): per (run, trajectory), whatever the
+version, the :data:`MAX_OWNED_TRAJECTORIES` most recently written.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from typing import Any
 
 from tracestore.errors import ConflictError, PermissionDeniedError
@@ -23,6 +27,9 @@ from tracestore.records import RecordChunk
 from .message import Message
 
 Span = tuple[int, int, int]  # token_start, token_end, chunk checksum
+# Trajectory owners kept (least recently written forgotten first): ~200 bytes each, ~50 MiB. A
+# trajectory is written for minutes; this many outlive every trajectory a sidecar has in flight.
+MAX_OWNED_TRAJECTORIES = 1 << 18
 
 
 class DedupeIndex:
@@ -38,8 +45,9 @@ class DedupeIndex:
         self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
         self._sealed: set[tuple[str, str]] = set()
         self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
-        # (run, version, trajectory) -> identity whose writer first wrote it (with authentication on)
-        self._traj_owner: dict[tuple[str, int, str], str] = {}
+        # (run, trajectory) -> identity whose writer first wrote it, in any version (with
+        # authentication on), least recently written first
+        self._traj_owner: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     @property
     def open_trajectories(self) -> int:
@@ -48,18 +56,15 @@ class DedupeIndex:
 
     def check_owner(self, msg: Message, identity: str) -> None:
         """``identity`` may write the trajectories ``msg`` names and link to their sources."""
-        targets = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
-        targets += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
-        targets += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
-        for key in dict.fromkeys(targets):
+        for key in dict.fromkeys(_trajectories(msg)):
             owner = self._traj_owner.get(key)
             if owner is not None and owner != identity:
                 raise PermissionDeniedError(
-                    f"trajectory {key[2]} v{key[1]} of run {key[0]} was written by another identity; "
+                    f"trajectory {key[1]} of run {key[0]} was written by another identity; "
                     "its records, seal and links are not yours to write"
                 )
         for link in msg.links:
-            owner = self._traj_owner.get((link.run, link.policy_version, link.source))
+            owner = self._traj_owner.get((link.run, link.source))
             if owner is not None and owner != identity:
                 raise PermissionDeniedError(
                     f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
@@ -112,12 +117,11 @@ class DedupeIndex:
         identity's unless another one wrote them first). Returns how many trajectories it sealed
         for the first time."""
         if identity is not None:
-            keys = [(c.run, c.policy_version, c.trajectory) for c in msg.chunks]
-            keys += [(s.run, s.policy_version, s.trajectory) for s in msg.seals]
-            keys += [(x.run, x.policy_version, x.trajectory) for x in msg.links]
-            for key in keys:
-                self._see_version(key[0], key[1])
-                self._traj_owner.setdefault(key, identity)
+            owners = self._traj_owner
+            for key in dict.fromkeys(_trajectories(msg)):
+                owners[key] = owners.pop(key, identity)  # the first writer's, now the most recent
+            while len(owners) > MAX_OWNED_TRAJECTORIES:
+                owners.popitem(last=False)
         for c, crc in zip(msg.chunks, msg.crcs, strict=True):
             self._see_version(c.run, c.policy_version)
             bisect.insort(
@@ -152,7 +156,7 @@ class DedupeIndex:
         # once dropped the state of every real version and let conflicting bytes in.
         del versions[: len(versions) - self.versions]
         floor = versions[0]
-        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links, self._traj_owner)
+        stores: tuple[dict[Any, Any], ...] = (self._index, self._seals, self._links)
         for d in stores:
             for key in [k for k in d if k[0] == run and k[1] < floor]:
                 del d[key]
@@ -160,3 +164,11 @@ class DedupeIndex:
         live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
         self._open = {k for k in self._open if k[0] != run or k[1] in live}
         self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
+
+
+def _trajectories(msg: Message) -> list[tuple[str, str]]:
+    """(run, trajectory) of every chunk, seal and link ``msg`` writes."""
+    keys = [(c.run, c.trajectory) for c in msg.chunks]
+    keys += [(x.run, x.trajectory) for x in msg.seals]
+    keys += [(x.run, x.trajectory) for x in msg.links]
+    return keys

@@ -169,3 +169,45 @@ def test_tokens_need_a_write_ahead_log(tmp_path: Path) -> None:
            "--auth-tokens", str(tmp_path / "tokens"), "--port", "0", "--metrics-port", "off"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs a write-ahead log" in r.stderr, r.stderr
+
+
+def test_a_trajectory_is_owned_in_every_version_and_the_dedupe_window_does_not_drop_it(tmp_path: Path) -> None:
+    """Trajectory owners were kept per (run, version, trajectory) in the dedupe index, which keeps
+    the newest --dedupe-versions versions only. Before: mallory wrote alice's trajectory in another
+    version (or linked it to her own bytes there, which a read of all versions then served), and one
+    message of seals in four new versions dropped every owner of the run's older versions."""
+    from tracestore.records import TrajectorySeal
+
+    Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
+    sc = _sidecar(tmp_path)
+    try:
+        assert _write(sc.port, "alice", [write_request(1, [make_chunk("t-alice", 0, 4)], writer="w-alice")]) == "OK"
+        assert _write(sc.port, "mallory", [write_request(1, [make_chunk("t-evil", 0, 4)], writer="w-mallory")]) == "OK"
+        other_version = write_request(2, [make_chunk("t-alice", 0, 4, seed=9, version=1)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [other_version]) == "PERMISSION_DENIED"
+        hijack = write_request(2, links=[PrefixLink(SPEC.run, 2, "t-alice", "t-evil", 4)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [hijack]) == "PERMISSION_DENIED"
+        site = SPEC.sites[0].name
+        flood = [TrajectorySeal(SPEC.run, v, f"t-m{v}", 2, (site,)) for v in (1000, 1001, 1002, 1003)]
+        assert _write(sc.port, "mallory", [write_request(2, seals=flood, writer="w-mallory")]) == "OK"
+        squat = write_request(3, [make_chunk("t-alice", 4, 4, seed=9)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [squat]) == "PERMISSION_DENIED"
+        assert _write(sc.port, "alice", [write_request(2, [make_chunk("t-alice", 4, 4)], writer="w-alice")]) == "OK"
+    finally:
+        sc.stop(5)
+
+
+def test_trajectory_owners_are_bounded_least_recently_written_first(monkeypatch: object) -> None:
+    from tracestore.server import dedupe
+    from tracestore.server.message import Message
+
+    monkeypatch.setattr(dedupe, "MAX_OWNED_TRAJECTORIES", 3)  # type: ignore[attr-defined]
+    index = dedupe.DedupeIndex(versions=4)
+
+    def msg(traj: str) -> Message:
+        c = make_chunk(traj, 0, 1)
+        return Message(SPEC.run, "w-alice", 1, 1, [c], [], [], c.nbytes, [c.checksum])
+
+    for t in ("a", "b", "c", "a", "d"):  # "a" written again: "b" is now the least recent
+        index.remember(msg(t), "alice")
+    assert list(index._traj_owner) == [(SPEC.run, "c"), (SPEC.run, "a"), (SPEC.run, "d")]
