@@ -41,6 +41,7 @@ def claim_unix_socket(path: str) -> None:
             "remove it or choose another path"
         )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(5.0)  # a listener with a full backlog must not hang the start
     try:
         probe.connect(path)
     except ConnectionRefusedError:

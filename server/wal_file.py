@@ -90,7 +90,13 @@ def lock_directory(directory: Path) -> int:
     import fcntl
 
     path = directory / "LOCK"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # not ours to write, or a symlink in its place (ELOOP)
+        raise ConfigError(
+            f"cannot open the write-ahead log's lock file {path}: {exc.strerror}; expected a regular file the "
+            "sidecar's user may write (or none)"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -281,3 +281,15 @@ def test_the_log_is_the_sidecars_alone(tmp_path: Path) -> None:
     open_dir.chmod(0o755)
     list(WriteAheadLog(open_dir).replay())
     assert stat.S_IMODE(open_dir.stat().st_mode) == 0o700
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
+    """Before: a symlink (ELOOP) or an unwritable file in LOCK's place was a traceback at start."""
+    from tracestore.server.wal_file import lock_directory
+
+    from tracestore.errors import ConfigError
+
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / "LOCK").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"cannot open the write-ahead log's lock file .*LOCK"):
+        lock_directory(tmp_path)
