@@ -390,10 +390,15 @@ def test_serve_refuses_a_non_loopback_host_and_binds_it_with_insecure(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "--insecure" in r.stderr, r.stderr
-    sc = Sidecar(ServerConfig(storage=f"memory://auth-any-{os.getpid()}", wal_dir=None, host="0.0.0.0", port=0,
-                              metrics_port=None, insecure=True)).start()  # fmt: skip
+    _serves(host="0.0.0.0", dial="127.0.0.1", insecure=True)
+
+
+def _serves(host: str, dial: str, **kw: object) -> None:
+    """A sidecar bound to ``host`` answers health checks at ``dial``."""
+    sc = Sidecar(ServerConfig(storage=f"memory://auth-bind-{os.getpid()}", wal_dir=None, host=host, port=0,
+                              metrics_port=None, **kw)).start()  # type: ignore[arg-type]  # fmt: skip
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:
+        with grpc.insecure_channel(f"{dial}:{sc.port}") as ch:
             h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert h.status == health_pb2.HealthCheckResponse.SERVING
     finally:
@@ -508,11 +513,4 @@ def test_ipv6_loopback_host_binds_and_the_config_hides_the_storage_url(tmp_path:
         socket.socket(socket.AF_INET6).bind(("::1", 0))
     except OSError as exc:
         pytest.skip(f"no IPv6 loopback here: {exc}")
-    sc = Sidecar(ServerConfig(storage=f"memory://auth-v6-{os.getpid()}", wal_dir=None, host="::1", port=0,
-                              metrics_port=None)).start()  # fmt: skip
-    try:
-        with grpc.insecure_channel(f"[::1]:{sc.port}") as ch:
-            h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
-            assert h.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        sc.stop(5)
+    _serves(host="::1", dial="[::1]")
