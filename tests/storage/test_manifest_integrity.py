@@ -171,7 +171,8 @@ def test_link_to_a_source_of_another_version_names_the_link(tmp_path):
 def test_cyclic_links_name_the_link(tmp_path):
     store = _local_store(tmp_path)
     rng = np.random.default_rng(45)
-    chunks = [make_chunk(S0, t, 0, 4, rng=rng) for t in ("x", "y")]
+    # each records only past its link (a linked prefix has no records of its own: a ConflictError)
+    chunks = [make_chunk(S0, "x", 2, 2, rng=rng), make_chunk(S0, "y", 3, 1, rng=rng)]
     store.write_shard(RUN, 0, "w0", 0, chunks, links=[PrefixLink(RUN, 0, "x", "y", 2), PrefixLink(RUN, 0, "y", "x", 3)])
     with pytest.raises(CorruptionError, match=r"prefix link [xy] -> [xy] .*cycle x -> y -> x"):
         _reader(store).read([("x", 0, 4)], sites=[S0.name], on_missing="mask")

@@ -3,6 +3,7 @@ test of writes, retries, seals, prefix links and retention against a plain-Pytho
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tracestore import CorruptionError, PrefixLink, TrajectorySeal
+from tracestore import ConflictError, CorruptionError, PrefixLink, TrajectorySeal
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 
@@ -104,9 +105,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(v=st.integers(0, 3), t=st.sampled_from(TRAJS), n=st.integers(1, 6))
     def write(self, v, t, n):
-        start = self._next_start(v, t)
+        # records past the trajectory's link in this version, as a recorder writes them (a later,
+        # longer link or one of another version may still overlap them: the reader's ConflictError)
+        start = max(self._next_start(v, t), self.links.get((v, t), (None, 0))[1])
         c = make_chunk(S0, t, start, n, version=v, rng=self.rng)
-        args = (RUN, v, "w0", self.seq, [c])
+        args = (RUN, v, f"w-{t}", self.seq, [c])
         assert self.store.write_shard(*args).written
         self.seq += 1
         self.last = args
@@ -122,16 +125,17 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(v=st.integers(0, 3), t=st.sampled_from(TRAJS))
     def seal(self, v, t):
         n = self._next_start(v, t) + 1
-        self.store.write_shard(RUN, v, "w1", self.seq, [], seals=[TrajectorySeal(RUN, v, t, n, (S0.name,))])
+        self.store.write_shard(RUN, v, f"w-{t}", self.seq, [], seals=[TrajectorySeal(RUN, v, t, n, (S0.name,))])
         self.seq += 1
         self.seals[(v, t)] = max(n, self.seals.get((v, t), 0))
         self.versions.add(v)
 
     @rule(v=st.integers(0, 3), i=st.integers(1, len(TRAJS) - 1), n=st.integers(1, 8))
     def link(self, v, i, n):
-        # the source is always the previous trajectory: links stay acyclic and never disagree
+        # the source is always the previous trajectory: links stay acyclic and never disagree; a
+        # trajectory's records, seals and links come from one writer (the reader checks it)
         t, src = TRAJS[i], TRAJS[i - 1]
-        self.store.write_shard(RUN, v, "w2", self.seq, [], links=[PrefixLink(RUN, v, t, src, n)])
+        self.store.write_shard(RUN, v, f"w-{t}", self.seq, [], links=[PrefixLink(RUN, v, t, src, n)])
         self.seq += 1
         old = self.links.get((v, t))
         if old is None or n >= old[1]:
@@ -155,12 +159,15 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _expect(self, t, tok):
         """The codes row a read returns for ``tok`` of ``t`` (None: invalid); raises
-        CorruptionError where the reader must (a link past its source's seal)."""
+        ConflictError or CorruptionError where the reader must (a link over records of its own
+        trajectory in any version; a link past its source's seal)."""
         while True:
             links = [(v, self.links[(v, t)]) for v in self.versions if (v, t) in self.links]
             if links:
                 v, (src, n) = max(links, key=lambda x: (x[0], x[1][1]))
                 if tok < n:
+                    if any(min(toks) < n for (_, tt), toks in self.records.items() if tt == t and toks):
+                        raise ConflictError(f"link {t} -> {src} over records of {t}")
                     held, sealed = self._holds(v, src), self.seals.get((v, src))
                     if held == 0:
                         return None  # the source is missing in the link's version: masked
@@ -183,11 +190,20 @@ class StoreMachine(RuleBasedStateMachine):
             return
         assert self.store.list_versions(RUN) == sorted(self.versions)
         for t in TRAJS:
-            try:
-                expected = [self._expect(t, tok) for tok in range(12)]
-            except CorruptionError:
-                with pytest.raises(CorruptionError, match=r"prefix link .* sealed at"):
+            expected, errors = [], set()
+            for tok in range(12):
+                try:
+                    expected.append(self._expect(t, tok))
+                except (ConflictError, CorruptionError) as exc:
+                    errors.add(type(exc))
+            if errors:
+                with pytest.raises((ConflictError, CorruptionError)) as err:
                     self.reader.read([(t, 0, 12)], sites=[S0.name], on_missing="mask")
+                assert type(err.value) in errors, (t, err.value)
+                if isinstance(err.value, ConflictError):
+                    assert re.search(r"prefix link .* holds records of its own", str(err.value)), err.value
+                else:
+                    assert re.search(r"prefix link .* sealed at", str(err.value)), err.value
                 continue
             res = self.reader.read([(t, 0, 12)], sites=[S0.name], on_missing="mask")[S0.name]
             for tok, exp in enumerate(expected):

@@ -16,7 +16,13 @@ Resolution rules
   past its source's seal or in a cycle is :class:`~tracestore.errors.CorruptionError`; one whose
   source is missing or not yet recorded that far is
   :class:`~tracestore.errors.MissingRecordsError` (``on_missing="mask"``: those rows come back
-  invalid). Each names the link and its manifest; no row is ever served through a failing link.
+  invalid). The link is also checked against its own trajectory in every selected version
+  (:meth:`LinkIndex.check_trajectory`): the trajectory may hold no chunk of its own overlapping
+  the linked prefix (records are stored once, under the source), its links must name one source,
+  and the link's manifest must have the writer of the trajectory's own chunks, seals and links
+  (the source may be another writer's); each violation is a
+  :class:`~tracestore.errors.ConflictError`, also with ``on_missing="mask"``. Each error names the
+  link and its manifest; no row is ever served through a failing link.
 - When several selected versions hold the same token, the newest wins (a re-rollout after a weight
   update supersedes); two chunks of one version covering a token must hold identical bytes, else
   :class:`~tracestore.errors.ConflictError` names the key.
