@@ -130,11 +130,11 @@ class _Version:
         index = LinkIndex(self.run)
         for t, end in self.coverage().ends.items():
             index.holds(t, self.version, end)
-        for m in self.manifests:
+        for m in self.manifests:  # with their writers: a link must come from its trajectory's
             for seal in m.seals:
-                index.add_seal(seal)
+                index.add_seal(seal, m.where, m.writer)
             for link in m.links:
-                index.add_link(link, m.where)
+                index.add_link(link, m.where, m.writer)
         return index
 
 
