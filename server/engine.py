@@ -570,6 +570,7 @@ class Engine:
                     received_sequence=w.received_seq,
                     durable_sequence=w.durable_seq,
                     committed_sequence=w.committed_seq,
+                    owner=w.owner,
                 )
                 for w in self.writers.values()
                 if not run or w.run == run

@@ -310,8 +310,11 @@ class TraceStoreService:
             if req.run:
                 require_see(who, req.run)
             s = self.engine.stat(req.run)
-            if not who.admin:  # the sidecar-wide view is an admin's; others see their runs' writers
-                s["writers"] = [w for w in s["writers"] if who.may_see(w["run"])]
+            if not who.admin:  # the sidecar-wide view is an admin's; others see their own writer ids
+                mine = self._identity(who)  # (with tokens: of runs they may see, theirs or not yet claimed)
+                s["writers"] = [
+                    w for w in s["writers"] if who.may_see(w["run"]) and (mine is None or w["owner"] in (None, mine))
+                ]
             spec = None
             if req.run:
                 with contextlib.suppress(NotFoundError):
@@ -329,7 +332,7 @@ class TraceStoreService:
             wal_bytes=s["wal_bytes"],
             open_trajectories=s["open_trajectories"],
             shards_committed=s["shards_committed"],
-            writers=[pb.WriterState(**w) for w in s["writers"]],
+            writers=[pb.WriterState(**{k: v for k, v in w.items() if k != "owner"}) for w in s["writers"]],
             storage_url=self.config.storage if who.admin else "",
             run_spec=spec,
             degraded=self.degraded(),

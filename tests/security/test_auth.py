@@ -189,12 +189,16 @@ def test_stat_shows_only_visible_runs_and_storage_url_to_admins(channel: grpc.Ch
         s = stat(who)
         assert s.storage_url == sidecar.config.storage
         assert {w.run for w in s.writers} == {SPEC.run, OTHER.run}
+    owners = {(w.run, w.writer): w.owner for w in sidecar.engine.writers.values()}
     for who in ("writer", "reader", "other"):
         s = stat(who)
         assert s.storage_url == ""
         assert sidecar.config.storage not in str(s)
-        runs = {w.run for w in s.writers}
-        assert runs == ({OTHER.run} if who == "other" else {SPEC.run}), (who, runs)
+        # only its own writer ids (before: every writer of the runs it may see, other identities' too)
+        seen = {(w.run, w.writer) for w in s.writers}
+        assert seen == {k for k, owner in owners.items() if owner == who}, (who, seen)
+    assert {w.writer for w in stat("other").writers} == {"other-writer"}
+    assert not stat("reader").writers
     s = stat("reader", SPEC.run)
     assert s.storage_url == "" and [x.name for x in s.run_spec.sites] == list(SPEC.site_names)
 
