@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from tracestore.errors import ConflictError, PermissionDeniedError
@@ -70,6 +71,19 @@ class DedupeIndex:
                     f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
                     "another identity wrote"
                 )
+
+    def open_claims(self) -> list[tuple[str, str, str]]:
+        """(run, trajectory, identity) of every open trajectory (records, no seal) with an owner:
+        what a WAL segment's header keeps so that ownership survives a restart."""
+        owners = self._traj_owner
+        return [(run, t, owners[(run, t)]) for run, t in self._open if (run, t) in owners]
+
+    def restore_claims(self, claims: Iterable[tuple[str, str, str]]) -> None:
+        """Replay of a CLAIMS entry: those trajectories are those identities' (first claim wins)."""
+        for run, t, identity in claims:
+            self._traj_owner.setdefault((run, t), identity)
+            if (run, t) not in self._sealed:
+                self._open.add((run, t))
 
     def check(self, msg: Message) -> None:
         """Refuse ``msg`` (ConflictError) if it writes different bytes under a key seen before;

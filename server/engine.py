@@ -42,7 +42,7 @@ from .dedupe import DedupeIndex
 from .flusher import Batch, Flusher, Round, Waker
 from .journal import Journal
 from .memory import MemoryBudget, OverBudgetError, StagingHolds
-from .message import DATA, STATE, Message, Owner, Plan, decode_entry, decode_state
+from .message import CLAIMS, DATA, STATE, Message, Owner, Plan, decode_claims, decode_entry, decode_state
 from .metrics import Metrics
 from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
@@ -143,7 +143,9 @@ class Engine:
         self.parse_wal_data = parse_wal_data
         replayed = 0
         if self.config.wal_dir is not None:
-            self.journal = Journal(self.config, self.metrics, self.sessions, on_synced=self._on_synced)
+            self.journal = Journal(
+                self.config, self.metrics, self.sessions, on_synced=self._on_synced, claims=self._dedupe.open_claims
+            )
             for segment, kind, payload in self.journal.replay():
                 replayed += self._replay_entry(segment, kind, payload)
             self.journal.start()
@@ -157,6 +159,9 @@ class Engine:
         """Rebuild the parts' state from one WAL entry; 1 for a message queued again, else 0."""
         if kind == STATE:
             self.sessions.restore(decode_state(payload))
+            return 0
+        if kind == CLAIMS:
+            self._dedupe.restore_claims(decode_claims(payload))
             return 0
         if kind == DATA:
             assert self.parse_wal_data is not None

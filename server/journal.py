@@ -11,7 +11,8 @@ The log itself (framing, fsync, segment files) is ``wal.py`` and its entry forma
 - the DONE entries a failed log refused, and the messages not durable when it failed: both are
   appended again when the device takes writes again (:meth:`Journal.recover`).
 
-Every new segment starts with a STATE entry, the writer sessions' snapshot (``sessions.py``).
+Every new segment starts with a STATE entry, the writer sessions' snapshot (``sessions.py``), and
+with authentication on a CLAIMS entry, who owns each open trajectory (``dedupe.py``).
 Not thread-safe: the engine (``engine.py``) calls it with its lock held.
 """
 
@@ -27,7 +28,22 @@ from tracestore.errors import TraceStoreError
 
 from .config import ServerConfig
 from .flusher import Round
-from .message import DATA, DONE, OWNER, PLAN, STATE, Done, Message, Owner, Plan, encode_entry, encode_state
+from .message import (
+    CLAIMS,
+    DATA,
+    DONE,
+    OWNER,
+    PLAN,
+    STATE,
+    Claim,
+    Done,
+    Message,
+    Owner,
+    Plan,
+    encode_claims,
+    encode_entry,
+    encode_state,
+)
 from .metrics import Metrics
 from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
@@ -40,12 +56,18 @@ class Journal:
     callback after each fsync (the engine takes its lock, then calls :meth:`synced`)."""
 
     def __init__(
-        self, config: ServerConfig, metrics: Metrics, sessions: Sessions, on_synced: Callable[[int], None]
+        self,
+        config: ServerConfig,
+        metrics: Metrics,
+        sessions: Sessions,
+        on_synced: Callable[[int], None],
+        claims: Callable[[], list[Claim]] | None = None,
     ) -> None:
         assert config.wal_dir is not None
         self.metrics = metrics
         self.retry_s = config.wal_retry_s
         self._sessions = sessions
+        self._claims = claims
         self.wal = WriteAheadLog(
             config.wal_dir,
             segment_bytes=config.wal_segment_bytes,
@@ -59,8 +81,12 @@ class Journal:
         self._redo: list[tuple[WriterState, Message]] = []  # not durable at a WAL failure, not re-appended yet
         self._retry_at = 0.0
 
-    def _header(self) -> list[tuple[int, bytes]]:
-        return [(STATE, encode_state(self._sessions.snapshot()))]
+    def _header(self, resume: dict[int, Message] | None = None) -> list[tuple[int, bytes]]:
+        entries = [(STATE, encode_state(self._sessions.snapshot(resume=resume)))]
+        claims = None if self._claims is None else self._claims()
+        if claims:
+            entries.append((CLAIMS, encode_claims(claims)))
+        return entries
 
     @property
     def failed(self) -> bool:
@@ -170,7 +196,7 @@ class Journal:
         for st, m in redo:
             first.setdefault(id(st), m)
         try:
-            self.wal.recover([(STATE, encode_state(self._sessions.snapshot(resume=first)))])
+            self.wal.recover(self._header(resume=first))
             while self._done_backlog:
                 _, self._done_ticket = self.wal.append(DONE, [self._done_backlog[0]])
                 del self._done_backlog[0]

@@ -2,7 +2,7 @@
 writes and replay rebuilds.
 
 A :class:`Message` is one numbered batch of chunks, seals and links from one writer, parsed and
-validated (``ingest.py`` makes them from Write and Seal requests). The write-ahead log holds five
+validated (``ingest.py`` makes them from Write and Seal requests). The write-ahead log holds six
 kinds of entries, each framed and checksummed by ``wal.py``:
 
 ========  ===============================================================================
@@ -15,9 +15,12 @@ kinds of entries, each framed and checksummed by ``wal.py``:
           is written (:class:`Plan`)
 ``DONE``  that shard is committed: its messages are not replayed (:class:`Done`)
 ``OWNER`` the authenticated identity that first used a writer id (:class:`Owner`)
+``CLAIMS`` after ``STATE`` in every segment's header (with authentication on): the identity that
+          owns each open trajectory (:func:`encode_claims`), so that a replay that starts after
+          deleted segments still knows who may write them
 ========  ===============================================================================
 
-``STATE``, ``PLAN``, ``DONE`` and ``OWNER`` payloads are JSON objects.
+``STATE``, ``PLAN``, ``DONE``, ``OWNER`` and ``CLAIMS`` payloads are JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
 from .wal import Checked, Part
 
 # WAL entry types
-DATA, STATE, PLAN, DONE, OWNER = 1, 2, 3, 4, 5
+DATA, STATE, PLAN, DONE, OWNER, CLAIMS = 1, 2, 3, 4, 5, 6
 _LEN = struct.Struct("<I")
 
 
@@ -113,6 +116,17 @@ def decode_state(payload: bytes) -> list[Session]:
         Session(run, writer, epoch, seq, shard_next, owner[0] if owner else None)
         for run, writer, epoch, seq, shard_next, *owner in json.loads(payload)["writers"]
     ]
+
+
+Claim = tuple[str, str, str]  # (run, trajectory, identity)
+
+
+def encode_claims(claims: Iterable[Claim]) -> bytes:
+    return json.dumps({"trajectories": [list(c) for c in claims]}).encode()
+
+
+def decode_claims(payload: bytes) -> list[Claim]:
+    return [(run, trajectory, identity) for run, trajectory, identity in json.loads(payload)["trajectories"]]
 
 
 class Plan(NamedTuple):

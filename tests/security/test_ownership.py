@@ -211,3 +211,40 @@ def test_trajectory_owners_are_bounded_least_recently_written_first(monkeypatch:
     for t in ("a", "b", "c", "a", "d"):  # "a" written again: "b" is now the least recent
         index.remember(msg(t), "alice")
     assert list(index._traj_owner) == [(SPEC.run, "c"), (SPEC.run, "a"), (SPEC.run, "d")]
+
+
+def test_an_open_trajectorys_owner_survives_a_crash(tmp_path: Path) -> None:
+    """Trajectory owners lived in memory only: once the segment with alice's first message was
+    retired (committed), a crash and replay forgot that t-alice is hers; mallory then wrote into it
+    and alice's next write was refused (her recorder stops for good on PERMISSION_DENIED). Now every
+    segment's header keeps the owners of the open trajectories."""
+    import shutil
+
+    Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
+
+    def start(wal: str) -> Sidecar:
+        lines = [f"sha256:{hashlib.sha256(t.encode()).hexdigest()} write:{SPEC.run} {n}" for n, t in TOKENS.items()]
+        (tmp_path / "tokens").write_text("\n".join(lines) + "\n")
+        cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / wal), port=0,
+                           metrics_port=None, flush_interval_s=0.05, auth_tokens=str(tmp_path / "tokens"),
+                           wal_segment_bytes=4096)  # fmt: skip
+        return Sidecar(cfg).start()
+
+    sc = start("wal")
+    try:  # each message is bigger than a segment: the next one opens a new segment
+        assert _write(sc.port, "alice", [write_request(1, [make_chunk("t-alice", 0, 1000)], writer="w-alice")]) == "OK"
+        assert _write(sc.port, "mallory", [write_request(1, [make_chunk("t-m", 0, 1000)], writer="w-mallory")]) == "OK"
+        eng = sc.engine
+        _wait("both committed, alice's segment retired",
+              lambda: all(st.committed_seq >= 1 for st in eng.writers.values())
+              and eng.wal.segments[0].index > 1)  # fmt: skip
+        shutil.copytree(tmp_path / "wal", tmp_path / "wal-crash")  # what a crash would leave
+    finally:
+        sc.stop(5)
+    sc = start("wal-crash")
+    try:
+        squat = write_request(2, [make_chunk("t-alice", 1000, 4, seed=9)], writer="w-mallory")
+        assert _write(sc.port, "mallory", [squat]) == "PERMISSION_DENIED"
+        assert _write(sc.port, "alice", [write_request(2, [make_chunk("t-alice", 1000, 4)], writer="w-alice")]) == "OK"
+    finally:
+        sc.stop(5)
