@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ from tracestore.v1 import tracestore_pb2 as pb
 log = logging.getLogger("tracestore.client")
 
 _REF_STATE_LIMIT = 1 << 20  # entries per TraceRef bookkeeping dict of a recorder
+# Reasons of a recorder that stopped for good: every later forward is refused with them, logged once.
+_STOP_REASONS = frozenset({"fenced", "permission_denied"})
+_LOG_EVERY_S = 60.0  # other reasons: a WARNING at most this often per reason, with the count since the last
 
 
 def bounded_put(d: dict[Any, Any], key: Any, value: Any) -> None:
@@ -136,13 +140,16 @@ class Outgoing:
 class Unguided:
     """The trajectories a recorder dropped (unguided), why, and the counts per reason not yet
     reported to the sidecar (they ride in the next message). ``ids`` is read on the engine thread
-    without a lock (set membership)."""
+    without a lock (set membership). Logged once per reason of a stopped recorder, else at most
+    once per reason every ``_LOG_EVERY_S`` (with the count since the last WARNING)."""
 
     def __init__(self, stats: dict[str, int]) -> None:
         self.ids: set[str] = set()
         self._why: dict[str, str] = {}
         self._unreported: dict[str, int] = {}
         self._stats = stats  # the recorder's counters: "unguided" counts them
+        self._logged: dict[str, float] = {}  # reason -> when its last WARNING was logged
+        self._quiet: dict[str, int] = {}  # reason -> trajectories marked since then, not logged
 
     def __contains__(self, trajectory: str) -> bool:
         return trajectory in self.ids
@@ -155,7 +162,16 @@ class Unguided:
         if new:
             self._stats["unguided"] += len(new)
             self._unreported[reason] = self._unreported.get(reason, 0) + len(new)
-            log.warning("%d trajectories unguided (%s), e.g. %s", len(new), reason, new[0])
+            now = time.monotonic()
+            last = self._logged.get(reason)
+            if last is None or (reason not in _STOP_REASONS and now - last >= _LOG_EVERY_S):
+                self._logged[reason] = now
+                since = self._quiet.pop(reason, 0)
+                more = f" ({since} more since the last report)" if since else ""
+                log.warning("%d trajectories unguided (%s), e.g. %s%s", len(new), reason, new[0], more)
+            else:
+                self._quiet[reason] = self._quiet.get(reason, 0) + len(new)
+                log.debug("%d trajectories unguided (%s), e.g. %s", len(new), reason, new[0])
 
     def why(self, trajectory: str) -> str:
         return self._why.get(trajectory, "refused")

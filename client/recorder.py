@@ -174,6 +174,7 @@ class RolloutRecorder:
             unguided=0,
             refused_forwards=0,
             rejected_messages=0,
+            dropped=0,  # messages and queued records dropped unacknowledged (given up, refused, stopped, closed)
             stale_pools_removed=self.pool.stale_removed,  # left in shm_dir by recorders that died
             driver_copies=0,  # slab forwards copied through the CUDA driver (client/_cuda.py), not torch
             stager_behind=0,  # SlabStage commits that queued pending copies themselves (the stager lagged)
@@ -504,10 +505,13 @@ class RolloutRecorder:
         every site this recorder queued for it) and policy version are resolved by the sender, after
         the forwards queued before it."""
         validate_id("trajectory", trajectory)
+        n_tokens = int(n_tokens)
+        if n_tokens < 1:  # no seal has that length: refused here, not by the sender thread
+            raise ValidationError(f"finish({trajectory!r}): n_tokens must be >= 1, got {n_tokens}")
         if self._stages:
             self._drain_stages()
         version = self._outbox.versions.get(trajectory, self.policy_version)
-        self._seals.finished(trajectory, int(n_tokens), version)
+        self._seals.finished(trajectory, n_tokens, version)
         session = self._session
         if session.error is not None:  # stopped: nothing is sealed, and its queue has no reader
             self._unguided.mark([trajectory], session.stop_reason)
@@ -536,26 +540,34 @@ class RolloutRecorder:
         self.policy_version = version
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until everything queued is durably acknowledged; True on success within ``timeout``
-        (False at once when the recorder stopped: :attr:`error`)."""
+        """Wait until everything queued is durably acknowledged or dropped. True only when nothing
+        was dropped while it waited: False when ``timeout`` passed first, when records were dropped
+        meanwhile (the sidecar acknowledged nothing for ``give_up_s``, or refused a message for its
+        content: their trajectories are unguided, ``rec.unguided`` says which) and at once when the
+        recorder stopped (:attr:`error`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._stages:
             self._drain_stages()
         with self._lock:
+            dropped = self.stats["dropped"]
             self._outbox.urgent = True  # send now, do not linger
             self._wake.notify_all()
-            while self._queue or self._session.pending() or self._session.error is not None:
-                if self._session.error is not None:
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wake.wait(0.1 if left is None else min(left, 0.1))
-            self._outbox.urgent = False
-        return True
+            try:
+                while self._queue or self._session.pending() or self._session.error is not None:
+                    if self._session.error is not None:
+                        return False
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._wake.wait(0.1 if left is None else min(left, 0.1))
+            finally:
+                self._outbox.urgent = False
+            return self.stats["dropped"] == dropped
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Flush (up to ``timeout``), stop the sender and free the staging pool."""
+        """Flush (up to ``timeout``), stop the sender and free the staging pool. Returns the
+        flush's result; what was not acknowledged by then is dropped and its trajectories are
+        unguided (``closed_unacknowledged``)."""
         try:
             for stage in self._stages:
                 stage.close()

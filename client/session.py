@@ -6,8 +6,14 @@ releases their staging once the sidecar reports them durable (and, over shared m
 On a lost connection the session reconnects after a backoff with full jitter and resends the
 unacknowledged messages (the sidecar answers duplicates as success). A message refused for its
 content is dropped and its trajectories unguided; a sequence gap starts a new epoch; a sidecar
-unreachable for ``give_up_s`` makes the records that waited that long unguided; a writer fenced
-by a newer epoch or refused for good stops the recorder (:attr:`WriteSession.error`).
+that acknowledges nothing for ``give_up_s`` (unreachable, refusing, frozen with the stream open, or
+ending streams without acknowledging) makes the records that waited that long unguided; a writer
+fenced by a newer epoch or refused for good stops the recorder (:attr:`WriteSession.error`).
+Refusals are logged (WARNING, the first of each status code since the last acknowledgement) and a
+give-up is reported with the last refusal's code. Trailers are checked before they are trusted: a
+``tracestore-failed-sequence`` naming no pending message is ignored, ``retry-after-ms`` is capped.
+An acknowledgement beyond the last sequence sent in the epoch (another instance wrote under this
+writer id and epoch) starts a new epoch, like a sequence gap.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ log = logging.getLogger("tracestore.client")
 
 # gRPC codes (by name, so this module does not need grpc at import time)
 _CONTENT_ERRORS = {"INVALID_ARGUMENT", "ALREADY_EXISTS", "DATA_LOSS", "NOT_FOUND", "PERMISSION_DENIED"}
+# Ends of a stream that say the sidecar could not be reached or stopped answering (the others are
+# refusals: a give-up after them is reported with the refusal's code). STALLED: no acknowledgement
+# for give_up_s with the stream open; OK: the stream ended with messages unacknowledged.
+_UNREACHABLE = {"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "UNKNOWN", "STALLED", "OK"}
+_WARN_EVERY_S = 10.0  # at most one WARNING per status code this often (and once per code between acks)
 
 
 class WriterFencedError(TraceStoreError, RuntimeError):
@@ -93,7 +104,18 @@ class WriteSession:
         self._next_seq = 1
         self.closed = False
         self._busy = False  # the sender holds items it took off the queue and has not numbered yet
+        # Since when no acknowledgement advanced this epoch's durable sequence, as seen by a failed
+        # attempt or a stalled stream (None: not down). Cleared only by an acknowledgement that
+        # releases messages (not by one of another epoch, nor one that advances nothing).
         self._down_since: float | None = time.monotonic()
+        # When the oldest unacknowledged message last saw progress (an ack advancing it, or its own
+        # send when nothing else was waiting): a stream open that long without one is stalled
+        self._progress_at = time.monotonic()
+        # (code, details) of the last failed attempt since progress: not the exception, whose
+        # traceback would hold the sender's frames, and so this session, in a reference cycle
+        self._last_error: tuple[str, str] | None = None
+        self._warned: set[str] = set()  # status codes logged since progress
+        self._warned_at: dict[str, float] = {}
         # Why the recorder stopped for good (fenced, refused): set once, by the sender thread
         self.error: TraceStoreError | None = None
         self.stop_reason = ""
@@ -108,12 +130,28 @@ class WriteSession:
         return bool(self._unacked) or self._busy
 
     def close(self) -> None:
-        """Stop the sender thread (after what is queued is sent, when the sidecar takes it)."""
+        """Stop the sender thread now (the recorder flushed first, as long as it was told to):
+        whatever is still queued or unacknowledged is dropped and its trajectories are unguided
+        (``closed_unacknowledged``)."""
         with self._cond:
             self.closed = True
             self._cond.notify_all()
         if self.thread.is_alive():
             self.thread.join(timeout=10)
+        with self._cond:
+            n = len(self._unacked) + len(self._outbox.queue)
+            if n:
+                lost = self._drop_pending()
+                log.warning(
+                    "recorder %s closed with %d messages or records not acknowledged by the sidecar at %s: "
+                    "%d trajectories unguided (closed_unacknowledged)",
+                    self.writer,
+                    n,
+                    self.address,
+                    len(lost - self._unguided.ids),
+                )
+                self._unguided.mark(lost, "closed_unacknowledged")
+            self._cond.notify_all()
 
     def _run(self) -> None:
         ch = None
@@ -124,16 +162,23 @@ class WriteSession:
                     break
             acks = self._acks_seen
             wait = 0.0
+            cap = min(self.reconnect_cap_s, max(self.reconnect_backoff_s, self.give_up_s / 4))
             try:
                 if ch is None:
                     ch = channel(self.address, *self._credentials)
                 self._stream(ch)
+                with self._cond:
+                    ended_early = bool(self._unacked) and not self.closed
+                if ended_early:  # ended with OK, messages unacknowledged: a failed attempt
+                    raise _StreamError("OK", "the sidecar ended the stream before acknowledging", None, 0.0)
             except _StreamError as exc:
+                if self.closed:  # cancelled by close()
+                    break
                 session = self._session_epoch(ch) if exc.code == "FAILED_PRECONDITION" else None
                 self._on_stream_error(exc, session)
                 if exc.code == "RESOURCE_EXHAUSTED":
-                    wait = exc.retry_after
-                if exc.code == "UNAVAILABLE" and ch is not None:
+                    wait = min(max(exc.retry_after, 0.0), cap)  # a trailer cannot park the sender
+                if exc.code in ("UNAVAILABLE", "STALLED") and ch is not None:
                     ch.close()
                     ch = None
             except Exception as exc:  # noqa: BLE001 - never let the sender die
@@ -145,7 +190,6 @@ class WriteSession:
             # before the next: without acknowledgements in between the wait grows, so a writer
             # the sidecar keeps refusing never spins on reconnects and resends (the engine's GIL).
             failures = 0 if self._acks_seen != acks else failures + 1
-            cap = min(self.reconnect_cap_s, max(self.reconnect_backoff_s, self.give_up_s / 4))
             bound = min(cap, self.reconnect_backoff_s * 2.0 ** min(failures, 40))
             self._pause(max(wait, random.uniform(0.0, bound)))
             self._give_up_if_down()
@@ -178,7 +222,8 @@ class WriteSession:
 
     def _drop_pending(self) -> set[str]:
         """Drop every unacknowledged message and queued item, releasing their staging; return
-        their trajectories. Under the lock, on the sender thread."""
+        their trajectories (``stats["dropped"]`` counts them). Under the lock."""
+        self.stats["dropped"] += len(self._unacked) + len(self._outbox.queue)
         lost: set[str] = set()
         for out in self._unacked:
             lost |= out.trajectories
@@ -207,15 +252,33 @@ class WriteSession:
                 return
             # Only records that waited the whole give-up time are dropped; fresh ones get their chance.
             ages = [p.queued for o in self._unacked for p in o.pieces]
-            ages += [o.born for o in self._unacked if o.pieces == []]
+            # (a message of seals or links only has no age: it waits as long as the sidecar is down)
+            ages += [o.born for o in self._unacked if o.pieces == [] and o.born != float("inf")]
             ages += self._outbox.queued_since()
             if ages and time.monotonic() - min(ages) < self.give_up_s:
                 return
+            n = len(self._unacked) + len(self._outbox.queue)
             lost = self._drop_pending()
             # a fresh epoch: sequence restarts at 1, no gap with what the sidecar has
+            old = self.epoch
             self.epoch = max(self.epoch + 1, time.time_ns())
             self._next_seq = 1
-            self._unguided.mark(lost, "sidecar_unreachable")
+            last = self._last_error
+            reason = _give_up_reason(last)
+            log.warning(
+                "recorder %s: nothing acknowledged by the sidecar at %s for %.1f s (last: %s); dropped %d "
+                "messages or records of epoch %d, %d trajectories unguided (%s); continuing as epoch %d",
+                self.writer,
+                self.address,
+                time.monotonic() - down,
+                " ".join(last) if last is not None else "no answer",
+                n,
+                old,
+                len(lost - self._unguided.ids),
+                reason,
+                self.epoch,
+            )
+            self._unguided.mark(lost, reason)
             self._down_since = time.monotonic()
             self._cond.notify_all()
 
@@ -262,13 +325,18 @@ class WriteSession:
         responses = call(requests(), wait_for_ready=False)
         stop = threading.Event()
         err: list[Any] = []
+        ended: list[_StreamError] = []  # why this side ended the stream (stalled, a conflicting ack)
 
         def acks() -> None:
             try:
                 for raw in responses:
                     r = pb.WriteResponse.FromString(raw)
                     released = r.released_sequence if r.HasField("released_sequence") else None
-                    self._on_ack(r.epoch, r.durable_sequence, released)
+                    conflict = self._on_ack(r.epoch, r.durable_sequence, released)
+                    if conflict is not None:
+                        ended.append(conflict)
+                        responses.cancel()
+                        break
             except grpc.RpcError as exc:
                 err.append(exc)
             finally:
@@ -287,7 +355,22 @@ class WriteSession:
                 self.stats["resent"] += 1
             while not stop.is_set():
                 with self._cond:
-                    if self.closed and not outbox.queue and not self._unacked:
+                    if self.closed:  # close() flushed first: what is still pending is dropped
+                        break
+                    if self._unacked and time.monotonic() - self._progress_at >= self.give_up_s:
+                        # open, yet nothing acknowledged for give_up_s (a frozen sidecar, one that
+                        # never acknowledges): end it so the give-up runs
+                        if self._down_since is None:
+                            self._down_since = self._progress_at
+                        ended.append(
+                            _StreamError(
+                                "STALLED",
+                                f"no acknowledgement for {time.monotonic() - self._progress_at:.1f} s with "
+                                f"{len(self._unacked)} messages pending and the stream open",
+                                None,
+                                0.0,
+                            )
+                        )
                         break
                     inflight = sum(o.nbytes for o in self._unacked)
                     if inflight > self.inflight_bytes or not outbox.ready(self.closed):
@@ -310,11 +393,22 @@ class WriteSession:
                             out.req.epoch = self.epoch
                             out.req.sequence = out.seq
                             self._next_seq += 1
+                            if not self._unacked:
+                                self._progress_at = time.monotonic()
                             self._unacked.append(out)
                         self.stats["messages"] += 1
                         self.stats["chunks"] += out.chunks
                         self.stats["bytes"] += out.nbytes
                         push(out)
+                except Exception:
+                    # what was taken and not numbered is lost: its trajectories must not pass for recorded
+                    lost = {t for f in fwds for t, _, _ in f.segs}
+                    lost.update(p.trajectory for p in pieces)
+                    lost.update(e.trajectory for e in extras)
+                    with self._cond:
+                        self.stats["dropped"] += 1
+                        self._unguided.mark(lost, "sender_error")
+                    raise
                 finally:
                     with self._cond:
                         self._busy = False
@@ -323,13 +417,15 @@ class WriteSession:
             with send_cv:
                 sendq.append(None)
                 send_cv.notify()
-            if not stop.is_set():
-                stop.wait(1.0)
+            if not stop.is_set() and not ended and not (self.closed and self._unacked):
+                stop.wait(1.0)  # the sidecar ends the stream once what it sent is durable
             if not stop.is_set():
                 responses.cancel()
             t.join(timeout=5)
+        if ended:
+            raise ended.pop()  # (no local name: the traceback would hold it in a reference cycle)
         if err:
-            exc = err[0]
+            exc = err.pop()  # out of the list the acks thread's frame holds: no reference cycle
             code = exc.code().name if exc.code() is not None else "UNKNOWN"
             meta = dict(exc.trailing_metadata() or ())
             raise _StreamError(
@@ -339,16 +435,32 @@ class WriteSession:
                 _int(meta.get("retry-after-ms"), 0) / 1000.0,
             )
 
-    def _on_ack(self, epoch: int, durable: int, released: int | None = None) -> None:
+    def _on_ack(self, epoch: int, durable: int, released: int | None = None) -> _StreamError | None:
         """The sidecar's progress for ``epoch``: messages up to ``durable`` are durable; their
         staging is released too, up to ``released`` when the sidecar reports it (older sidecars
-        do not: then with ``durable``)."""
+        do not: then with ``durable``). Returns the error to end the stream with when the ack
+        covers sequences this recorder never sent in the epoch (then nothing is released)."""
         with self._cond:
-            self._down_since = None
             if epoch != self.epoch:
-                return
+                return None  # an old epoch's (or a bogus) ack: no progress
+            if durable >= self._next_seq:
+                # Sequences this recorder never sent are "durable": another instance wrote under
+                # this writer id and epoch (the sidecar answers our messages as its resends).
+                return _StreamError(
+                    "ACK_CONFLICT",
+                    f"the sidecar at {self.address} acknowledged sequence {durable} of writer {self.writer} epoch "
+                    f"{epoch}, but this recorder sent only up to {self._next_seq - 1}: another instance wrote "
+                    f"under this writer id and epoch (give each instance its own writer id, and never reuse an "
+                    f"explicit epoch)",
+                    None,
+                    0.0,
+                )
             if self._unacked and self._unacked[0].seq <= durable:
                 self._acks_seen += 1  # acknowledged messages: the sidecar takes this writer's records
+                self._down_since = None
+                self._progress_at = time.monotonic()
+                self._last_error = None
+                self._warned.clear()
             # Held messages of earlier epochs: a sidecar copies them out before it accepts a new
             # epoch's first message (or it is not the one that held them), so this ack frees them.
             while self._unreleased and self._unreleased[0].req.epoch != epoch:
@@ -366,6 +478,7 @@ class WriteSession:
                 while self._unreleased and self._unreleased[0].seq <= released:
                     self._outbox.release(self._unreleased.popleft())
             self._cond.notify_all()
+        return None
 
     def _on_stream_error(self, exc: _StreamError, session_epoch: int | None = None) -> None:
         """A Write stream ended with ``exc``; ``session_epoch``: the epoch of this writer's session
@@ -374,6 +487,15 @@ class WriteSession:
             if self._down_since is None:
                 self._down_since = time.monotonic()
             self.stats["reconnects"] += 1
+            self._last_error = (exc.code, exc.details)
+            pending = next((o for o in self._unacked if o.seq == exc.failed_seq), None)
+            # retried ends are logged once per code between acknowledgements (and at most every
+            # _WARN_EVERY_S): a sidecar refusing every attempt does not flood the engine's log
+            now = time.monotonic()
+            warn = exc.code not in self._warned and now - self._warned_at.get(exc.code, -_WARN_EVERY_S) >= _WARN_EVERY_S
+            self._warned.add(exc.code)
+            if warn:
+                self._warned_at[exc.code] = now
             if exc.code == "PERMISSION_DENIED":
                 self._stop_for_good(
                     PermissionDeniedError(
@@ -391,16 +513,17 @@ class WriteSession:
                     ),
                     "fenced",
                 )
-            elif exc.code in _CONTENT_ERRORS and exc.failed_seq is not None:
+            elif exc.code in _CONTENT_ERRORS and pending is not None:
                 # The sidecar refused one message for its content: drop it, mark its trajectories
-                # unguided and renumber the later ones (the sidecar accepted none of them).
-                self._down_since = None
+                # unguided and renumber the later ones (the sidecar accepted none of them). A trailer
+                # naming no pending message is ignored (the refusal is retried like one without).
                 keep: deque[Outgoing] = deque()
                 for out in self._unacked:
-                    if out.seq == exc.failed_seq:
+                    if out is pending:
                         self._outbox.release(out)
                         self._unguided.mark(out.trajectories, exc.code.lower())
                         self.stats["rejected_messages"] += 1
+                        self.stats["dropped"] += 1
                         log.warning("sidecar refused message %d: %s %s", out.seq, exc.code, exc.details)
                     else:
                         if out.seq > exc.failed_seq:
@@ -409,16 +532,45 @@ class WriteSession:
                         keep.append(out)
                 self._unacked = keep
                 self._next_seq -= 1
-            elif exc.code == "FAILED_PRECONDITION":
-                # gap or fenced epoch: start a new epoch; chunk-level dedupe makes the resend safe
+            elif exc.code in ("FAILED_PRECONDITION", "ACK_CONFLICT"):
+                # gap, fenced epoch or an ack of what this recorder never sent: start a new epoch;
+                # chunk-level dedupe makes the resend safe
                 self.epoch = max(self.epoch + 1, time.time_ns())
                 for i, out in enumerate(self._unacked, start=1):
                     out.seq = i
                     out.req.sequence = i
                     out.req.epoch = self.epoch
                 self._next_seq = len(self._unacked) + 1
-                log.warning("sidecar: %s; restarting as epoch %d", exc.details, self.epoch)
+                if warn:
+                    log.warning(
+                        "recorder %s: %s: %s; restarting as epoch %d", self.writer, exc.code, exc.details, self.epoch
+                    )
+            elif warn:
+                # OK: a sidecar that ends idle streams may race a message just sent (not a refusal);
+                # an idle recorder loses nothing by a stream that ends
+                idle = not self._unacked and not self._outbox.queue
+                log.log(
+                    logging.INFO if exc.code == "OK" or idle else logging.WARNING,
+                    "recorder %s: Write stream to %s ended: %s %s (%d messages unacknowledged); retrying, "
+                    "giving up after %.0f s without acknowledgements",
+                    self.writer,
+                    self.address,
+                    exc.code,
+                    exc.details,
+                    len(self._unacked),
+                    self.give_up_s,
+                )
             self._cond.notify_all()
+
+
+def _give_up_reason(last: tuple[str, str] | None) -> str:
+    """The unguided reason of a give-up after ``last`` (the last failed attempt's code, details)."""
+    code = last[0] if last is not None else "UNAVAILABLE"
+    if code in _UNREACHABLE:
+        return "sidecar_unreachable"
+    if code == "ACK_CONFLICT":  # a session conflict, like a gap the sidecar refuses
+        return "failed_precondition"
+    return code.lower()
 
 
 class _StreamError(Exception):

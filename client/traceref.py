@@ -153,6 +153,8 @@ def _reason(reason: str) -> str:
         return reason
     if reason in ("fenced", "permission_denied"):
         return "stopped"
+    if reason == "closed_unacknowledged":  # the recorder closed before the sidecar acknowledged them
+        return "not_durable"
     return "refused"  # a message the sidecar refused for its content (invalid_argument, data_loss, ...)
 
 

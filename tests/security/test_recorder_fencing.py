@@ -4,6 +4,7 @@ as the hostile writer; reconnects counted over 2 s (they ran at hundreds per sec
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -86,6 +87,25 @@ def test_hostile_max_epoch_fences_the_recorder_which_stops(sidecar: Sidecar) -> 
         assert not victim.finish("v-t1", 5)
         t1 = time.monotonic()
         assert not victim.flush(10) and time.monotonic() - t1 < 1
+    finally:
+        victim.close(timeout=2)
+
+
+def test_a_stopped_recorder_logs_its_refusals_once(sidecar: Sidecar, caplog: pytest.LogCaptureFixture) -> None:
+    """Once fenced, every refused forward marks its trajectories unguided (fenced). Before: one
+    WARNING per refused record_forward, flooding the engine's log for the rest of the rollout."""
+    caplog.set_level(logging.WARNING, logger="tracestore.client")
+    victim = _recorder(f"127.0.0.1:{sidecar.port}", "loud")
+    try:
+        assert _forward(victim, "l-t0") and victim.flush(10)
+        _raw_write(sidecar, write_request(1, [make_chunk("h-t0", 0, 4)], writer="loud", epoch=2**64 - 1, declare=True))
+        assert _forward(victim, "l-t1")
+        wait_for("the recorder to report it is fenced", lambda: victim.error is not None, timeout=10)
+        for i in range(20):
+            assert not _forward(victim, f"l-refused-{i}")
+        assert {f"l-refused-{i}" for i in range(20)} <= victim.unguided
+        fenced = [r for r in caplog.records if r.levelno >= logging.WARNING and "unguided (fenced)" in r.getMessage()]
+        assert len(fenced) == 1, [r.getMessage() for r in fenced]
     finally:
         victim.close(timeout=2)
 
