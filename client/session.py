@@ -519,14 +519,14 @@ class WriteSession:
                 # naming no pending message is ignored (the refusal is retried like one without).
                 keep: deque[Outgoing] = deque()
                 for out in self._unacked:
-                    if out is pending:
+                    if out is pending:  # (so exc.failed_seq names a pending message)
                         self._outbox.release(out)
                         self._unguided.mark(out.trajectories, exc.code.lower())
                         self.stats["rejected_messages"] += 1
                         self.stats["dropped"] += 1
                         log.warning("sidecar refused message %d: %s %s", out.seq, exc.code, exc.details)
                     else:
-                        if out.seq > exc.failed_seq:
+                        if out.seq > pending.seq:
                             out.seq -= 1
                             out.req.sequence = out.seq
                         keep.append(out)

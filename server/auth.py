@@ -219,9 +219,9 @@ def parse_token_file(
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
+        at = raw[: exc.start].count(b"\n") + 1
         raise ConfigError(
-            f"{p}:{line}: not UTF-8 text (byte {exc.start} of the file); expected a UTF-8 token file"
+            f"{p}:{at}: not UTF-8 text (byte {exc.start} of the file); expected a UTF-8 token file"
         ) from None
     entries: list[tuple[bytes, Identity]] = []
     rules: dict[tuple[str, int], Identity] = {}

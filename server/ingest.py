@@ -75,7 +75,7 @@ def parse_write(
     verify: bool = True,
     path: str = "grpc",
     declare: Callable[[pb.RunSpec], None] | None = None,
-    before_copy: Callable[[str, int], None] | None = None,
+    before_copy: Callable[[str, Callable[[], int]], None] | None = None,
 ) -> tuple[pb.WriteRequest, Message, list[Part]]:
     """Parse and validate one WriteRequest. Returns the wire message, the engine message and its
     write-ahead log entry (:func:`pack_wal_data` of the raw request and the shared-memory payloads,
@@ -86,8 +86,9 @@ def parse_write(
     right only while the writer keeps the regions, that is until the message is durable without a
     WAL (its shard committed), or, with a WAL, until the sidecar reports the message released to a
     writer that set ``keeps_staging``; otherwise ``Message.own_shm`` copies them out first.
-    ``before_copy(pool, nbytes)`` is told, before anything is read, how many bytes the message's
-    shared-memory references span (the sidecar copies another user's pool: room in the budget first).
+    ``before_copy(pool, nbytes)`` is called before anything is read from ``pool``; ``nbytes()``
+    counts the bytes the message's shared-memory references span (the sidecar copies another user's
+    pool: room in the budget first; counted only then).
     The checksum stays the one computed here, at receipt, so a writer that scribbles on a region
     it has not had acknowledged yet (it gave up on the sidecar) produces a chunk that fails its
     checksum on read (DATA_LOSS), never silently different records.
@@ -103,7 +104,7 @@ def parse_write(
         spec = run_spec(req.run)
         shm(req.shm_pool, 0, 0)  # map (and report) the writer's pool even when this message is inline
         if before_copy is not None:
-            before_copy(req.shm_pool, _shm_bytes(chunks, spec))
+            before_copy(req.shm_pool, lambda: _shm_bytes(chunks, spec))
     msg, blobs = _parse(req, chunks, req.seals, req.links, run_spec, shm, verify=verify, path=path)
     return req, msg, pack_wal_data(data if crc is None else Checked(data, crc), blobs)
 

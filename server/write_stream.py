@@ -223,10 +223,10 @@ class WriteStream:
         shm = self.shm.view if local else None
         copies = [0]
 
-        def before_copy(pool: str, nbytes: int) -> None:
+        def before_copy(pool: str, count: Callable[[], int]) -> None:
             # Another user's pool is copied while the message is parsed: room for the copies first
             # (or small messages naming large regions made the sidecar copy past its budget).
-            if nbytes and self.shm.copies(pool):
+            if self.shm.copies(pool) and (nbytes := count()):
                 limit = self.engine.budget.limit
                 if nbytes > limit:
                     raise OverBudgetError(
