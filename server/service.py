@@ -514,7 +514,11 @@ class Sidecar:
             except Exception as exc:  # noqa: BLE001 - a SIGHUP never takes the sidecar down
                 log.error("reload of the %s failed, the ones in use stay: %s", what, exc)
             else:
-                log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")
+                if part is self._tls:  # gRPC takes them at the next handshake; it may still refuse them there
+                    log.info("read the TLS files again: new connections get them (gRPC logs it and keeps the "
+                             "ones in use if it cannot use them)")  # fmt: skip
+                else:
+                    log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING at once, stop accepting, drain streams, commit (or leave in the fsynced WAL)."""
