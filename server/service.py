@@ -449,7 +449,13 @@ class Sidecar:
                     "choose another --metrics-port or 'off'"
                 ) from exc
             self.metrics_port = self._http.server_port
-        self.engine.start(wal_parser(self.engine.run_spec))
+        try:
+            self.engine.start(wal_parser(self.engine.run_spec))
+        except BaseException:
+            # (a second sidecar refused at the WAL lock) leave no socket, peer endpoint or metrics
+            # port of its own behind
+            self._release_listeners()
+            raise
         server.start()
         self._server = server
         self._log_security()
@@ -538,15 +544,22 @@ class Sidecar:
         if self.engine is not None:
             ok = self.engine.flush(max(0.1, t_end - time.monotonic())) and ok
             self.engine.close(timeout=max(0.0, t_end - time.monotonic()))
+        self._release_listeners()
+        return ok
+
+    def _release_listeners(self) -> None:
+        """Close the metrics port; remove the unix socket this sidecar bound and its peer endpoint."""
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+            self._http = None
         sock_id = getattr(self, "_socket_id", None)
         if self.config.unix_socket and sock_id is not None:
             remove_unix_socket(self.config.unix_socket, sock_id)
+            self._socket_id = None
         if self._peer_endpoint is not None:
             self._peer_endpoint.stop()
-        return ok
+            self._peer_endpoint = None
 
     def wait(self) -> None:
         if self._server is not None:

@@ -282,3 +282,25 @@ def test_recorder_of_another_user_in_the_sockets_group_writes_through_shared_mem
             side.wait(30)
         except subprocess.TimeoutExpired:
             side.kill()
+
+
+def test_a_sidecar_refused_at_the_wal_lock_leaves_no_socket_behind(tmp_path: Path) -> None:
+    """Before: the second sidecar bound its unix socket (and peer endpoint) before it took the WAL
+    lock, and its refusal left the socket file behind."""
+    from tracestore.server.config import ServerConfig
+    from tracestore.server.service import Sidecar
+
+    from tracestore.errors import ConfigError
+
+    def config(name: str) -> ServerConfig:
+        return ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / "wal"), port=0,
+                            metrics_port=None, unix_socket=str(tmp_path / f"{name}.sock"))  # fmt: skip
+
+    first = Sidecar(config("first")).start()
+    try:
+        with pytest.raises(ConfigError, match="in use by another running sidecar"):
+            Sidecar(config("second")).start()
+        assert not (tmp_path / "second.sock").exists(), "the refused sidecar left its socket behind"
+        assert (tmp_path / "first.sock").exists()
+    finally:
+        first.stop(5)
