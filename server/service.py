@@ -370,6 +370,7 @@ class Sidecar:
         self._tokens: TokenFile | None = None
         self._peer_tokens: PeerTokens | None = None
         self._peer_endpoint: PeerEndpoint | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the unix socket it bound
 
     def _storage_event(self, kind: str, op: str, detail: str) -> None:
         # The store names the object ("write run-a/v0/..."): keep the operation word only, one of a
@@ -553,9 +554,8 @@ class Sidecar:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-        sock_id = getattr(self, "_socket_id", None)
-        if self.config.unix_socket and sock_id is not None:
-            remove_unix_socket(self.config.unix_socket, sock_id)
+        if self.config.unix_socket and self._socket_id is not None:
+            remove_unix_socket(self.config.unix_socket, self._socket_id)
             self._socket_id = None
         if self._peer_endpoint is not None:
             self._peer_endpoint.stop()
