@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import sys
 import threading
@@ -48,7 +47,7 @@ from .items import Finish, Forward, Region, SlabForward, SlabPlan, Unguided
 from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
 from .site_output import SiteOutput, check_array, per_row_g
-from .slab import Segments, SlabStage
+from .slab import SegmentCheck, Segments, SlabStage
 from .staging import GROUP_ENV, StagingPool, socket_group
 from .traceref import SealLedger
 from .transport import resolve_token
@@ -162,8 +161,7 @@ class RolloutRecorder:
         self._sites = {s.name: s for s in run_spec.sites}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._valid_ids: set[str] = set()
-        self._checked_trajs: tuple[str, ...] | None = None  # the Segments.trajectories checked last
+        self._check_segments = SegmentCheck()
         self.stats: dict[str, int] = dict(
             chunks=0,
             bytes=0,
@@ -450,46 +448,6 @@ class RolloutRecorder:
     def _unslab(self, fwd: SlabForward) -> SlabForward:
         """Lay a slab forward's raw rows out per site (what the sender does first with one)."""
         return self._outbox.unslab(fwd)
-
-    def _check_segments(self, segs: Any) -> tuple[tuple[str, ...], int]:
-        """(trajectories, token count) of a forward's segments (a list of tuples or
-        :class:`Segments`); raises on a malformed one (checks run in C or numpy over the list: no
-        per-segment Python loop once the ids are known)."""
-        if isinstance(segs, Segments):
-            trajs = segs.trajectories
-            if trajs is not self._checked_trajs:
-                self._check_ids(trajs)
-                self._checked_trajs = trajs
-            starts, ends = segs.starts, segs.ends
-            if not len(trajs):
-                return (), 0
-            if starts.min() < 0 or (ends <= starts).any():
-                i = int(np.flatnonzero((starts < 0) | (ends <= starts))[0])
-                raise ValidationError(
-                    f"segment of {trajs[i]}: expected 0 <= token_start < token_end, got [{starts[i]}, {ends[i]})"
-                )
-            return trajs, int(ends.sum() - starts.sum())
-        if not segs:
-            return (), 0
-        try:
-            ids, first, last = zip(*segs, strict=True)
-        except (TypeError, ValueError) as exc:
-            raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
-        self._check_ids(ids)
-        if min(first) < 0 or min(map(operator.sub, last, first)) <= 0:
-            t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
-            raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
-        return ids, sum(last) - sum(first)
-
-    def _check_ids(self, trajs: tuple[str, ...]) -> None:
-        known = self._valid_ids
-        if not known.issuperset(trajs):
-            for t in trajs:
-                if t not in known:
-                    validate_id("trajectory", t)
-                    if len(known) > 1 << 20:
-                        known.clear()
-                    known.add(t)
 
     def link_prefix(self, trajectory: str, source: str, n_tokens: int, policy_version: int | None = None) -> None:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""

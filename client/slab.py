@@ -5,6 +5,7 @@ graph: a device ring of staged slab rows, a slot per replay)."""
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import threading
 from collections import deque
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError, ShapeError
+from tracestore.errors import ConfigError, ShapeError, ValidationError
+from tracestore.records import validate_id
 
 from ._cuda import DriverEvent
 
@@ -99,6 +101,54 @@ class Segments:
 
     def __repr__(self) -> str:
         return f"Segments({len(self)} trajectories, {int((self.ends - self.starts).sum())} tokens)"
+
+
+class SegmentCheck:
+    """Checks a forward's segments (a list of ``(trajectory, token_start, token_end)`` tuples or
+    :class:`Segments`) and remembers the trajectory ids it validated, so that a decode step over the
+    same trajectories costs no per-segment Python loop. Calling it returns (trajectories, token
+    count); a malformed segment raises ValidationError."""
+
+    def __init__(self) -> None:
+        self._valid_ids: set[str] = set()
+        self._checked_trajs: tuple[str, ...] | None = None  # the Segments.trajectories checked last
+
+    def __call__(self, segs: Any) -> tuple[tuple[str, ...], int]:
+        if isinstance(segs, Segments):
+            trajs = segs.trajectories
+            if trajs is not self._checked_trajs:
+                self._check_ids(trajs)
+                self._checked_trajs = trajs
+            starts, ends = segs.starts, segs.ends
+            if not len(trajs):
+                return (), 0
+            if starts.min() < 0 or (ends <= starts).any():
+                i = int(np.flatnonzero((starts < 0) | (ends <= starts))[0])
+                raise ValidationError(
+                    f"segment of {trajs[i]}: expected 0 <= token_start < token_end, got [{starts[i]}, {ends[i]})"
+                )
+            return trajs, int(ends.sum() - starts.sum())
+        if not segs:
+            return (), 0
+        try:
+            ids, first, last = zip(*segs, strict=True)
+        except (TypeError, ValueError) as exc:
+            raise ValidationError(f"segments must be (trajectory, token_start, token_end) tuples: {exc}") from exc
+        self._check_ids(ids)
+        if min(first) < 0 or min(map(operator.sub, last, first)) <= 0:
+            t, a, b = next(x for x in segs if x[1] < 0 or x[2] <= x[1])
+            raise ValidationError(f"segment of {t}: expected 0 <= token_start < token_end, got [{a}, {b})")
+        return ids, sum(last) - sum(first)
+
+    def _check_ids(self, trajs: tuple[str, ...]) -> None:
+        known = self._valid_ids
+        if not known.issuperset(trajs):
+            for t in trajs:
+                if t not in known:
+                    validate_id("trajectory", t)
+                    if len(known) > 1 << 20:
+                        known.clear()
+                    known.add(t)
 
 
 class SlabStage:
