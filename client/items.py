@@ -19,7 +19,7 @@ log = logging.getLogger("tracestore.client")
 
 _REF_STATE_LIMIT = 1 << 20  # entries per TraceRef bookkeeping dict of a recorder
 # Reasons of a recorder that stopped for good: every later forward is refused with them, logged once.
-_STOP_REASONS = frozenset({"fenced", "permission_denied"})
+STOP_REASONS = frozenset({"fenced", "permission_denied"})
 _LOG_EVERY_S = 60.0  # other reasons: a WARNING at most this often per reason, with the count since the last
 
 
@@ -164,7 +164,7 @@ class Unguided:
             self._unreported[reason] = self._unreported.get(reason, 0) + len(new)
             now = time.monotonic()
             last = self._logged.get(reason)
-            if last is None or (reason not in _STOP_REASONS and now - last >= _LOG_EVERY_S):
+            if last is None or (reason not in STOP_REASONS and now - last >= _LOG_EVERY_S):
                 self._logged[reason] = now
                 since = self._quiet.pop(reason, 0)
                 more = f" ({since} more since the last report)" if since else ""

@@ -29,7 +29,7 @@ from tracestore.traceref import (
 )
 from tracestore.traceref import _unpickle as _unpickle  # pickled refs made before the move name it here
 
-from .items import Outgoing, Unguided, bounded_put
+from .items import STOP_REASONS, Outgoing, Unguided, bounded_put
 
 if TYPE_CHECKING:  # pragma: no cover
     import threading
@@ -151,7 +151,7 @@ def make_refs(recorder: RolloutRecorder, trajectories: Sequence[str], timeout: f
 def _reason(reason: str) -> str:
     if reason in UNGUIDED_REASONS:
         return reason
-    if reason in ("fenced", "permission_denied"):
+    if reason in STOP_REASONS:
         return "stopped"
     if reason == "closed_unacknowledged":  # the recorder closed before the sidecar acknowledged them
         return "not_durable"
