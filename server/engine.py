@@ -404,11 +404,19 @@ class Engine:
         """Commit everything accepted so far to storage; True when done within ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            target = {k: w.received_seq for k, w in self.writers.items() if w.pending}
+            # Per writer, the newest message queued now, as (epoch, sequence): a queue is in that
+            # order, and may hold an older epoch's messages behind a new epoch's first (a sequence
+            # alone said "done" while (epoch 1, seq 2) waited behind (epoch 2, seq 1)).
+            target = {k: (w.pending[-1].epoch, w.pending[-1].seq) for k, w in self.writers.items() if w.pending}
             self._force += 1
             self._flusher.kick()
+
+            def waiting(k: tuple[str, str], last: tuple[int, int]) -> bool:
+                pending = self.writers[k].pending
+                return bool(pending) and (pending[0].epoch, pending[0].seq) <= last
+
             try:
-                while any(self.writers[k].pending and self.writers[k].pending[0].seq <= s for k, s in target.items()):
+                while any(waiting(k, last) for k, last in target.items()):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return False

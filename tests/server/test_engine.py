@@ -116,6 +116,27 @@ def test_wal_replay_after_restart_commits_everything_once(memory_url: str, tmp_p
         eng2.close()
 
 
+@pytest.mark.parametrize("wal", [True, False])
+def test_flush_waits_for_an_older_epochs_messages(memory_url: str, tmp_path: Path, wal: bool) -> None:
+    # A writer's queue can hold messages of an older epoch behind a new epoch's first message (a
+    # recorder restarted before its last messages were committed). flush() compared sequence
+    # numbers alone: with (epoch 1, seq 2) queued and (epoch 2, seq 1) received, 2 <= 1 said
+    # "done" at once and the older message stayed uncommitted — an acknowledged record missing
+    # from storage after a flush that returned True (found by the fault suite's state machine).
+    eng = _engine(memory_url, tmp_path / "wal" if wal else None, flush_interval_s=3600)
+    try:
+        _submit(eng, write_request(1, [make_chunk("t1", 0, 3)]))
+        assert eng.flush(10)
+        _submit(eng, write_request(2, [make_chunk("t2", 0, 3)]))
+        _submit(eng, write_request(1, [make_chunk("t3", 0, 3)], epoch=2))
+        assert eng.flush(10)
+        assert not eng.writers[(SPEC.run, "w0")].pending, "flush returned with messages still queued"
+        entries = [e for m in eng.store.manifests(SPEC.run, 0) for e in m.chunks]
+        assert sorted(e.trajectory for e in entries) == ["t1", "t2", "t3"]
+    finally:
+        eng.close()
+
+
 def test_budget_pushes_back_and_never_drops(tmp_path: Path) -> None:
     blocker = tmp_path / "data"
     blocker.write_text("a file where the store needs a directory: every shard write fails")
