@@ -4,7 +4,7 @@ Its results table (per scenario: trials, acknowledged record chunks, lost, dupli
 RSS - idle RSS of the sidecar) is printed at the end of the session, so CI's log shows it.
 
 Knobs (environment): ``TRACESTORE_FUZZ_S`` (fuzz seconds, 20), ``TRACESTORE_FUZZ_SEED`` (replay a
-fuzz run; the seed is in the table), ``TRACESTORE_STATEFUL_EXAMPLES`` (15),
+fuzz run; the seed is in the table), ``TRACESTORE_STATEFUL_EXAMPLES`` (250),
 ``TRACESTORE_STATEFUL_SHRINK=1`` (shrink a stateful failure), ``FAULTS_SIDECAR_PYTHONPATH`` (run
 another checkout's sidecar, e.g. ``git archive <commit>`` unpacked with ``tracestore/{server,client,
 kernels}`` symlinked to its top-level dirs: a check that the suite fails an older, known-bad build).
