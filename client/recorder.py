@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import ConfigError, ShapeError, TraceStoreError, ValidationError
-from tracestore.records import PrefixLink, RunSpec, validate_id
+from tracestore.records import PrefixLink, RunSpec, validate_id, validate_version
 
 from .chunks import ChunkBuilder
 from .copier import StagingCopier
@@ -124,7 +124,7 @@ class RolloutRecorder:
         self._credentials = (channel_credentials, resolve_token(address, channel_credentials, token))
         self.run_spec = run_spec
         self.writer = writer
-        policy_version = int(policy_version)  # checked before the pool exists; the Outbox keeps it
+        policy_version = validate_version(policy_version)  # checked before the pool exists; the Outbox keeps it
         self.batch_bytes = int(batch_bytes)
         # Taken off the queue at once and coalesced (then cut into messages of batch_bytes): 16
         # MiB windows of 256 x 20-site decode steps made ~8-token chunks, 64 MiB ~32-token ones;
@@ -258,7 +258,7 @@ class RolloutRecorder:
         if self._stages:
             self._drain_stages()
         join_record_branches()
-        version = self.policy_version if policy_version is None else int(policy_version)
+        version = self.policy_version if policy_version is None else validate_version(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
         plans = []
@@ -393,7 +393,7 @@ class RolloutRecorder:
         (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
         for the copies (the source is rewritten by the engine's next kernels); ``after``: the
         event the copies wait for (a deferred :class:`SlabStage` commit), not the current stream."""
-        version = self.policy_version if policy_version is None else int(policy_version)
+        version = self.policy_version if policy_version is None else validate_version(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
         want = [n_rows] * len(slabs) if n_rows is None or isinstance(n_rows, int) else list(n_rows)
@@ -453,7 +453,7 @@ class RolloutRecorder:
         """Declare that ``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt)."""
         if self._stages:
             self._drain_stages()
-        v = self.policy_version if policy_version is None else int(policy_version)
+        v = self.policy_version if policy_version is None else validate_version(policy_version)
         if self._session.error is None:  # (a stopped recorder's queue has no reader)
             self._queue.append(PrefixLink(self.run_spec.run, v, trajectory, source, n_tokens))
 
@@ -492,7 +492,9 @@ class RolloutRecorder:
 
     @policy_version.setter
     def policy_version(self, version: int) -> None:
-        self._outbox.policy_version = int(version)
+        # checked at the call: a version the wire cannot carry (int64) failed only on the sender
+        # thread, which then dropped every record it had taken with it
+        self._outbox.policy_version = validate_version(version)
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version

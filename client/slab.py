@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tracestore.errors import ConfigError, ShapeError, ValidationError
-from tracestore.records import validate_id
+from tracestore.records import validate_id, validate_version
 
 from ._cuda import DriverEvent
 
@@ -256,7 +256,7 @@ class SlabStage:
         ready = drv.event()
         drv.record(ready, cur)
         k = self.k
-        v = self.recorder.policy_version if policy_version is None else int(policy_version)
+        v = self.recorder.policy_version if policy_version is None else validate_version(policy_version)
         self._steps += 1
         self._todo.append((k, segments, v, ready))
         self._wake.put(True)

@@ -91,6 +91,20 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 IdKind = Literal["run", "trajectory", "site", "writer", "source"]
 
 
+MAX_POLICY_VERSION = (1 << 63) - 1  # the wire's int64
+
+
+def validate_version(value: object) -> int:
+    """Check a policy version: an integer (Python or NumPy; not a bool) from 0 to 2**63 - 1, the
+    wire's int64. Returns it as an int, or raises :class:`ValidationError`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValidationError(f"policy_version must be an integer >= 0, got {value!r}")
+    v = int(value)
+    if not 0 <= v <= MAX_POLICY_VERSION:
+        raise ValidationError(f"policy_version must be an integer from 0 to 2**63 - 1 (int64), got {v}")
+    return v
+
+
 def validate_id(kind: str, value: object) -> str:
     """Check a run / trajectory / site / writer id; return it or raise :class:`ValidationError`.
 

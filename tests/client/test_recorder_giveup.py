@@ -345,11 +345,14 @@ def test_retry_after_is_capped(hostile: Callable[[Handler], Hostile]) -> None:
 
 
 def test_a_message_that_cannot_be_built_unguides_its_trajectories(sidecar: Sidecar) -> None:
-    """A policy version beyond int64 fails when the sender builds the message. Before: the
-    forward was lost silently (flush True, nothing unguided)."""
+    """A message the sender cannot build (here a policy version beyond int64, put past the call's
+    own check, which refuses it now) marks its trajectories unguided. Before: the forward was lost
+    silently (flush True, nothing unguided)."""
     rec = _recorder(f"127.0.0.1:{sidecar.port}")
     try:
-        assert _forward(rec, "huge", policy_version=2**63)
+        rec._outbox.policy_version = 2**63  # noqa: SLF001 - past record_forward's check, on purpose
+        assert _forward(rec, "huge")
+        rec._outbox.policy_version = 0  # noqa: SLF001
         assert not rec.flush(10)
         assert _why(rec, "huge") == "sender_error"
         assert _forward(rec, "fine") and rec.flush(10) and "fine" not in rec.unguided
@@ -365,5 +368,28 @@ def test_finish_refuses_a_length_no_seal_can_have(sidecar: Sidecar) -> None:
         with pytest.raises(ValidationError, match="n_tokens"):
             rec.finish("t0", 0)
         assert rec.flush(10) and not rec.unguided
+    finally:
+        rec.close(timeout=2)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 63, 2.0, True])
+def test_a_policy_version_the_wire_cannot_carry_raises_at_the_call(sidecar: Sidecar, bad: object) -> None:
+    """Before: 2**63 was queued and failed on the sender thread (protobuf's int64), which marked
+    the forwards it had taken with it unguided (sender_error); -1 went out and the sidecar refused
+    the whole message. Now each raises at the call and what was queued before stays guided."""
+    with pytest.raises(ValidationError, match="policy_version"):
+        _recorder(f"127.0.0.1:{sidecar.port}", policy_version=bad)
+    rec = _recorder(f"127.0.0.1:{sidecar.port}")
+    try:
+        assert _forward(rec, "t0")
+        with pytest.raises(ValidationError, match="policy_version"):
+            _forward(rec, "t1", policy_version=bad)
+        with pytest.raises(ValidationError, match="policy_version"):
+            rec.link_prefix("t2", "t0", 4, policy_version=bad)
+        with pytest.raises(ValidationError, match="policy_version"):
+            rec.set_policy_version(bad)  # type: ignore[arg-type]
+        assert rec.policy_version == 0
+        assert _forward(rec, "t3", policy_version=np.int64(3))  # NumPy integers are integers
+        assert rec.flush(10) and not rec.unguided, rec.unguided
     finally:
         rec.close(timeout=2)

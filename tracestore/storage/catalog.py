@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from tracestore.errors import CorruptionError, ValidationError
-from tracestore.records import validate_id
+from tracestore.records import validate_id, validate_version
 from tracestore.storage.fs import Storage
 from tracestore.storage.manifest import Manifest, shard_name
 
@@ -31,12 +31,6 @@ _SHARD_TEMP = re.compile(r"\.part-\d{8,}\.(?:parquet|manifest\.json)\.tmp-[0-9a-
 _NO_TEMP = re.compile(r"(?!)")  # version directories hold none
 STALE_TEMP_AGE_S = 600.0
 """Default grace of :meth:`Catalog.remove_stale_temp_files`, at least 10x the storage timeout."""
-
-
-def _version(v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValidationError(f"policy_version must be an integer >= 0, got {v!r}")
-    return v
 
 
 class Catalog:
@@ -83,7 +77,7 @@ class Catalog:
     def manifest_paths(self, run: str, policy_version: int) -> list[str]:
         """Root-relative paths of the committed manifests of one version (sorted)."""
         validate_id("run", run)
-        base = f"{run}/v{_version(policy_version)}/"
+        base = f"{run}/v{validate_version(policy_version)}/"
         out = []
         for p in self.storage.find(base.rstrip("/")):
             if not p.startswith(base):
@@ -211,7 +205,7 @@ class Catalog:
 
         Manifests go first (the data stops being visible), then the shards and directories.
         """
-        keep = _version(keep)
+        keep = validate_version(keep)
         deleted = []
         for v in self.list_versions(run):
             if v >= keep:

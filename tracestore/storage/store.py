@@ -34,8 +34,8 @@ from typing import Any
 
 from tracestore import faults as _faults
 from tracestore.errors import ConfigError, ConflictError, NotFoundError, ValidationError
-from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id
-from tracestore.storage.catalog import STALE_TEMP_AGE_S, Catalog, _version
+from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id, validate_version
+from tracestore.storage.catalog import STALE_TEMP_AGE_S, Catalog
 from tracestore.storage.fs import EventHook, Storage, env_number
 from tracestore.storage.manifest import Manifest
 from tracestore.storage.shard_write import (
@@ -278,7 +278,7 @@ class Store(Catalog):
         """
         validate_id("run", run)
         validate_id("writer", writer)
-        policy_version = _version(policy_version)
+        policy_version = validate_version(policy_version)
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise ValidationError(f"seq must be an integer >= 0, got {seq!r}")
         if seq >= PART_SEQ_STRIDE:
