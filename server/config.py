@@ -46,7 +46,12 @@ class ServerConfig:
     received message out of its buffers once (one at a time, on its polling thread), so for a
     moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
     row bytes of the sites read), and a Read holds its size against the memory budget while it
-    runs. ``max_writers``/``max_runs``: writer sessions and runs one sidecar keeps.
+    runs. ``max_writers``: writer sessions one sidecar keeps (they are durable: fencing and ownership);
+    ``max_runs``: runs with records not committed yet (a committed run's entry is only its spec,
+    dropped when the slot is needed). With authentication, one identity holds at most
+    ``max_writers_per_identity`` sessions and ``max_runs_per_identity`` runs of those (None: a
+    quarter of the global limit, :attr:`writers_per_identity`, :attr:`runs_per_identity`), so that
+    one team cannot take every slot from the others.
     ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
     64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
@@ -81,6 +86,8 @@ class ServerConfig:
     max_read_bytes: int = 256 * MiB
     max_writers: int = 1024
     max_runs: int = 256
+    max_writers_per_identity: int | None = None
+    max_runs_per_identity: int | None = None
     storage_unhealthy_s: float = 300.0
     wal_retry_s: float = 1.0
     grace_s: float = 30.0
@@ -118,6 +125,17 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
+        for name, whole in (("max_writers_per_identity", "max_writers"), ("max_runs_per_identity", "max_runs")):
+            v, limit = getattr(self, name), getattr(self, whole)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1 (or unset: a quarter of {whole}), got {v!r}")
+            if v > limit:
+                raise ConfigError(
+                    f"{name} ({v}) must be at most {whole} ({limit}): it is one identity's share of that limit; "
+                    f"lower it, or raise {whole} too"
+                )
         w = self.stream_window_bytes
         if w is not None:
             if isinstance(w, bool) or not isinstance(w, int) or not GRPC_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW:
@@ -136,6 +154,20 @@ class ServerConfig:
                 f"({self.memory_budget_bytes}): the budget keeps room for one message being copied out of "
                 "gRPC's buffers besides the messages being read"
             )
+
+    @property
+    def writers_per_identity(self) -> int:
+        """Writer sessions one authenticated identity may hold: ``max_writers_per_identity``, else a
+        quarter of ``max_writers`` (at least one)."""
+        v = self.max_writers_per_identity
+        return max(1, self.max_writers // 4) if v is None else v
+
+    @property
+    def runs_per_identity(self) -> int:
+        """Runs with records not committed yet that one authenticated identity may have:
+        ``max_runs_per_identity``, else a quarter of ``max_runs`` (at least one)."""
+        v = self.max_runs_per_identity
+        return max(1, self.max_runs // 4) if v is None else v
 
     @property
     def stream_window(self) -> int:

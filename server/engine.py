@@ -30,8 +30,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tracestore.errors import ConflictError, LimitError, TraceStoreError
@@ -68,8 +68,12 @@ class Engine:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # budget freed / flush finished
-        self.sessions = Sessions(config.max_writers)
-        self.runs: dict[str, RunSpec] = {}
+        per_identity = config.writers_per_identity if config.auth_tokens is not None else None
+        self.sessions = Sessions(config.max_writers, per_identity)
+        # The specs of the runs written lately, least recently written first (see _admit_run), and
+        # the identity whose write brought each one in (None with authentication off).
+        self.runs: OrderedDict[str, RunSpec] = OrderedDict()
+        self._run_holder: dict[str, str | None] = {}
         self._dedupe = DedupeIndex(config.dedupe_versions)
         self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now)
         self.holds = StagingHolds(metrics, self.sessions.writers)
@@ -104,37 +108,97 @@ class Engine:
         return self.budget.in_use
 
     # -- runs -------------------------------------------------------------------------------------
+    #
+    # A run's entry here is its spec, which is immutable and on storage: dropping one costs a read
+    # of run.json the next time it is needed, nothing else. Only writes take a slot (``max_runs``):
+    # reads, Stat and the WAL replay look specs up without one (:meth:`run_spec`). Before, every
+    # run a reader named took a slot for good, so a read:* identity could make the sidecar refuse
+    # every new run of every writer. A slot whose run has no records waiting to be committed is
+    # given to the next run that needs one; with authentication, one identity holds at most
+    # ``runs_per_identity`` slots, so runs kept busy by one team cannot take every slot either.
 
-    def declare_run(self, spec: RunSpec) -> None:
-        """Create the run on storage, or check that the stored one is identical."""
+    def declare_run(self, spec: RunSpec, identity: str | None = None) -> None:
+        """Create the run on storage, or check that the stored one is identical; the run takes a
+        slot for ``identity``'s writes (LimitError when none is free)."""
         with self._lock:
             known = self.runs.get(spec.run)
-        if known is not None:
-            if known != spec:
-                raise ConflictError(f"run {spec.run} is already declared with different sites; runs are immutable")
-            return
-        self._check_run_limit(spec.run)
-        self.store.put_run(spec)
+        if known is not None and known != spec:
+            raise ConflictError(f"run {spec.run} is already declared with different sites; runs are immutable")
+        if known is None:
+            with self._lock:  # refused before anything is created on storage
+                self._admit_run(spec.run, identity, dry_run=True)
+            self.store.put_run(spec)
         with self._lock:
+            self._admit_run(spec.run, identity)
             self.runs[spec.run] = spec
 
-    def _check_run_limit(self, run: str) -> None:
-        with self._lock:
-            if run not in self.runs and len(self.runs) >= self.config.max_runs:
-                raise LimitError(
-                    f"this sidecar already serves {len(self.runs)} runs (max_runs); run {run} is refused: "
-                    "start a sidecar per run group, or raise --max-runs"
-                )
-
-    def run_spec(self, run: str) -> RunSpec:
+    def write_spec(self, run: str, identity: str | None = None) -> RunSpec:
+        """The spec of ``run``, which ``identity`` is about to write: the run takes a slot
+        (LimitError when none is free). NotFoundError, and no slot, for a run never declared."""
         with self._lock:
             spec = self.runs.get(run)
-        if spec is None:
-            self._check_run_limit(run)
-            spec = self.store.get_run(run)  # NotFoundError when never declared
-            with self._lock:
-                self.runs[run] = spec
+            if spec is not None:
+                self._admit_run(run, identity)
+                return spec
+            self._admit_run(run, identity, dry_run=True)
+        spec = self.store.get_run(run)  # NotFoundError when never declared
+        with self._lock:
+            self._admit_run(run, identity)
+            self.runs[run] = spec
         return spec
+
+    def run_spec(self, run: str) -> RunSpec:
+        """The spec of ``run`` for anything but a write (Read, Stat, WAL replay): takes no slot and
+        is never refused for a limit. NotFoundError for a run never declared."""
+        with self._lock:
+            spec = self.runs.get(run)
+        # (the Store keeps the specs it has read: immutable, and only those of runs that exist)
+        return spec if spec is not None else self.store.get_run(run)
+
+    def _admit_run(self, run: str, identity: str | None, *, dry_run: bool = False) -> None:
+        """Make room for ``run`` in the table of written runs (lock held): the entry the caller is
+        about to set, now the most recently used. Frees the least recently used slot of a run with
+        nothing waiting to be committed when ``identity`` is at its share or the table is full;
+        LimitError when there is none. ``dry_run``: only check (and free) that there is room."""
+        if run in self.runs:
+            if not dry_run:
+                self.runs.move_to_end(run)
+            return
+        busy: set[str] | None = None
+        share = self.config.runs_per_identity if self.config.auth_tokens is not None else None
+        if identity is not None and share is not None:
+            mine = [r for r in self.runs if self._run_holder.get(r) == identity]
+            if len(mine) >= share:
+                busy = self._busy_runs()
+                if not self._drop_idle_run(mine, busy):
+                    raise LimitError(
+                        f"identity {identity!r} already has {len(mine)} runs with records not yet committed on this "
+                        f"sidecar, its share (max_runs_per_identity); run {run} is refused: retry once they are "
+                        "committed, or raise --max-runs-per-identity"
+                    )
+        if len(self.runs) >= self.config.max_runs:
+            busy = self._busy_runs() if busy is None else busy
+            if not self._drop_idle_run(self.runs, busy):
+                raise LimitError(
+                    f"this sidecar already serves {len(self.runs)} runs with records not yet committed (max_runs); "
+                    f"run {run} is refused: retry once they are committed, start a sidecar per run group, or raise "
+                    "--max-runs"
+                )
+        if not dry_run:
+            self._run_holder[run] = identity
+
+    def _busy_runs(self) -> set[str]:
+        """Runs with messages queued, not committed yet (lock held)."""
+        return {w.run for w in self.writers.values() if w.pending}
+
+    def _drop_idle_run(self, candidates: Iterable[str], busy: set[str]) -> bool:
+        """Drop the first (least recently used) of ``candidates`` that is not ``busy``; False if none."""
+        for run in candidates:
+            if run not in busy:
+                del self.runs[run]
+                self._run_holder.pop(run, None)
+                return True
+        return False
 
     # -- start / replay ---------------------------------------------------------------------------
 
@@ -260,6 +324,28 @@ class Engine:
     def _submit(
         self, msg: Message, wal_parts: Sequence[Part], held: int, hold: tuple[str, int] | None, identity: str | None
     ) -> tuple[WriterState, bool]:
+        # A session made for this message goes again if the message is refused: before, a first
+        # message refused for a gap, a conflict or no room left its empty session for good (in
+        # every WAL snapshot, too), owned by no one and counted in no identity's share.
+        opened: list[WriterState] = []
+        try:
+            return self._admit(msg, wal_parts, held, hold, identity, opened)
+        except BaseException:
+            if opened:
+                with self._lock:
+                    for st in opened:
+                        self.sessions.discard(st)
+            raise
+
+    def _admit(
+        self,
+        msg: Message,
+        wal_parts: Sequence[Part],
+        held: int,
+        hold: tuple[str, int] | None,
+        identity: str | None,
+        opened: list[WriterState],
+    ) -> tuple[WriterState, bool]:
         msg.reservation_held = held
         deadline = time.monotonic() + self.config.backpressure_timeout_s
         if msg.nbytes > self.config.memory_budget_bytes:
@@ -273,7 +359,9 @@ class Engine:
             while True:
                 if self._draining:
                     raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
-                st = self.sessions.admit(msg)
+                st, new = self.sessions.admit(msg, identity)
+                if new:
+                    opened.append(st)
                 if identity is not None:
                     st.check_owner(msg, identity)
                     self._dedupe.check_owner(msg, identity)

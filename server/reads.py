@@ -6,15 +6,23 @@ A Read is sized from its request alone (:func:`read_size`) and refused over the 
 what the sidecar holds first (read-your-writes), reserves its output in the engine's memory
 budget, reads storage through one ``StoreReader`` per run (kept between calls: :class:`Reads`
 owns them), and streams the rows in slices of about ``READ_SLICE_BYTES``. The caller must be
-allowed to read the run (``require_read``); the service (``service.py``) takes the call's slot
-and turns errors into status codes.
+allowed to read the run (``require_read``), checked before the run is looked up; the service
+(``service.py``) takes the call's slot and turns errors into status codes.
+
+A reader holds the run's index and a pool of threads, so :class:`Reads` keeps those of the
+``max_runs`` runs read most recently (one read by a call in progress is closed once that call is
+done). Before, it kept one for every run ever read: an identity allowed to read many runs grew the
+sidecar by a thread pool per run. Looking a run up for a read takes none of the engine's run slots
+(``Engine.run_spec``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import grpc
@@ -75,7 +83,8 @@ class Reads:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self._readers: dict[str, Any] = {}
+        self._readers: OrderedDict[str, Any] = OrderedDict()  # run -> StoreReader, least recently read first
+        self._using: dict[int, int] = {}  # id() of a reader -> calls reading with it now
         self._lock = threading.Lock()
 
     def rows(self, raw: bytes, who: Identity, reserved: list[int]) -> list[tuple[str, Any]]:
@@ -109,14 +118,35 @@ class Reads:
         reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
         on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
-        with self._lock:
-            reader = self._readers.get(req.run)
-            if reader is None:
-                reader = self._readers[req.run] = StoreReader(self.engine.store, req.run)
-        result = reader.read(
-            plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
-        )
+        with self._reader(req.run, StoreReader) as reader:
+            result = reader.read(
+                plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
+            )
         return [(s, result[s]) for s in sites]
+
+    @contextlib.contextmanager
+    def _reader(self, run: str, make: Callable[[Any, str], Any]) -> Iterator[Any]:
+        """The reader of ``run`` (made by ``make(store, run)`` if there is none), in use until the
+        block ends; readers beyond ``max_runs`` are closed, least recently read first."""
+        with self._lock:
+            reader = self._readers.get(run)
+            if reader is None:
+                reader = self._readers[run] = make(self.engine.store, run)
+            self._readers.move_to_end(run)
+            self._using[id(reader)] = self._using.get(id(reader), 0) + 1
+            while len(self._readers) > self.config.max_runs:
+                _, old = self._readers.popitem(last=False)
+                if id(old) not in self._using:
+                    old.close()  # (one in use is closed by the last call done with it)
+        try:
+            yield reader
+        finally:
+            with self._lock:
+                left = self._using.pop(id(reader)) - 1
+                if left:
+                    self._using[id(reader)] = left
+                elif self._readers.get(run) is not reader:
+                    reader.close()
 
     def stream(self, rows_by_site: list[tuple[str, Any]], context: grpc.ServicerContext, t0: float) -> Iterator[bytes]:
         """Serialized ReadResponse slices of ``rows_by_site`` (a Read that began at ``t0``), while

@@ -250,11 +250,12 @@ class TraceStoreService:
         try:
             req = parse_seal(raw)
             require_write(self._caller(), req.run)
-            msg = seal_message(req, self.engine.run_spec)
+            identity = self._identity(self._caller())
+            msg = seal_message(req, lambda run: self.engine.write_spec(run, identity))
             wal = pb.WriteRequest(
                 run=req.run, writer=req.writer, epoch=req.epoch, sequence=req.sequence, seals=req.seals, links=req.links
             ).SerializeToString()
-            st, _ = self.engine.submit(msg, pack_wal_data(wal, []), identity=self._identity(self._caller()))
+            st, _ = self.engine.submit(msg, pack_wal_data(wal, []), identity=identity)
             deadline = time.monotonic() + max(1.0, context.time_remaining() or self.config.grace_s)
             waker = Waker()
             self.engine.listen(st, waker)

@@ -12,6 +12,12 @@ starts at sequence 1. :class:`Sessions` holds the sessions per (run, writer), at
 ``max_writers`` of them; every WAL segment starts with their snapshot (:meth:`Sessions.snapshot`,
 a STATE entry), so a replay that starts after deleted segments still knows what was committed.
 
+Sessions are never evicted: the epoch fences older instances of a writer and the owner keeps the
+writer id its identity's, and both must outlive any idle time. So that one identity cannot take
+every session from the others on a shared sidecar, an authenticated identity holds at most
+``per_identity`` of them; and a session exists only once a message of it was admitted (a first
+message that is refused takes its new, empty session away again: :meth:`Sessions.discard`).
+
 Not thread-safe: the engine (``engine.py``) calls all of it with its lock held.
 """
 
@@ -46,6 +52,21 @@ class WriterState:
     pending_bytes: int = 0
     listeners: set[Waker] = dataclasses.field(default_factory=set)
     owner: str | None = None  # the authenticated identity that first used this writer id (durable)
+    # the identity whose message made this session, until that message is admitted and claims it
+    # (counted against that identity's share meanwhile; not durable)
+    opened_by: str | None = None
+
+    @property
+    def blank(self) -> bool:
+        """Nothing was ever admitted to this session: it carries no fencing, owner or queue."""
+        return (
+            self.epoch == 0
+            and self.received_seq == 0
+            and self.owner is None
+            and not self.pending
+            and not self.held
+            and not self.listeners
+        )
 
     def check_sequence(self, msg: Message) -> bool:
         """Whether ``msg`` is a resend of a received message (True) or the next one (False); raises
@@ -94,10 +115,12 @@ class WriterState:
 
 
 class Sessions:
-    """The writer sessions of one sidecar by (run, writer), at most ``max_writers``."""
+    """The writer sessions of one sidecar by (run, writer), at most ``max_writers``, and at most
+    ``per_identity`` held by one authenticated identity (None: no share)."""
 
-    def __init__(self, max_writers: int) -> None:
+    def __init__(self, max_writers: int, per_identity: int | None = None) -> None:
         self.max_writers = max_writers
+        self.per_identity = per_identity
         self.writers: dict[tuple[str, str], WriterState] = {}
 
     def get(self, run: str, writer: str) -> WriterState:
@@ -110,14 +133,38 @@ class Sessions:
             st = self.writers[key] = WriterState(run, writer, shard_next=time.time_ns() // 1000)
         return st
 
-    def admit(self, msg: Message) -> WriterState:
-        """The session ``msg`` belongs to; LimitError when it needs a new one beyond ``max_writers``."""
-        if (msg.run, msg.writer) not in self.writers and len(self.writers) >= self.max_writers:
+    def admit(self, msg: Message, identity: str | None = None) -> tuple[WriterState, bool]:
+        """The session ``msg`` belongs to and whether it was made now (the caller gives a new one
+        back with :meth:`discard` if the message is then refused); LimitError when a new one would be beyond
+        ``max_writers``, or beyond ``per_identity`` sessions held by ``identity``."""
+        st = self.writers.get((msg.run, msg.writer))
+        if st is not None:
+            return st, False
+        if len(self.writers) >= self.max_writers:
             raise LimitError(
                 f"this sidecar already tracks {len(self.writers)} writers (max_writers); writer "
                 f"{msg.writer} of run {msg.run} is refused: use fewer writer ids, or raise --max-writers"
             )
-        return self.get(msg.run, msg.writer)
+        if identity is not None and self.per_identity is not None:
+            # A scan, only when a new writer id asks for a session: at most max_writers entries.
+            held = sum(1 for w in self.writers.values() if (w.owner or w.opened_by) == identity)
+            if held >= self.per_identity:
+                raise LimitError(
+                    f"identity {identity!r} already holds {held} writer sessions on this sidecar, its share "
+                    f"(max_writers_per_identity); writer {msg.writer} of run {msg.run} is refused: reuse writer "
+                    "ids (a restarted engine keeps its writer id and starts a new epoch), or raise "
+                    "--max-writers-per-identity"
+                )
+        st = self.get(msg.run, msg.writer)
+        st.opened_by = identity
+        return st, True
+
+    def discard(self, st: WriterState) -> None:
+        """Take back a session :meth:`admit` made for a message that was then refused, unless
+        something was admitted to it meanwhile (another stream of the same writer id)."""
+        key = (st.run, st.writer)
+        if self.writers.get(key) is st and st.blank:
+            del self.writers[key]
 
     def snapshot(self, resume: Mapping[int, Message] | None = None) -> list[Session]:
         """Every session as a STATE entry holds it; a writer in ``resume`` (by ``id()`` of its

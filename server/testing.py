@@ -211,5 +211,5 @@ def submit_request(eng: Any, req: pb.WriteRequest) -> tuple[Any, bool]:
     """Parse ``req`` as the sidecar does and admit it to ``eng``: (writer state, duplicate)."""
     from .ingest import parse_write
 
-    _, msg, parts = parse_write(req.SerializeToString(), eng.run_spec, None)
+    _, msg, parts = parse_write(req.SerializeToString(), eng.write_spec, None)
     return eng.submit(msg, parts)  # type: ignore[no-any-return]

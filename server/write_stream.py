@@ -138,11 +138,11 @@ class WriteStream:
         if run not in self.may_write:
             require_write(self.who, run)
             self.may_write.add(run)
-        return self.engine.run_spec(run)
+        return self.engine.write_spec(run, self.identity)
 
     def declare(self, spec: pb.RunSpec) -> None:
         require_write(self.who, spec.run)
-        self.engine.declare_run(run_spec_from_pb(spec))
+        self.engine.declare_run(run_spec_from_pb(spec), self.identity)
 
     def serve(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """The stream's responses (serialized WriteResponse acks); runs in the gRPC thread."""

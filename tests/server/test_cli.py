@@ -67,10 +67,19 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
     assert got == (100, 8, 16 << 20, 7, 3, 2.5, 0.5)
     assert cfg.rpc_threads == 108 and cfg.max_concurrent_rpcs > cfg.rpc_threads
     bad = {"max_writers": 0, "max_runs": -1, "max_streams": 0, "workers": 4, "storage_unhealthy_s": 0.0,
-           "wal_retry_s": float("nan"), "max_read_bytes": 10}  # fmt: skip
+           "wal_retry_s": float("nan"), "max_read_bytes": 10, "max_writers_per_identity": 0,
+           "max_runs_per_identity": True}  # fmt: skip
     for name, value in bad.items():
         with pytest.raises(ConfigError, match=name):
             ServerConfig(**{name: value})  # type: ignore[arg-type]
+    # one identity's share: a quarter of the limit unless set, and never more than the limit
+    assert (cfg.writers_per_identity, cfg.runs_per_identity) == (1, 1)  # of 7 writers, 3 runs
+    assert (ServerConfig().writers_per_identity, ServerConfig().runs_per_identity) == (256, 64)
+    args = ["serve", "--max-writers-per-identity", "5", "--max-runs-per-identity", "2", "--max-runs", "3"]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert (cfg.writers_per_identity, cfg.runs_per_identity) == (5, 2)
+    with pytest.raises(ConfigError, match=r"max_runs_per_identity \(4\) must be at most max_runs \(3\)"):
+        ServerConfig(max_runs=3, max_runs_per_identity=4)
     # only as many streams wait for a message as half the budget covers at max_message_bytes each
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=2 << 20).reading_streams == 16
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=32 << 20).reading_streams == 1

@@ -344,12 +344,14 @@ def test_storage_op_labels_are_a_fixed_set() -> None:
 
 
 def test_writer_and_run_limits(tmp_path: Path) -> None:
-    """max_writers / max_runs: a writer or run beyond them is refused with RESOURCE_EXHAUSTED
-    naming the limit, and the ones already there keep working."""
+    """max_writers / max_runs: a writer, or a run while the ones there have records waiting to be
+    committed, beyond them is refused with RESOURCE_EXHAUSTED naming the limit, and the ones already
+    there keep working (tests/security/test_shared_limits.py: a committed run's slot is reused)."""
     from tracestore.records import RunSpec
 
+    # nothing is committed until asked, so run-a keeps its slot
     cfg = ServerConfig(storage=f"file://{tmp_path / 'data'}", wal_dir=str(tmp_path / "wal"), port=0, metrics_port=None,
-                       flush_interval_s=0.05, max_writers=2, max_runs=1)  # fmt: skip
+                       flush_interval_s=3600, max_writers=2, max_runs=1)  # fmt: skip
     sc = Sidecar(cfg).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sc.port}") as ch:

@@ -34,6 +34,7 @@ from tracestore.server.wal import HEADER, WriteAheadLog
 
 from tracestore.errors import ConfigError, ConflictError, CorruptionError, LimitError, StorageError
 from tracestore.plan import MicrobatchPlan
+from tracestore.records import RunSpec
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 
@@ -369,15 +370,22 @@ def test_a_huge_policy_version_does_not_wipe_dedupe_state(memory_url: str) -> No
 
 
 def test_writer_and_run_limits(memory_url: str) -> None:
-    eng = _engine(memory_url, None, max_writers=2, max_runs=1)
+    eng = _engine(memory_url, None, max_writers=2, max_runs=1, flush_interval_s=3600)
     try:
+        eng.store.put_run(RunSpec("another-run", SPEC.sites))
         _submit(eng, write_request(1, [make_chunk("t1", 0, 4)], writer="a"))
         _submit(eng, write_request(1, [make_chunk("t2", 0, 4)], writer="b"))
         with pytest.raises(LimitError, match="max_writers"):
             _submit(eng, write_request(1, [make_chunk("t3", 0, 4)], writer="c"))
+        assert list(eng.writers) == [(SPEC.run, "a"), (SPEC.run, "b")]  # the refused one left no session
         _submit(eng, write_request(2, [make_chunk("t4", 0, 4)], writer="a"))  # known writers go on
+        # run-a has records waiting to be committed: its slot is taken
         with pytest.raises(LimitError, match="max_runs"):
-            eng.run_spec("another-run")
+            eng.write_spec("another-run")
+        assert eng.run_spec("another-run").run == "another-run"  # a lookup to read takes no slot
+        assert eng.flush(10)
+        assert eng.write_spec("another-run").run == "another-run"  # run-a's committed: its slot is reused
+        assert list(eng.runs) == ["another-run"]
     finally:
         eng.close()
 
