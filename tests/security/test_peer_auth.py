@@ -161,6 +161,28 @@ def test_unix_peers_by_uid_through_the_client_and_refusals(base: Path) -> None:
     assert not os.path.exists(str(sock) + PEER_SUFFIX)  # removed with the socket
 
 
+def test_a_peer_token_is_good_only_at_its_sidecar_and_while_its_rule_is_listed(base: Path) -> None:
+    """A peer token is a bearer token for 60 s, so the audit asked what else it opens: another
+    sidecar (its own key) refuses it on its socket, and once a SIGHUP removes the uid's entry the
+    same unexpired token is refused (the entry is looked up on every call, not when minted)."""
+    other_base = base / "other"
+    other_base.mkdir()
+    sc = _sidecar(base, f"uid:{ME} write:run-a me\ngid:{ME + 1} read:run-a someone-else\n")
+    other = _sidecar(other_base, f"uid:{ME} write:run-a me\n")
+    try:
+        token = fetch_peer_token(str(base / "s.sock"))
+        with grpc.insecure_channel(f"unix://{other_base / 's.sock'}") as raw:
+            assert _write(raw, "t0", "w0", token) == "UNAUTHENTICATED"
+        with grpc.insecure_channel(f"unix://{base / 's.sock'}") as raw:
+            assert _write(raw, "t1", "w1", token) == "OK"
+            (base / "tokens").write_text(token_line(ADMIN_TOKEN, "admin", "all") + f"\ngid:{ME + 1} read:run-a x\n")
+            sc.reload()
+            assert _write(raw, "t2", "w2", token) == "UNAUTHENTICATED"
+    finally:
+        other.stop(5)
+        sc.stop(5)
+
+
 def test_no_peer_endpoint_without_a_token_file_or_unix_socket(base: Path) -> None:
     cfg = ServerConfig(storage=f"memory://peer-{os.getpid()}", wal_dir=None, port=0, metrics_port=None,
                        unix_socket=str(base / "s.sock"))  # fmt: skip
