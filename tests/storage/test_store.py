@@ -438,3 +438,24 @@ def test_shard_of_many_row_groups_round_trips(store: Store):
     res = StoreReader(store, RUN).read(plan)
     for s in SITES:
         _check(res, chunks, s, plan.segments)
+
+
+def test_the_manifest_cache_is_bounded_and_readers_still_read_everything(store: Store, monkeypatch):
+    """Before: every manifest a Store published or read stayed cached for its life, so a long-lived
+    sidecar grew with everything it wrote (+63 MiB per 80,000 chunks). Now the cache holds at most
+    ``_MAX_MANIFEST_ENTRIES`` chunk entries, least recently used dropped first."""
+    monkeypatch.setattr(type(store), "_MAX_MANIFEST_ENTRIES", 40)
+    chunks = []
+    for seq in range(1, 13):  # 12 shards of 10 chunks: 120 entries published
+        batch = [make_chunk(S0, f"t{seq}-{i}", 0, 2) for i in range(10)]
+        store.write_shard(RUN, 0, "w0", seq, batch)
+        chunks += batch
+    cached = store._manifests  # noqa: SLF001 - the bound is the point of this test
+    assert sum(len(m.chunks) for m in cached.values()) <= 40 and len(cached) == 4
+    assert store._manifest_entries == 40  # noqa: SLF001
+    # a fresh reader still sees every shard (the dropped manifests are read again from storage)
+    plan = MicrobatchPlan([(c.trajectory, 0, 2) for c in chunks])
+    _check(StoreReader(store, RUN).read(plan, sites=[S0.name]), chunks, S0, [(c.trajectory, 0, 2) for c in chunks])
+    assert sum(len(m.chunks) for m in cached.values()) <= 40
+    assert store.delete_versions_older_than(RUN, 1) == [0]
+    assert not cached and store._manifest_entries == 0  # noqa: SLF001

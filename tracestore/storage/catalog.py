@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from tracestore.errors import CorruptionError, ValidationError
@@ -41,7 +42,10 @@ class Catalog:
     def __init__(self, storage: Storage, url: str) -> None:
         self.storage = storage
         self.url = url
-        self._manifests: dict[str, Manifest] = {}  # manifests are immutable once published
+        # Parsed manifests (immutable once published), least recently used first, with their chunk
+        # entries counted: bounded by _MAX_MANIFEST_ENTRIES (see _remember_manifest).
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        self._manifest_entries = 0
         # Parquet footers of shards, shared by every reader of this store: keyed by the manifest's
         # (path, size, crc32) of the shard, so a file replaced under the same path is not matched
         self._footers: dict[tuple[str, int, int], Any] = {}
@@ -90,6 +94,8 @@ class Catalog:
     def read_manifest(self, path: str) -> Manifest:
         with self._lock:
             cached = self._manifests.get(path)
+            if cached is not None:
+                self._manifests.move_to_end(path)
         if cached is not None:
             return cached
         m = Manifest.from_json(self.storage.cat(path), where=f"{self.url}/{path}")
@@ -104,10 +110,24 @@ class Catalog:
         self._remember_manifest(path, m)
         return m
 
+    # Chunk entries the manifest cache holds at most (~350 bytes each parsed: ~90 MiB). Unbounded,
+    # a long-lived sidecar kept every manifest it ever published: +63 MiB per 80,000 chunks
+    # ingested, for as long as it ran. A StoreReader indexes each manifest once and keeps what it
+    # indexed itself, so the cache only spares re-reads (another reader of this store, the rebuild
+    # after retention); least recently used manifests go first.
+    _MAX_MANIFEST_ENTRIES = 1 << 18
+
     def _remember_manifest(self, path: str, m: Manifest) -> None:
         """Cache the manifest at ``path`` (read, or just published by this store)."""
         with self._lock:
+            old = self._manifests.pop(path, None)
+            if old is not None:
+                self._manifest_entries -= len(old.chunks)
             self._manifests[path] = m
+            self._manifest_entries += len(m.chunks)
+            while self._manifest_entries > self._MAX_MANIFEST_ENTRIES and len(self._manifests) > 1:
+                _, dropped = self._manifests.popitem(last=False)
+                self._manifest_entries -= len(dropped.chunks)
 
     _MAX_FOOTERS = 4096
 
@@ -215,6 +235,7 @@ class Catalog:
                 with self._lock:
                     m = self._manifests.pop(p, None)
                     if m is not None:
+                        self._manifest_entries -= len(m.chunks)
                         self._footers.pop((m.shard or "", m.shard_bytes, m.shard_crc32), None)
             self.storage.rm(f"{run}/v{v}", recursive=True)
             deleted.append(v)
