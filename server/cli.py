@@ -102,6 +102,10 @@ SETTINGS = (
     Setting("--max-runs-per-identity", integer(1), None,
             "with --auth-tokens: runs with records not yet committed one identity may have, at most --max-runs",
             show="a quarter of --max-runs"),
+    Setting("--max-streams-per-identity", integer(1), None,
+            "with --auth-tokens: open Write streams one identity (token name; 'unix-socket' for the socket's "
+            "callers without a token) may hold, at most --max-streams",
+            show="a quarter of --max-streams, at least 8 (at most --max-streams)"),
     Setting("--storage-unhealthy", SECONDS, 300.0,
             "seconds of storage refusing every commit before health reports NOT_SERVING", metavar="SECONDS"),
     Setting("--wal-retry", SECONDS, 1.0, "seconds between attempts to recover a failed write-ahead log",
@@ -356,6 +360,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         max_runs=ns.max_runs,
         max_writers_per_identity=ns.max_writers_per_identity,
         max_runs_per_identity=ns.max_runs_per_identity,
+        max_streams_per_identity=ns.max_streams_per_identity,
         storage_unhealthy_s=ns.storage_unhealthy,
         wal_retry_s=ns.wal_retry,
         grace_s=ns.grace,

@@ -24,6 +24,9 @@ READ_SLICE_BYTES = 4 << 20
 # stream window".
 GRPC_STREAM_WINDOW = 64 << 10
 MAX_STREAM_WINDOW = 64 << 20
+# The least default share of Write streams per identity (--max-streams-per-identity unset): one
+# tensor-parallel engine's recorder processes (up to 8), one stream each.
+MIN_STREAMS_PER_IDENTITY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +53,9 @@ class ServerConfig:
     ``max_runs``: runs with records not committed yet (a committed run's entry is only its spec,
     dropped when the slot is needed). With authentication, one identity holds at most
     ``max_writers_per_identity`` sessions and ``max_runs_per_identity`` runs of those (None: a
-    quarter of the global limit, :attr:`writers_per_identity`, :attr:`runs_per_identity`), so that
-    one team cannot take every slot from the others.
+    quarter of the global limit, :attr:`writers_per_identity`, :attr:`runs_per_identity`), and
+    ``max_streams_per_identity`` open Write streams (None: a quarter of ``max_streams``, at least 8,
+    :attr:`streams_per_identity`), so that one team cannot take every slot from the others.
     ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
     64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
@@ -88,6 +92,7 @@ class ServerConfig:
     max_runs: int = 256
     max_writers_per_identity: int | None = None
     max_runs_per_identity: int | None = None
+    max_streams_per_identity: int | None = None
     storage_unhealthy_s: float = 300.0
     wal_retry_s: float = 1.0
     grace_s: float = 30.0
@@ -125,12 +130,16 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
-        for name, whole in (("max_writers_per_identity", "max_writers"), ("max_runs_per_identity", "max_runs")):
+        for name, whole in (
+            ("max_writers_per_identity", "max_writers"), ("max_runs_per_identity", "max_runs"),
+            ("max_streams_per_identity", "max_streams"),
+        ):  # fmt: skip
             v, limit = getattr(self, name), getattr(self, whole)
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1 (or unset: a quarter of {whole}), got {v!r}")
+                unset = "a quarter of max_streams, at least 8" if whole == "max_streams" else f"a quarter of {whole}"
+                raise ConfigError(f"{name} must be an integer >= 1 (or unset: {unset}), got {v!r}")
             if v > limit:
                 raise ConfigError(
                     f"{name} ({v}) must be at most {whole} ({limit}): it is one identity's share of that limit; "
@@ -168,6 +177,18 @@ class ServerConfig:
         ``max_runs_per_identity``, else a quarter of ``max_runs`` (at least one)."""
         v = self.max_runs_per_identity
         return max(1, self.max_runs // 4) if v is None else v
+
+    @property
+    def streams_per_identity(self) -> int:
+        """Open Write streams one authenticated identity may hold: ``max_streams_per_identity``, else
+        a quarter of ``max_streams`` but at least :data:`MIN_STREAMS_PER_IDENTITY` (never more than
+        ``max_streams``): every recorder process holds a stream, and the unix socket's callers without
+        a token are all one identity, so a smaller default share would refuse one tensor-parallel
+        engine's recorders under a lowered ``--max-streams``."""
+        v = self.max_streams_per_identity
+        if v is not None:
+            return v
+        return min(self.max_streams, max(MIN_STREAMS_PER_IDENTITY, self.max_streams // 4))
 
     @property
     def stream_window(self) -> int:

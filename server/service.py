@@ -45,6 +45,7 @@ from tracestore.wire import run_spec_to_pb
 
 from .auth import (
     AuthInterceptor,
+    Identity,
     ServerTls,
     TokenFile,
     caller,
@@ -75,6 +76,10 @@ HEALTH_PERIOD_S = 1.0  # how often the health status follows Engine.degraded()
 LIVENESS = "tracestore.v1.Liveness"
 RESTART_MENDS = ("flusher_dead",)
 RETRY_AFTER_LIMIT_MS = 1000  # retry hint with a refusal for a count limit (streams, concurrent calls)
+# After a Write stream was refused for want of a slot (--max-streams), idle streams are ended for
+# this long (once idle READ_TURN_IDLE_S, like when others wait for a turn): the refused caller
+# retries after RETRY_AFTER_LIMIT_MS and finds room instead of idle streams holding every slot.
+SLOT_WANTED_S = 5.0
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -126,6 +131,48 @@ class CallSlots:
             self.used -= 1
 
 
+class StreamSlots(CallSlots):
+    """The Write streams' slots: ``limit`` in all and, where ``share`` is set (authentication on),
+    at most ``share`` held by one identity, so that one caller's streams cannot keep every other
+    caller out. ``wanted()``: a stream was refused for want of a slot (not of its own share) within
+    :data:`SLOT_WANTED_S`, so idle streams should make room (``write_stream.py``)."""
+
+    def __init__(self, limit: int, share: int | None) -> None:
+        super().__init__(limit)
+        self.share = share
+        self.held: dict[str, int] = {}
+        self.refused_at = -SLOT_WANTED_S  # (monotonic) the last refusal at the limit
+
+    def take_for(self, identity: str | None) -> str | None:
+        """Take a slot for ``identity`` (None: counted in no share); None if taken, else the name of
+        the setting that refuses it. The share is checked first: a caller over its own share is
+        told so, and its refusal asks no other stream to make room."""
+        with self._lock:
+            held = self.held.get(identity, 0) if identity is not None else 0
+            if identity is not None and self.share is not None and held >= self.share:
+                return "max_streams_per_identity"
+            if self.used >= self.limit:
+                self.refused_at = time.monotonic()
+                return "max_streams"
+            self.used += 1
+            if identity is not None:
+                self.held[identity] = held + 1
+            return None
+
+    def give_for(self, identity: str | None) -> None:
+        with self._lock:
+            self.used -= 1
+            if identity is not None:
+                left = self.held[identity] - 1
+                if left:
+                    self.held[identity] = left
+                else:
+                    del self.held[identity]  # (an entry per identity with streams open, no more)
+
+    def wanted(self) -> bool:
+        return time.monotonic() - self.refused_at < SLOT_WANTED_S
+
+
 class TraceStoreService:
     """Handlers of tracestore.v1.TraceStore over one :class:`Engine`.
 
@@ -145,7 +192,8 @@ class TraceStoreService:
         self.config = config
         self.reads = Reads(engine, config, metrics)
         self.draining = False
-        self.streams = CallSlots(config.max_streams)
+        share = config.streams_per_identity if config.auth_tokens is not None else None
+        self.streams = StreamSlots(config.max_streams, share)
         self.long_calls = CallSlots(max(1, config.workers - HEALTH_THREADS))
         self.turns = ReadTurns(config.reading_streams, on_waiting=metrics.waiting_streams.set)
         # gRPC copies each message it receives out of its buffers into a bytes object, one message at
@@ -201,8 +249,27 @@ class TraceStoreService:
 
     def write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Bidirectional stream: each message in, acks of the highest durable sequence out. At most
-        ``max_streams`` at once: one more is refused at once, before it takes anything."""
-        if not self.streams.take():
+        ``max_streams`` at once, and ``max_streams_per_identity`` of one identity with tokens: one
+        more is refused at once, before it takes anything. So is a caller who may write no run at
+        all (its run is only known from the first message, which is authorized in the stream)."""
+        who = self._caller()
+        identity = self._identity(who)
+        if not who.write:
+            # (admin grants no writes: auth.py) refused before it holds a slot or any budget
+            denied = PermissionDeniedError(
+                f"caller {who.name!r} may not write any run: a Write stream needs a write:<run glob> scope "
+                "that matches its run (in the sidecar's --auth-tokens file)"
+            )
+            self._fail(context, "Write", denied, {})
+        refused = self.streams.take_for(identity)
+        if refused == "max_streams_per_identity":
+            limit = LimitError(
+                f"{self.streams.share} Write streams of caller {who.name!r} are open on this sidecar, its share "
+                "(max_streams_per_identity, --max-streams-per-identity); retry later, close idle streams, share a "
+                "stream per process, or raise the share"
+            )
+            self._fail(context, "Write", limit, {})
+        elif refused is not None:
             limit = LimitError(
                 f"{self.streams.limit} Write streams are open on this sidecar, its limit (max_streams, "
                 "--max-streams); retry later, share a stream per process, or raise the limit"
@@ -214,17 +281,19 @@ class TraceStoreService:
             except LimitError as exc:
                 self._fail(context, "Write", exc, {"retry-after-ms": str(RETRY_AFTER_LIMIT_MS)})
             try:
-                yield from self._write(requests, context)
+                yield from self._write(who, identity, requests, context)
             finally:
                 self.engine.unreserve(own)
         finally:
-            self.streams.give()
+            self.streams.give_for(identity)
 
-    def _write(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        who = self._caller()
+    def _write(
+        self, who: Identity, identity: str | None, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         stream = WriteStream(
             self.engine, self.shm, self.metrics, self.turns, self.config,
-            who=who, identity=self._identity(who), draining=lambda: self.draining, fail=self._fail,
+            who=who, identity=identity, draining=lambda: self.draining, fail=self._fail,
+            slot_wanted=self.streams.wanted,
         )  # fmt: skip
         yield from stream.serve(requests, context)
 

@@ -7,7 +7,8 @@ it on; a consumer parses each message, authorizes its run, decides whether its s
 payload is held in place or copied, and submits it to the engine. The gRPC thread sends an ack
 whenever the writer's durable (or released) sequence moves, and ends the stream with the first
 error, at shutdown, or when it has waited :data:`READ_TURN_IDLE_S` for a message while other
-streams wait for a turn (in the last two cases once all it sent is durable).
+streams wait for a turn or one was just refused for want of a slot (in the last two cases once all
+it sent is durable).
 
 The stream reports errors through the service's ``fail`` (``service.py``: the status code and
 the details the caller may see), which aborts the call.
@@ -40,7 +41,9 @@ from .sessions import WriterState
 from .shm import ShmPools
 
 # A Write stream that has waited this long for its next message while other streams wait for a turn
-# to read is ended (OK, once all it sent is durable), so idle recorders cannot starve busy ones.
+# to read, or were just refused a slot, is ended (OK, once all it sent is durable), so idle
+# recorders cannot starve busy ones nor keep others out. A recorder (client/session.py) loses nothing
+# by it: with nothing unacknowledged it opens its next stream after its reconnect pause.
 READ_TURN_IDLE_S = 2.0
 
 # The service's error report: (context, method, error, trailing metadata); aborts the call.
@@ -100,7 +103,9 @@ class WriteStream:
     waiting for a message or working on one) and the one-message handoff between them.
 
     ``who`` is the caller (read in the gRPC thread), ``identity`` the name its writer ids are
-    owned by (None with authentication off); ``draining()`` says the sidecar is shutting down."""
+    owned by (None with authentication off); ``draining()`` says the sidecar is shutting down;
+    ``slot_wanted()`` that a Write stream was just refused for want of a slot, so that this one,
+    if idle, makes room (:meth:`idle_while_others_wait`)."""
 
     def __init__(
         self,
@@ -114,11 +119,13 @@ class WriteStream:
         identity: str | None,
         draining: Callable[[], bool],
         fail: Fail,
+        slot_wanted: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine, self.shm, self.metrics, self.turns = engine, shm, metrics, turns
         self.bound = config.max_message_bytes  # gRPC delivers no bigger message
         self.who, self.identity = who, identity
         self.draining, self.fail = draining, fail
+        self.slot_wanted = slot_wanted  # a stream was just refused for want of a slot (--max-streams)
         self.waker = Waker()
         self.state: WriterState | None = None  # the session of the last message admitted
         self.epoch: int | None = None  # ... and its epoch
@@ -295,13 +302,16 @@ class WriteStream:
             self.waker.wake()
 
     def idle_while_others_wait(self) -> bool:
-        """This stream's turn to read is wasted: it has waited READ_TURN_IDLE_S for a message that
-        has not come, everything it took is processed, and other streams wait for a turn."""
+        """This stream's turn to read, or its slot, is wasted: it has waited READ_TURN_IDLE_S for a
+        message that has not come (its first one included), everything it took is processed, and
+        other streams wait for a turn or were just refused for want of a slot. Without the latter, a
+        stream that never sent (not even its first message) held its --max-streams slot for as long
+        as it stayed open once no stream waited for a turn: always when max_streams <= the turns."""
         since = self.reading_since
         return (
             since is not None
-            and self.turns.waiting > 0
             and time.monotonic() - since > READ_TURN_IDLE_S
             and not self.busy
             and self.handoff.empty()
+            and (self.turns.waiting > 0 or self.slot_wanted())
         )

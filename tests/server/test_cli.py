@@ -80,6 +80,17 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
     assert (cfg.writers_per_identity, cfg.runs_per_identity) == (5, 2)
     with pytest.raises(ConfigError, match=r"max_runs_per_identity \(4\) must be at most max_runs \(3\)"):
         ServerConfig(max_runs=3, max_runs_per_identity=4)
+    # open Write streams: a quarter, but at least one tensor-parallel engine's 8 recorders (unix-socket
+    # callers without a token are one identity), never more than max_streams
+    assert ServerConfig().streams_per_identity == 64
+    assert [ServerConfig(max_streams=n).streams_per_identity for n in (100, 16, 4, 1)] == [25, 8, 4, 1]
+    args = ["serve", "--max-streams", "10", "--max-streams-per-identity", "3"]
+    assert config_from_args(build_parser().parse_args(args)).streams_per_identity == 3
+    for value in (0, True, 2.5):
+        with pytest.raises(ConfigError, match="max_streams_per_identity must be an integer >= 1"):
+            ServerConfig(max_streams_per_identity=value)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"max_streams_per_identity \(11\) must be at most max_streams \(10\)"):
+        ServerConfig(max_streams=10, max_streams_per_identity=11)
     # only as many streams wait for a message as half the budget covers at max_message_bytes each
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=2 << 20).reading_streams == 16
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=32 << 20).reading_streams == 1
