@@ -213,3 +213,47 @@ def submit_request(eng: Any, req: pb.WriteRequest) -> tuple[Any, bool]:
 
     _, msg, parts = parse_write(req.SerializeToString(), eng.write_spec, None)
     return eng.submit(msg, parts)  # type: ignore[no-any-return]
+
+
+class IdleWriteStream:
+    """A Write stream on channel ``ch`` that sends ``first`` (if any), then nothing until
+    :meth:`close`, with call ``metadata``; a thread collects its answers (``responses``) and how it
+    ended (``error``, ``ended``)."""
+
+    def __init__(self, ch: Any, first: bytes | None = None, metadata: Sequence[tuple[str, str]] = (),
+                 timeout: float = 120.0) -> None:  # fmt: skip
+        import threading
+
+        self.release = threading.Event()
+        self.first = first
+        self.call = ch.stream_stream("/tracestore.v1.TraceStore/Write")(
+            self._requests(), metadata=tuple(metadata), timeout=timeout
+        )
+        self.responses: list[pb.WriteResponse] = []
+        self.error: Any = None  # the grpc.RpcError that ended it
+        self.ended = threading.Event()
+        threading.Thread(target=self._collect, daemon=True).start()
+
+    def _requests(self) -> Any:
+        if self.first is not None:
+            yield self.first
+        self.release.wait()
+
+    def _collect(self) -> None:
+        import grpc
+
+        try:
+            for raw in self.call:
+                self.responses.append(pb.WriteResponse.FromString(raw))
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.ended.set()
+
+    def code(self) -> str:
+        """How it ended: ``OK`` (or still open), else the status code's name."""
+        return "OK" if self.error is None else self.error.code().name
+
+    def close(self) -> None:
+        self.release.set()
+        self.call.cancel()

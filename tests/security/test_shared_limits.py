@@ -10,43 +10,25 @@ session behind, owned by nobody. Each attack is real gRPC against a sidecar with
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
-from tracestore.records import RunSpec
 from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
+from .tenants import code, first_write, meta, spec, start_sidecar, write
+
 SITE = SPEC.sites[0].name
-SCOPES = {
-    "reader": "read:*",
-    "team-a": "write:team-a-*,read:team-a-*",
-    "team-b": "write:team-b-*,read:team-b-*",
-    "ops": "admin",
-}
-TOKENS = {name: secrets.token_urlsafe(24) for name in SCOPES}
 MAX_RUNS, MAX_WRITERS = 4, 8  # per identity by default: a quarter, 1 run and 2 writer sessions
 
 
-def spec(run: str) -> RunSpec:
-    return RunSpec(run, SPEC.sites)
-
-
 def _start(tmp: Path, **config: object) -> Sidecar:
-    lines = [f"sha256:{hashlib.sha256(TOKENS[n].encode()).hexdigest()} {s} {n}" for n, s in SCOPES.items()]
-    (tmp / "tokens").write_text("\n".join(lines) + "\n")
-    settings: dict[str, object] = dict(flush_interval_s=0.05, max_runs=MAX_RUNS, max_writers=MAX_WRITERS) | config
-    cfg = ServerConfig(storage=f"file://{tmp / 'data'}", wal_dir=str(tmp / "wal"), port=0, metrics_port=None,
-                       auth_tokens=str(tmp / "tokens"), **settings)  # type: ignore[arg-type]  # fmt: skip
-    return Sidecar(cfg).start()
+    return start_sidecar(tmp, **(dict(max_runs=MAX_RUNS, max_writers=MAX_WRITERS) | config))
 
 
 @pytest.fixture
@@ -56,40 +38,11 @@ def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
     sc.stop(5)
 
 
-def _meta(who: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {TOKENS[who]}"),)
-
-
-def _write(port: int, who: str, reqs: Sequence[pb.WriteRequest]) -> grpc.RpcError | None:
-    """Stream ``reqs`` as ``who`` until the last one is acknowledged; the error that ended the stream."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        call = ch.stream_stream("/tracestore.v1.TraceStore/Write")
-        try:
-            for raw in call(iter([r.SerializeToString() for r in reqs]), metadata=_meta(who), timeout=20):
-                ack = pb.WriteResponse.FromString(raw)
-                if ack.epoch == reqs[-1].epoch and ack.durable_sequence >= reqs[-1].sequence:
-                    return None
-        except grpc.RpcError as exc:
-            return exc
-    raise AssertionError("the stream ended without acknowledging the last message")
-
-
-def _first_write(port: int, who: str, run: str, writer: str = "w0") -> grpc.RpcError | None:
-    """``who`` declares ``run`` and writes its first records, as a recorder starting a run does."""
-    req = write_request(1, [make_chunk(f"{writer}-t", 0, 4, spec=spec(run))], writer=writer, declare=True,
-                        spec=spec(run))  # fmt: skip
-    return _write(port, who, [req])
-
-
-def _code(err: grpc.RpcError | None) -> str:
-    return "OK" if err is None else err.code().name
-
-
 def _stat(port: int, who: str, run: str) -> str:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         call = ch.unary_unary("/tracestore.v1.TraceStore/Stat")
         try:
-            call(pb.StatRequest(run=run).SerializeToString(), metadata=_meta(who), timeout=20)
+            call(pb.StatRequest(run=run).SerializeToString(), metadata=meta(who), timeout=20)
         except grpc.RpcError as exc:
             return exc.code().name
     return "OK"
@@ -101,7 +54,7 @@ def _read(port: int, who: str, run: str) -> str:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         call = ch.unary_stream("/tracestore.v1.TraceStore/Read")
         try:
-            list(call(req.SerializeToString(), metadata=_meta(who), timeout=20))
+            list(call(req.SerializeToString(), metadata=meta(who), timeout=20))
         except grpc.RpcError as exc:
             return exc.code().name
     return "OK"
@@ -110,7 +63,7 @@ def _read(port: int, who: str, run: str) -> str:
 def _writers(port: int) -> list[str]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         raw = ch.unary_unary("/tracestore.v1.TraceStore/Stat")(
-            pb.StatRequest().SerializeToString(), metadata=_meta("ops"), timeout=20
+            pb.StatRequest().SerializeToString(), metadata=meta("ops"), timeout=20
         )
     return [w.writer for w in pb.StatResponse.FromString(raw).writers]
 
@@ -128,7 +81,7 @@ def test_reads_take_no_run_slot_from_writers(sidecar: Sidecar) -> None:
     assert [_read(port, "reader", run) for run in stored] == ["OK"] * len(stored)
     assert {_stat(port, "reader", f"no-such-run-{i}") for i in range(3 * MAX_RUNS)} == {"OK"}
     assert {_read(port, "reader", f"no-such-run-{i}") for i in range(3 * MAX_RUNS)} == {"NOT_FOUND"}
-    assert _code(_first_write(port, "team-a", "team-a-1")) == "OK"
+    assert code(first_write(port, "team-a", "team-a-1")) == "OK"
     assert _read(port, "team-a", "team-a-1") == "OK"
     # the Read RPC's readers (a thread pool and an index each) are bounded too
     assert sidecar.service is not None and len(sidecar.service.reads._readers) <= MAX_RUNS
@@ -143,9 +96,9 @@ def test_one_identity_cannot_take_every_writer_session(sidecar: Sidecar) -> None
     setting), and team-a's new writer id is still accepted (before: team-b took all
     --max-writers sessions and team-a was refused)."""
     port = sidecar.port
-    assert _code(_first_write(port, "team-b", "team-b-1", "b0")) == "OK"
-    errors = [_first_write(port, "team-b", "team-b-1", f"b{i}") for i in range(1, MAX_WRITERS + 1)]
-    assert _code(_first_write(port, "team-a", "team-a-1", "a0")) == "OK"
+    assert code(first_write(port, "team-b", "team-b-1", "b0")) == "OK"
+    errors = [first_write(port, "team-b", "team-b-1", f"b{i}") for i in range(1, MAX_WRITERS + 1)]
+    assert code(first_write(port, "team-a", "team-a-1", "a0")) == "OK"
     refused = [e for e in errors if e is not None]
     assert len(refused) == MAX_WRITERS - 1, "team-b went past its share of 2"
     assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -153,21 +106,21 @@ def test_one_identity_cannot_take_every_writer_session(sidecar: Sidecar) -> None
     assert "retry-after-ms" in dict(refused[0].trailing_metadata() or ())
     # team-b's own writer ids go on
     again = write_request(2, [make_chunk("b0-u", 0, 4, spec=spec("team-b-1"))], writer="b0", spec=spec("team-b-1"))
-    assert _code(_write(port, "team-b", [again])) == "OK"
+    assert code(write(port, "team-b", [again])) == "OK"
 
 
 def test_a_refused_first_message_leaves_no_writer_session(sidecar: Sidecar) -> None:
     """First messages refused for a sequence gap each created a session no one owned (so no share
     counted them) and that stayed for good, in the WAL too: enough of them refused every new writer."""
     port = sidecar.port
-    assert _code(_first_write(port, "team-b", "team-b-1", "b0")) == "OK"
+    assert code(first_write(port, "team-b", "team-b-1", "b0")) == "OK"
     gaps = [
         write_request(5, [make_chunk("g", 0, 4, spec=spec("team-b-1"))], writer=f"gap{i}", spec=spec("team-b-1"))
         for i in range(2 * MAX_WRITERS)
     ]
-    assert {_code(_write(port, "team-b", [g])) for g in gaps} == {"FAILED_PRECONDITION"}
+    assert {code(write(port, "team-b", [g])) for g in gaps} == {"FAILED_PRECONDITION"}
     assert not [w for w in _writers(port) if w.startswith("gap")]
-    assert _code(_first_write(port, "team-a", "team-a-1", "a0")) == "OK"
+    assert code(first_write(port, "team-a", "team-a-1", "a0")) == "OK"
 
 
 def test_runs_one_identity_declares_do_not_lock_out_another(tmp_path: Path) -> None:
@@ -179,16 +132,16 @@ def test_runs_one_identity_declares_do_not_lock_out_another(tmp_path: Path) -> N
     try:
         assert sc.engine is not None
         port = sc.port
-        assert _code(_first_write(port, "team-b", "team-b-0")) == "OK"
-        err = _first_write(port, "team-b", "team-b-1")
+        assert code(first_write(port, "team-b", "team-b-0")) == "OK"
+        err = first_write(port, "team-b", "team-b-1")
         assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
         assert "max_runs_per_identity" in (err.details() or ""), err.details()
-        assert _code(_first_write(port, "team-a", "team-a-0")) == "OK"
+        assert code(first_write(port, "team-a", "team-a-0")) == "OK"
         assert sc.engine.flush(20)  # team-b-0 committed: its slot can be taken again
         for i in range(1, 3 * MAX_RUNS):
-            assert _code(_first_write(port, "team-b", f"team-b-{i}")) == "OK", i
+            assert code(first_write(port, "team-b", f"team-b-{i}")) == "OK", i
             assert sc.engine.flush(20)
-        assert _code(_first_write(port, "team-a", "team-a-1")) == "OK"
+        assert code(first_write(port, "team-a", "team-a-1")) == "OK"
         assert len(sc.engine.runs) <= MAX_RUNS
     finally:
         sc.stop(5)

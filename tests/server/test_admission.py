@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
-from tracestore.server.testing import SPEC, make_chunk, write_request
+from tracestore.server.testing import SPEC, IdleWriteStream, make_chunk, write_request
 from tracestore.server.write_stream import READ_TURN_IDLE_S
 
 from tracestore.records import TrajectorySeal
@@ -24,37 +23,6 @@ from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import seal_to_pb
 
 WRITE = "/tracestore.v1.TraceStore/Write"
-
-
-class IdleStream:
-    """A Write stream that sends ``first`` (if any) and then nothing until closed."""
-
-    def __init__(self, ch: grpc.Channel, first: bytes | None = None) -> None:
-        self.release = threading.Event()
-        self.first = first
-        self.call = ch.stream_stream(WRITE)(self._requests(), timeout=120)
-        self.responses: list[pb.WriteResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.ended = threading.Event()
-        threading.Thread(target=self._collect, daemon=True).start()
-
-    def _requests(self) -> Iterator[bytes]:
-        if self.first is not None:
-            yield self.first
-        self.release.wait()
-
-    def _collect(self) -> None:
-        try:
-            for raw in self.call:
-                self.responses.append(pb.WriteResponse.FromString(raw))
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.ended.set()
-
-    def close(self) -> None:
-        self.release.set()
-        self.call.cancel()
 
 
 def _sidecar(tmp_path: Path, **kw: Any) -> Sidecar:
@@ -83,12 +51,12 @@ def test_idle_streams_leave_threads_for_health_stat_and_writers(tmp_path: Path) 
     # a budget that covers every stream's read at once: no stream here waits for a turn
     sc = _sidecar(tmp_path, max_streams=100, memory_budget_bytes=1 << 30, max_message_bytes=4 << 20)
     ch = grpc.insecure_channel(f"127.0.0.1:{sc.port}")
-    idle: list[IdleStream] = []
+    idle: list[IdleWriteStream] = []
     try:
-        writer = IdleStream(ch, write_request(1, [make_chunk("busy", 0, 4)], writer="busy").SerializeToString())
+        writer = IdleWriteStream(ch, write_request(1, [make_chunk("busy", 0, 4)], writer="busy").SerializeToString())
         idle.append(writer)
         for _ in range(99):
-            idle.append(IdleStream(ch))
+            idle.append(IdleWriteStream(ch))
         deadline = time.monotonic() + 30
         while sc.metrics.active_streams._value.get() < 100:  # noqa: SLF001 - the gauge's value
             assert time.monotonic() < deadline, "the 100 streams did not all open"
@@ -102,7 +70,7 @@ def test_idle_streams_leave_threads_for_health_stat_and_writers(tmp_path: Path) 
             assert time.monotonic() < deadline, "the writer among the idle streams got no ack"
             time.sleep(0.02)
         assert writer.responses[-1].durable_sequence == 1
-        extra = IdleStream(ch)
+        extra = IdleWriteStream(ch)
         assert extra.ended.wait(5), "the stream over the cap was not refused at once"
         assert extra.error is not None and extra.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_streams" in (extra.error.details() or ""), extra.error.details()
@@ -114,7 +82,7 @@ def test_idle_streams_leave_threads_for_health_stat_and_writers(tmp_path: Path) 
         while sc.metrics.active_streams._value.get() >= 100:  # noqa: SLF001
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        again = IdleStream(ch, write_request(1, [make_chunk("again", 0, 4)], writer="again").SerializeToString())
+        again = IdleWriteStream(ch, write_request(1, [make_chunk("again", 0, 4)], writer="again").SerializeToString())
         idle.append(again)
         deadline = time.monotonic() + 10
         while not again.responses:
@@ -137,7 +105,7 @@ def test_idle_turn_holders_yield_to_a_waiting_writer(tmp_path: Path) -> None:
     assert sc.config.reading_streams == 2
     ch = grpc.insecure_channel(f"127.0.0.1:{sc.port}")
     holders = [
-        IdleStream(ch, write_request(1, [make_chunk(f"h{i}", 0, 4)], writer=f"holder-{i}").SerializeToString())
+        IdleWriteStream(ch, write_request(1, [make_chunk(f"h{i}", 0, 4)], writer=f"holder-{i}").SerializeToString())
         for i in range(2)
     ]
     try:
@@ -147,7 +115,7 @@ def test_idle_turn_holders_yield_to_a_waiting_writer(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
         t0 = time.monotonic()
-        waiting = IdleStream(ch, write_request(1, [make_chunk("late", 0, 4)], writer="late").SerializeToString())
+        waiting = IdleWriteStream(ch, write_request(1, [make_chunk("late", 0, 4)], writer="late").SerializeToString())
         holders.append(waiting)
         deadline = t0 + READ_TURN_IDLE_S + 10
         while not waiting.responses:
