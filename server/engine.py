@@ -74,6 +74,7 @@ class Engine:
         # the identity whose write brought each one in (None with authentication off).
         self.runs: OrderedDict[str, RunSpec] = OrderedDict()
         self._run_holder: dict[str, str | None] = {}
+        self._replayed: list[tuple[WriterState, Message]] = []  # messages queued by the replay, in log order
         self._dedupe = DedupeIndex(config.dedupe_versions)
         self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now)
         self.holds = StagingHolds(metrics, self.sessions.writers)
@@ -111,7 +112,8 @@ class Engine:
     #
     # A run's entry here is its spec, which is immutable and on storage: dropping one costs a read
     # of run.json the next time it is needed, nothing else. Only writes take a slot (``max_runs``):
-    # reads, Stat and the WAL replay look specs up without one (:meth:`run_spec`). Before, every
+    # reads, Stat and the WAL replay look specs up without one (:meth:`run_spec`; a run whose
+    # records the replay queues again is busy, and gets back the slot it had). Before, every
     # run a reader named took a slot for good, so a read:* identity could make the sidecar refuse
     # every new run of every writer. A slot whose run has no records waiting to be committed is
     # given to the next run that needs one; with authentication, one identity holds at most
@@ -212,12 +214,27 @@ class Engine:
             )
             for segment, kind, payload in self.journal.replay():
                 replayed += self._replay_entry(segment, kind, payload)
+            self._restore_run_slots()
             self.journal.start()
         self._update_gauges()
         self._flusher.start()
         if replayed:
             log.info("replayed %d messages from the write-ahead log", replayed)
         return replayed
+
+    def _restore_run_slots(self) -> None:
+        """After the replay: the runs with records queued again are busy, and get back their slots
+        (in log order, each held by the owner of the first writer queued in it). With an empty
+        table after a restart, --max-runs(-per-identity) no longer bounded the busy runs (one
+        identity had records queued in more runs than its share), and the writers of a replayed
+        run were refused a slot once other runs had taken them. No limit is checked: these were
+        admitted before the restart (as :meth:`Sessions.get` does for sessions)."""
+        queued = {id(m) for w in self.writers.values() for m in w.pending}
+        for w, m in self._replayed:
+            if id(m) in queued and w.run not in self.runs:
+                self.runs[w.run] = self.run_spec(w.run)
+                self._run_holder[w.run] = w.owner
+        self._replayed = []
 
     def _replay_entry(self, segment: int, kind: int, payload: bytes) -> int:
         """Rebuild the parts' state from one WAL entry; 1 for a message queued again, else 0."""
@@ -240,6 +257,7 @@ class Engine:
                 self._dedupe.check(msg)
             self._remember(msg, st.owner)
             self._enqueue(st, msg)
+            self._replayed.append((st, msg))
             return 1
         entry = decode_entry(kind, payload)
         if entry is None:

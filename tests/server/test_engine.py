@@ -137,6 +137,44 @@ def test_flush_waits_for_an_older_epochs_messages(memory_url: str, tmp_path: Pat
         eng.close()
 
 
+def test_runs_with_records_replayed_keep_their_slots_after_a_restart(tmp_path: Path) -> None:
+    # The WAL replay looks runs up without taking a slot, so a restarted engine started with an
+    # empty table of runs while the replayed records kept runs busy: --max-runs(-per-identity) no
+    # longer bounded them (team-a had records queued in 3 runs, its share 2), and the writer of a
+    # run whose records were replayed was refused (RESOURCE_EXHAUSTED) once other runs had taken
+    # the slots, although its run had records queued (found by the fault suite's auth state machine).
+    from tracestore.errors import LimitError
+    from tracestore.records import RunSpec
+
+    (tmp_path / "tokens").write_text("")
+    url, wal = f"file://{tmp_path / 'data'}", tmp_path / "wal"
+    limits = dict(auth_tokens=str(tmp_path / "tokens"), max_runs=3, max_runs_per_identity=2, flush_interval_s=3600)
+    specs = {run: RunSpec(run, SPEC.sites) for run in ("ra", "rb", "rc")}
+    for spec in specs.values():
+        Store(url).put_run(spec)
+
+    def submit(eng: Engine, run: str, seq: int, traj: str) -> tuple[object, bool]:
+        req = write_request(seq, [make_chunk(traj, 0, 3, spec=specs[run])], spec=specs[run])
+        _, msg, parts = parse_write(req.SerializeToString(), lambda r: eng.write_spec(r, "team-a"), None)
+        return eng.submit(msg, parts, identity="team-a")
+
+    eng = _engine(url, wal, **limits)
+    try:
+        submit(eng, "rc", 1, "t1")
+    finally:
+        eng.close()  # without a flush: rc's record is replayed and queued again
+    eng = _engine(url, wal, **limits)
+    try:
+        submit(eng, "ra", 1, "t2")  # records queued in 2 runs: team-a's share
+        with pytest.raises(LimitError, match="max_runs_per_identity"):
+            submit(eng, "rb", 1, "t3")
+        submit(eng, "rc", 2, "t4")  # rc has records queued: never refused a slot
+        assert eng.flush(10)
+        submit(eng, "rb", 1, "t3")  # committed runs give their slots back
+    finally:
+        eng.close()
+
+
 def test_budget_pushes_back_and_never_drops(tmp_path: Path) -> None:
     blocker = tmp_path / "data"
     blocker.write_text("a file where the store needs a directory: every shard write fails")
