@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec, SiteSpec
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_to_pb
@@ -390,6 +391,37 @@ class Rec:
             c.token_scales = self.token_scales
             c.has_token_scales = True
         return c
+
+
+def read_back(reader: Any, recs: Iterable[Rec], must_exist: bool, stats: Counter[str], where: str = "") -> None:
+    """Read ``recs`` through ``reader`` (a StoreReader of their run), grouped by (version, site):
+    each is either absent (counted in ``stats["lost"]`` and an error when ``must_exist``) or
+    present whole with exactly its bytes. A version with no shard yet is absent."""
+    by: dict[tuple[int, str], list[Rec]] = {}
+    for r in recs:
+        by.setdefault((r.version, r.site), []).append(r)
+    for (v, site), rs in by.items():
+        rows_per_token = reader.spec.site(site).rows_per_token
+        plan = [(r.trajectory, 0, r.n_tokens) for r in rs]
+        try:
+            out = reader.read(MicrobatchPlan(plan), versions=[v], sites=[site], on_missing="mask")[site]
+        except Exception:
+            if must_exist:
+                raise
+            continue
+        row0 = 0
+        for r in rs:
+            sl = slice(row0, row0 + r.n_tokens * rows_per_token)
+            row0 = sl.stop
+            name = f"{where}{r.key}"
+            if not out.valid[sl].any():
+                stats["lost"] += int(must_exist)
+                assert not must_exist, f"acknowledged record {name} missing after a flush"
+                continue
+            assert out.valid[sl].all(), f"{name}: partly stored"
+            assert out.codes[sl].tobytes() == r.codes, f"{name}: codes differ"
+            assert out.scales[sl].tobytes() == r.scales, f"{name}: scales differ"
+            assert np.all(out.global_scale[sl] == np.float32(r.global_scale)), f"{name}: global_scale differs"
 
 
 def make_recs(writer: str, payload: int, *, trajs: int = 4, tokens: int = 64, version: int = 0) -> list[Rec]:

@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
@@ -28,12 +27,11 @@ from tracestore.server.engine import Engine
 from tracestore.server.ingest import parse_write, wal_parser
 from tracestore.server.metrics import Metrics
 
-from tracestore.plan import MicrobatchPlan
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
-from .harness import SPEC, Rec, make_recs, row
+from .harness import SPEC, Rec, make_recs, read_back, row
 
 WRITERS = ("sm-a", "sm-b")
 DURABLE_S = 10.0
@@ -113,32 +111,7 @@ class EngineWalStore(RuleBasedStateMachine):
         return keys
 
     def _read_back(self, recs: list[Rec], must_exist: bool) -> None:
-        reader = StoreReader(Store(self.url), SPEC.run)
-        by: dict[tuple[int, str], list[Rec]] = {}
-        for r in recs:
-            by.setdefault((r.version, r.site), []).append(r)
-        for (v, site), rs in by.items():
-            spec = SPEC.site(site)
-            plan = MicrobatchPlan([(r.trajectory, 0, r.n_tokens) for r in rs])
-            try:
-                out = reader.read(plan, versions=[v], sites=[site], on_missing="mask")[site]
-            except Exception:
-                if must_exist:
-                    raise
-                continue  # (a version with no shard yet)
-            row0 = 0
-            for r in rs:
-                n = r.n_tokens * spec.rows_per_token
-                sl = slice(row0, row0 + n)
-                row0 += n
-                if not out.valid[sl].any():
-                    STATS["lost"] += int(must_exist)
-                    assert not must_exist, f"acknowledged record {r.key} missing after a flush"
-                    continue
-                assert out.valid[sl].all(), f"{r.key}: partly stored"
-                assert out.codes[sl].tobytes() == r.codes, f"{r.key}: codes differ"
-                assert out.scales[sl].tobytes() == r.scales, f"{r.key}: scales differ"
-                assert np.all(out.global_scale[sl] == np.float32(r.global_scale)), f"{r.key}: global_scale differs"
+        read_back(StoreReader(Store(self.url), SPEC.run), recs, must_exist, STATS)
 
     # -- rules
 

@@ -33,7 +33,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
@@ -45,13 +44,12 @@ from tracestore.server.metrics import Metrics
 from tracestore.server.sessions import SequenceError
 
 from tracestore.errors import LimitError, PermissionDeniedError
-from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
-from .harness import SPEC, Rec, make_recs, row
+from .harness import SPEC, Rec, make_recs, read_back, row
 
 IDENTITIES = ("team-a", "team-b")
 RUNS = ("ra", "rb", "rc", "rd")
@@ -273,32 +271,11 @@ class EngineAuthShares(RuleBasedStateMachine):
         return keys, seals
 
     def _read_back(self, keys: list[Key], must_exist: bool) -> None:
-        by: dict[tuple[str, int, str], list[Rec]] = {}
+        by_run: dict[str, list[Rec]] = {}
         for k in keys:
-            r = self.acked[k]
-            by.setdefault((k[0], r.version, r.site), []).append(r)
-        for (run, v, site), rs in by.items():
-            spec = SPEC.site(site)
-            plan = MicrobatchPlan([(r.trajectory, 0, r.n_tokens) for r in rs])
-            try:
-                out = StoreReader(Store(self.url), run).read(plan, versions=[v], sites=[site], on_missing="mask")[site]
-            except Exception:
-                if must_exist:
-                    raise
-                continue  # (a version with no shard yet)
-            row0 = 0
-            for r in rs:
-                n = r.n_tokens * spec.rows_per_token
-                sl = slice(row0, row0 + n)
-                row0 += n
-                if not out.valid[sl].any():
-                    STATS["lost"] += int(must_exist)
-                    assert not must_exist, f"acknowledged record {run} {r.key} missing after a flush"
-                    continue
-                assert out.valid[sl].all(), f"{run} {r.key}: partly stored"
-                assert out.codes[sl].tobytes() == r.codes, f"{run} {r.key}: codes differ"
-                assert out.scales[sl].tobytes() == r.scales, f"{run} {r.key}: scales differ"
-                assert np.all(out.global_scale[sl] == np.float32(r.global_scale)), f"{run} {r.key}: global_scale"
+            by_run.setdefault(k[0], []).append(self.acked[k])
+        for run, recs in by_run.items():
+            read_back(StoreReader(Store(self.url), run), recs, must_exist, STATS, where=f"{run} ")
 
     # -- rules
 
