@@ -18,7 +18,9 @@ run busy; after a restart the runs with records replayed hold their slots again)
 (``max_writers``, the identity's share, the owner, the sequence). Checked at every step: storage
 never holds a chunk key twice nor a record of a message that was not admitted; the engine's
 sessions are exactly those that had a message admitted, each owned by the identity whose message
-made it (before and after restarts); no identity holds more sessions or run slots than its share;
+made it (before and after restarts); no identity holds more sessions than its share, nor more run
+slots unless all are slots a restart gave back (no share is checked for those: their records were
+admitted before it);
 a run with records queued is never refused a slot; the table of runs is the model's. After a flush
 every acknowledged record and seal reads back bit-identical. In-process (server.engine.Engine): no sidecar process.
 """
@@ -108,6 +110,8 @@ class EngineAuthShares(RuleBasedStateMachine):
         self.eng = self._engine()
         self.sessions: dict[Session, Model] = {}
         self.table: OrderedDict[str, str] = OrderedDict()  # run -> identity holding its slot, LRU first
+        # slots the last restart gave back (no share is checked for them) and still held since
+        self.restored: set[str] = set()
         # messages admitted and not committed yet, per run and identity (shards are only written by a flush)
         self.queued: dict[str, Counter[str]] = {run: Counter() for run in RUNS}
         self.queue_order: list[tuple[str, str]] = []  # (run, identity) of those messages, in admission order
@@ -149,11 +153,13 @@ class EngineAuthShares(RuleBasedStateMachine):
                 # records keep the run busy: the other identity's records in it count too)
                 return False
             del self.table[idle[0]]
+            self.restored.discard(idle[0])
         if len(self.table) >= MAX_RUNS:
             idle = [r for r in self.table if r not in busy]
             if not idle:
                 return False
             del self.table[idle[0]]
+            self.restored.discard(idle[0])
         self.table[run] = who
         return True
 
@@ -375,6 +381,7 @@ class EngineAuthShares(RuleBasedStateMachine):
         self.table.clear()
         for run, who in self.queue_order:
             self.table.setdefault(run, who)
+        self.restored = set(self.table)
         STATS["crashes"] += 1
         # every admitted message was appended before close() fsynced the log: all sessions are back
         self._check_sessions("after a restart")
@@ -421,7 +428,14 @@ class EngineAuthShares(RuleBasedStateMachine):
         assert got == list(self.table.items()), f"the engine's run slots {got}, the model's {list(self.table.items())}"
         assert len(got) <= MAX_RUNS
         for who in IDENTITIES:
-            assert sum(1 for _, h in got if h == who) <= RUN_SHARE, f"{who} holds more run slots than its share"
+            # A restart gives the runs with records queued their slots back without a share check
+            # (those records were admitted), so the owner of their first writer may hold more than
+            # its share then (another identity had brought a run in); it gains no new slot until it
+            # is back under its share (found at 1,510 examples: team-b's refused message brought ra
+            # in, team-a wrote ra, rb and rc, then a restart gave ra to team-a).
+            held = [run for run, h in got if h == who]
+            if len(held) > RUN_SHARE:
+                assert set(held) <= self.restored, f"{who} holds {held}, over its share, beyond the restored runs"
 
     @invariant()
     def storage_holds_each_key_once_and_only_admitted_records(self) -> None:
