@@ -2,8 +2,8 @@
 under one lock.
 
 No gRPC here (the service in ``service.py`` parses requests and maps errors to status codes). The
-engine holds the lock, the runs it serves and what ties its parts together; each part owns its
-state: the writer sessions (``sessions.py``: the epochs and sequences messages are fenced against,
+engine holds the lock and what ties its parts together; each part owns its state: the run slots
+(``runs.py``), the writer sessions (``sessions.py``: the epochs and sequences messages are fenced against,
 writer ownership, each writer's queue), the memory budget and the writers' shared memory the
 sidecar holds (``memory.py``), the write-ahead log bookkeeping (``journal.py``: acks at fsync,
 segment retirement, recovery from a failed log), the dedupe index (``dedupe.py``), the flusher
@@ -30,11 +30,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from tracestore.errors import ConflictError, LimitError, TraceStoreError
+from tracestore.errors import ConflictError, TraceStoreError
 from tracestore.records import RunSpec
 
 from .config import ServerConfig
@@ -44,6 +44,7 @@ from .journal import Journal
 from .memory import MemoryBudget, OverBudgetError, StagingHolds
 from .message import CLAIMS, DATA, STATE, Message, Owner, Plan, decode_claims, decode_entry, decode_state
 from .metrics import Metrics
+from .runs import RunSlots
 from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
 
@@ -59,6 +60,10 @@ class DrainingError(TraceStoreError, RuntimeError):
     """The server is shutting down and accepts no new writes."""
 
 
+def _draining_error() -> DrainingError:
+    return DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
+
+
 class Engine:
     """Ingest state of one sidecar. ``store`` follows the tracestore.storage.store.Store contract."""
 
@@ -70,11 +75,8 @@ class Engine:
         self._room = threading.Condition(self._lock)  # budget freed / flush finished
         per_identity = config.writers_per_identity if config.auth_tokens is not None else None
         self.sessions = Sessions(config.max_writers, per_identity)
-        # The specs of the runs written lately, least recently written first (see _admit_run), and
-        # the identity whose write brought each one in (None with authentication off).
-        self.runs: OrderedDict[str, RunSpec] = OrderedDict()
-        self._run_holder: dict[str, str | None] = {}
-        self._replayed: list[tuple[WriterState, Message]] = []  # messages queued by the replay, in log order
+        share = config.runs_per_identity if config.auth_tokens is not None else None
+        self.run_slots = RunSlots(config.max_runs, share, self._busy_runs)
         self._dedupe = DedupeIndex(config.dedupe_versions)
         self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now)
         self.holds = StagingHolds(metrics, self.sessions.writers)
@@ -108,99 +110,50 @@ class Engine:
         """Bytes of admitted messages not committed yet (the backlog), held against the budget."""
         return self.budget.in_use
 
-    # -- runs -------------------------------------------------------------------------------------
-    #
-    # A run's entry here is its spec, which is immutable and on storage: dropping one costs a read
-    # of run.json the next time it is needed, nothing else. Only writes take a slot (``max_runs``):
-    # reads, Stat and the WAL replay look specs up without one (:meth:`run_spec`; a run whose
-    # records the replay queues again is busy, and gets back the slot it had). Before, every
-    # run a reader named took a slot for good, so a read:* identity could make the sidecar refuse
-    # every new run of every writer. A slot whose run has no records waiting to be committed is
-    # given to the next run that needs one; with authentication, one identity holds at most
-    # ``runs_per_identity`` slots, so runs kept busy by one team cannot take every slot either.
+    # -- runs (the slots: runs.py) ----------------------------------------------------------------
+
+    @property
+    def runs(self) -> dict[str, RunSpec]:
+        """The specs of the runs holding a slot (least recently written first)."""
+        return self.run_slots.specs
 
     def declare_run(self, spec: RunSpec, identity: str | None = None) -> None:
         """Create the run on storage, or check that the stored one is identical; the run takes a
         slot for ``identity``'s writes (LimitError when none is free)."""
         with self._lock:
-            known = self.runs.get(spec.run)
+            known = self.run_slots.get(spec.run)
         if known is not None and known != spec:
             raise ConflictError(f"run {spec.run} is already declared with different sites; runs are immutable")
         if known is None:
             with self._lock:  # refused before anything is created on storage
-                self._admit_run(spec.run, identity, dry_run=True)
+                self.run_slots.admit(spec.run, identity)
             self.store.put_run(spec)
         with self._lock:
-            self._admit_run(spec.run, identity)
-            self.runs[spec.run] = spec
+            self.run_slots.admit(spec.run, identity, spec)
 
     def write_spec(self, run: str, identity: str | None = None) -> RunSpec:
         """The spec of ``run``, which ``identity`` is about to write: the run takes a slot
         (LimitError when none is free). NotFoundError, and no slot, for a run never declared."""
         with self._lock:
-            spec = self.runs.get(run)
-            if spec is not None:
-                self._admit_run(run, identity)
-                return spec
-            self._admit_run(run, identity, dry_run=True)
-        spec = self.store.get_run(run)  # NotFoundError when never declared
-        with self._lock:
-            self._admit_run(run, identity)
-            self.runs[run] = spec
+            spec = self.run_slots.get(run)
+            self.run_slots.admit(run, identity, spec)
+        if spec is None:
+            spec = self.store.get_run(run)  # NotFoundError when never declared
+            with self._lock:
+                self.run_slots.admit(run, identity, spec)
         return spec
 
     def run_spec(self, run: str) -> RunSpec:
         """The spec of ``run`` for anything but a write (Read, Stat, WAL replay): takes no slot and
         is never refused for a limit. NotFoundError for a run never declared."""
         with self._lock:
-            spec = self.runs.get(run)
+            spec = self.run_slots.get(run)
         # (the Store keeps the specs it has read: immutable, and only those of runs that exist)
         return spec if spec is not None else self.store.get_run(run)
-
-    def _admit_run(self, run: str, identity: str | None, *, dry_run: bool = False) -> None:
-        """Make room for ``run`` in the table of written runs (lock held): the entry the caller is
-        about to set, now the most recently used. Frees the least recently used slot of a run with
-        nothing waiting to be committed when ``identity`` is at its share or the table is full;
-        LimitError when there is none. ``dry_run``: only check (and free) that there is room."""
-        if run in self.runs:
-            if not dry_run:
-                self.runs.move_to_end(run)
-            return
-        busy: set[str] | None = None
-        share = self.config.runs_per_identity if self.config.auth_tokens is not None else None
-        if identity is not None and share is not None:
-            mine = [r for r in self.runs if self._run_holder.get(r) == identity]
-            if len(mine) >= share:
-                busy = self._busy_runs()
-                if not self._drop_idle_run(mine, busy):
-                    raise LimitError(
-                        f"identity {identity!r} already has {len(mine)} runs with records not yet committed on this "
-                        f"sidecar, its share (max_runs_per_identity); run {run} is refused: retry once they are "
-                        "committed, or raise --max-runs-per-identity"
-                    )
-        if len(self.runs) >= self.config.max_runs:
-            busy = self._busy_runs() if busy is None else busy
-            if not self._drop_idle_run(self.runs, busy):
-                raise LimitError(
-                    f"this sidecar already serves {len(self.runs)} runs with records not yet committed (max_runs); "
-                    f"run {run} is refused: retry once they are committed, start a sidecar per run group, or raise "
-                    "--max-runs"
-                )
-        if not dry_run:
-            self._run_holder[run] = identity
 
     def _busy_runs(self) -> set[str]:
         """Runs with messages queued, not committed yet (lock held)."""
         return {w.run for w in self.writers.values() if w.pending}
-
-    def _drop_idle_run(self, candidates: Iterable[str], busy: set[str]) -> bool:
-        """Drop the first (least recently used) of ``candidates`` that is not ``busy``; False if none."""
-        for run in candidates:
-            if run not in busy:
-                del self.runs[run]
-                self._run_holder.pop(run, None)
-                return True
-        return False
 
     # -- start / replay ---------------------------------------------------------------------------
 
@@ -214,27 +167,15 @@ class Engine:
             )
             for segment, kind, payload in self.journal.replay():
                 replayed += self._replay_entry(segment, kind, payload)
-            self._restore_run_slots()
+            # the runs with records queued again are busy: they get their slots back (runs.py)
+            queued = {id(m) for w in self.writers.values() for m in w.pending}
+            self.run_slots.restore_replayed(queued, self.run_spec)
             self.journal.start()
         self._update_gauges()
         self._flusher.start()
         if replayed:
             log.info("replayed %d messages from the write-ahead log", replayed)
         return replayed
-
-    def _restore_run_slots(self) -> None:
-        """After the replay: the runs with records queued again are busy, and get back their slots
-        (in log order, each held by the owner of the first writer queued in it). With an empty
-        table after a restart, --max-runs(-per-identity) no longer bounded the busy runs (one
-        identity had records queued in more runs than its share), and the writers of a replayed
-        run were refused a slot once other runs had taken them. No limit is checked: these were
-        admitted before the restart (as :meth:`Sessions.get` does for sessions)."""
-        queued = {id(m) for w in self.writers.values() for m in w.pending}
-        for w, m in self._replayed:
-            if id(m) in queued and w.run not in self.runs:
-                self.runs[w.run] = self.run_spec(w.run)
-                self._run_holder[w.run] = w.owner
-        self._replayed = []
 
     def _replay_entry(self, segment: int, kind: int, payload: bytes) -> int:
         """Rebuild the parts' state from one WAL entry; 1 for a message queued again, else 0."""
@@ -257,7 +198,7 @@ class Engine:
                 self._dedupe.check(msg)
             self._remember(msg, st.owner)
             self._enqueue(st, msg)
-            self._replayed.append((st, msg))
+            self.run_slots.replayed(st, msg)
             return 1
         entry = decode_entry(kind, payload)
         if entry is None:
@@ -279,27 +220,14 @@ class Engine:
     # -- submit -----------------------------------------------------------------------------------
 
     def reserve(self, estimate: int) -> int:
-        """Room for a message a stream is about to read (``estimate`` bytes), so a stream waits for
-        room *before* taking a message off the wire: waiting streams then hold nothing but their
-        HTTP/2 window, and memory stays within the budget however many streams there are.
-        Returns the bytes reserved (pass them to :meth:`submit`); raises OverBudgetError."""
-        estimate = max(1, min(estimate, self.budget.limit))
-        deadline = time.monotonic() + self.config.backpressure_timeout_s
+        """Room for a message a stream is about to read (:meth:`MemoryBudget.reserve`); returns
+        the bytes reserved (pass them to :meth:`submit`); raises OverBudgetError."""
         with self._lock:
-            waited = False
-            while not self.budget.fits(estimate):
-                if self._draining:
-                    raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
-                self.budget.wait(deadline, first=not waited, detail="slow down and resend")
-                waited = True
-            self.budget.reserved += estimate
-            return estimate
+            return self.budget.reserve(estimate, lambda: self._draining, _draining_error)
 
     def reserve_stream(self) -> int:
-        """Room for one more open Write stream's own memory (``budget.stream_bytes``: its HTTP/2 window and
-        its threads), held until the stream ends (:meth:`unreserve`); LimitError at once when the
-        budget cannot hold it beside what it holds now. Without this, 300 streams flooding a 64 MiB
-        budget grew the sidecar by up to 144 MiB: budget + their windows and threads."""
+        """Room for one more open Write stream's own memory (:meth:`MemoryBudget.reserve_stream`),
+        held until the stream ends (:meth:`unreserve`)."""
         with self._lock:
             return self.budget.reserve_stream()
 
@@ -331,29 +259,22 @@ class Engine:
         (:class:`PermissionDeniedError`)."""
         # The caller's reservation stays this message's room while it waits for admission (given
         # back first, the message sat in memory uncounted while it waited), and becomes its share
-        # of ``in_use`` when it is admitted.
+        # of ``in_use`` when it is admitted. A session made for this message goes again if the
+        # message is refused: before, a first message refused for a gap, a conflict or no room left
+        # its empty session for good (in every WAL snapshot, too), owned by no one and counted in no
+        # identity's share.
+        opened: list[WriterState] = []
         try:
-            return self._submit(msg, wal_parts, reserved, hold, identity)
+            return self._admit(msg, wal_parts, reserved, hold, identity, opened)
+        except BaseException:
+            if opened:
+                with self._lock:
+                    self.sessions.discard(opened[0])
+            raise
         finally:
             if msg.reservation_held:
                 self.unreserve(msg.reservation_held)
                 msg.reservation_held = 0
-
-    def _submit(
-        self, msg: Message, wal_parts: Sequence[Part], held: int, hold: tuple[str, int] | None, identity: str | None
-    ) -> tuple[WriterState, bool]:
-        # A session made for this message goes again if the message is refused: before, a first
-        # message refused for a gap, a conflict or no room left its empty session for good (in
-        # every WAL snapshot, too), owned by no one and counted in no identity's share.
-        opened: list[WriterState] = []
-        try:
-            return self._admit(msg, wal_parts, held, hold, identity, opened)
-        except BaseException:
-            if opened:
-                with self._lock:
-                    for st in opened:
-                        self.sessions.discard(st)
-            raise
 
     def _admit(
         self,
@@ -376,7 +297,7 @@ class Engine:
             waited = False
             while True:
                 if self._draining:
-                    raise DrainingError("the sidecar is shutting down; reconnect to its replacement and resend")
+                    raise _draining_error()
                 st, new = self.sessions.admit(msg, identity)
                 if new:
                     opened.append(st)
@@ -457,17 +378,8 @@ class Engine:
         self.metrics.open_trajectories.set(self._dedupe.open_trajectories)
 
     def backlog_oldest_age(self) -> float:
-        """Seconds the oldest uncommitted message has waited. Evaluated at every scrape (no lock: a
-        snapshot of the writers), so it keeps growing while the flusher is stuck in a storage
-        outage; refreshed only on ingest and commit it froze there and TraceStoreBacklogAgeHigh
-        never fired."""
-        oldest = None
-        for w in list(self.writers.values()):
-            try:
-                t = w.pending[0].received
-            except IndexError:
-                continue
-            oldest = t if oldest is None else min(oldest, t)
+        """Seconds the oldest uncommitted message has waited (:meth:`Sessions.oldest_pending`)."""
+        oldest = self.sessions.oldest_pending()
         return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
 
     # -- durability -------------------------------------------------------------------------------
@@ -629,13 +541,7 @@ class Engine:
         first = st.pending[0]
         if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
             return Batch(st.run, st.writer, first.shard_seq, [m for m in st.pending if m.shard_seq == first.shard_seq])
-        group: list[Message] = []
-        size = 0
-        for m in st.pending:
-            if m.shard_seq is not None or (group and size + m.nbytes > self.shard_bytes):
-                break
-            group.append(m)
-            size += m.nbytes
+        group = st.next_group(self.shard_bytes)
         shard = st.shard_next
         ticket = 0
         if self.journal is not None:
@@ -681,19 +587,7 @@ class Engine:
 
     def stat(self, run: str = "") -> dict[str, Any]:
         with self._lock:
-            writers = [
-                dict(
-                    run=w.run,
-                    writer=w.writer,
-                    epoch=w.epoch,
-                    received_sequence=w.received_seq,
-                    durable_sequence=w.durable_seq,
-                    committed_sequence=w.committed_seq,
-                    owner=w.owner,
-                )
-                for w in self.writers.values()
-                if not run or w.run == run
-            ]
+            writers = [w.stat() for w in self.writers.values() if not run or w.run == run]
             return dict(
                 draining=self._draining,
                 backlog_bytes=self.in_use,

@@ -100,6 +100,25 @@ class WriterState:
                 f"writer {msg.writer} of run {msg.run} belongs to another identity; use a writer id of your own"
             )
 
+    def next_group(self, limit: int) -> list[Message]:
+        """The queued messages not planned yet that the next shard takes: from the head of the
+        queue, up to ``limit`` bytes (at least one message)."""
+        group: list[Message] = []
+        size = 0
+        for m in self.pending:
+            if m.shard_seq is not None or (group and size + m.nbytes > limit):
+                break
+            group.append(m)
+            size += m.nbytes
+        return group
+
+    def stat(self) -> dict[str, object]:
+        """This session as ``Stat`` shows it."""
+        return dict(
+            run=self.run, writer=self.writer, epoch=self.epoch, received_sequence=self.received_seq,
+            durable_sequence=self.durable_seq, committed_sequence=self.committed_seq, owner=self.owner,
+        )  # fmt: skip
+
     def progress(self) -> tuple[int, int, int, int]:
         """(epoch, durable_seq, received_seq, released_seq): ``released_seq`` is the highest
         durable sequence below every message still held."""
@@ -132,6 +151,20 @@ class Sessions:
             # lost (or a server without a WAL) never reuses the number of a committed shard.
             st = self.writers[key] = WriterState(run, writer, shard_next=time.time_ns() // 1000)
         return st
+
+    def oldest_pending(self) -> float | None:
+        """When the oldest uncommitted message was received (monotonic), None with none queued.
+        Read at every metrics scrape without the engine's lock (a snapshot of the writers), so the
+        backlog's age keeps growing while the flusher is stuck in a storage outage; refreshed only
+        on ingest and commit it froze there and TraceStoreBacklogAgeHigh never fired."""
+        oldest = None
+        for w in list(self.writers.values()):
+            try:
+                t = w.pending[0].received
+            except IndexError:
+                continue
+            oldest = t if oldest is None else min(oldest, t)
+        return oldest
 
     def admit(self, msg: Message, identity: str | None = None) -> tuple[WriterState, bool]:
         """The session ``msg`` belongs to and whether it was made now (the caller gives a new one

@@ -424,7 +424,7 @@ class EngineAuthShares(RuleBasedStateMachine):
 
     @invariant()
     def run_table_is_the_models(self) -> None:
-        got = [(run, self.eng._run_holder.get(run)) for run in self.eng.runs]
+        got = [(run, self.eng.run_slots.holder.get(run)) for run in self.eng.runs]
         assert got == list(self.table.items()), f"the engine's run slots {got}, the model's {list(self.table.items())}"
         assert len(got) <= MAX_RUNS
         for who in IDENTITIES:

@@ -359,9 +359,10 @@ def test_the_engine_parts_do_not_import_the_engine() -> None:
     import tracestore.server.journal
     import tracestore.server.memory
     import tracestore.server.message
+    import tracestore.server.runs
     import tracestore.server.sessions
 
-    parts = (tracestore.server.sessions, tracestore.server.memory, tracestore.server.journal)
+    parts = (tracestore.server.sessions, tracestore.server.memory, tracestore.server.journal, tracestore.server.runs)
     for mod in (*parts, tracestore.server.dedupe, tracestore.server.flusher, tracestore.server.message):
         assert mod.__file__ is not None
         tree = ast.parse(Path(mod.__file__).read_text())
