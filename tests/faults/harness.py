@@ -393,6 +393,34 @@ class Rec:
         return c
 
 
+class EngineOnDisk:
+    """For the state machines over the in-process engine: ``self.cfg`` (storage ``self.url``, its
+    WAL under ``self.dir``) makes :meth:`_engine`, a started engine (WAL replayed); ``teardown``
+    closes ``self.eng`` and removes ``self.dir``."""
+
+    cfg: Any
+    url: str
+    dir: Path
+    eng: Any
+
+    def _engine(self) -> Any:
+        from tracestore.server.engine import Engine
+        from tracestore.server.ingest import wal_parser
+        from tracestore.server.metrics import Metrics
+
+        from tracestore.storage.store import Store
+
+        eng = Engine(self.cfg, Store(self.url), Metrics())
+        eng.start(wal_parser(eng.run_spec))
+        return eng
+
+    def teardown(self) -> None:
+        try:
+            self.eng.close(timeout=5)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def read_back(reader: Any, recs: Iterable[Rec], must_exist: bool, stats: Counter[str], where: str = "") -> None:
     """Read ``recs`` through ``reader`` (a StoreReader of their run), grouped by (version, site):
     each is either absent (counted in ``stats["lost"]`` and an error when ``must_exist``) or

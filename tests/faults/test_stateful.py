@@ -12,7 +12,6 @@ acknowledged record reads back bit-identical. In-process (server.engine.Engine):
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -23,15 +22,13 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import Engine
-from tracestore.server.ingest import parse_write, wal_parser
-from tracestore.server.metrics import Metrics
+from tracestore.server.ingest import parse_write
 
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
-from .harness import SPEC, Rec, make_recs, read_back, row
+from .harness import SPEC, EngineOnDisk, Rec, make_recs, read_back, row
 
 WRITERS = ("sm-a", "sm-b")
 DURABLE_S = 10.0
@@ -47,7 +44,7 @@ class Sent:
         self.writer, self.epoch, self.seq, self.recs, self.raw = writer, epoch, seq, recs, raw
 
 
-class EngineWalStore(RuleBasedStateMachine):
+class EngineWalStore(EngineOnDisk, RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="ts-stateful-"))
@@ -67,17 +64,6 @@ class EngineWalStore(RuleBasedStateMachine):
         self.sent: dict[tuple[int, str, str, int], Rec] = {}
         self.payload = 0
         STATS["examples"] += 1
-
-    def _engine(self) -> Engine:
-        eng = Engine(self.cfg, Store(self.url), Metrics())
-        eng.start(wal_parser(eng.run_spec))
-        return eng
-
-    def teardown(self) -> None:
-        try:
-            self.eng.close(timeout=5)
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- helpers
 

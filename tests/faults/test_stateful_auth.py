@@ -28,7 +28,6 @@ every acknowledged record and seal reads back bit-identical. In-process (server.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 from collections import Counter, OrderedDict
@@ -40,9 +39,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import Engine
-from tracestore.server.ingest import parse_write, wal_parser
-from tracestore.server.metrics import Metrics
+from tracestore.server.ingest import parse_write
 from tracestore.server.sessions import SequenceError
 
 from tracestore.errors import LimitError, PermissionDeniedError
@@ -51,7 +48,7 @@ from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 from tracestore.v1 import tracestore_pb2 as pb
 
-from .harness import SPEC, Rec, make_recs, read_back, row
+from .harness import SPEC, EngineOnDisk, Rec, make_recs, read_back, row
 
 IDENTITIES = ("team-a", "team-b")
 RUNS = ("ra", "rb", "rc", "rd")
@@ -92,7 +89,7 @@ class Model:
         self.written: list[tuple[int, str, int]] = []  # trajectories this session wrote (to seal)
 
 
-class EngineAuthShares(RuleBasedStateMachine):
+class EngineAuthShares(EngineOnDisk, RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="ts-stateful-auth-"))
@@ -122,17 +119,6 @@ class EngineAuthShares(RuleBasedStateMachine):
         self.admitted_seals: set[tuple[str, int, str, int]] = set()
         self.payload = 0
         STATS["examples"] += 1
-
-    def _engine(self) -> Engine:
-        eng = Engine(self.cfg, Store(self.url), Metrics())
-        eng.start(wal_parser(eng.run_spec))
-        return eng
-
-    def teardown(self) -> None:
-        try:
-            self.eng.close(timeout=5)
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- the model
 
