@@ -22,15 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py; `bench` is no package name of ours
 
 import torch  # noqa: E402
 import tracestore.kernels as K  # noqa: E402
 import tracestore.kernels.guided as KG  # noqa: E402
 import tracestore.kernels.record as KR  # noqa: E402
+from common import append_results, print_table  # noqa: E402
 from tracestore.kernels.testing import capture_graph  # noqa: E402
 
-from bench.common import append_results, print_table  # noqa: E402
 from tracestore.formats import MXFP4, NVFP4  # noqa: E402
 from tracestore.fp4 import quantize  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402

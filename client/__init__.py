@@ -10,28 +10,35 @@ lazily where a GPU tensor or a sidecar connection needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+if __name__ != "tracestore.client":  # imported as a top-level `client` from a checkout
+    import pathlib
+    import runpy
 
-_LAZY = {
-    "RolloutRecorder": "tracestore.client.recorder",
-    "SiteOutput": "tracestore.client.site_output",
-    "SlabStage": "tracestore.client.slab",
-    "Segments": "tracestore.client.slab",
-    "GuidedFP4Hooks": "tracestore.client.train_hooks",
-    "GuidanceReader": "tracestore.client.reader",
-    "StagingPool": "tracestore.client.staging",
-    "TraceRef": "tracestore.client.traceref",
-    "attempt_id": "tracestore.client.traceref",
-}
+    # by path: importing the tracestore package would need its dependencies in this interpreter
+    _shadow = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "tracestore" / "_shadow.py"))
+    _shadow["step_aside"](__name__, __file__)
+else:
+    import importlib
+    from typing import Any
 
-__all__ = list(_LAZY)
+    _LAZY = {
+        "RolloutRecorder": "tracestore.client.recorder",
+        "SiteOutput": "tracestore.client.site_output",
+        "SlabStage": "tracestore.client.slab",
+        "Segments": "tracestore.client.slab",
+        "GuidedFP4Hooks": "tracestore.client.train_hooks",
+        "GuidanceReader": "tracestore.client.reader",
+        "StagingPool": "tracestore.client.staging",
+        "TraceRef": "tracestore.client.traceref",
+        "attempt_id": "tracestore.client.traceref",
+    }
 
+    __all__ = list(_LAZY)
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tracestore.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'tracestore.client' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value

@@ -12,15 +12,16 @@ CuPy is imported on the first GPU launch only.
 """
 
 if __name__ != "tracestore.kernels":
-    # This directory is the source of ``tracestore.kernels`` (pyproject's package-dir). With the
-    # repository root on sys.path (``python -m pytest`` / ``python -m tracestore.cli`` in a checkout)
-    # it is also importable as a top-level ``kernels``, the name of Hugging Face's kernel-hub package,
-    # which transformers imports to probe for it. A second copy of guided.py would re-define
-    # ``tracestore::guided_fp4``/``rtn_fp4``, and torch destroys the first definition, leaving
-    # ``tracestore.kernels.guided_fp4`` calling a freed operator (std::bad_alloc or a segfault). So
-    # under any other name this is an empty package without submodules.
-    __path__ = []  # type: ignore[var-annotated]  # no submodules: kernels.guided must not load
-    __all__: list[str] = []
+    # Imported as a top-level ``kernels`` (the repository root on sys.path): that name belongs to
+    # Hugging Face's kernel-hub package, which transformers imports. A second copy of guided.py
+    # would also re-define ``tracestore::guided_fp4``, which torch frees, leaving
+    # ``tracestore.kernels.guided_fp4`` calling a destroyed operator.
+    import pathlib
+    import runpy
+
+    # by path: importing the tracestore package would need its dependencies in this interpreter
+    _shadow = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "tracestore" / "_shadow.py"))
+    _shadow["step_aside"](__name__, __file__)
 else:
     from tracestore.guidance import Guidance
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 import pytest
 from hypothesis import given, settings
@@ -15,23 +22,89 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("tracestore_pb2.py", "tracestore_pb2.pyi", "tracestore_pb2_grpc.py")
 
 
-def test_generated_code_matches_proto(tmp_path: Path) -> None:
-    pytest.importorskip("grpc_tools", reason="grpcio-tools (the [dev] extra) regenerates the code")
+# What the generator writes of its own version: grpcio-tools' and its bundled protoc's. A patch
+# release of grpcio-tools changes these lines and nothing else; the committed stamps are the
+# runtime minimums (test_declared_minimums_match_the_generated_stamps), so they stay as generated.
+STAMPS = (
+    (re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M), "GRPC_GENERATED_VERSION = '<stamp>'"),
+    (re.compile(r"^# Protobuf Python Version: .*$", re.M), "# Protobuf Python Version: <stamp>"),
+    (
+        re.compile(r"(ValidateProtobufRuntimeVersion\(\n\s*_runtime_version\.Domain\.\w+,)\n\s*\d+,\n\s*\d+,\n\s*\d+,"),
+        r"\1 <stamp>",
+    ),
+)
+
+
+def without_stamps(text: str) -> str:
+    for pattern, replacement in STAMPS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def stale_modules(proto_root: Path, out: Path) -> list[str]:
+    """Generate tracestore/v1 from ``proto_root`` into ``out``; the committed modules that differ."""
     cmd = [
         sys.executable,
         "-m",
         "grpc_tools.protoc",
-        "-Iproto",
-        f"--python_out={tmp_path}",
-        f"--pyi_out={tmp_path}",
-        f"--grpc_python_out={tmp_path}",
-        "proto/tracestore/v1/tracestore.proto",
+        f"-I{proto_root}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        str(proto_root / "tracestore" / "v1" / "tracestore.proto"),
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=60)
-    for name in GENERATED:
-        fresh = (tmp_path / "tracestore" / "v1" / name).read_text()
-        committed = (ROOT / "tracestore" / "v1" / name).read_text()
-        assert fresh == committed, f"tracestore/v1/{name} is stale: rerun the protoc command in the .proto header"
+    return [
+        name
+        for name in GENERATED
+        if without_stamps((out / "tracestore" / "v1" / name).read_text())
+        != without_stamps((ROOT / "tracestore" / "v1" / name).read_text())
+    ]
+
+
+def test_generated_code_matches_proto(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (the [dev] extra) regenerates the code")
+    stale = stale_modules(ROOT / "proto", tmp_path)
+    assert not stale, f"tracestore/v1/{stale} are stale: rerun the protoc command in the .proto header"
+
+
+def test_a_changed_proto_is_seen_whatever_the_stamps(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (the [dev] extra) regenerates the code")
+    proto = tmp_path / "proto"
+    shutil.copytree(ROOT / "proto", proto)
+    path = proto / "tracestore" / "v1" / "tracestore.proto"
+    text = path.read_text()
+    assert "message StatRequest {" in text
+    path.write_text(text.replace("message StatRequest {", "message StatRequest {\n  string note = 99;", 1))
+    (tmp_path / "out").mkdir()
+    assert stale_modules(proto, tmp_path / "out") == ["tracestore_pb2.py", "tracestore_pb2.pyi"]
+
+
+def test_stamps_are_all_that_is_ignored() -> None:
+    committed = (ROOT / "tracestore" / "v1" / "tracestore_pb2_grpc.py").read_text()
+    assert without_stamps(committed) != committed  # the stamp line is there and is masked
+    bumped = committed.replace("GRPC_GENERATED_VERSION = '", "GRPC_GENERATED_VERSION = '9")
+    assert without_stamps(bumped) == without_stamps(committed)
+    assert without_stamps(committed.replace("def ", "def x", 1)) != without_stamps(committed)
+    pb2 = (ROOT / "tracestore" / "v1" / "tracestore_pb2.py").read_text()
+    assert "<stamp>" in without_stamps(pb2).split("ValidateProtobufRuntimeVersion", 1)[1][:80]
+
+
+def _stamp_versions() -> tuple[str, str]:
+    grpc_py = (ROOT / "tracestore" / "v1" / "tracestore_pb2_grpc.py").read_text()
+    grpc_version = re.search(r"^GRPC_GENERATED_VERSION = '([^']*)'$", grpc_py, re.M)
+    pb2 = (ROOT / "tracestore" / "v1" / "tracestore_pb2.py").read_text()
+    pb_version = re.search(r"^# Protobuf Python Version: (\S+)$", pb2, re.M)
+    assert grpc_version and pb_version
+    return grpc_version.group(1), pb_version.group(1)
+
+
+def test_declared_minimums_match_the_generated_stamps() -> None:
+    """The committed stubs refuse older runtimes, so pyproject's minimums are exactly their stamps."""
+    grpc_version, pb_version = _stamp_versions()
+    client = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["client"]
+    assert f"grpcio>={grpc_version}" in client, client
+    assert f"protobuf>={pb_version}" in client, client
 
 
 def test_enums_have_unspecified_zero() -> None:

@@ -84,8 +84,8 @@ def test_remove_stale_temp_files_grace(tmp_path):
 
 def test_sidecar_start_removes_stale_temp_files(tmp_path):
     pytest.importorskip("grpc")
-    from server.config import ServerConfig
-    from server.service import Sidecar
+    from tracestore.server.config import ServerConfig
+    from tracestore.server.service import Sidecar
 
     url = f"file://{tmp_path}/store"
     store = Store(url)

@@ -1,0 +1,65 @@
+"""Keep the repository's source folders from shadowing other distributions' top-level packages.
+
+``client/``, ``server/`` and ``kernels/`` at the repository root are the sources of
+``tracestore.client``, ``tracestore.server`` and ``tracestore.kernels`` (pyproject's
+``package-dir``). Whenever the repository root is on ``sys.path`` (``python -m ...`` from a
+checkout, a Ray job whose working_dir is the checkout) Python would also find them as top-level
+``client``, ``server`` and ``kernels``, and ``kernels`` is the import name of Hugging Face's
+kernel-hub package, which transformers imports. Each folder's ``__init__`` calls
+:func:`step_aside` when it is imported under any name but its ``tracestore.`` one: the import then
+yields the package of that name found elsewhere on the path, exactly as if the folder were not
+there, or fails with ``ModuleNotFoundError`` when there is none.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+
+def _inside(spec: importlib.machinery.ModuleSpec, folder: str) -> bool:
+    for place in [spec.origin, *(spec.submodule_search_locations or [])]:
+        real = os.path.realpath(place) if place else ""
+        if real == folder or real.startswith(folder + os.sep):
+            return True
+    return False
+
+
+def _find_elsewhere(name: str, folder: str) -> importlib.machinery.ModuleSpec | None:
+    root = os.path.dirname(folder)
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+        else:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, None) if find is not None else None
+        if spec is not None and not _inside(spec, folder):
+            return spec
+    return None
+
+
+def step_aside(name: str, init_file: str) -> None:
+    """Make the running import of ``name`` (the folder of ``init_file``) yield another package.
+
+    Replaces ``sys.modules[name]`` with the package of that name found on ``sys.path`` outside the
+    repository root, executed in place; raises ``ModuleNotFoundError`` when no other exists.
+    """
+    folder = os.path.dirname(os.path.realpath(init_file))
+    spec = _find_elsewhere(name, folder)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(
+            f"No module named {name!r} (the repository's {os.path.basename(folder)}/ folder is the source "
+            f"of tracestore.{os.path.basename(folder)} and is imported under that name only)",
+            name=name,
+        )
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the import system returns what sys.modules holds after this __init__
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
