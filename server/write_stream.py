@@ -177,8 +177,8 @@ class WriteStream:
                         err is None and durable >= received
                     ):
                         break  # on shutdown (or to let a waiting stream read): once all it sent is durable
-                elif err is None and (done or self.idle_while_others_wait()):
-                    break
+                elif err is None and (done or self.draining() or self.idle_while_others_wait()):
+                    break  # nothing admitted, nothing to acknowledge: a stop need not wait for it
                 if err is not None:
                     meta = {} if self.failed_seq is None else {"tracestore-failed-sequence": str(self.failed_seq)}
                     self.fail(context, "Write", err, meta)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.server.testing import SPEC, ServeProcess
+from tracestore.server.testing import SPEC, IdleWriteStream, ServeProcess
 
 from tracestore.plan import MicrobatchPlan
 from tracestore.storage.reader import StoreReader
@@ -119,6 +119,24 @@ def test_sigkill_restart_loop_loses_nothing_acked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sigterm_ends_a_write_stream_that_admitted_nothing_at_once(tmp_path: Path) -> None:
+    """A recorder's fresh stream (no message yet) held the stop for the whole grace period."""
+    sp = ServeProcess(tmp_path, flags=["--grace", "20"]).start()
+    ch = grpc.insecure_channel(sp.address)
+    stream = IdleWriteStream(ch)
+    health = health_pb2_grpc.HealthStub(ch)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    time.sleep(0.5)  # the stream is open on the sidecar
+    assert not stream.ended.is_set() and sp.proc is not None
+    t0 = time.monotonic()
+    sp.proc.send_signal(15)
+    rc = sp.proc.wait(timeout=30)
+    elapsed = time.monotonic() - t0
+    stream.close()
+    ch.close()
+    assert rc == 0 and elapsed <= 2.0, f"exit {rc} after {elapsed:.1f} s with only an empty stream open"
+
+
 def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
     sp = ServeProcess(tmp_path, flags=["--flush-interval", "30", "--grace", "20"]).start()
     rec = RolloutRecorder(sp.address, SPEC, "term-writer", staging_bytes=8 << 20)
