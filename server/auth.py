@@ -211,11 +211,17 @@ def parse_token_file(
         raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {p}: {exc.strerror or exc}") from None
-    if st.st_mode & 0o002:
+    mode = st.st_mode & 0o777
+    if mode & 0o022:
+        world = bool(mode & 0o002)
+        who, members = ("every user", "anyone on this host") if world else ("its group", "any member of its group")
         raise ConfigError(
-            f"token file {p} is writable by every user (mode {st.st_mode & 0o777:04o}): anyone on this host could add "
-            "a token of their own; expected at most 0640 (chmod o-w)"
+            f"token file {p} is writable by {who} (mode {mode:04o}): {members} could add a token of their own "
+            f"for the next reload; expected at most 0640 (chmod go-w {p})"
         )
+    if mode & 0o004:
+        log.warning("token file %s is readable by every user (mode %04o): expected at most 0640 (chmod o-r %s)",
+                    p, mode, p)  # fmt: skip
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -367,6 +367,29 @@ def test_token_file_format(tmp_path: Path) -> None:
         load_token_file(p)
 
 
+@pytest.mark.parametrize("mode", [0o660, 0o664, 0o620, 0o670])
+def test_a_token_file_its_group_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Group members could add an admin token for the next reload (before: accepted silently)."""
+    p = tmp_path / "tokens"
+    p.write_text(token_line("a", "read:x"))
+    p.chmod(mode)
+    with pytest.raises(ConfigError, match=re.escape(f"writable by its group (mode {mode:04o})")):
+        load_token_file(p)
+
+
+def test_a_token_file_every_user_can_read_loads_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = tmp_path / "tokens"
+    p.write_text(token_line("a", "read:x"))
+    for mode, warned in ((0o644, True), (0o640, False), (0o600, False)):
+        p.chmod(mode)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tracestore.server.auth"):
+            load_token_file(p)
+        assert ("readable by every user" in caplog.text) == warned, (oct(mode), caplog.text)
+
+
 @pytest.mark.parametrize(
     ("kw", "ok"),
     [
