@@ -57,7 +57,7 @@ EXPECTED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "granitemoehybrid": (("mlp.input",), GQA),
     "lfm2_moe": (("mlp.input",), GQA),
     "minimax": (GQA, ("mlp.input",)),  # lightning (linear) attention in layer 1
-    "nemotron_h": (("mlp.input",), ("attn.k", "attn.v")),  # one mixer per layer: MoE, then attention
+    "nemotron_h": (("attn.k", "attn.v"), ("mlp.input",)),  # one mixer per layer: attention, then MoE
     "gemma4_text": (GQA, GQA),  # mlp.input: what the layer's own experts consume
     "longcat_flash": (("mlp.input", *MLA, "attn1.kv_latent", "attn1.k_rope"),) * 2,  # self_attn[0], self_attn[1]
 }

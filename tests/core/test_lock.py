@@ -8,6 +8,7 @@ import importlib.metadata
 import os
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,9 @@ def test_the_environment_built_through_the_lock_holds_exactly_its_pins() -> None
     assert Path(lock).resolve() == LOCK.resolve() or Path(ROOT, lock).resolve() == LOCK.resolve()
     pins = pins_for(f"{sys.version_info[0]}.{sys.version_info[1]}")
     wrong = []
-    for dist in importlib.metadata.distributions():
+    # the venv's own site-packages: Ray puts its vendored psutil and colorama on sys.path on import
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in importlib.metadata.distributions(path=site):
         name = normalize(dist.metadata["Name"])
         if name in NOT_LOCKED:
             continue

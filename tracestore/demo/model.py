@@ -93,8 +93,9 @@ def _granite_hybrid(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _nemotron_h(spec: ModelSpec) -> dict[str, Any]:
-    # one mixer per layer: MoE, attention, Mamba-2, MoE, ...
-    pattern = ("moe", "full_attention", "linear_attention", "moe")
+    # one mixer per layer: attention, MoE, Mamba-2, MoE, ... A first layer without a KV cache (MoE)
+    # breaks transformers 5.25's generate() (its prefill asks cache layer 0 for its length)
+    pattern = ("full_attention", "moe", "linear_attention", "moe")
     return {"layers_block_type": [pattern[i % 4] for i in range(spec.layers)], "n_shared_experts": 1,
             "moe_shared_expert_intermediate_size": spec.expert_hidden, "mamba_num_heads": spec.heads,
             "mamba_head_dim": spec.head_dim, "n_groups": 1, "ssm_state_size": 8, "chunk_size": 8}  # fmt: skip
