@@ -214,9 +214,9 @@ def parse_token_file(
     mode = st.st_mode & 0o777
     if mode & 0o022:
         world = bool(mode & 0o002)
-        who, members = ("every user", "anyone on this host") if world else ("its group", "any member of its group")
+        writers, members = ("every user", "anyone on this host") if world else ("its group", "any member of its group")
         raise ConfigError(
-            f"token file {p} is writable by {who} (mode {mode:04o}): {members} could add a token of their own "
+            f"token file {p} is writable by {writers} (mode {mode:04o}): {members} could add a token of their own "
             f"for the next reload; expected at most 0640 (chmod go-w {p})"
         )
     if mode & 0o004:
