@@ -6,7 +6,8 @@ codes (:func:`site_outputs`): the readable CPU/any-device rollout path built on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,12 +17,15 @@ from tracestore.client.hf_layouts import Layout
 from tracestore.errors import ConfigError, ShapeError
 
 
-def site_outputs(records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], run_spec: Any) -> dict[str, Any]:
+def site_outputs(
+    records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], run_spec: Any, rows: torch.Tensor | None = None
+) -> dict[str, Any]:
     """``RolloutRecorder`` outputs for the sites of ``run_spec`` from one forward's full FP4 codes.
 
     ``records[site] = (codes uint8 [B, T, w] in 0..15, scales uint8 [B, T, w/block], g)``; each
     declared site's low ``bits`` are packed (``tracestore.packing.pack_bits``) into rows ordered
-    batch-major, which matches segments ``[(trajectory_b, start, start+T) for b in batch]``.
+    batch-major, which matches segments ``[(trajectory_b, start, start+T) for b in batch]``;
+    ``rows`` (int64 indices into the ``B*T`` batch-major rows) keeps those rows only, in that order.
     """
     from tracestore.client.recorder import SiteOutput
 
@@ -40,7 +44,10 @@ def site_outputs(records: dict[str, tuple[torch.Tensor, torch.Tensor, float]], r
                 f"run {run_spec.run} declares site {site.name} with width {site.width}, the model's is {w} "
                 f"(codes {tuple(codes.shape)})"
             )
-        out[site.name] = SiteOutput(pack_bits(codes.reshape(b * t, w), site.bits), scales.reshape(b * t, -1), g)
+        codes, scales = codes.reshape(b * t, w), scales.reshape(b * t, -1)
+        if rows is not None:
+            codes, scales = codes.index_select(0, rows), scales.index_select(0, rows)
+        out[site.name] = SiteOutput(pack_bits(codes, site.bits), scales, g)
     return out
 
 
@@ -85,7 +92,9 @@ class FP4SiteRecorder:
         self.recorders = list(recorders)
         self.records: dict[str, Record] = {}
         self._steps: list[dict[str, Record]] = []
+        self._where: list[_Where | None] = []  # per forward: where its tokens sit in their sequences
         self._active = False
+        self.model = model
         self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout, moe=moe)
         try:
             bad = [s for s in self.hooks.sites if s.width % self.fmt.block]
@@ -112,14 +121,15 @@ class FP4SiteRecorder:
                     raise ShapeError(
                         f"run {rec.run_spec.run} declares sites with widths the model does not have: {wrong[:4]}"
                     )
-            self._step_hook = model.register_forward_pre_hook(self._new_step)
+            self._step_hook = model.register_forward_pre_hook(self._new_step, with_kwargs=True)
         except BaseException:
             self.hooks.remove()
             raise
 
-    def _new_step(self, module: Any, args: Any) -> None:
+    def _new_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if self._active:
             self._steps.append({})
+            self._where.append(_where_of(args, kwargs))
 
     def _site(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor | None:
         from tracestore.fp4 import dequantize, quantize
@@ -129,6 +139,7 @@ class FP4SiteRecorder:
         if self._active:
             if not self._steps or site.name in self._steps[-1]:  # a forward not entered through the model
                 self._steps.append({})
+                self._where.append(None)
             self._steps[-1][site.name] = (q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1), float(q.global_scale))
         return dequantize(q).reshape(b, t, w).to(x.dtype) if self.fake_quant else None
 
@@ -139,28 +150,45 @@ class FP4SiteRecorder:
         codes uint8 [B, positions, w] and scales of all the block's forwards in order, ``g`` the
         float of a single forward, else float32 [B, positions] (each forward's g on its rows).
 
-        Over several forwards, ``segments`` is one ``(trajectory, start, end)`` per batch row with
-        ``end - start`` = the positions the forwards covered (``end=None``: whatever they covered);
-        forward k is recorded at positions ``start + (T_0 + ... + T_{k-1})`` onwards.
+        ``segments`` is one ``(trajectory, start, end)`` per batch row of the forwards (per returned
+        sequence of a ``generate(num_return_sequences=k)``). A row's tokens are placed by their
+        index in the row's own sequence: the model's ``position_ids``, else the count of
+        ``attention_mask`` ones before them, else the cache length; padding (mask 0) is never
+        recorded. The row's first position in the block is recorded at ``start``. A forward that
+        feeds positions again from the first (no cache) records only the new ones; one that starts
+        before the last recorded position (the cache was cut back: rejected draft tokens of
+        assisted or speculative decoding) drops what was recorded from there on. The positions a
+        row records must be contiguous and, with ``end`` given, number ``end - start``. Beam
+        search is refused (:class:`~tracestore.errors.ConfigError`): its rows are reordered between
+        forwards and belong to no returned sequence.
         """
         self.records = {}
         self._steps = []
+        self._where = []
         self._active = True
+        restore = _guard_generate(self.model)
         try:
             yield self.records
         finally:
             self._active = False
-        steps = [s for s in self._steps if s]
-        self._steps = []
-        if not steps:
+            restore()
+        kept = [(s, w) for s, w in zip(self._steps, self._where, strict=True) if s]
+        self._steps, self._where = [], []
+        if not kept:
             if self.recorders:
-                raise ConfigError("FP4SiteRecorder.forward: no model forward reached a hooked site inside the block")
+                raise ConfigError(
+                    "FP4SiteRecorder.forward: no model forward reached a hooked site inside the block (was the "
+                    "model called inside the `with fp4.forward(...)` block, is it the model these hooks were "
+                    "attached to, and not a torch.compile'd copy of it?)"
+                )
             return
-        per_step = _step_segments(list(segments), steps)
+        steps = [s for s, _ in kept]
+        placed = _place(list(segments), steps, [w for _, w in kept])
         self.records.update(_concat(steps))
         for rec in self.recorders:
-            for step, segs in zip(steps, per_step, strict=True):
-                rec.record_forward(segs, site_outputs(step, rec.run_spec))
+            for step, (segs, rows) in zip(steps, placed, strict=True):
+                if segs:
+                    rec.record_forward(segs, site_outputs(step, rec.run_spec, rows))
 
     def remove(self) -> None:
         self.hooks.remove()
@@ -175,30 +203,177 @@ class FP4SiteRecorder:
         self.remove()
 
 
-def _step_segments(
-    segments: list[tuple[str, int, int | None]], steps: list[dict[str, Record]]
-) -> list[list[tuple[str, int, int]]]:
-    """Each forward's segments: one forward keeps ``segments`` as given; several split each batch
-    row's segment by the positions each forward covered."""
-    lengths = [next(iter(s.values()))[0].shape[1] for s in steps]
-    batch = next(iter(steps[0].values()))[0].shape[0]
-    total = sum(lengths)
-    rows_like = len(segments) == batch
-    if len(steps) == 1 and not any(end is None for _, _, end in segments):
-        return [[(t, int(start), int(end)) for t, start, end in segments]]  # type: ignore[arg-type]
-    bad = [s for s in segments if s[2] is not None and int(s[2]) - int(s[1]) != total]
-    if not rows_like or bad:
-        raise ConfigError(
-            f"the block ran {len(steps)} model forward(s) covering {total} positions per batch row "
-            f"({' + '.join(map(str, lengths[:8]))}{' + ...' if len(lengths) > 8 else ''}); segments must be one "
-            f"(trajectory, start, end) per batch row ({batch}) with end - start = {total} or end None, got "
-            f"{len(segments)} segment(s){', e.g. ' + repr(bad[0]) if bad else ''}"
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where one model forward's input tokens sit: ``pos`` int64 [B, T], each token's index in its
+    own sequence (padding not counted); ``valid`` bool [B, T], False for padding."""
+
+    pos: torch.Tensor
+    valid: torch.Tensor
+
+
+def _cache_length(kwargs: dict[str, Any]) -> int:
+    position = kwargs.get("cache_position")
+    if isinstance(position, torch.Tensor) and position.numel():
+        return int(position.reshape(-1)[0])
+    for key in ("cache", "past_key_values"):
+        cache = kwargs.get(key)
+        if cache is not None and hasattr(cache, "get_seq_length"):
+            with contextlib.suppress(Exception):  # a hybrid cache whose layer 0 keeps no length
+                return int(cache.get_seq_length())
+    return 0
+
+
+def _where_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Where | None:
+    """The positions of a model forward's tokens (None: no ``input_ids``/``inputs_embeds`` to size
+    them by). With a 2-D ``attention_mask`` covering the tokens: the count of ones before each, its
+    zeros padding. Else from ``position_ids`` (a 4-D mask, as a static cache passes): a token is
+    padding when a later token of its row sits at the same or an earlier position (left padding
+    repeats the first position). Else the cache length onwards, nothing padding."""
+    ref = kwargs.get("input_ids")
+    if ref is None and args and isinstance(args[0], torch.Tensor):
+        ref = args[0]
+    if ref is None:
+        ref = kwargs.get("inputs_embeds")
+    if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
+        return None
+    b, t = int(ref.shape[0]), int(ref.shape[1])
+    given = kwargs.get("position_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 3:
+        given = given[0]  # multimodal RoPE: [3, B, T], the text positions first
+    ids = None
+    if isinstance(given, torch.Tensor) and given.dim() == 2 and given.shape[1] == t and given.shape[0] in (1, b):
+        ids = given.detach().to("cpu", torch.int64).expand(b, t)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == b and mask.shape[1] >= t:
+        m = mask.detach().to("cpu")
+        valid = m[:, -t:].bool()
+        counted = m.long().cumsum(-1)[:, -t:] - 1
+        if ids is None or torch.equal(ids[valid], counted[valid]):
+            return _Where(counted.clone(), valid.clone())
+    if ids is not None:
+        later = torch.full((b, 1), torch.iinfo(torch.int64).max)
+        after = torch.cat([ids[:, 1:].flip(-1).cummin(-1).values.flip(-1), later], -1)
+        return _Where(ids.clone(), ids < after)
+    start = _cache_length(kwargs)
+    return _Where(torch.arange(start, start + t).expand(b, t).clone(), torch.ones(b, t, dtype=torch.bool))
+
+
+def _guard_generate(model: Any) -> Callable[[], None]:
+    """Refuse beam search on ``model.generate`` until the returned function is called."""
+    own = "generate" in vars(model)
+    inner = getattr(model, "generate", None)
+    if inner is None:
+        return lambda: None
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+        if int(beams) > 1:
+            raise ConfigError(
+                f"generate(num_beams={beams}) inside FP4SiteRecorder.forward: beam search cannot be recorded, "
+                "it reorders its rows (beams) between forwards, so a row's records belong to no one returned "
+                "sequence; record sampling groups instead (do_sample=True, num_return_sequences=k, one segment "
+                "per returned sequence)"
+            )
+        return inner(*args, **kwargs)
+
+    model.generate = generate
+
+    def restore() -> None:
+        if own:
+            model.generate = inner
+        else:
+            vars(model).pop("generate", None)
+
+    return restore
+
+
+def _place(
+    segments: list[tuple[str, int, int | None]], steps: list[dict[str, Record]], wheres: list[_Where | None]
+) -> list[tuple[list[tuple[str, int, int]], torch.Tensor]]:
+    """Each forward's segments and the batch-major row indices they record (see
+    :meth:`FP4SiteRecorder.forward` for the rules)."""
+    shapes = [tuple(next(iter(s.values()))[0].shape[:2]) for s in steps]
+    batch = shapes[0][0]
+    if any(b != batch for b, _ in shapes):
+        raise ConfigError(f"the block ran forwards of different batch sizes {sorted({b for b, _ in shapes})}; "
+                          "record them in separate FP4SiteRecorder.forward blocks")  # fmt: skip
+    if len(segments) != batch:
+        hint = (
+            f" (generate(num_return_sequences={batch // len(segments)}) runs {batch} rows: give one segment per "
+            "returned sequence)"
+            if segments and batch % len(segments) == 0
+            else ""
         )
-    out, offset = [], 0
-    for n in lengths:
-        out.append([(t, int(start) + offset, int(start) + offset + n) for t, start, _ in segments])
-        offset += n
+        raise ConfigError(
+            f"the block's forwards have {batch} batch rows; segments must be one (trajectory, start, end) per "
+            f"batch row, got {len(segments)}{hint}"
+        )
+    mark = [0] * batch  # per row: one past the last position recorded
+    base: list[int | None] = [None] * batch  # per row: the first position the block saw
+    positions: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    for (b_, t), where in zip(shapes, wheres, strict=True):
+        if where is None:  # a forward not entered through the model: it continues each row
+            pos = torch.tensor(mark, dtype=torch.int64)[:, None] + torch.arange(t)
+            where = _Where(pos, torch.ones(b_, t, dtype=torch.bool))
+        keep = where.valid.clone()
+        for b in range(batch):
+            pb = where.pos[b][where.valid[b]]
+            if not pb.numel():
+                continue
+            lo = int(pb.min())
+            if base[b] is None:
+                base[b] = lo
+            if lo < mark[b]:
+                if lo == base[b]:  # the whole sequence again (no cache): only the new positions
+                    keep[b] &= where.pos[b] >= mark[b]
+                else:  # the cache was cut back (rejected draft tokens): forget what follows lo
+                    for earlier_pos, earlier_keep in zip(positions, kept, strict=True):
+                        earlier_keep[b] &= earlier_pos[b] < lo
+                    mark[b] = lo
+            if keep[b].any():
+                mark[b] = max(mark[b], int(where.pos[b][keep[b]].max()) + 1)
+        positions.append(where.pos)
+        kept.append(keep)
+    covered = [sorted(int(p) for pos, keep in zip(positions, kept, strict=True) for p in pos[b][keep[b]])
+               for b in range(batch)]  # fmt: skip
+    for b, (traj, start, end) in enumerate(segments):
+        got = covered[b]
+        lo = base[b] or 0
+        if got != list(range(lo, lo + len(got))) or (end is not None and len(got) != int(end) - int(start)):
+            raise ConfigError(
+                f"the block ran {len(steps)} model forward(s); batch row {b} ({traj!r}) recorded {len(got)} "
+                f"position(s) {_span(got)}, which must be contiguous"
+                + (f" and number end - start = {int(end) - int(start)}" if end is not None else "")
+                + f"; forwards of {' + '.join(str(t) for _, t in shapes[:8])}{' + ...' if len(shapes) > 8 else ''} "
+                "tokens per row"
+            )
+    out = []
+    for (_, t), pos, keep in zip(shapes, positions, kept, strict=True):
+        segs: list[tuple[str, int, int]] = []
+        rows: list[torch.Tensor] = []
+        for b, (traj, start, _) in enumerate(segments):
+            js = keep[b].nonzero().flatten()
+            if not js.numel():
+                continue
+            p = pos[b][js]
+            if p.numel() > 1 and not bool((p[1:] > p[:-1]).all()):
+                raise ConfigError(f"batch row {b} ({traj!r}): a forward's positions do not increase along the row")
+            cuts = [0, *((p[1:] != p[:-1] + 1).nonzero().flatten() + 1).tolist(), p.numel()]
+            for i, j in zip(cuts[:-1], cuts[1:], strict=True):
+                first = int(start) + int(p[i]) - (base[b] or 0)
+                segs.append((traj, first, first + (j - i)))
+                rows.append(b * t + js[i:j])
+        out.append((segs, torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)))
     return out
+
+
+def _span(got: list[int]) -> str:
+    if not got:
+        return "(none)"
+    return f"{got[0]}..{got[-1]}" if len(got) > 1 else str(got[0])
 
 
 def _concat(steps: list[dict[str, Record]]) -> dict[str, Record]:

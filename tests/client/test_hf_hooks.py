@@ -281,7 +281,10 @@ def test_fp4_site_recorder_splits_a_block_of_forwards_by_the_positions_each_cove
         assert [out["layers.0.attn.k"].codes.shape for _, out in cap.calls] == [(6, 4), (2, 4), (2, 4)]
         k_g = got["layers.0.attn.k"][2]
         assert [out["layers.0.attn.k"].global_scale for _, out in cap.calls] == [k_g[0, 0], k_g[0, 3], k_g[0, 4]]
-        refused = r"ran 2 model forward\(s\) covering 4 positions per batch row \(3 \+ 1\)"
+        refused = (
+            r"ran 2 model forward\(s\); batch row 0 \('a'\) recorded 4 position\(s\) 5\.\.8, which must be "
+            r"contiguous and number end - start = 5; forwards of 3 \+ 1 tokens"
+        )
         with pytest.raises(ConfigError, match=refused), fp4.forward([("a", 0, 5), ("b", 0, 5)]):
             for lo, hi in [(5, 8), (8, 9)]:
                 model(input_ids=ids(2, 9)[:, lo:hi], **fp4.hooks.cache_kwargs(cache), use_cache=True)
