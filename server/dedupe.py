@@ -5,7 +5,8 @@ A key holds one value: a chunk's tokens of one (run, policy version, trajectory,
 trajectory's seal, a trajectory's prefix link. :meth:`DedupeIndex.check` drops the chunks of a
 message that were accepted before with the same bytes (a writer's retry) and refuses
 (:class:`ConflictError`) one that overlaps accepted tokens with different bytes, or a seal or link
-that differs from the accepted one. With authentication on, a trajectory also belongs to the
+that differs from the accepted one, and (:class:`ValidationError`) a chunk that reaches past its
+trajectory's seal, in the same message or an earlier one. With authentication on, a trajectory also belongs to the
 identity that first wrote it (:meth:`DedupeIndex.check_owner`).
 
 Memory stays bounded on a long-running sidecar: the index keeps the newest ``versions`` distinct
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from tracestore.errors import ConflictError, PermissionDeniedError
+from tracestore.errors import ConflictError, PermissionDeniedError, ValidationError
 from tracestore.records import RecordChunk
 
 from .message import Message
@@ -49,6 +50,9 @@ class DedupeIndex:
         # (run, trajectory) -> identity whose writer first wrote it, in any version (with
         # authentication on), least recently written first
         self._traj_owner: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # site-tokens accepted before their trajectory's seal at or past its n_tokens: stored, never
+        # read as valid (readers stop at the seal)
+        self.rows_past_seals = 0
 
     @property
     def open_trajectories(self) -> int:
@@ -91,8 +95,16 @@ class DedupeIndex:
         fresh: list[RecordChunk] = []
         fresh_crcs: list[int] = []
         batch: dict[tuple[str, int, str, str], list[Span]] = {}
+        ends = {(x.run, x.policy_version, x.trajectory): x.n_tokens for x in msg.seals}
         for c, crc in zip(msg.chunks, msg.crcs, strict=True):
             key = (c.run, c.policy_version, c.trajectory, c.site)
+            sealed = self._seals.get(key[:3])
+            end = ends.get(key[:3], sealed[0] if sealed is not None else None)
+            if end is not None and c.token_end > end:
+                raise ValidationError(
+                    f"{c.key_str}: tokens [{c.token_start}, {c.token_end}) reach past the trajectory's seal "
+                    f"(n_tokens={end}); a sealed trajectory has no token at or past n_tokens"
+                )
             span = (c.token_start, c.token_end, crc)
             same = False
             for spans in (self._index.get(key, []), batch.get(key, [])):
@@ -147,6 +159,8 @@ class DedupeIndex:
         sealed = 0
         for s in msg.seals:
             self._see_version(s.run, s.policy_version)
+            if (s.run, s.policy_version, s.trajectory) not in self._seals:
+                self.rows_past_seals += self._tokens_past(s.run, s.policy_version, s.trajectory, s.sites, s.n_tokens)
             self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
             if (s.run, s.trajectory) not in self._sealed:
                 self._sealed.add((s.run, s.trajectory))
@@ -156,6 +170,14 @@ class DedupeIndex:
             self._see_version(link.run, link.policy_version)
             self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
         return sealed
+
+    def _tokens_past(self, run: str, version: int, trajectory: str, sites: Iterable[str], end: int) -> int:
+        """Site-tokens accepted for a trajectory at or past ``end`` (its seal's n_tokens)."""
+        return sum(
+            max(0, e - max(s, end))
+            for site in sites
+            for s, e, _ in self._index.get((run, version, trajectory, site), ())
+        )
 
     def _see_version(self, run: str, version: int) -> None:
         """Keep state for the newest ``versions`` policy versions of a run only."""

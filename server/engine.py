@@ -352,9 +352,12 @@ class Engine:
             return st, False
 
     def _remember(self, msg: Message, identity: str | None = None) -> None:
+        past = self._dedupe.rows_past_seals
         sealed = self._dedupe.remember(msg, identity)
         if sealed:
             self.metrics.sealed_trajectories.inc(sealed)
+        if self._dedupe.rows_past_seals > past:
+            self.metrics.tokens_past_seals.inc(self._dedupe.rows_past_seals - past)
 
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)

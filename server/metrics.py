@@ -74,6 +74,11 @@ class Metrics:
         self.wal_bytes = Gauge(p + "wal_bytes", "Bytes in the write-ahead log spool on local disk", registry=r)
         self.open_trajectories = Gauge(p + "open_trajectories", "Trajectories with records and no seal", registry=r)
         self.sealed_trajectories = Counter(p + "sealed_trajectories", "Trajectories sealed", registry=r)
+        self.tokens_past_seals = Counter(
+            p + "tokens_past_seals",
+            "Site-tokens recorded before their trajectory's seal at or past its n_tokens (never read as valid)",
+            registry=r,
+        )
         self.shard_write_latency = Histogram(
             p + "shard_write_latency_seconds",
             "Build and publish one shard and its manifest",

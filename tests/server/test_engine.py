@@ -18,7 +18,7 @@ from tracestore.server.metrics import Metrics
 from tracestore.server.sessions import SequenceError
 from tracestore.server.testing import SPEC, make_chunk, start_engine, submit_request, write_request
 
-from tracestore.errors import ConflictError, ValidationError
+from tracestore.errors import ConflictError, MissingRecordsError, ValidationError
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import TrajectorySeal
 from tracestore.storage.reader import StoreReader
@@ -369,3 +369,34 @@ def test_the_engine_parts_do_not_import_the_engine() -> None:
         imported = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in imported if "engine" in m.split(".")], (mod.__name__, imported)
+
+
+def test_records_past_a_seal_are_refused_and_those_before_it_never_read_as_valid(memory_url: str) -> None:
+    """Before: rows past finish(n_tokens) were stored and read back as valid (a rollout that ran on
+    after its sequence ended), and records arriving after the seal past it were accepted."""
+    eng = _engine(memory_url, None, flush_interval_s=0.05)
+    site = "layers.1.mlp.input"
+    try:
+        _submit(eng, write_request(1, [make_chunk("t1", 0, 10, seed=1)]))  # forwards ran 10 positions
+        _submit(eng, write_request(2, seals=[TrajectorySeal(SPEC.run, 0, "t1", 6, (site,))]))  # 6 tokens
+        assert eng.metrics.tokens_past_seals._value.get() == 4
+        past = r"t1.*tokens \[6, 8\) reach past the trajectory's seal \(n_tokens=6\)"
+        with pytest.raises(ValidationError, match=past):
+            _submit(eng, write_request(3, [make_chunk("t1", 6, 2, seed=2)]))
+        with pytest.raises(ValidationError, match=r"reach past the trajectory's seal \(n_tokens=3\)"):
+            # a chunk and its trajectory's seal in one message: the seal holds for the chunk too
+            seal = TrajectorySeal(SPEC.run, 0, "t2", 3, (site,))
+            _submit(eng, write_request(3, [make_chunk("t2", 0, 4)], seals=[seal]))
+        _submit(eng, write_request(3, [make_chunk("t3", 0, 3)], seals=[TrajectorySeal(SPEC.run, 0, "t3", 3, (site,))]))
+        assert eng.flush(10)
+        reader = StoreReader(eng.store, SPEC.run)
+        got = reader.read(MicrobatchPlan([("t1", 0, 10)]), sites=[site], on_missing="mask")[site]
+        assert got.valid.tolist() == [True] * 6 + [False] * 4
+        want = make_chunk("t1", 0, 10, seed=1)
+        assert got.codes[:6].tobytes() == want.codes[:6].tobytes()
+        missing = r"t1 site layers.1.mlp.input tokens \[6, 10\) \(at or past its seal's n_tokens=6\)"
+        with pytest.raises(MissingRecordsError, match=missing):
+            reader.read(MicrobatchPlan([("t1", 0, 10)]), sites=[site])
+        assert reader.read(MicrobatchPlan([("t3", 0, 3)]), sites=[site])[site].valid.all()
+    finally:
+        eng.close()

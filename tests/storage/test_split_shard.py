@@ -123,7 +123,8 @@ def test_two_files_round_trip(backend):
     url, opts = backend
     store = _split_store(url, opts)
     chunks = _chunks()
-    seals = [TrajectorySeal(RUN, 0, t, 4, (S0.name,)) for t in TRAJS]
+    ends = {t: max(c.token_end for c in chunks if c.trajectory == t) for t in TRAJS}
+    seals = [TrajectorySeal(RUN, 0, t, ends[t], (S0.name,)) for t in TRAJS]  # a seal covers its records
     info = store.write_shard(RUN, 0, "w0", 7, chunks, seals=seals)
     assert len(info.parts) == 2 and info.written
     first, second = info.parts

@@ -218,6 +218,10 @@ class StoreReader:
         self._links.add_manifest(f"{self.store.url}/{path}", m)
         self._indexed.add(path)
 
+    def _sealed_end(self, trajectory: str, vs: set[int]) -> int | None:
+        seal = self.seal(trajectory, vs)
+        return None if seal is None else seal.n_tokens
+
     def seal(self, trajectory: str, versions: Iterable[int] | None = None) -> TrajectorySeal | None:
         """The newest seal of ``trajectory`` among ``versions`` (all indexed when None)."""
         vs = None if versions is None else set(versions)
@@ -334,12 +338,20 @@ class StoreReader:
                 if seg.trajectory is None
                 else self._links.resolve(seg.trajectory, seg.token_start, seg.token_end, vs, on_missing)
             )
+        # a sealed trajectory has no token at or past its n_tokens: rows stored there (a forward
+        # that ran on after the sequence ended) are never read as valid
+        ends = [None if seg.trajectory is None else self._sealed_end(seg.trajectory, vs) for seg in plan.segments]
         for s in site_specs:
             for i, seg in enumerate(plan.segments):
                 base = int(plan.offsets[i]) - seg.token_start
                 for owner, lo, hi in pieces_of[i]:
                     if owner is None:  # behind a link whose source is missing (on_missing="mask")
                         continue
+                    end = ends[i]
+                    if end is not None and hi > end:
+                        hi = end
+                        if lo >= hi:
+                            continue
                     cands = [
                         (m, e)
                         for m, e in self._by_traj.get((owner, s.name), ())
@@ -493,4 +505,5 @@ class StoreReader:
                 continue
             stats.missing_rows += int(bad.size) * k
             spans = ", ".join(f"[{a}, {b})" for a, b in _ranges(bad)[:8])
-            out.append(f"trajectory {seg.trajectory} site {s.name} tokens {spans}")
+            past = f" (at or past its seal's n_tokens={seal.n_tokens})" if seal and bad.max() >= seal.n_tokens else ""
+            out.append(f"trajectory {seg.trajectory} site {s.name} tokens {spans}{past}")
