@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,27 @@ class _CacheTap:
         return getattr(self.__dict__["_cache"], name)
 
 
+# the hook sets attached to each model, keyed by its first decoder layer (its wrappers share it)
+_ATTACHED: weakref.WeakKeyDictionary[Any, list[HFSiteHooks]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_compiled(model: Any, owner: str) -> None:
+    """A compiled graph does not see hooks added to its module afterwards: refuse, naming compile."""
+    compiled = [
+        name or "the model"
+        for name, module in model.named_modules()
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    ]
+    if hasattr(model, "_orig_mod"):
+        compiled.insert(0, "the model (a torch.compile wrapper)")
+    if compiled:
+        raise ConfigError(
+            f"{owner} on a torch.compile'd module ({compiled[0]}): a compiled graph does not run hooks added "
+            "after it was compiled, so they would silently not apply; attach the hooks to the plain model, then "
+            "compile it (torch.compile(model) after the hooks)"
+        )
+
+
 def _rows(site: HookedSite, t: torch.Tensor) -> torch.Tensor:
     """[B, heads, T, hd] -> [B, T, heads*hd], checked against the site's width."""
     if t.dim() != 4 or t.shape[1] * t.shape[3] != site.width:
@@ -150,6 +172,9 @@ class HFSiteHooks:
     ``layers`` limits the hooked decoder layers (default all);
     ``kv=False`` hooks MoE inputs only, ``moe=False`` K/V only; ``layout`` overrides the registered
     :class:`~tracestore.client.hf_layouts.Layout`. Use as a context manager or call :meth:`remove`.
+    A model compiled with ``torch.compile`` (or holding a compiled submodule) is refused: hook first,
+    then compile. A second hook set on a model that has one is refused unless ``stack=True`` (both
+    run, in attach order); ``owner`` names this set in those errors.
     """
 
     def __init__(
@@ -161,17 +186,29 @@ class HFSiteHooks:
         kv: bool = True,
         layout: Layout | None = None,
         moe: bool = True,
+        stack: bool = False,
+        owner: str = "HFSiteHooks",
     ) -> None:
         require("transformers", "demo")
         if not callable(fn):
             raise ConfigError(f"fn must be callable as fn(site, x), got {type(fn).__name__}")
+        _refuse_compiled(model, owner)
         self.model = model
         self.fn = fn
+        self.owner = owner
         cfg = text_config(model)
         self.model_type, self.layout = layout_for(model)
         if layout is not None:
             self.layout = layout
         self.layers_path, decoder = decoder_layers(model, self.layout)
+        self._key = decoder[0] if len(decoder) else model  # every wrapper of this model reaches the same layers
+        attached = _ATTACHED.setdefault(self._key, [])
+        if attached and not stack:
+            raise ConfigError(
+                f"{owner}: this model already has {', '.join(h.owner for h in attached)} attached at "
+                f"{self.layers_path}; a second hook set would run after it unnoticed (a recorder would record "
+                "already-rounded inputs): remove() the first, or pass stack=True to run both in attach order"
+            )
         wanted = range(len(decoder)) if layers is None else sorted(set(layers))
         for i in wanted:
             if not 0 <= i < len(decoder):
@@ -210,6 +247,7 @@ class HFSiteHooks:
         except BaseException:
             self.remove()
             raise
+        attached.append(self)
 
     def _add(self, site: HookedSite) -> HookedSite:
         self._order[site.name] = len(self._order)
@@ -457,6 +495,9 @@ class HFSiteHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        attached = _ATTACHED.get(self._key, [])
+        if self in attached:
+            attached.remove(self)
         self._memo.clear()
         self._pending.clear()
         self._lead.clear()

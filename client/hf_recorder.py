@@ -84,6 +84,7 @@ class FP4SiteRecorder:
         kv: bool = True,
         layout: Layout | None = None,
         moe: bool = True,
+        stack: bool = False,
     ) -> None:
         from tracestore.formats import get_format
 
@@ -95,7 +96,8 @@ class FP4SiteRecorder:
         self._where: list[_Where | None] = []  # per forward: where its tokens sit in their sequences
         self._active = False
         self.model = model
-        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout, moe=moe)
+        self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout, moe=moe, stack=stack,
+                                 owner="FP4SiteRecorder")  # fmt: skip
         try:
             bad = [s for s in self.hooks.sites if s.width % self.fmt.block]
             if bad:

@@ -54,7 +54,9 @@ class GuidedFP4Hooks:
     ``{site: g}`` (calibrated static scales; sites missing from it use the tensor's amax).
     ``rtn=False`` leaves sites without guidance unquantized. ``sites``: only these site names are
     quantized (default all hooked sites); ``layers``, ``kv``, ``moe`` choose the hooked sites as
-    :class:`HFSiteHooks` does. Use as a context manager or call :meth:`remove`.
+    :class:`HFSiteHooks` does. A compiled model is refused (attach, then ``torch.compile``); so is a
+    model that already has a hook set, unless ``stack=True``. Use as a context manager or call
+    :meth:`remove`.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class GuidedFP4Hooks:
         layers: Iterable[int] | None = None,
         kv: bool = True,
         moe: bool = True,
+        stack: bool = False,
     ) -> None:
         self.fmt = get_format(fmt)
         if isinstance(rtn_scale, str) and rtn_scale not in ("tensor", "token"):
@@ -76,7 +79,7 @@ class GuidedFP4Hooks:
         self.rtn_scale = rtn_scale
         self._guidance: dict[str, Guidance] = {}
         self._static: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self.hooks = HFSiteHooks(model, self, layers=layers, kv=kv, moe=moe)
+        self.hooks = HFSiteHooks(model, self, layers=layers, kv=kv, moe=moe, stack=stack, owner="GuidedFP4Hooks")
         self.only: frozenset[str] | None = None
         if sites is not None:
             self.only = frozenset(sites)

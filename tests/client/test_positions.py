@@ -286,26 +286,30 @@ def test_beam_search_is_refused_naming_sampling_groups(model: Any, returned_sequ
 
     with FP4SiteRecorder(model, [Refuses()]) as fp4, torch.no_grad():
         ids, mask = left_padded(*prompts(6, 6))
-        with pytest.raises(ConfigError, match=r"num_beams=4.*beam search cannot be recorded.*num_return_sequences"):
-            with fp4.forward([(f"t{i}", 0, None) for i in range(2 * returned_sequences)]):
-                model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=4,
-                               num_return_sequences=returned_sequences)  # fmt: skip
+        refused = r"num_beams=4.*beam search cannot be recorded.*num_return_sequences"
+        segments = [(f"t{i}", 0, None) for i in range(2 * returned_sequences)]
+        with pytest.raises(ConfigError, match=refused), fp4.forward(segments):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=4,
+                           num_return_sequences=returned_sequences)  # fmt: skip
     assert "generate" not in vars(model)  # the guard is gone with the block
 
 
 def test_one_segment_per_prompt_under_sampling_groups_is_refused_with_the_reason(model: Any) -> None:
     with FP4SiteRecorder(model, []) as fp4, torch.no_grad():
         ids, mask = left_padded(*prompts(6, 6))
-        with pytest.raises(ConfigError, match=r"num_return_sequences=2\) runs 4 rows: give one segment per returned"):
-            with fp4.forward([("a", 0, None), ("b", 0, None)]):
-                model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
+        refused = r"num_return_sequences=2\) runs 4 rows: give one segment per returned"
+        with pytest.raises(ConfigError, match=refused), fp4.forward([("a", 0, None), ("b", 0, None)]):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True, num_return_sequences=2)
 
 
 def test_a_forward_outside_the_model_entry_still_counts_on(tmp_path: Path, model: Any) -> None:
     """The backbone called directly (no model-level position information): rows continue per row."""
 
+    with HFSiteHooks(model, lambda s, x: None) as probe:
+        first_site = probe.sites[0].spec(bits=4)
+
     class Capture:
-        run_spec = RunSpec("r", (HFSiteHooks(model, lambda s, x: None).sites[0].spec(bits=4),))
+        run_spec = RunSpec("r", (first_site,))
 
         def __init__(self) -> None:
             self.segments: list[Any] = []
@@ -321,3 +325,36 @@ def test_a_forward_outside_the_model_entry_still_counts_on(tmp_path: Path, model
             model.model(input_ids=torch.tensor([[4, 5, 6]]), past_key_values=cache, use_cache=True)
             model.model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
     assert cap.segments == [[("a", 3, 6)], [("a", 6, 7)]]
+
+
+def test_hooks_on_a_compiled_model_are_refused_naming_compile(model: Any) -> None:
+    """Before: GuidedFP4Hooks attached after torch.compile left the compiled output unhooked, silently."""
+    from tracestore.client import GuidedFP4Hooks
+
+    compiled = torch.compile(model)
+    for attach in (lambda m: GuidedFP4Hooks(m), lambda m: FP4SiteRecorder(m, []), lambda m: HFSiteHooks(m, print)):
+        with pytest.raises(ConfigError, match=r"on a torch.compile'd module .*attach the hooks to the plain model"):
+            attach(compiled)
+    inner = tiny()
+    inner.model.layers[1].compile()  # compiled in place: the module's own call is compiled
+    with pytest.raises(ConfigError, match=r"torch.compile'd module \(model.layers.1\)"):
+        GuidedFP4Hooks(inner)
+    with GuidedFP4Hooks(model):  # the plain model is fine, and compiling after attaching is the way
+        pass
+
+
+def test_a_second_hook_set_is_refused_unless_stacked(model: Any) -> None:
+    """Before: a forgotten GuidedFP4Hooks under an FP4SiteRecorder ran first, and the recorder
+    recorded already-rounded inputs."""
+    from tracestore.client import GuidedFP4Hooks
+
+    first = GuidedFP4Hooks(model)
+    try:
+        with pytest.raises(ConfigError, match=r"FP4SiteRecorder: this model already has GuidedFP4Hooks attached"):
+            FP4SiteRecorder(model, [])
+        with FP4SiteRecorder(model, [], stack=True) as fp4:
+            assert len(fp4.hooks.sites) == len(first.hooks.sites)
+    finally:
+        first.remove()
+    with FP4SiteRecorder(model, []):  # once removed, the model takes a new set
+        pass
