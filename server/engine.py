@@ -580,8 +580,11 @@ class Engine:
         with self._lock:
             self._stopped = True
         stuck = not self._flusher.stop(timeout)
-        if stuck:
+        if stuck and self._flusher.committing:
             log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
+        elif stuck:
+            log.warning("the shard flusher did not stop within the %.1f s left of the grace period; the write-ahead "
+                        "log keeps what is not committed", timeout)  # fmt: skip
         if self.journal is not None:
             with self._lock:
                 if not stuck and not any(w.pending for w in self.writers.values()):

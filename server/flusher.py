@@ -131,6 +131,11 @@ class Flusher:
         self._thread.join(timeout=max(0.0, timeout))
         return not self._thread.is_alive()
 
+    @property
+    def committing(self) -> bool:
+        """A round of shard commits is under way."""
+        return self._busy_since is not None
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -546,7 +546,15 @@ class Sidecar:
         if self.engine is not None:
             ok = self.engine.drain(max(0.1, grace * 0.5))
         if self._server is not None:
-            self._server.stop(max(0.1, t_end - time.monotonic())).wait()
+            left = max(0.1, t_end - time.monotonic())
+            streams = int(self.metrics.active_streams._value.get())
+            if streams:
+                log.info("stopping: waiting up to %.1f s for %d open Write stream(s), each ending once what it "
+                         "sent is durable", left, streams)  # fmt: skip
+            self._server.stop(left).wait()
+            if time.monotonic() >= t_end - 0.05:
+                log.warning("stopping: the %.1f s grace period ended with calls still open; gRPC cancelled them "
+                            "(writers resend what was not acknowledged)", grace)  # fmt: skip
         if self.engine is not None:
             ok = self.engine.flush(max(0.1, t_end - time.monotonic())) and ok
             self.engine.close(timeout=max(0.0, t_end - time.monotonic()))

@@ -188,3 +188,27 @@ def test_shutdown_keeps_grace_while_storage_hangs(hung_s3: Sidecar) -> None:
     sc.stop()
     took = time.monotonic() - t0
     assert took < sc.config.grace_s + 1.0, f"shutdown took {took:.1f} s with --grace {sc.config.grace_s}"
+
+
+def test_stop_with_an_empty_stream_is_prompt_and_logs_no_shard_write(
+    tmp_path: Path, memory_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: a Write stream that admitted nothing held the stop for the whole grace period, and the
+    log then blamed 'a shard write still in progress' (none was)."""
+    import grpc
+    from tracestore.server.testing import IdleWriteStream
+
+    sc = Sidecar(ServerConfig(storage=memory_url, wal_dir=str(tmp_path / "wal"), port=0, metrics_port=None,
+                              grace_s=6.0)).start()  # fmt: skip
+    ch = grpc.insecure_channel(f"127.0.0.1:{sc.port}")
+    stream = IdleWriteStream(ch)
+    wait_for("the stream is open", lambda: _gauge(sc, "tracestore_active_write_streams") == 1, 10)
+    t0 = time.monotonic()
+    with caplog.at_level("INFO", logger="tracestore"):
+        assert sc.stop()
+    elapsed = time.monotonic() - t0
+    stream.close()
+    ch.close()
+    assert elapsed < 2.0, f"stop took {elapsed:.1f} s of its 6 s grace with only an empty stream open"
+    assert "waiting up to" in caplog.text and "1 open Write stream" in caplog.text
+    assert "shard write" not in caplog.text and "grace period ended" not in caplog.text
