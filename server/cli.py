@@ -56,7 +56,7 @@ SETTINGS = (
             "process as TRACESTORE_STORAGE_RETRY_DEADLINE, which every tracestore Storage reads)",
             metavar="SECONDS"),
     Setting("--host", text("an address"), "127.0.0.1", "gRPC bind address"),
-    Setting("--port", PORT, 7433, "gRPC TCP port (0: ephemeral)"),
+    Setting("--port", optional(PORT), 7433, "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only"),
     Setting("--unix-socket", PATH, None, "also listen on this unix socket", metavar="PATH"),
     Setting("--tls-cert", PATH, None, "PEM certificate chain: TLS on TCP", metavar="FILE"),
     Setting("--tls-key", PATH, None, "PEM private key of --tls-cert", metavar="FILE"),

@@ -67,7 +67,7 @@ class ServerConfig:
     # repr=False: credentials live here and a logged or printed config must not show them
     storage_options: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
     host: str = "127.0.0.1"
-    port: int = 7433
+    port: int | None = 7433  # None: no TCP listener (the unix socket only)
     unix_socket: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -114,8 +114,11 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1024:
                 raise ConfigError(f"{name} must be an integer >= 1024 bytes, got {v!r}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be 0..65535 (0 = ephemeral), got {self.port}")
+        if self.port is None:
+            if not self.unix_socket:
+                raise ConfigError("port off (--port off) leaves no listener: give --unix-socket PATH, or a --port")
+        elif not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be 0..65535 (0 = ephemeral) or None (off), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0..65535 or None, got {self.metrics_port}")
         for name in (
@@ -249,7 +252,7 @@ class ServerConfig:
             )
         from .auth import is_loopback_host
 
-        if not self.insecure and not is_loopback_host(self.host):
+        if not self.insecure and self.port is not None and not is_loopback_host(self.host):
             missing = [
                 what
                 for what, ok in (

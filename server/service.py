@@ -425,15 +425,17 @@ class Sidecar:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         # grpc.reflection.v1 and v1alpha (server/reflection.py)
         enable_server_reflection((pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME), server)
-        try:
-            host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host  # IPv6
-            address = f"{host}:{cfg.port}"
-            tls = self._tls
-            self.port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise ConfigError(
-                f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
-            ) from exc
+        if cfg.port is not None:  # None: the unix socket only
+            try:
+                host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host  # IPv6
+                address = f"{host}:{cfg.port}"
+                tls = self._tls
+                self.port = (server.add_secure_port(address, tls.credentials()) if tls
+                             else server.add_insecure_port(address))  # fmt: skip
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
+                ) from exc
         if cfg.unix_socket:
             gid, mode = socket_access(cfg)
             claim_unix_socket(cfg.unix_socket)
@@ -498,14 +500,16 @@ class Sidecar:
     def _log_security(self) -> None:
         cfg = self.config
         tcp = f"{cfg.host}:{self.port} ({'mutual TLS' if cfg.tls_client_ca else 'TLS' if self._tls else 'plaintext'})"
+        if cfg.port is None:
+            tcp = "no TCP port (--port off)"
         if self._tokens is None:
             log.warning(
                 "no --auth-tokens: every caller may read and write every run; serving %s%s",
-                tcp if is_loopback_host(cfg.host) else f"{tcp}, NOT loopback (--insecure)",
+                tcp if cfg.port is None or is_loopback_host(cfg.host) else f"{tcp}, NOT loopback (--insecure)",
                 f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "",
             )
         else:
-            clear = not cfg.tls_cert and not is_loopback_host(cfg.host)
+            clear = cfg.port is not None and not cfg.tls_cert and not is_loopback_host(cfg.host)
             peers = self._tokens.peer_rules
             log.info(
                 "serving %s with %d bearer token(s)%s%s", tcp, len(self._tokens),

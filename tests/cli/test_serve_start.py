@@ -159,3 +159,36 @@ def test_reflection_v1_and_v1alpha() -> None:
                 assert described == ["tracestore.v1", "grpc.reflection.v1"], described
     finally:
         sc.stop(1)
+
+
+def test_port_off_serves_the_unix_socket_only(tmp_path: Path) -> None:
+    """Before: TCP could not be turned off (`--port off` was refused), so on a multi-user host any
+    local user reached the sidecar on 127.0.0.1 whatever the unix socket's mode."""
+    from tracestore.errors import ConfigError
+    from tracestore.v1 import tracestore_pb2 as pb
+
+    with pytest.raises(ConfigError, match=r"port off \(--port off\) leaves no listener: give --unix-socket"):
+        ServerConfig(storage="memory://p", wal_dir=None, port=None, metrics_port=None)
+    sock = tmp_path / "ts.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "tracestore", "serve", "--port", "off", "--metrics-port", "off",
+                             "--unix-socket", str(sock), "--storage", (tmp_path / "data").as_uri(),
+                             "--wal-dir", "off", "--ready-file", str(tmp_path / "ready.json")], cwd=tmp_path,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        ready = _wait_ready(proc, tmp_path)
+        assert ready["port"] == 0  # nothing bound on TCP
+        with grpc.insecure_channel(f"unix:{sock}") as ch:
+            stat = ch.unary_unary("/tracestore.v1.TraceStore/Stat")(pb.StatRequest().SerializeToString(), timeout=10)
+            assert pb.StatResponse.FromString(stat).version
+        pid = str(proc.pid)
+        listening = [line for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"]
+        inodes = {line.split()[9] for line in listening} | {
+            line.split()[9] for line in Path("/proc/net/tcp6").read_text().splitlines()[1:] if line.split()[3] == "0A"
+        }
+        fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        assert not [fd for fd in fds if fd.startswith("socket:[") and fd[8:-1] in inodes], "a TCP socket listens"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "no TCP port (--port off)" in err
