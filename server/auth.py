@@ -116,6 +116,17 @@ UNIX_PEER = Identity("unix-socket", ("*",), ("*",), True)
 NOBODY = Identity("unauthenticated")
 
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("tracestore_caller", default=None)
+# The caller's identity as the token file says now (None: no longer accepted), for calls that outlive
+# a reload: an open Write stream asks it again and ends once its token is revoked.
+_RECHECK: contextvars.ContextVar[Callable[[], Identity | None] | None] = contextvars.ContextVar(
+    "tracestore_recheck", default=None
+)
+
+
+def recheck() -> Callable[[], Identity | None] | None:
+    """For the call this handler serves: a function giving the caller's identity under the token
+    file as it is now (None once its credential is no longer accepted); None with authentication off."""
+    return _RECHECK.get()
 
 
 def caller(auth_enabled: bool) -> Identity:
@@ -350,16 +361,15 @@ class AuthInterceptor(grpc.ServerInterceptor):
         tokens = self.tokens
         peer = None  # (uid, gid) of a valid peer token
         if token is not None and token.startswith(PEER_PREFIX):
-            who = None
             peer = self.peer_tokens.verify(token) if self.peer_tokens is not None else None
-        else:
-            who = tokens.authenticate(token) if token is not None else None
         presented = token is not None or malformed
 
-        def resolve(context: grpc.ServicerContext) -> Identity:
-            if who is not None:
-                return who
-            unix = context.peer().startswith("unix:")
+        def identify(unix: bool) -> Identity | None:
+            """The caller under the token file as it is now."""
+            if token is not None and peer is None and not token.startswith(PEER_PREFIX):
+                found = tokens.authenticate(token)
+                if found is not None:
+                    return found
             if peer is not None and unix:
                 found = tokens.authenticate_peer(*peer)
                 if found is not None:
@@ -367,6 +377,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
             # no uid/gid entries: on the unix socket its permissions decide, for a valid peer token or none
             if unix and not self.unix_needs_token and not tokens.peer_rules and (peer is not None or not presented):
                 return UNIX_PEER
+            return None
+
+        def resolve(context: grpc.ServicerContext) -> Identity:
+            unix = context.peer().startswith("unix:")
+            who = identify(unix)
+            if who is not None:
+                return who
             if peer is not None:
                 why = (
                     f"unix-socket peer uid {peer[0]} (gid {peer[1]}) has no uid: or gid: entry in the token file"
@@ -386,7 +403,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
             raise AssertionError("unreachable: abort raises")
 
-        return _with_identity(handler, resolve)
+        return _with_identity(handler, resolve, identify)
 
     def _refused(self, method: str, peer: str, why: str) -> None:
         if self.on_refused is not None:
@@ -404,7 +421,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         )
 
 
-def _with_identity(handler: grpc.RpcMethodHandler, resolve: Callable[[Any], Identity]) -> grpc.RpcMethodHandler:
+def _with_identity(
+    handler: grpc.RpcMethodHandler, resolve: Callable[[Any], Identity], identify: Callable[[bool], Identity | None]
+) -> grpc.RpcMethodHandler:
     """``handler`` with its behaviour run in a context holding the resolved identity; a streamed
     response is produced step by step in that context (gRPC may pull it from several threads)."""
     req_s, resp_s = handler.request_streaming, handler.response_streaming
@@ -420,6 +439,8 @@ def _with_identity(handler: grpc.RpcMethodHandler, resolve: Callable[[Any], Iden
     def enter(context: Any) -> contextvars.Context:
         ctx = contextvars.copy_context()
         ctx.run(_CALLER.set, resolve(context))
+        unix = context.peer().startswith("unix:")
+        ctx.run(_RECHECK.set, lambda: identify(unix))
         return ctx
 
     if resp_s:

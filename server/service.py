@@ -50,6 +50,7 @@ from .auth import (
     TokenFile,
     caller,
     is_loopback_host,
+    recheck,
     require_see,
     require_write,
 )
@@ -228,7 +229,7 @@ class TraceStoreService:
         stream = WriteStream(
             self.engine, self.shm, self.metrics, self.turns, self.config,
             who=who, identity=identity, draining=lambda: self.draining, fail=self._fail,
-            slot_wanted=self.streams.wanted,
+            slot_wanted=self.streams.wanted, recheck=recheck() if self.config.auth_tokens is not None else None,
         )  # fmt: skip
         yield from stream.serve(requests, context)
 

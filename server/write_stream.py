@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from tracestore.errors import PermissionDeniedError
+from tracestore.errors import PermissionDeniedError, UnauthenticatedError
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_from_pb
 
@@ -45,6 +45,9 @@ from .shm import ShmPools
 # recorders cannot starve busy ones nor keep others out. A recorder (client/session.py) loses nothing
 # by it: with nothing unacknowledged it opens its next stream after its reconnect pause.
 READ_TURN_IDLE_S = 2.0
+# How often an open stream asks whether its caller's credential still holds (a SIGHUP reload may
+# revoke it): a revoked writer is refused within this, busy or idle.
+RECHECK_S = 0.25
 
 # The service's error report: (context, method, error, trailing metadata); aborts the call.
 Fail = Callable[[grpc.ServicerContext, str, BaseException, dict[str, str]], None]
@@ -103,7 +106,9 @@ class WriteStream:
     waiting for a message or working on one) and the one-message handoff between them.
 
     ``who`` is the caller (read in the gRPC thread), ``identity`` the name its writer ids are
-    owned by (None with authentication off); ``draining()`` says the sidecar is shutting down;
+    owned by (None with authentication off), ``recheck()`` the caller as the token file says now
+    (checked every :data:`RECHECK_S`: a reload that revokes the credential, or changes its scopes,
+    ends the stream UNAUTHENTICATED); ``draining()`` says the sidecar is shutting down;
     ``slot_wanted()`` that a Write stream was just refused for want of a slot, so that this one,
     if idle, makes room (:meth:`idle_while_others_wait`)."""
 
@@ -120,10 +125,13 @@ class WriteStream:
         draining: Callable[[], bool],
         fail: Fail,
         slot_wanted: Callable[[], bool] = lambda: False,
+        recheck: Callable[[], Identity | None] | None = None,
     ) -> None:
         self.engine, self.shm, self.metrics, self.turns = engine, shm, metrics, turns
         self.bound = config.max_message_bytes  # gRPC delivers no bigger message
         self.who, self.identity = who, identity
+        self.recheck = recheck  # the caller as the token file says now (reloads revoke open streams)
+        self._checked = time.monotonic()
         self.draining, self.fail = draining, fail
         self.slot_wanted = slot_wanted  # a stream was just refused for want of a slot (--max-streams)
         self.waker = Waker()
@@ -164,6 +172,7 @@ class WriteStream:
         try:
             while True:
                 self.waker.wait(0.25)
+                self._recheck()
                 st, err, done = self.state, self.error, self.done
                 if st is not None:
                     epoch, durable, received, released = self.engine.progress(st)
@@ -189,6 +198,18 @@ class WriteStream:
             self.metrics.active_streams.dec()
             if self.state is not None:
                 self.engine.unlisten(self.state, self.waker)
+
+    def _recheck(self) -> None:
+        now = time.monotonic()
+        if self.recheck is None or self.error is not None or now - self._checked < RECHECK_S:
+            return
+        self._checked = now
+        if self.recheck() != self.who:
+            self.error = UnauthenticatedError(
+                f"caller {self.who.name!r}: its credential was revoked, or its scopes changed, by a reload of the "
+                "token file; reconnect with a valid token"
+            )
+            self.waker.wake()
 
     def _receive(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
         def give_up_turn() -> bool:
