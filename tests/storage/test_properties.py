@@ -180,7 +180,7 @@ class StoreMachine(RuleBasedStateMachine):
             break
         for v in sorted(self.versions, reverse=True):
             row = self.records.get((v, t), {}).get(tok)
-            if row is not None:
+            if row is not None and tok < self.seals.get((v, t), tok + 1):  # nothing at or past a seal
                 return row
         return None
 

@@ -218,8 +218,8 @@ class StoreReader:
         self._links.add_manifest(f"{self.store.url}/{path}", m)
         self._indexed.add(path)
 
-    def _sealed_end(self, trajectory: str, vs: set[int]) -> int | None:
-        seal = self.seal(trajectory, vs)
+    def _sealed_end(self, trajectory: str, version: int) -> int | None:
+        seal = self.seal(trajectory, (version,))
         return None if seal is None else seal.n_tokens
 
     def seal(self, trajectory: str, versions: Iterable[int] | None = None) -> TrajectorySeal | None:
@@ -338,34 +338,35 @@ class StoreReader:
                 if seg.trajectory is None
                 else self._links.resolve(seg.trajectory, seg.token_start, seg.token_end, vs, on_missing)
             )
-        # a sealed trajectory has no token at or past its n_tokens: rows stored there (a forward
-        # that ran on after the sequence ended) are never read as valid
-        ends = [None if seg.trajectory is None else self._sealed_end(seg.trajectory, vs) for seg in plan.segments]
         for s in site_specs:
             for i, seg in enumerate(plan.segments):
                 base = int(plan.offsets[i]) - seg.token_start
                 for owner, lo, hi in pieces_of[i]:
                     if owner is None:  # behind a link whose source is missing (on_missing="mask")
                         continue
-                    end = ends[i]
-                    if end is not None and hi > end:
-                        hi = end
-                        if lo >= hi:
+                    # a trajectory sealed in a version has no token at or past that seal's n_tokens:
+                    # that version's rows there (a forward that ran on after the sequence ended) are
+                    # never read as valid
+                    cands = []
+                    stops: dict[int, int] = {}  # id(entry) -> where its version's seal cuts it
+                    for m, e in self._by_traj.get((owner, s.name), ()):
+                        if m.policy_version not in vs or e.token_start >= hi or e.token_end <= lo:
                             continue
-                    cands = [
-                        (m, e)
-                        for m, e in self._by_traj.get((owner, s.name), ())
-                        if m.policy_version in vs and e.token_start < hi and e.token_end > lo
-                    ]
+                        end = self._sealed_end(owner, m.policy_version)
+                        if end is not None and e.token_end > end:
+                            if max(lo, e.token_start) >= end:
+                                continue
+                            stops[id(e)] = end
+                        cands.append((m, e))
                     cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
                     if _disjoint(cands):  # the common case: one version's chunks, none overlapping
                         for m, e in cands:
-                            a, b = max(lo, e.token_start), min(hi, e.token_end)
+                            a, b = max(lo, e.token_start), min(hi, e.token_end, stops.get(id(e), hi))
                             tasks[s.name].append(ReadTask(e, m, a, b, base + a, False))
                         continue
                     filled = np.full(hi - lo, -1, dtype=np.int64)
                     for m, e in cands:
-                        a, b = max(lo, e.token_start), min(hi, e.token_end)
+                        a, b = max(lo, e.token_start), min(hi, e.token_end, stops.get(id(e), hi))
                         window = filled[a - lo : b - lo]
                         free = window == -1
                         if free.all():  # the common case: nothing of this range is filled yet
