@@ -76,11 +76,17 @@ class Venv:
         out = run([self.python, "-m", "pip", "list", "--format", "json"], check=True, capture_output=True).stdout
         return {normalize(d["name"]): d["version"] for d in json.loads(out)}
 
-    def failing(self, args: list[str], junit: Path) -> list[str]:
-        """Node ids of the tests that failed or errored."""
+    def failing(self, args: list[str], junit: Path, quiet: bool = False) -> list[str]:
+        """Node ids of the tests that failed or errored (``quiet``: pytest's output goes to a file
+        beside ``junit`` instead of the terminal)."""
         env = {**os.environ, "PATH": f"{self.path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-        run([self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-             f"--junitxml={junit}", *args], env=env)  # fmt: skip
+        cmd = [self.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+               f"--junitxml={junit}", *args]  # fmt: skip
+        if quiet:
+            with open(junit.with_suffix(".log"), "w") as log:
+                run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            run(cmd, env=env)
         bad = []
         for case in ET.parse(junit).getroot().iter("testcase"):
             if case.find("failure") is not None or case.find("error") is not None:
@@ -100,7 +106,7 @@ def node_id(case: dict[str, str]) -> str:
 
 def differing(locked: dict[str, str], newest: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
     names = (set(locked) | set(newest)) - NOT_DEPENDENCIES - {"torch"}
-    out = {}
+    out: dict[str, tuple[str | None, str | None]] = {}
     for name in sorted(names):
         a, b = locked.get(name), newest.get(name)
         if b is None:
@@ -120,7 +126,7 @@ def attribute(venv: Venv, changed: dict[str, tuple[str | None, str | None]], fai
         else:
             back = venv.pip("install", "-q", "--no-deps", f"{name}=={locked}", check=False)
         if back.returncode == 0:
-            still = set(venv.failing(failures, scratch / f"{name}.xml"))
+            still = set(venv.failing(failures, scratch / f"{name}.xml", quiet=True))
             fixed = [t for t in failures if t not in still]
             if fixed:
                 blame[name] = fixed
