@@ -50,9 +50,6 @@ class DedupeIndex:
         # (run, trajectory) -> identity whose writer first wrote it, in any version (with
         # authentication on), least recently written first
         self._traj_owner: OrderedDict[tuple[str, str], str] = OrderedDict()
-        # site-tokens accepted before their trajectory's seal at or past its n_tokens: stored, never
-        # read as valid (readers stop at the seal)
-        self.rows_past_seals = 0
 
     @property
     def open_trajectories(self) -> int:
@@ -138,10 +135,11 @@ class DedupeIndex:
                 )
         msg.chunks, msg.crcs = fresh, fresh_crcs  # identical resends of single chunks are dropped here
 
-    def remember(self, msg: Message, identity: str | None = None) -> int:
+    def remember(self, msg: Message, identity: str | None = None) -> tuple[int, int]:
         """Record what ``msg`` writes (and, with ``identity``, that its trajectories are that
         identity's unless another one wrote them first). Returns how many trajectories it sealed
-        for the first time."""
+        for the first time, and the site-tokens accepted earlier that those seals cut (at or past
+        their n_tokens: stored, never read as valid)."""
         if identity is not None:
             owners = self._traj_owner
             for key in dict.fromkeys(_trajectories(msg)):
@@ -156,11 +154,11 @@ class DedupeIndex:
             )
             if (c.run, c.trajectory) not in self._sealed:
                 self._open.add((c.run, c.trajectory))
-        sealed = 0
+        sealed = past = 0
         for s in msg.seals:
             self._see_version(s.run, s.policy_version)
             if (s.run, s.policy_version, s.trajectory) not in self._seals:
-                self.rows_past_seals += self._tokens_past(s.run, s.policy_version, s.trajectory, s.sites, s.n_tokens)
+                past += self._tokens_past(s.run, s.policy_version, s.trajectory, s.sites, s.n_tokens)
             self._seals[(s.run, s.policy_version, s.trajectory)] = (s.n_tokens, s.sites)
             if (s.run, s.trajectory) not in self._sealed:
                 self._sealed.add((s.run, s.trajectory))
@@ -169,7 +167,7 @@ class DedupeIndex:
         for link in msg.links:
             self._see_version(link.run, link.policy_version)
             self._links[(link.run, link.policy_version, link.trajectory)] = (link.source, link.n_tokens)
-        return sealed
+        return sealed, past
 
     def _tokens_past(self, run: str, version: int, trajectory: str, sites: Iterable[str], end: int) -> int:
         """Site-tokens accepted for a trajectory at or past ``end`` (its seal's n_tokens)."""

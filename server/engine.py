@@ -352,12 +352,9 @@ class Engine:
             return st, False
 
     def _remember(self, msg: Message, identity: str | None = None) -> None:
-        past = self._dedupe.rows_past_seals
-        sealed = self._dedupe.remember(msg, identity)
-        if sealed:
-            self.metrics.sealed_trajectories.inc(sealed)
-        if self._dedupe.rows_past_seals > past:
-            self.metrics.tokens_past_seals.inc(self._dedupe.rows_past_seals - past)
+        sealed, past = self._dedupe.remember(msg, identity)
+        self.metrics.sealed_trajectories.inc(sealed)
+        self.metrics.tokens_past_seals.inc(past)
 
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)
@@ -579,12 +576,7 @@ class Engine:
         the fsynced WAL and is replayed by the next start."""
         with self._lock:
             self._stopped = True
-        stuck = not self._flusher.stop(timeout)
-        if stuck and self._flusher.committing:
-            log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
-        elif stuck:
-            log.warning("the shard flusher did not stop within the %.1f s left of the grace period; the write-ahead "
-                        "log keeps what is not committed", timeout)  # fmt: skip
+        stuck = not self._flusher.stop(timeout)  # logs what it was doing if it did not stop
         if self.journal is not None:
             with self._lock:
                 if not stuck and not any(w.pending for w in self.writers.values()):

@@ -129,12 +129,14 @@ class Flusher:
         if self._thread is None:
             return True
         self._thread.join(timeout=max(0.0, timeout))
-        return not self._thread.is_alive()
-
-    @property
-    def committing(self) -> bool:
-        """A round of shard commits is under way."""
-        return self._busy_since is not None
+        if not self._thread.is_alive():
+            return True
+        if self._busy_since is not None:
+            log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
+        else:
+            log.warning("the shard flusher did not stop within the %.1f s left of the grace period; the write-ahead "
+                        "log keeps what is not committed", timeout)  # fmt: skip
+        return False
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -46,7 +46,6 @@ from tracestore.wire import run_spec_to_pb
 from .auth import (
     AuthInterceptor,
     Identity,
-    ServerTls,
     TokenFile,
     caller,
     is_loopback_host,
@@ -66,6 +65,7 @@ from .reflection import enable_server_reflection
 from .sessions import SequenceError
 from .shm import ShmPools
 from .slots import CallSlots, StreamSlots
+from .tls import ServerTls
 from .unix_socket import bind_unix_socket, claim_unix_socket, remove_unix_socket, socket_access
 from .write_stream import ReadTurns, WriteStream
 

@@ -20,10 +20,10 @@ import grpc
 import numpy as np
 import pytest
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
-from tracestore.server.auth import write_test_pki
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, ServeProcess
+from tracestore.server.tls import write_test_pki
 
 from tracestore.errors import ConfigError
 from tracestore.storage.store import Store
