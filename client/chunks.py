@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.checksum import chunk_checksum_parts
+from tracestore.identity import TokenLedger, fold_ids
 from tracestore.records import PrefixLink, RunSpec, SiteSpec, TrajectorySeal
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import inline_chunk_parts, link_to_pb, seal_to_pb
@@ -33,9 +34,17 @@ class ChunkBuilder:
     over shared memory, sent as staging offsets; messages of about ``batch_bytes``."""
 
     def __init__(
-        self, run_spec: RunSpec, writer: str, pool: StagingPool, npool: np.ndarray, batch_bytes: int, unguided: Unguided
+        self,
+        run_spec: RunSpec,
+        writer: str,
+        pool: StagingPool,
+        npool: np.ndarray,
+        batch_bytes: int,
+        unguided: Unguided,
+        ledger: TokenLedger | None = None,
     ) -> None:
         self.run = run_spec.run
+        self.ledger = TokenLedger() if ledger is None else ledger  # token ids: each chunk's identity
         self.writer = writer
         self.batch_bytes = batch_bytes
         self._sites = {s.name: s for s in run_spec.sites}
@@ -235,9 +244,12 @@ class _Fill:
             self.run, version, trajectory, site.name, token_start, n_tokens, n_tokens * site.rows_per_token,
             cb, sb, codes, scales, g, ts,
         )  # fmt: skip
+        ledger = self.b.ledger
+        ids = ledger.crc(trajectory, token_start + n_tokens) if ledger else None
         head = pb.Chunk(
             policy_version=version, trajectory=trajectory, site=site.name, token_start=token_start,
-            n_tokens=n_tokens, global_scale=g, has_token_scales=ts is not None, checksum=crc,
+            n_tokens=n_tokens, global_scale=g, has_token_scales=ts is not None, checksum=fold_ids(crc, ids),
+            ids_crc=ids,
         )  # fmt: skip
         if shm is not None:  # descriptors only
             c = self.req.chunks.add()

@@ -187,10 +187,13 @@ class FP4SiteRecorder:
         steps = [s for s, _ in kept]
         placed = _place(list(segments), steps, [w for _, w in kept])
         self.records.update(_concat(steps))
+        # each forward's input token ids of the rows it records: every chunk's token identity
+        ids = [None if w is None or w.ids is None else w.ids.reshape(-1)[rows] for (_, w), (_, rows) in
+               zip(kept, placed, strict=True)]  # fmt: skip
         for rec in self.recorders:
-            for step, (segs, rows) in zip(steps, placed, strict=True):
+            for step, (segs, rows), tok in zip(steps, placed, ids, strict=True):
                 if segs:
-                    rec.record_forward(segs, site_outputs(step, rec.run_spec, rows))
+                    rec.record_forward(segs, site_outputs(step, rec.run_spec, rows), token_ids=tok)
 
     def remove(self) -> None:
         self.hooks.remove()
@@ -208,10 +211,12 @@ class FP4SiteRecorder:
 @dataclasses.dataclass(frozen=True)
 class _Where:
     """Where one model forward's input tokens sit: ``pos`` int64 [B, T], each token's index in its
-    own sequence (padding not counted); ``valid`` bool [B, T], False for padding."""
+    own sequence (padding not counted); ``valid`` bool [B, T], False for padding; ``ids`` int64
+    [B, T], the input token ids (None: the forward got ``inputs_embeds``)."""
 
     pos: torch.Tensor
     valid: torch.Tensor
+    ids: torch.Tensor | None = None
 
 
 def _cache_length(kwargs: dict[str, Any]) -> int:
@@ -235,11 +240,20 @@ def _where_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Where | None:
     ref = kwargs.get("input_ids")
     if ref is None and args and isinstance(args[0], torch.Tensor):
         ref = args[0]
+    tokens = None
+    if isinstance(ref, torch.Tensor) and ref.dim() == 2 and not (ref.is_floating_point() or ref.is_complex()):
+        tokens = ref.detach().to("cpu", torch.int64)
     if ref is None:
         ref = kwargs.get("inputs_embeds")
     if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
         return None
     b, t = int(ref.shape[0]), int(ref.shape[1])
+    where = _positions(b, t, args, kwargs)
+    return dataclasses.replace(where, ids=tokens)
+
+
+def _positions(b: int, t: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Where:
+    """Positions and padding of a forward of ``b`` rows of ``t`` tokens (see :func:`_where_of`)."""
     given = kwargs.get("position_ids")
     if isinstance(given, torch.Tensor) and given.dim() == 3:
         given = given[0]  # multimodal RoPE: [3, B, T], the text positions first

@@ -72,6 +72,7 @@ class Forward:
     queued: float
     nbytes: int = 0
     long_segments: bool = False  # its sequences are long enough to make long chunks alone (prefill)
+    ids: Any = None  # int32 token ids of its tokens in segment order (tracestore.identity), or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections import deque
 
 import numpy as np
 
+from tracestore.identity import TokenLedger
 from tracestore.records import PrefixLink, RunSpec, TrajectorySeal
 
 from .items import (
@@ -73,6 +74,10 @@ class Outbox:
         self.batch_bytes = batch_bytes
         self.window_bytes = window_bytes
         self.linger_s = linger_s
+        # token ids per trajectory for the chunks' identity (ChunkBuilder reads it); sealed ones are
+        # forgotten at the next take, once the chunks taken with their seal are built
+        self.ledger = TokenLedger()
+        self._retired: list[str] = []
 
     def ready(self, closing: bool) -> bool:
         """Whether there is something to send now (under the lock)."""
@@ -108,6 +113,10 @@ class Outbox:
         meanwhile). With ``fwds``, forwards that coalesce (decode steps) go there whole, their
         bookkeeping done, for :meth:`ChunkBuilder.gather`; others are split into pieces."""
         limit = self.batch_bytes if limit is None else limit
+        if self._retired:
+            for t in self._retired:
+                self.ledger.forget(t)
+            self._retired.clear()
         pieces: list[Piece] = []
         extras: list[TrajectorySeal | PrefixLink] = []
         size = 0
@@ -153,6 +162,8 @@ class Outbox:
             else:
                 if item.trajectory in unguided:
                     continue
+                if self.ledger and isinstance(item, PrefixLink):
+                    self.ledger.link(item.trajectory, item.source, item.n_tokens)
                 extras.append(item)
                 size += 64
         return pieces, extras
@@ -209,6 +220,16 @@ class Outbox:
         for t, old in prev.items():
             sites_of[t] = old | fs
         self.versions.update(dict.fromkeys(trajs, fwd.version))
+        ids = fwd.ids
+        if ids is not None:
+            at = 0
+            for t, a, b in fwd.segs:
+                n = int(b) - int(a)
+                self.ledger.note(t, int(a), ids[at : at + n])
+                at += n
+        elif self.ledger:  # positions recorded without ids: what the ledger knows of them is stale
+            for t in trajs:
+                self.ledger.lose(t)
 
     def expand(self, fwd: Forward) -> list[Piece]:
         """A forward's pieces, one per (segment, site) of a trajectory not unguided."""
@@ -239,6 +260,8 @@ class Outbox:
     def _seal(self, f: Finish) -> TrajectorySeal | None:
         known = self._sites_of.pop(f.trajectory, None)
         version = self.versions.pop(f.trajectory, self.policy_version)
+        if self.ledger:
+            self._retired.append(f.trajectory)
         if f.n_tokens < 0 or f.trajectory in self._unguided.ids:
             return None
         names = f.sites if f.sites is not None else tuple(sorted(known or self._sites))
@@ -278,6 +301,8 @@ class Outbox:
             if isinstance(item, Piece):
                 self._out_bytes += item.nbytes
                 self._unref(item.region)
+        for t in lost:
+            self.ledger.forget(t)
         return lost
 
     def forget_unsealed(self) -> set[str]:
@@ -285,4 +310,5 @@ class Outbox:
         lost = set(self._sites_of)
         self._sites_of.clear()
         self.versions.clear()
+        self.ledger.clear()
         return lost

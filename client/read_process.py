@@ -147,8 +147,9 @@ def _serve_loop(sock: socket.socket) -> None:
                     out = output_arrays(np.frombuffer(maps[block], np.uint8), layout, sections, tokens)
                     result = reader.read(out=out, **kwargs)
                     reply = {name: _beside(rows) for name, rows in result.items()}
+                    mismatched = dict(result.stats.mismatched)
                     del out, result
-                    _send(sock, ("rows", reply))
+                    _send(sock, ("rows", reply, mismatched))
                 else:
                     raise ValueError(f"unknown message {kind!r}")
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
@@ -353,10 +354,11 @@ class ReadProcesses:
         segments: Sequence[tuple[str | None, int, int]],
         layout: Layout,
         **kwargs: Any,
-    ) -> dict[str, SiteRows]:
+    ) -> tuple[dict[str, SiteRows], dict[str, str]]:
         """``StoreReader.read(plan, **kwargs)`` in the children; ``layout``: what
         ``StoreReader.layout`` says that read returns. Returns ``{site: SiteRows}`` whose arrays
-        (all but the token scales and stale flags) are views of shared memory."""
+        (all but the token scales and stale flags) are views of shared memory, and the
+        trajectories masked for other token ids (``stats.mismatched`` of the children's reads)."""
         if os.getpid() != self._pid:
             raise StorageError(
                 "this GuidanceReader(process=...) was made in another process (this one is a fork of it): "
@@ -390,9 +392,12 @@ class ReadProcesses:
                         with contextlib.suppress(OSError):
                             idle.send_drops(self._drops(idle))
                 parts: list[dict[str, tuple[tuple[int, int], bytes | None, bytes | None]]] = []
+                mismatched: dict[str, str] = {}
                 for k, c in sent:  # every reply, even after a failure: each socket stays in step
                     try:
-                        parts.append(c.reply("a read")[1])
+                        got = c.reply("a read")
+                        parts.append(got[1])
+                        mismatched.update(got[2])
                     except BaseException as exc:
                         if not c.alive or c.sock.fileno() < 0:
                             self._children[k] = None
@@ -422,7 +427,7 @@ class ReadProcesses:
                     stale[r0:r1] = np.frombuffer(got_stale, bool)
             columns = parts[0][name][0]
             out[name] = SiteRows(site, columns, o.codes, o.scales, o.global_scale, ts, o.valid, o.policy_version, stale)
-        return out
+        return out, mismatched
 
     def close(self) -> None:
         """Stop the children now, without waiting for a read in flight (a prefetch nobody will

@@ -18,11 +18,20 @@ each gives ``{site: SiteRows}`` (:class:`tracestore.storage.rows.SiteRows`), whi
 :meth:`GuidanceReader.read_host` returns as they are and :meth:`GuidanceReader.read` turns into
 :class:`~tracestore.guidance.Guidance` of host tensors (pinned for CUDA), then moves to ``device``.
 
+Token identity: give a read the microbatch's token ids (``token_ids=``: the packed ``input_ids``
+aligned with the plan, or a mapping trajectory -> ids from position 0) and every record that
+carries its token identity is checked against them (:mod:`tracestore.storage.identity_check`).
+Records made for other token ids raise :class:`~tracestore.errors.GuidanceMismatch`
+(``on_mismatch="error"``, the default) or come back invalid, so those trajectories train
+unguided, named with the reason in ``report.mismatched`` (``on_mismatch="mask"``). Either way
+the trajectories are counted (:attr:`GuidanceReader.stats`, and the Prometheus counter
+``tracestore_reader_guidance_mismatches_total`` when ``prometheus_client`` is installed).
+
 Example::
 
     reader = GuidanceReader("s3://bucket/trace", "run-1", sites=my_stage_sites, device="cuda")
-    reader.prefetch(next_plan)
-    guidance = reader.read(plan)             # {site: Guidance}
+    reader.prefetch(next_plan, token_ids=next_input_ids)
+    guidance = reader.read(plan, token_ids=input_ids)   # {site: Guidance}
     y = tracestore.kernels.guided_fp4(x, guidance["layers.23.mlp.input"])
 """
 
@@ -31,13 +40,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tracestore.errors import ConfigError
+from tracestore.errors import ConfigError, GuidanceMismatch
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec, validate_id
 
@@ -69,10 +79,13 @@ class GuidanceReader:
         process: bool | int = False,
         channel_credentials: Any = None,
         token: str | None = None,
+        on_mismatch: str = "error",
     ) -> None:
         validate_id("run", run)
         if on_missing not in ("error", "mask"):
             raise ConfigError(f"on_missing must be 'error' or 'mask', got {on_missing!r}")
+        if on_mismatch not in ("error", "mask"):
+            raise ConfigError(f"on_mismatch must be 'error' or 'mask', got {on_mismatch!r}")
         self.source = source
         self.run = run
         self.versions = versions
@@ -86,7 +99,12 @@ class GuidanceReader:
         self._pending: dict[tuple[Any, ...], Future[Rows]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
         self.last_report: ReadReport | None = None  # of the latest read() / read_host()
-        query = Query(run, versions, self.sites, columns, "mask" if on_missing == "mask" else "error")
+        # trajectories whose records belong to other token ids: refused reads, masked trajectories
+        self.stats = {"mismatch_refused": 0, "mismatch_masked": 0}
+        query = Query(
+            run, versions, self.sites, columns, "mask" if on_missing == "mask" else "error",
+            "mask" if on_mismatch == "mask" else "error",
+        )  # fmt: skip
         self._rows: RowSource = open_rows(
             source,
             query,
@@ -104,38 +122,40 @@ class GuidanceReader:
 
     # -- public -----------------------------------------------------------------------------------
 
-    def prefetch(self, plan: PlanLike) -> None:
-        """Start reading ``plan`` in the background; a later :meth:`read` of the same plan uses it."""
+    def prefetch(self, plan: PlanLike, token_ids: Any = None) -> None:
+        """Start reading ``plan`` in the background; a later :meth:`read` of the same plan (and the
+        same ``token_ids``) uses it."""
         if self._pool is None:
             return
-        key = _plan_key(plan)
+        key = _plan_key(plan, token_ids)
         with self._lock:
             if key not in self._pending:
                 # In the background, beside the training loop's Python: short copies and CRCs keep
                 # the GIL instead of queueing for it after each (tracestore.storage.read_out._copy_held).
                 # The rows are staged there too (pinned for a CUDA device): read() then only
                 # queues the non-blocking copies to the device.
-                self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index())
+                self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index(), token_ids)
 
-    def read(self, plan: PlanLike) -> dict[str, Any]:
+    def read(self, plan: PlanLike, token_ids: Any = None) -> dict[str, Any]:
         """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``).
         The result's ``report`` (also :attr:`last_report`) says which share of its rows falls back
-        to RTN (:class:`ReadReport`)."""
+        to RTN (:class:`ReadReport`). ``token_ids``: the microbatch's token ids, to check every
+        record's token identity (see the module docstring)."""
         import torch
 
-        key = _plan_key(plan)
+        key = _plan_key(plan, token_ids)
         with self._lock:
             fut = self._pending.pop(key, None)
-        staged = fut.result() if fut is not None else self._staged(plan)
+        staged = fut.result() if fut is not None else self._staged(plan, token_ids=token_ids)
         self.last_report = staged.report
         dev = torch.device(self.device)
         # from pinned memory (a CUDA device): the copies are queued on the current stream
         return Rows({name: g.to(dev, non_blocking=dev.type == "cuda") for name, g in staged.items()}, staged.report)
 
-    def read_host(self, plan: PlanLike) -> dict[str, SiteRows]:
+    def read_host(self, plan: PlanLike, token_ids: Any = None) -> dict[str, SiteRows]:
         """The same rows as numpy arrays (:class:`~tracestore.storage.rows.SiteRows`, no torch
         needed), with the same ``report``."""
-        rows = self._fetch(plan)
+        rows = self._fetch(plan, token_ids=token_ids)
         self.last_report = rows.report
         return rows
 
@@ -152,11 +172,24 @@ class GuidanceReader:
 
     # -- fetching ---------------------------------------------------------------------------------
 
-    def _fetch(self, plan: PlanLike, background: bool = False) -> Rows:
+    def _fetch(self, plan: PlanLike, background: bool = False, token_ids: Any = None) -> Rows:
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)
-        rows = self._rows.rows(plan, background)
-        return Rows(rows, read_report(plan, rows))
+        try:
+            rows, mismatched = self._rows.rows(plan, background, token_ids)
+        except GuidanceMismatch:
+            self._count("refused", 1)
+            raise
+        if mismatched:
+            self._count("masked", len(mismatched))
+        return Rows(rows, read_report(plan, rows, mismatched))
+
+    def _count(self, outcome: str, n: int) -> None:
+        with self._lock:
+            self.stats[f"mismatch_{outcome}"] += n
+        counter = _mismatch_counter()
+        if counter is not None:
+            counter.labels(self.run, outcome).inc(n)
 
     def _cuda_index(self) -> int | None:
         """The CUDA device the results go to, resolved in the calling (training) thread, where
@@ -168,7 +201,7 @@ class GuidanceReader:
             return None
         return dev.index if dev.index is not None else torch.cuda.current_device()
 
-    def _staged(self, plan: PlanLike, background: bool = False, cuda: int | None = None) -> Rows:
+    def _staged(self, plan: PlanLike, background: bool = False, cuda: int | None = None, token_ids: Any = None) -> Rows:
         """``plan``'s rows as :class:`~tracestore.guidance.Guidance` of host tensors, pinned when the
         device is CUDA: the part of :meth:`read` that copies bytes, done in the prefetch thread for
         a prefetched plan (pinning 200 MB is a copy of its own, which the training thread then no
@@ -180,7 +213,7 @@ class GuidanceReader:
         from tracestore.guidance import Guidance
 
         pin = torch.device(self.device).type == "cuda"
-        rows = self._fetch(plan, background)
+        rows = self._fetch(plan, background, token_ids)
 
         def t(a: np.ndarray | None) -> Any:
             if a is None:
@@ -209,10 +242,13 @@ class GuidanceReader:
 class ReadReport:
     """Which rows of one read fall back to RTN: ``rows`` counts the plan's rows that are not padding,
     summed over the sites read, ``unguided_rows`` those of them without a record (no record
-    stored, masked, or the final position of a sealed trajectory, unrecorded by design)."""
+    stored, masked, or the final position of a sealed trajectory, unrecorded by design);
+    ``mismatched``: trajectories returned unguided because their records belong to other token
+    ids (trajectory -> why; ``on_mismatch="mask"``)."""
 
     rows: int
     unguided_rows: int
+    mismatched: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def unguided_fraction(self) -> float:
@@ -227,7 +263,9 @@ class Rows(dict):  # type: ignore[type-arg]
         self.report = report
 
 
-def read_report(plan: PlanLike, rows: Mapping[str, SiteRows]) -> ReadReport:
+def read_report(
+    plan: PlanLike, rows: Mapping[str, SiteRows], mismatched: Mapping[str, str] | None = None
+) -> ReadReport:
     """The :class:`ReadReport` of ``plan`` from each site's rows."""
     if not isinstance(plan, MicrobatchPlan):
         plan = MicrobatchPlan(plan)
@@ -240,9 +278,43 @@ def read_report(plan: PlanLike, rows: Mapping[str, SiteRows]) -> ReadReport:
         mask = np.repeat(real, r.site.rows_per_token)
         n += int(mask.sum())
         unguided += int((mask & ~np.asarray(r.valid, dtype=bool)).sum())
-    return ReadReport(n, unguided)
+    return ReadReport(n, unguided, dict(mismatched or {}))
 
 
-def _plan_key(plan: PlanLike) -> tuple[Any, ...]:
+def _plan_key(plan: PlanLike, token_ids: Any = None) -> tuple[Any, ...]:
     segs = segments(plan) if isinstance(plan, MicrobatchPlan) else [tuple(s) for s in plan]
-    return tuple(segs)
+    return (tuple(segs), _ids_key(token_ids))
+
+
+def _ids_key(token_ids: Any) -> Any:
+    """What tells two reads' token ids apart (a prefetch serves only a read of the same ids)."""
+    from tracestore.identity import as_token_ids
+
+    if token_ids is None:
+        return None
+    if isinstance(token_ids, Mapping):
+        return tuple(sorted((str(t), zlib.crc32(as_token_ids(v).data)) for t, v in token_ids.items()))
+    return zlib.crc32(as_token_ids(token_ids).data)
+
+
+_COUNTER: list[Any] = []
+
+
+def _mismatch_counter() -> Any:
+    """The process's ``tracestore_reader_guidance_mismatches_total{run, outcome}`` (None without
+    ``prometheus_client``)."""
+    if not _COUNTER:
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            _COUNTER.append(None)
+        else:
+            _COUNTER.append(
+                Counter(
+                    "tracestore_reader_guidance_mismatches",
+                    "Trajectories whose records belong to other token ids than the trainer's "
+                    "(outcome: refused = the read raised GuidanceMismatch, masked = returned unguided)",
+                    ["run", "outcome"],
+                )
+            )
+    return _COUNTER[0]

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.errors import ConfigError, ShapeError, TraceStoreError, ValidationError
+from tracestore.identity import as_token_ids
 from tracestore.records import PrefixLink, RunSpec, validate_id, validate_version
 
 from .chunks import ChunkBuilder
@@ -192,7 +193,9 @@ class RolloutRecorder:
         # Callers append (deque.append is atomic), the sender pops: the engine thread never waits
         # for a lock the sender holds while it expands and serializes.
         self._queue = self._outbox.queue
-        self._chunks = ChunkBuilder(run_spec, writer, self.pool, self._np, self.batch_bytes, self._unguided)
+        self._chunks = ChunkBuilder(
+            run_spec, writer, self.pool, self._np, self.batch_bytes, self._unguided, self._outbox.ledger
+        )
         self._seals = SealLedger(self._lock, self._unguided, writer, run_spec.run)  # for refs()
         self._session = WriteSession(
             address,
@@ -242,12 +245,19 @@ class RolloutRecorder:
         segments: Sequence[tuple[str, int, int]] | Segments,
         outputs: dict[str, SiteOutput],
         policy_version: int | None = None,
+        token_ids: Any = None,
     ) -> bool:
         """Queue one forward's records. ``segments`` are the forward's rows in order,
         ``(trajectory, token_start, token_end)``; each site's tensors hold those rows
         (x ``rows_per_token``), as a list of tuples or a :class:`Segments` (column form, cheaper
         per decode step). Returns False when the forward was refused (staging full or
         recorder closed): its trajectories are then unguided. Bad arguments raise.
+
+        ``token_ids``: the input token id of each of the forward's tokens, in segment order (1-D,
+        integers in 0..2^31-1; numpy, a list or a torch tensor). With them every chunk carries its
+        token identity (:mod:`tracestore.identity`), which readers check against the trainer's
+        token ids; a trajectory's ids must be given from its position 0 on (a forward starting
+        past the ids known leaves the trajectory's later chunks without identity).
 
         Cost on the caller's thread does not grow with the sender's work: no lock the sender holds,
         no per-segment Python loop (checks run in C over the segment list), one staging
@@ -261,6 +271,9 @@ class RolloutRecorder:
         version = self.policy_version if policy_version is None else validate_version(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
+        ids = None if token_ids is None else as_token_ids(token_ids)
+        if ids is not None and ids.size != n_tok:
+            raise ShapeError(f"token_ids holds {ids.size} ids; the segments hold {n_tok} tokens (one id per token)")
         plans = []
         total = 0
         for name, out in outputs.items():
@@ -296,7 +309,9 @@ class RolloutRecorder:
         region.event = self._copier.sites(copies)
         nbytes = sum(p[4] + p[5] + p[6] for p in plans)
         long_segments = n_tok >= _LONG_SEGMENT * len(segs)
-        self._queue.append(Forward(segs, version, sites, region, time.monotonic(), nbytes, long_segments))  # atomic
+        self._queue.append(
+            Forward(segs, version, sites, region, time.monotonic(), nbytes, long_segments, ids)
+        )  # atomic
         self._outbox.in_bytes += nbytes  # written by callers only
         return True
 
@@ -306,6 +321,7 @@ class RolloutRecorder:
         slab: Any,
         n_rows: int | Sequence[int] | None = None,
         policy_version: int | None = None,
+        token_ids: Any = None,
     ) -> bool:
         """Queue one forward recorded into a :class:`tracestore.kernels.RecordSlab` (or a few, one per
         ``rows_per_token``): its rows ``[0, n_rows)`` for ``segments``, the forward's
@@ -319,14 +335,16 @@ class RolloutRecorder:
         scales (chunk g 1.0: the same dequantized values bit for bit); one g per site is stored as
         the chunk's g. Returns False when refused (staging full, recorder stopped): its
         trajectories are then unguided. Bad arguments raise (ValidationError for a site the run
-        does not declare, ShapeError naming the site or slab otherwise).
+        does not declare, ShapeError naming the site or slab otherwise). ``token_ids``: as for
+        :meth:`record_forward` (each chunk's token identity).
 
         Inside a CUDA graph, use :meth:`slab_stage`."""
         if self._stages:
             self._drain_stages()
         join_record_branches()
         slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
-        ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True)
+        ids = None if token_ids is None else as_token_ids(token_ids)
+        ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True, ids=ids)
         return ok
 
     def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 4, deferred: bool = True) -> SlabStage:
@@ -388,6 +406,7 @@ class RolloutRecorder:
         sources: list[Any] | None,
         order: bool,
         after: Any = None,
+        ids: Any = None,
     ) -> tuple[bool, Any]:
         """Stage ``slabs`` (or ``sources``: ring slots holding their rows) for one forward; returns
         (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
@@ -396,6 +415,8 @@ class RolloutRecorder:
         version = self.policy_version if policy_version is None else validate_version(policy_version)
         segs = segments if isinstance(segments, (list, Segments)) else list(segments)
         trajs, n_tok = self._check_segments(segs)
+        if ids is not None and ids.size != n_tok:
+            raise ShapeError(f"token_ids holds {ids.size} ids; the segments hold {n_tok} tokens (one id per token)")
         want = [n_rows] * len(slabs) if n_rows is None or isinstance(n_rows, int) else list(n_rows)
         if len(want) != len(slabs):
             raise ShapeError(f"n_rows gives {len(want)} row counts for {len(slabs)} slabs")
@@ -431,6 +452,7 @@ class RolloutRecorder:
         region.event = ev
         fwd = SlabForward(segs, version, [], region, time.monotonic(), nbytes, n_tok >= _LONG_SEGMENT * len(segs))
         fwd.staged = [(plan, off + rel, rows) for plan, rel, rows in staged]
+        fwd.ids = ids
         self._queue.append(fwd)  # atomic
         self._outbox.in_bytes += nbytes
         return True, ev

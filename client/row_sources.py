@@ -24,6 +24,7 @@ import numpy as np
 from tracestore.errors import (
     ConfigError,
     CorruptionError,
+    GuidanceMismatch,
     MissingRecordsError,
     NotFoundError,
     PermissionDeniedError,
@@ -47,18 +48,27 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclasses.dataclass(frozen=True)
 class Query:
     """What every read of one reader asks for besides the plan: ``versions`` (None: all),
-    ``sites`` (None: all), one ``columns`` range for every site (None: whole rows) and
-    ``on_missing`` (``"error"`` or ``"mask"``)."""
+    ``sites`` (None: all), one ``columns`` range for every site (None: whole rows),
+    ``on_missing`` (``"error"`` or ``"mask"``) and ``on_mismatch`` (``"error"`` or ``"mask"``: records
+    of other token ids than the trainer's, when a read gives its token ids)."""
 
     run: str
     versions: int | Iterable[int] | None = None
     sites: list[str] | None = None
     columns: tuple[int, int] | None = None
     on_missing: Literal["error", "mask"] = "error"
+    on_mismatch: Literal["error", "mask"] = "error"
 
     def read_args(self) -> dict[str, Any]:
         """The keyword arguments of ``StoreReader.read`` for this query."""
-        return {"versions": self.versions, "sites": self.sites, "columns": self.columns, "on_missing": self.on_missing}
+        return {
+            "versions": self.versions, "sites": self.sites, "columns": self.columns, "on_missing": self.on_missing,
+            "on_mismatch": self.on_mismatch,
+        }  # fmt: skip
+
+
+# A read's rows per site, and the trajectories masked for other token ids (trajectory -> why)
+RowsRead = tuple[dict[str, "SiteRows"], dict[str, str]]
 
 
 class RowSource(Protocol):
@@ -69,7 +79,7 @@ class RowSource(Protocol):
 
     spec: RunSpec | None
 
-    def rows(self, plan: MicrobatchPlan, background: bool = False) -> dict[str, SiteRows]: ...
+    def rows(self, plan: MicrobatchPlan, background: bool = False, token_ids: Any = None) -> RowsRead: ...
 
     def close(self) -> None: ...
 
@@ -81,8 +91,9 @@ class StoreRows:
         self.reader, self.query = reader, query
         self.spec: RunSpec | None = reader.spec
 
-    def rows(self, plan: MicrobatchPlan, background: bool = False) -> dict[str, SiteRows]:
-        return dict(self.reader.read(plan, hold_gil=background, **self.query.read_args()).rows)
+    def rows(self, plan: MicrobatchPlan, background: bool = False, token_ids: Any = None) -> RowsRead:
+        res = self.reader.read(plan, hold_gil=background, token_ids=token_ids, **self.query.read_args())
+        return dict(res.rows), dict(res.stats.mismatched)
 
     def close(self) -> None:
         pass  # (the reader's index stays usable by a prefetch still in flight)
@@ -97,9 +108,13 @@ class ProcessRows:
         self.reader, self.procs, self.query = reader, procs, query
         self.spec: RunSpec | None = reader.spec
 
-    def rows(self, plan: MicrobatchPlan, background: bool = False) -> dict[str, SiteRows]:
+    def rows(self, plan: MicrobatchPlan, background: bool = False, token_ids: Any = None) -> RowsRead:
+        from tracestore.storage.identity_check import token_ids_by_trajectory
+
         q = self.query
-        return self.procs.read(segments(plan), self.reader.layout(plan.n_tokens, q.sites, q.columns), **q.read_args())
+        extra = {} if token_ids is None else {"token_ids": token_ids_by_trajectory(plan, token_ids)}
+        layout = self.reader.layout(plan.n_tokens, q.sites, q.columns)
+        return self.procs.read(segments(plan), layout, **q.read_args(), **extra)
 
     def close(self) -> None:
         self.procs.close()
@@ -112,9 +127,10 @@ class SidecarRows:
         self.address, self.channel, self.query, self.timeout = address, ch, query, timeout
         self.spec: RunSpec | None = None
 
-    def rows(self, plan: MicrobatchPlan, background: bool = False) -> dict[str, SiteRows]:
+    def rows(self, plan: MicrobatchPlan, background: bool = False, token_ids: Any = None) -> RowsRead:
         import grpc
 
+        from tracestore.storage.identity_check import token_ids_by_trajectory
         from tracestore.storage.rows import SiteRows
         from tracestore.v1 import tracestore_pb2 as pb
 
@@ -134,11 +150,17 @@ class SidecarRows:
             has_columns=q.columns is not None,
             column_start=q.columns[0] if q.columns else 0,
             column_end=q.columns[1] if q.columns else 0,
+            mask_mismatch=q.on_mismatch == "mask",
         )
+        if token_ids is not None:
+            for t, ids in token_ids_by_trajectory(plan, token_ids).items():
+                req.token_ids.add(trajectory=t, ids=ids.tobytes())
         parts: dict[str, list[Any]] = {}
+        mismatched: dict[str, str] = {}
         try:
             for raw in method(self.channel, "Read", "unary_stream")(req.SerializeToString(), timeout=self.timeout):
                 m = pb.ReadResponse.FromString(raw)
+                mismatched.update(m.mismatched)
                 parts.setdefault(m.site, []).append(m)
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
@@ -164,7 +186,7 @@ class SidecarRows:
                 cat("policy_version", "<i8").astype(np.int64),
                 np.zeros(n, bool),  # (the sidecar drops stale records, it never flags them)
             )
-        return out
+        return out, mismatched
 
     def _run_spec(self) -> RunSpec:
         import grpc
@@ -238,5 +260,6 @@ def error_from_status(exc: Any) -> TraceStoreError:
         "DATA_LOSS": CorruptionError,
         "UNAUTHENTICATED": UnauthenticatedError,
         "PERMISSION_DENIED": PermissionDeniedError,
+        "FAILED_PRECONDITION": GuidanceMismatch,  # (the one precondition a Read checks)
     }.get(code, StorageError)
     return cls(f"sidecar Read failed ({code}): {details}")

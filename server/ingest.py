@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from tracestore.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
 from tracestore.errors import CorruptionError, ValidationError
+from tracestore.identity import fold_ids
 from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import (
@@ -228,6 +229,7 @@ def _parse(
                 (crc32_held(scales) if cs is None else cs, len(scales)),
                 None if ts is None else (crc32_held(ts) if ct is None else ct, len(ts)),
             )  # fmt: skip
+            crc = fold_ids(crc, chunk.ids_crc)
         else:
             crc = record_checksum(chunk)
         object.__setattr__(chunk, "_crc", crc)  # frozen dataclass: set once, here

@@ -79,6 +79,13 @@ class Metrics:
             "Site-tokens recorded before their trajectory's seal at or past its n_tokens (never read as valid)",
             registry=r,
         )
+        self.guidance_mismatches = Counter(
+            p + "guidance_mismatches",
+            "Read trajectories whose records belong to other token ids than the reader's "
+            "(outcome: refused = the read failed, masked = returned unguided)",
+            ["outcome"],
+            registry=r,
+        )
         self.shard_write_latency = Histogram(
             p + "shard_write_latency_seconds",
             "Build and publish one shard and its manifest",

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import grpc
 
-from tracestore.errors import LimitError, StorageError, ValidationError
+from tracestore.errors import GuidanceMismatch, LimitError, StorageError, ValidationError
 from tracestore.v1 import tracestore_pb2 as pb
 
 from .auth import Identity, require_read
@@ -87,9 +87,11 @@ class Reads:
         self._using: dict[int, int] = {}  # id() of a reader -> calls reading with it now
         self._lock = threading.Lock()
 
-    def rows(self, raw: bytes, who: Identity, reserved: list[int]) -> list[tuple[str, Any]]:
-        """The rows a Read request ``raw`` of caller ``who`` asks for, per site; ``reserved[0]``:
-        the budget reserved for them (the caller gives it back once the stream ends)."""
+    def rows(self, raw: bytes, who: Identity, reserved: list[int]) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+        """The rows a Read request ``raw`` of caller ``who`` asks for, per site, and the
+        trajectories masked because their records belong to other token ids (with the reason);
+        ``reserved[0]``: the budget reserved for them (the caller gives it back once the stream
+        ends)."""
         from tracestore.plan import MicrobatchPlan
         from tracestore.records import validate_id
         from tracestore.storage.reader import StoreReader
@@ -118,11 +120,19 @@ class Reads:
         reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
         on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
+        token_ids = _token_ids(req)
         with self._reader(req.run, StoreReader) as reader:
-            result = reader.read(
-                plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing
-            )
-        return [(s, result[s]) for s in sites]
+            try:
+                result = reader.read(
+                    plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing,
+                    token_ids=token_ids, on_mismatch="mask" if req.mask_mismatch else "error",
+                )  # fmt: skip
+            except GuidanceMismatch:
+                self.metrics.guidance_mismatches.labels("refused").inc()
+                raise
+        if result.stats.mismatched:
+            self.metrics.guidance_mismatches.labels("masked").inc(len(result.stats.mismatched))
+        return [(s, result[s]) for s in sites], dict(result.stats.mismatched)
 
     @contextlib.contextmanager
     def _reader(self, run: str, make: Callable[[Any, str], Any]) -> Iterator[Any]:
@@ -148,10 +158,17 @@ class Reads:
                 elif self._readers.get(run) is not reader:
                     reader.close()
 
-    def stream(self, rows_by_site: list[tuple[str, Any]], context: grpc.ServicerContext, t0: float) -> Iterator[bytes]:
+    def stream(
+        self,
+        rows_by_site: list[tuple[str, Any]],
+        context: grpc.ServicerContext,
+        t0: float,
+        mismatched: dict[str, str] | None = None,
+    ) -> Iterator[bytes]:
         """Serialized ReadResponse slices of ``rows_by_site`` (a Read that began at ``t0``), while
-        the caller is there to take them."""
+        the caller is there to take them; ``mismatched`` rides in the first."""
         nbytes = 0
+        first = True
         for site, rows in rows_by_site:
             n = int(rows.codes.shape[0])
             cb, sb = int(rows.codes.shape[1]), int(rows.scales.shape[1])
@@ -176,9 +193,32 @@ class Reads:
                     has_token_scales=ts is not None,
                     valid=rows.valid[a:b].astype("u1").tobytes(),
                     policy_version=rows.policy_version[a:b].astype("<i8").tobytes(),
+                    mismatched=mismatched if first and mismatched else None,
                 )
+                first = False
                 nbytes += (b - a) * per_row
                 yield msg.SerializeToString()
         self.metrics.read_bytes.inc(nbytes)
         self.metrics.read_latency.observe(time.monotonic() - t0)
         self.metrics.requests.labels("Read", "OK").inc()
+
+
+def _token_ids(req: pb.ReadRequest) -> dict[str, Any] | None:
+    """The trainer's token ids of a Read request per trajectory (None: none given)."""
+    import numpy as np
+
+    from tracestore.records import validate_id
+
+    if not req.token_ids:
+        return None
+    out: dict[str, Any] = {}
+    for t in req.token_ids:
+        validate_id("trajectory", t.trajectory)
+        if len(t.ids) % 4:
+            raise ValidationError(
+                f"token_ids of {t.trajectory!r}: {len(t.ids)} bytes; expected int32 little-endian ids (4 bytes each)"
+            )
+        if t.trajectory in out:
+            raise ValidationError(f"token_ids name trajectory {t.trajectory!r} twice")
+        out[t.trajectory] = np.frombuffer(t.ids, "<i4")
+    return out

@@ -31,6 +31,7 @@ from tracestore.errors import (
     ConfigError,
     ConflictError,
     CorruptionError,
+    GuidanceMismatch,
     LimitError,
     MissingRecordsError,
     NotFoundError,
@@ -88,7 +89,7 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, OverBudgetError | LimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, SequenceError):
+    if isinstance(exc, SequenceError | GuidanceMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, DrainingError | StorageError):
         return grpc.StatusCode.UNAVAILABLE
@@ -298,11 +299,11 @@ class TraceStoreService:
     def _read(self, raw: bytes, context: grpc.ServicerContext, reserved: list[int]) -> Iterator[bytes]:
         t0 = time.monotonic()
         try:
-            rows_by_site = self.reads.rows(raw, self._caller(), reserved)
+            rows_by_site, mismatched = self.reads.rows(raw, self._caller(), reserved)
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Read", exc, {})
             return
-        yield from self.reads.stream(rows_by_site, context, t0)
+        yield from self.reads.stream(rows_by_site, context, t0, mismatched)
 
     # -- Stat -------------------------------------------------------------------------------------
 

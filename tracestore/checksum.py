@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tracestore.identity import fold_ids
 from tracestore.records import (
     _crc32_combine,
     chunk_checksum,
@@ -82,7 +83,7 @@ __all__ = [
 
 def record_checksum(chunk: Any) -> int:
     """``RecordChunk.checksum`` for any object with a chunk's fields (e.g. a received, unvalidated one)."""
-    return chunk_checksum(
+    return fold_ids(chunk_checksum(
         chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
         chunk.codes, chunk.scales, chunk.global_scale, chunk.token_scales,
-    )  # fmt: skip
+    ), getattr(chunk, "ids_crc", None))  # fmt: skip

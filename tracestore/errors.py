@@ -39,6 +39,10 @@ class MissingRecordsError(TraceStoreError, LookupError):
     """A read plan asked for tokens that have no record (names trajectory, site and tokens)."""
 
 
+class GuidanceMismatch(TraceStoreError, ValueError):
+    """Stored records were made for other token ids than the trainer's (names trajectory, site, tokens)."""
+
+
 class CorruptionError(TraceStoreError, OSError):
     """Stored bytes failed a checksum or could not be decoded (names the shard and chunk)."""
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from tracestore.errors import ConfigError, DTypeError, NotFoundError, ShapeError, ValidationError
 from tracestore.formats import FP4Format, check_bits, get_format
+from tracestore.identity import fold_ids
 
 SiteKind = Literal["moe_input", "key", "value", "other"]
 SITE_KINDS: tuple[str, ...] = ("moe_input", "key", "value", "other")
@@ -265,7 +266,9 @@ class RecordChunk:
     ``codes``: uint8 ``[n_tokens*rows_per_token, code_bytes]`` (packed low-b code bits),
     ``scales``: uint8 ``[n_rows, scale_bytes]`` (raw E4M3/E8M0 bytes, row-major),
     ``global_scale``: the decode-side float32 g (1.0 for MX), ``token_scales``: float32 ``[n_rows]``
-    or None. Arrays are not copied; do not mutate them after construction.
+    or None, ``ids_crc``: the chunk's token identity (:mod:`tracestore.identity`: the CRC-32 of the
+    trajectory's token ids up to ``token_end``) or None when the recorder had no token ids. Arrays
+    are not copied; do not mutate them after construction.
     """
 
     run: str
@@ -278,6 +281,7 @@ class RecordChunk:
     scales: np.ndarray
     global_scale: float
     token_scales: np.ndarray | None = None
+    ids_crc: int | None = None
 
     def __post_init__(self) -> None:
         validate_id("run", self.run)
@@ -311,6 +315,12 @@ class RecordChunk:
             if ts.shape != (codes.shape[0],):
                 raise ShapeError(f"{self.key_str}: token_scales must have shape ({codes.shape[0]},), got {ts.shape}")
             object.__setattr__(self, "token_scales", np.ascontiguousarray(ts))
+        if self.ids_crc is not None:
+            if isinstance(self.ids_crc, bool) or not isinstance(self.ids_crc, (int, np.integer)):
+                raise ValidationError(f"{self.key_str}: ids_crc must be an integer or None, got {self.ids_crc!r}")
+            if not 0 <= int(self.ids_crc) <= 0xFFFFFFFF:
+                raise ValidationError(f"{self.key_str}: ids_crc must be a uint32, got {self.ids_crc}")
+            object.__setattr__(self, "ids_crc", int(self.ids_crc))
 
     @property
     def token_end(self) -> int:
@@ -344,19 +354,24 @@ class RecordChunk:
 
         Encoding: ``b"tracestore.chunk.v1\\0"``, ``run\\0trajectory\\0site\\0`` (UTF-8),
         ``<qqqqqqf`` = (policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, g),
-        codes bytes, scales bytes, then ``b"\\1"`` + token_scales float32 LE bytes or ``b"\\0"``.
+        codes bytes, scales bytes, then ``b"\\1"`` + token_scales float32 LE bytes or ``b"\\0"``;
+        then, for a chunk with ``ids_crc``, ``b"\\2"`` + ``ids_crc`` as ``<I``
+        (:func:`tracestore.identity.fold_ids`).
         """
-        return chunk_checksum(
-            self.run,
-            self.policy_version,
-            self.trajectory,
-            self.site,
-            self.token_start,
-            self.n_tokens,
-            self.codes,
-            self.scales,
-            self.global_scale,
-            self.token_scales,
+        return fold_ids(
+            chunk_checksum(
+                self.run,
+                self.policy_version,
+                self.trajectory,
+                self.site,
+                self.token_start,
+                self.n_tokens,
+                self.codes,
+                self.scales,
+                self.global_scale,
+                self.token_scales,
+            ),
+            self.ids_crc,
         )
 
     def validate(self, site: SiteSpec) -> RecordChunk:
@@ -391,7 +406,7 @@ class RecordChunk:
             return False
         if np.float32(self.global_scale).tobytes() != np.float32(other.global_scale).tobytes():
             return False
-        if (self.token_scales is None) != (other.token_scales is None):
+        if (self.token_scales is None) != (other.token_scales is None) or self.ids_crc != other.ids_crc:
             return False
         if (
             self.token_scales is not None

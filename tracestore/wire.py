@@ -85,6 +85,7 @@ def chunk_to_pb(chunk: RecordChunk, *, checksum: bool = True) -> pb.Chunk:
         token_scales=b"" if ts is None else ts.astype("<f4", copy=False).tobytes(),
         has_token_scales=ts is not None,
         checksum=chunk.checksum if checksum else 0,
+        ids_crc=chunk.ids_crc,
     )
 
 
@@ -130,6 +131,7 @@ def chunk_from_parts(
         token_scales=None
         if token_scales is None
         else np.frombuffer(token_scales, "<f4").astype(np.float32, copy=False),
+        ids_crc=c.ids_crc if c.HasField("ids_crc") else None,
     )
     return chunk.validate(site)
 

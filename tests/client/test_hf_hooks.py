@@ -265,7 +265,7 @@ def test_fp4_site_recorder_splits_a_block_of_forwards_by_the_positions_each_cove
             self.run_spec = RunSpec("r", (SiteSpec("layers.0.attn.k", "key", 0, 16, bits=2),))
             self.calls: list[tuple[list, dict]] = []
 
-        def record_forward(self, segments: list, outputs: dict) -> bool:
+        def record_forward(self, segments: list, outputs: dict, token_ids: object = None) -> bool:
             self.calls.append((segments, outputs))
             return True
 

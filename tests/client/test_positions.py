@@ -27,12 +27,14 @@ from tracestore.client.hf_recorder import FP4SiteRecorder  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
-from tracestore.errors import ConfigError  # noqa: E402
+from tracestore.errors import ConfigError, GuidanceMismatch  # noqa: E402
 from tracestore.formats import NVFP4  # noqa: E402
 from tracestore.fp4 import quantize  # noqa: E402
 from tracestore.packing import unpack_bits  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
 from tracestore.records import RunSpec  # noqa: E402
+from tracestore.storage.reader import StoreReader  # noqa: E402
+from tracestore.storage.store import Store  # noqa: E402
 
 PAD = 0
 NEW = 5
@@ -119,9 +121,10 @@ def record(sidecar: Any, model: Any, run_generate: Callable[[FP4SiteRecorder], l
     finally:
         rec.close()
     plan = MicrobatchPlan([(traj, 0, len(seq)) for traj, seq in sequences])
-    guidance = GuidanceReader(sidecar.address, run, prefetch=False, on_missing="mask").read(plan)
+    ids = {traj: seq for traj, seq in sequences}
+    guidance = GuidanceReader(sidecar.address, run, prefetch=False, on_missing="mask").read(plan, token_ids=ids)
+    problems = identity_problems(sidecar, run, plan, ids)
     checked = ok = 0
-    problems: list[str] = []
     row = 0
     for traj, seq in sequences:
         truth = oracle_codes(model, seq[:-1], names)  # the last token never enters a forward
@@ -146,6 +149,25 @@ def record(sidecar: Any, model: Any, run_generate: Callable[[FP4SiteRecorder], l
                     problems.append(f"{traj} position {p} ({name}): the record is another token's")
         row += len(seq)
     return checked, ok, problems
+
+
+def identity_problems(sidecar: Any, run: str, plan: MicrobatchPlan, ids: dict[str, list[int]]) -> list[str]:
+    """Every stored chunk the plan reads carries its token identity and it equals the one of the
+    returned sequences (read from storage, where the counts are seen); ids shifted by one token
+    are refused by the sidecar's Read and the storage read alike."""
+    problems: list[str] = []
+    with StoreReader(Store(sidecar.storage), run) as reader:
+        res = reader.read(plan, on_missing="mask", token_ids=ids)
+        st = res.stats
+        if st.ids_absent or st.ids_unverifiable or not st.ids_verified or st.ids_verified != st.chunks:
+            problems.append(f"identity: {st.ids_verified} of {st.chunks} chunks verified, {st.ids_absent} without "
+                            f"ids, {st.ids_unverifiable} unverifiable")  # fmt: skip
+        shifted = {t: [seq[0], *seq[:-1]] for t, seq in ids.items()}
+        with pytest.raises(GuidanceMismatch, match="other token ids"):
+            reader.read(plan, on_missing="mask", token_ids=shifted)
+    with pytest.raises(GuidanceMismatch, match="other token ids"):
+        GuidanceReader(sidecar.address, run, prefetch=False, on_missing="mask").read_host(plan, token_ids=shifted)
+    return problems
 
 
 def assert_exact(result: tuple[int, int, list[str]]) -> None:
@@ -281,7 +303,7 @@ def test_beam_search_is_refused_naming_sampling_groups(model: Any, returned_sequ
     class Refuses:
         run_spec = RunSpec("beams", ())
 
-        def record_forward(self, *a: object) -> bool:
+        def record_forward(self, *a: object, **kw: object) -> bool:
             raise AssertionError("nothing of a refused generate() is recorded")
 
     with FP4SiteRecorder(model, [Refuses()]) as fp4, torch.no_grad():
@@ -314,7 +336,7 @@ def test_a_forward_outside_the_model_entry_still_counts_on(tmp_path: Path, model
         def __init__(self) -> None:
             self.segments: list[Any] = []
 
-        def record_forward(self, segments: Any, outputs: Any) -> bool:
+        def record_forward(self, segments: Any, outputs: Any, token_ids: Any = None) -> bool:
             self.segments.append(segments)
             return True
 

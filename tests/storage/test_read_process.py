@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from tracestore.client import GuidanceReader, read_process
 from tracestore.client.read_process import SPARE_BLOCKS
@@ -105,11 +106,14 @@ def test_child_errors_keep_their_class_and_the_child_keeps_serving(tmp_path: Pat
         pid = reader._rows.procs.pids[0]
         good = reader.read_host([("t0", 0, 9)])
         assert good[S0.name].valid.all()
-        # flip one byte of a shard's codes: the child's verification catches it, same class here
-        shard = sorted(Path(tmp_path, "store").rglob("*.parquet"))[0]
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 3] ^= 0x40
-        shard.write_bytes(bytes(data))
+        # flip one byte of every shard's codes: the child's verification catches it, same class here
+        for shard in Path(tmp_path, "store").rglob("*.parquet"):
+            md = pq.ParquetFile(shard).metadata
+            data = bytearray(shard.read_bytes())
+            for g in range(md.num_row_groups):
+                col = md.row_group(g).column(md.schema.names.index("codes"))
+                data[col.data_page_offset + col.total_compressed_size // 2] ^= 0x40
+            shard.write_bytes(bytes(data))
         with pytest.raises(CorruptionError):
             GuidanceReader(url, RUN, prefetch=False, process=True).read_host([("t0", 0, 9)])
         assert reader._rows.procs.pids[0] == pid  # errors did not cost the child
@@ -227,7 +231,7 @@ def test_read_processes_return_stale_flags_and_columns_of_each_slice(tmp_path: P
         want = dict(here.read(plan, **kw).rows)
         procs = read_process.ReadProcesses(url, RUN, None, 60, n=2)
         try:
-            got = procs.read(plan, here.layout(18, None, (32, 64)), **kw)
+            got, _ = procs.read(plan, here.layout(18, None, (32, 64)), **kw)
         finally:
             procs.close()
     _same(want, got)

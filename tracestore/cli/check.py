@@ -11,14 +11,22 @@ of the stored id in the ref's version, its token count and its site set
 (:func:`tracestore.traceref.check_refs`). Unguided refs are listed (their rows train with
 RTN) and are not misalignment.
 
-Exit status: 0 when everything is aligned, 1 on any misalignment (a ref problem, a missing or
-wrong-version token, a read error such as a corrupt shard or a failing prefix link), 2 on usage
-errors. ``--json`` prints one JSON object instead of the table.
+With ``--tokens FILE`` (JSON lines ``{"trajectory": stored id, "token_ids": [...]}``, each
+trajectory's input token ids from position 0, as the trainer will see them) every record that
+carries its token identity is also checked against them (:mod:`tracestore.identity`): per site
+``misaligned`` counts the tokens of records made for other token ids, and ``identity`` says how
+many chunks were verified, carried no identity or could not be checked. Without it the identity
+is not checked (the report says so).
+
+Exit status: 0 when everything is aligned, 1 on any misalignment (a ref problem, a missing,
+wrong-version or misaligned token, a read error such as a corrupt shard or a failing prefix link),
+2 on usage errors. ``--json`` prints one JSON object instead of the table.
 
 Example::
 
     tracestore check file://./tracestore-data --refs step-17.refs.jsonl
     tracestore check s3://bucket/trace --run run-1 --plan rank3.plan.json --json
+    tracestore check file://./tracestore-data --refs step-17.refs.jsonl --tokens step-17.tokens.jsonl
 """
 
 from __future__ import annotations
@@ -64,6 +72,9 @@ SETTINGS = (
     Setting("--plan", optional(text("a JSON plan file")), None,
             'JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
             "(null trajectory: padding); this or --refs", show="none", metavar="FILE"),
+    Setting("--tokens", optional(text("a JSON-lines file of token ids")), None,
+            'JSON-lines file of {"trajectory": id, "token_ids": [...]}: check each record\'s token identity',
+            show="none", metavar="FILE"),
     Setting("--run", optional(text("a run id")), None, "the run (required with --plan)",
             show="the refs' run", metavar="RUN"),
     Setting("--versions", optional(_csv("comma-separated policy versions (integers >= 0)", _version)), None,
@@ -114,6 +125,28 @@ def _load_refs(path: str) -> list[Any]:
     return read_jsonl(path)
 
 
+def _load_tokens(path: str) -> dict[str, list[int]]:
+    """``{trajectory: token ids}`` of a JSON-lines file (``-``: standard input)."""
+    out: dict[str, list[int]] = {}
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if (
+                not isinstance(d, dict)
+                or not isinstance(d.get("trajectory"), str)
+                or not isinstance(d.get("token_ids"), list)
+            ):
+                raise ValueError(f'{path} line {i}: expected {{"trajectory": "...", "token_ids": [...]}}')
+            out[d["trajectory"]] = d["token_ids"]
+    finally:
+        if f is not sys.stdin:
+            f.close()
+    return out
+
+
 def _load_plan(path: str) -> list[tuple[str | None, int, int]]:
     with open(path, encoding="utf-8") as f:
         d = json.load(f)
@@ -132,8 +165,10 @@ def check(
     versions: Sequence[int] | None = None,
     sites: Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
+    tokens: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The report ``tracestore check`` prints (``report["ok"]``: aligned)."""
+    """The report ``tracestore check`` prints (``report["ok"]``: aligned). ``tokens``: each
+    trajectory's token ids from position 0, to check every record's token identity."""
     import numpy as np
 
     from tracestore.plan import MicrobatchPlan
@@ -153,6 +188,7 @@ def check(
         raise ValueError("--run is required with --plan")
     store = Store(url, storage_options)
     report: dict[str, Any] = {"url": url, "run": run, "problems": [], "trajectories": [], "unguided": []}
+    report["identity_checked"] = tokens is not None
     with StoreReader(store, run) as reader:
         spec = reader.spec
         site_names = list(spec.site_names) if sites is None else [spec.site(s).name for s in sites]
@@ -194,12 +230,24 @@ def check(
             try:
                 pieces = links.resolve(stored, a, b, set(present), "mask")
                 via = sum(hi - lo for owner, lo, hi in pieces if owner != stored)
-                res = reader.read([(stored, a, b)], versions=present, sites=site_names, on_missing="mask")
+                ids = None if tokens is None or stored not in tokens else {stored: tokens[stored]}
+                res = reader.read(
+                    [(stored, a, b)], versions=present, sites=site_names, on_missing="mask", token_ids=ids,
+                    on_mismatch="mask",
+                )  # fmt: skip
             except TraceStoreError as exc:
                 report["problems"].append(f"{stored} tokens [{a}, {b}): {type(exc).__name__}: {exc}")
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 continue
             final = seal.n_tokens - 1 if seal is not None else None
+            st = res.stats
+            if tokens is not None:
+                entry["identity"] = {
+                    "verified": st.ids_verified, "absent": st.ids_absent, "unverifiable": st.ids_unverifiable
+                }  # fmt: skip
+                if stored not in tokens:
+                    report["problems"].append(f"{stored}: no token ids in the --tokens file")
+            misaligned = st.misaligned.get(stored, {})
             for name in site_names:
                 rows = res[name]
                 k = rows.site.rows_per_token
@@ -207,7 +255,9 @@ def check(
                 pv = rows.policy_version.reshape(-1, k)[:, 0]
                 toks = np.arange(a, b)
                 is_final = toks == final if final is not None else np.zeros(b - a, bool)
-                missing = ~valid & ~is_final
+                if stored in st.mismatched:  # masked by the identity check: misaligned, not missing
+                    valid = np.zeros_like(valid)
+                missing = ~valid & ~is_final if stored not in st.mismatched else np.zeros(b - a, bool)
                 wrong = valid & (pv != expect_v) if expect_v is not None else np.zeros(b - a, bool)
                 s = {
                     "recorded": int(valid.sum()),
@@ -215,8 +265,14 @@ def check(
                     "missing": int(missing.sum()),
                     "wrong_version": int(wrong.sum()),
                     "via_links": via,
+                    "misaligned": int(misaligned.get(name, 0)),
                 }
                 entry["sites"][name] = s
+                if s["misaligned"]:
+                    report["problems"].append(
+                        f"{stored} site {name}: {s['misaligned']} tokens recorded for other token ids "
+                        f"({st.mismatched.get(stored, '')})"
+                    )
                 if s["missing"]:
                     first = [int(x) for x in toks[missing][:8]]
                     report["problems"].append(f"{stored} site {name}: {s['missing']} missing tokens, e.g. {first}")
@@ -237,14 +293,24 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
             print(f"  {e['trajectory']} [{a}, {b}): ERROR {e['error']}", file=out)
             continue
         for name, s in e["sites"].items():
-            flag = "" if not (s["missing"] or s["wrong_version"]) else "  <-- misaligned"
+            flag = "" if not (s["missing"] or s["wrong_version"] or s["misaligned"]) else "  <-- misaligned"
             print(
                 f"  {e['trajectory']} [{a}, {b}) {name}: recorded {s['recorded']}, final {s['unrecorded_final']}, "
-                f"missing {s['missing']}, wrong version {s['wrong_version']}, via links {s['via_links']}{flag}",
+                f"missing {s['missing']}, wrong version {s['wrong_version']}, via links {s['via_links']}, "
+                f"other token ids {s['misaligned']}{flag}",
+                file=out,
+            )
+        if "identity" in e:
+            i = e["identity"]
+            print(
+                f"  {e['trajectory']} identity: {i['verified']} chunks verified, {i['absent']} without token ids, "
+                f"{i['unverifiable']} unverifiable",
                 file=out,
             )
     for u in report["unguided"]:
         print(f"  {u['trajectory']}: unguided ({u['reason']}), {u['tokens']} tokens train with RTN", file=out)
+    if not report["identity_checked"]:
+        print("  token identity not checked (give --tokens FILE)", file=out)
     for p in report["problems"]:
         print(f"PROBLEM: {p}", file=out)
     print("OK: aligned" if report["ok"] else f"MISALIGNED: {len(report['problems'])} problems", file=out)
@@ -268,6 +334,7 @@ def run(ns: argparse.Namespace) -> int:
             versions=ns.versions,
             sites=ns.sites,
             storage_options=ns.storage_options,
+            tokens=_load_tokens(ns.tokens) if ns.tokens else None,
         )
     except (ValueError, OSError, TraceStoreError) as exc:
         print(f"tracestore check: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracestore.errors import CorruptionError, ValidationError
+from tracestore.identity import fold_ids
 from tracestore.records import RecordChunk, chunk_checksum
 
 SCHEMA_VERSION = 1
@@ -38,11 +39,15 @@ CHUNK_SCHEMA = pa.schema(
         pa.field("codes", pa.large_binary(), nullable=False),
         pa.field("scales", pa.large_binary(), nullable=False),
         pa.field("token_scales", pa.large_binary(), nullable=True),
+        pa.field("ids_crc", pa.uint32(), nullable=True),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
 KEY_COLUMNS: tuple[str, ...] = ("run", "policy_version", "trajectory", "site", "token_start", "n_tokens", "n_rows")
 BYTE_COLUMNS: tuple[str, ...] = ("codes", "scales", "token_scales")
+# Columns a table may lack: shards written before chunks carried token identity have no ids_crc
+# (their chunks read as carrying none).
+OPTIONAL_COLUMNS: tuple[str, ...] = ("ids_crc",)
 
 
 # Below this mean value size a column is copied into one buffer instead: a one-value Arrow array
@@ -122,6 +127,7 @@ def chunks_to_table(
         binary([c.codes for c in chunks]),
         binary([c.scales for c in chunks]),
         binary([None if c.token_scales is None else c.token_scales.astype("<f4") for c in chunks]),
+        pa.array([c.ids_crc for c in chunks], pa.uint32()),
     ]
     return pa.Table.from_arrays(cols, schema=CHUNK_SCHEMA)
 
@@ -171,7 +177,7 @@ def table_to_chunks(table: pa.Table, *, verify: bool = True, where: str = "table
         raise CorruptionError(
             f"{where}: tracestore schema version {version} is not supported (this is {SCHEMA_VERSION})"
         )
-    missing = [n for n in CHUNK_SCHEMA.names if n not in table.column_names]
+    missing = [n for n in CHUNK_SCHEMA.names if n not in table.column_names and n not in OPTIONAL_COLUMNS]
     if missing:
         raise CorruptionError(f"{where}: record table lacks columns {missing}")
     py = {n: table.column(n).to_pylist() for n in KEY_COLUMNS}
@@ -180,6 +186,7 @@ def table_to_chunks(table: pa.Table, *, verify: bool = True, where: str = "table
     codes = binary_views(table.column("codes"))
     scales = binary_views(table.column("scales"))
     tscales = binary_views(table.column("token_scales"))
+    ids = table.column("ids_crc").to_pylist() if "ids_crc" in table.column_names else [None] * table.num_rows
     out: list[RecordChunk] = []
     for i in range(table.num_rows):
         out.append(
@@ -190,6 +197,7 @@ def table_to_chunks(table: pa.Table, *, verify: bool = True, where: str = "table
                 codes[i],
                 scales[i],
                 tscales[i],
+                ids[i],
                 verify=verify,
                 where=f"{where} row {i}",
             )
@@ -204,6 +212,7 @@ def chunk_from_parts(
     codes: np.ndarray | None,
     scales: np.ndarray | None,
     token_scales: np.ndarray | None,
+    ids_crc: int | None = None,
     *,
     verify: bool,
     where: str,
@@ -230,23 +239,27 @@ def chunk_from_parts(
             scales.reshape(n_rows, -1),
             global_scale,
             None if token_scales is None else token_scales.view("<f4").astype(np.float32, copy=False),
+            ids_crc,
         )
     except ValidationError as exc:
         raise CorruptionError(f"{desc}: stored record does not validate: {exc}") from exc
     except ValueError as exc:
         raise CorruptionError(f"{desc}: stored record does not validate: {exc}") from exc
     if verify:
-        actual = chunk_checksum(
-            chunk.run,
-            chunk.policy_version,
-            chunk.trajectory,
-            chunk.site,
-            chunk.token_start,
-            chunk.n_tokens,
-            chunk.codes,
-            chunk.scales,
-            chunk.global_scale,
-            chunk.token_scales,
+        actual = fold_ids(
+            chunk_checksum(
+                chunk.run,
+                chunk.policy_version,
+                chunk.trajectory,
+                chunk.site,
+                chunk.token_start,
+                chunk.n_tokens,
+                chunk.codes,
+                chunk.scales,
+                chunk.global_scale,
+                chunk.token_scales,
+            ),
+            chunk.ids_crc,
         )
         if actual != checksum:
             raise CorruptionError(f"{desc}: checksum mismatch (stored {checksum:#010x}, computed {actual:#010x})")

@@ -40,6 +40,14 @@ class ReadStats:
     bytes_read: int = 0  # bytes handed to the Parquet decoder by the storage
     missing_rows: int = 0  # rows masked because no record was found (on_missing="mask")
     exempt_rows: int = 0  # final positions of sealed trajectories (unrecorded by design)
+    # token identity, with the trainer's token ids given (tracestore.storage.identity_check)
+    ids_verified: int = 0  # chunks whose identity equals the trainer's ids
+    ids_absent: int = 0  # chunks recorded without token ids
+    ids_unverifiable: int = 0  # chunks ending past the ids given, or past a prefix link they serve
+    mismatched_rows: int = 0  # rows masked because their chunk belongs to other ids (on_mismatch="mask")
+    mismatched: dict[str, str] = dataclasses.field(default_factory=dict)  # trajectory -> why it was masked
+    # trajectory -> site -> tokens of chunks whose identity differs from the trainer's ids
+    misaligned: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class ReadResult(Mapping[str, SiteRows]):

@@ -58,6 +58,7 @@ from tracestore.errors import (
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import SiteSpec, TrajectorySeal, validate_id
 from tracestore.storage.fs import CountingFile, Storage
+from tracestore.storage.identity_check import IdentityCheck, OnMismatch, TokenIds
 from tracestore.storage.links import LinkIndex, OnMissing
 from tracestore.storage.manifest import ChunkEntry, Manifest
 from tracestore.storage.read_out import ReadResult, ReadStats, ReadTask, SiteOut, site_outs
@@ -245,6 +246,8 @@ class StoreReader:
         refresh: bool = True,
         hold_gil: bool = False,
         out: Mapping[str, OutputArrays] | None = None,
+        token_ids: TokenIds | None = None,
+        on_mismatch: OnMismatch = "error",
     ) -> ReadResult:
         """Read the records of ``plan`` (see the module docstring for the rules).
 
@@ -260,9 +263,16 @@ class StoreReader:
         ``out``: where each site's rows go (:class:`OutputArrays` of the shapes :meth:`layout`
         gives, for every site read; default: one new buffer from Arrow's memory pool), e.g. rows of
         a shared-memory block that another process maps (:mod:`tracestore.client.read_process`).
+        ``token_ids``: the trainer's token ids (a mapping trajectory -> ids from position 0, or one
+        array aligned with the plan's tokens when every segment starts at 0): every chunk that
+        carries its token identity is checked against them
+        (:mod:`tracestore.storage.identity_check`); on a difference ``on_mismatch="error"`` raises
+        :class:`~tracestore.errors.GuidanceMismatch` and ``"mask"`` returns that trajectory's rows
+        invalid, with the reason in ``stats.mismatched``.
         """
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)
+        check = None if token_ids is None else IdentityCheck(self.run, plan, token_ids, on_mismatch)
         if on_missing not in ("error", "mask"):
             raise ConfigError(f"on_missing must be 'error' or 'mask', got {on_missing!r}")
         if stale not in ("drop", "flag"):
@@ -289,7 +299,9 @@ class StoreReader:
         with self._lock:  # index updates are serialized; the reads themselves run concurrently
             if refresh or any(v not in self._listed for v in present):
                 self.refresh(present)
-        return self._read(plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil, out)
+        return self._read(
+            plan, set(present), site_specs, col, on_missing, stale_below, require_sealed, hold_gil, out, check
+        )
 
     def layout(
         self,
@@ -320,6 +332,7 @@ class StoreReader:
         require_sealed: bool,
         hold_gil: bool = False,
         out: Mapping[str, OutputArrays] | None = None,
+        check: IdentityCheck | None = None,
     ) -> ReadResult:
         stats = ReadStats()
         if require_sealed:
@@ -359,6 +372,9 @@ class StoreReader:
                             stops[id(e)] = end
                         cands.append((m, e))
                     cands.sort(key=lambda me: (-me[0].policy_version, me[1].token_start))
+                    if check is not None and seg.trajectory is not None:
+                        for _, e in cands:
+                            check.expect(seg.trajectory, owner, hi, e)
                     if _disjoint(cands):  # the common case: one version's chunks, none overlapping
                         for m, e in cands:
                             a, b = max(lo, e.token_start), min(hi, e.token_end, stops.get(id(e), hi))
@@ -400,6 +416,8 @@ class StoreReader:
             key = id(c.entry)
             for site_out, t in places.get(key, ()):
                 site_out.place(t, c)
+            if check is not None:
+                check.see(c.entry, c.ids_crc)
             if key in compared:
                 loaded[key] = c
 
@@ -429,6 +447,8 @@ class StoreReader:
             raise MissingRecordsError(
                 f"run {self.run} versions {sorted(vs)}: no record for " + "; ".join(missing[:20]) + more
             )
+        if check is not None:
+            check.finish(rows, stats)
         return ReadResult(plan, rows, stats)
 
     def _load(

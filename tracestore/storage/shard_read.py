@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from tracestore.checksum import crc32_held
 from tracestore.errors import CorruptionError
+from tracestore.identity import fold_ids
 from tracestore.records import _CHECKSUM_TAG, chunk_checksum_parts, crc32, crc32_combine
 from tracestore.storage.arrow import CHUNK_SCHEMA, SCHEMA_VERSION, schema_version_of
 from tracestore.storage.manifest import ChunkEntry, Manifest, ManifestColumns
@@ -57,8 +58,8 @@ class StoredChunk:
     """One verified chunk of a shard as read: read-only views into the decoded Arrow buffers.
 
     ``codes`` uint8 ``[n_rows, code_bytes]``, ``scales`` uint8 ``[n_rows, scale_bytes]``,
-    ``token_scales`` float32 ``[n_rows]`` or None; the key is ``entry`` (checked, see
-    :func:`read_chunks`).
+    ``token_scales`` float32 ``[n_rows]`` or None, ``ids_crc`` the chunk's token identity or None
+    (:mod:`tracestore.identity`); the key is ``entry`` (checked, see :func:`read_chunks`).
     """
 
     entry: ChunkEntry
@@ -66,6 +67,7 @@ class StoredChunk:
     scales: np.ndarray
     global_scale: float
     token_scales: np.ndarray | None
+    ids_crc: int | None = None
 
 
 # Columns a read decodes: the key columns and the stored checksum are not needed because every
@@ -74,6 +76,7 @@ class StoredChunk:
 # them saves 8 column chunks per row group (the stored checksum alone: ~10 of ~160 ms CPU per
 # 192 MiB GuidanceReader read of sidecar shards). Full validation (:func:`verify_shard`) reads them all.
 DATA_COLUMNS = ["global_scale", "codes", "scales", "token_scales"]
+IDS_COLUMN = "ids_crc"  # read too where the shard has it (chunks that carry token identity)
 # Row groups decode in batches of about this size on the worker pool, each chunk verified and
 # placed as it lands. Small batches are still in the CPU cache when their chunks are hashed and
 # copied: on the 2-core bench box (shared with other work), 8 MiB batches against about one row
@@ -231,7 +234,9 @@ def _read_batch(
 ) -> None:
     """Decode some row groups, verify every wanted chunk and hand it on (see :func:`read_chunks`)."""
     try:
-        table = pf.read_row_groups(groups, columns=DATA_COLUMNS, use_threads=DECODE_THREADS)
+        with_ids = IDS_COLUMN in pf.schema_arrow.names
+        columns = [*DATA_COLUMNS, IDS_COLUMN] if with_ids else DATA_COLUMNS
+        table = pf.read_row_groups(groups, columns=columns, use_threads=DECODE_THREADS)
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise CorruptionError(
             f"shard {where}: row groups {groups} holding {_describe(entries)} fail to decode: {exc}"
@@ -245,6 +250,7 @@ def _read_batch(
         raise CorruptionError(f"shard {where}: row groups {groups} hold {table.num_rows} rows, manifest says {row}")
     gs_all = table.column("global_scale").to_numpy().tolist()
     codes, scales, tscales = (_byte_views(table.column(n)) for n in ("codes", "scales", "token_scales"))
+    ids_all = table.column(IDS_COLUMN).to_pylist() if with_ids else None
     run, version = manifest.run, manifest.policy_version
     crc_fn = crc32_held if hold_gil else None
     # per chunk only what the checks need (this loop holds the GIL while the other decode
@@ -261,12 +267,15 @@ def _read_batch(
             run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, [c], [s], gs,
             None if ts is None else [ts], crc_fn=crc_fn,
         )  # fmt: skip
+        ids = None if ids_all is None else ids_all[j]
+        if ids is not None:
+            actual = fold_ids(actual, ids)
         if actual != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {_chunk_desc(e)}: checksum mismatch "
                 f"(stored {e.checksum:#010x}, computed {actual:#010x})"
             )
-        on_chunk(StoredChunk(e, c.reshape(n, cb), s.reshape(n, sb), gs, None if ts is None else ts.view("<f4")))
+        on_chunk(StoredChunk(e, c.reshape(n, cb), s.reshape(n, sb), gs, None if ts is None else ts.view("<f4"), ids))
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -294,6 +303,7 @@ def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
 _HEAD = np.dtype(
     [("pv", "<i8"), ("ts", "<i8"), ("nt", "<i8"), ("nr", "<i8"), ("cb", "<i8"), ("sb", "<i8"), ("g", "<f4")]
 )  # the packed "<qqqqqqf" of the chunk checksum's head (tracestore.records._checksum_head)
+_IDS_FOLD = np.dtype([("tag", "u1"), ("ids", "<u4")])  # tracestore.identity.fold_ids: b"\2" + <I ids_crc
 VALIDATE_BATCH_BYTES = 64 << 20  # row groups decoded at once by verify_shard
 
 
@@ -418,7 +428,7 @@ def _verify_rows(
     if table.num_rows != n:
         return f"shard {where}: rows {lo}-{hi} decode to {table.num_rows} rows"
     for name in CHUNK_SCHEMA.names:
-        if name != "token_scales" and table.column(name).null_count:
+        if name in table.column_names and name not in ("token_scales", "ids_crc") and table.column(name).null_count:
             j = _first_false(table.column(name).is_valid().to_numpy(zero_copy_only=False))
             return f"shard {where}: {cols.describe(lo + (j or 0))}: {name} is null"
     # 1. the key columns and the stored checksum are the manifest's
@@ -498,6 +508,12 @@ def _verify_rows(
         one = np.full(int(has_ts.sum()), crc32(b"\1"), np.uint32)
         tail[has_ts] = crc32_combine_many(one, crc_t[has_ts], tlen[has_ts])
     actual = crc32_combine_many(actual, tail, np.where(has_ts, 1 + tlen, 1))
+    if "ids_crc" in table.column_names and table.column("ids_crc").null_count < n:  # identity folded in last
+        ids = table.column("ids_crc")
+        has_ids = ids.is_valid().to_numpy(zero_copy_only=False)
+        fold = np.empty(int(has_ids.sum()), _IDS_FOLD)
+        fold["tag"], fold["ids"] = 2, ids.drop_null().to_numpy()
+        actual[has_ids] = crc32_combine_many(actual[has_ids], _crc_fixed_rows(fold), _IDS_FOLD.itemsize)
     j = _first_false(actual.astype(np.int64) == expect_crc)
     if j is not None:
         return (

@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etracestore/v1/tracestore.proto\x12\rtracestore.v1\"\x8f\x01\n\x04Site\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.tracestore.v1.SiteKind\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x0c\n\x04\x62its\x18\x06 \x01(\x05\x12\x16\n\x0erows_per_token\x18\x07 \x01(\x05\":\n\x07RunSpec\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\"\n\x05sites\x18\x02 \x03(\x0b\x32\x13.tracestore.v1.Site\"R\n\x06ShmRef\x12\x14\n\x0c\x63odes_offset\x18\x01 \x01(\x04\x12\x15\n\rscales_offset\x18\x02 \x01(\x04\x12\x1b\n\x13token_scales_offset\x18\x03 \x01(\x04\"\x83\x02\n\x05\x43hunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x13\n\x0btoken_start\x18\x04 \x01(\x03\x12\x10\n\x08n_tokens\x18\x05 \x01(\x03\x12\r\n\x05\x63odes\x18\x06 \x01(\x0c\x12\x0e\n\x06scales\x18\x07 \x01(\x0c\x12\x14\n\x0cglobal_scale\x18\x08 \x01(\x02\x12\x14\n\x0ctoken_scales\x18\t \x01(\x0c\x12\x18\n\x10has_token_scales\x18\n \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\r\x12\"\n\x03shm\x18\x0c \x01(\x0b\x32\x15.tracestore.v1.ShmRef\"]\n\x0eTrajectorySeal\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x10\n\x08n_tokens\x18\x03 \x01(\x03\x12\r\n\x05sites\x18\x04 \x03(\t\"Z\n\nPrefixLink\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x10\n\x08n_tokens\x18\x04 \x01(\x03\"/\n\x0eUnguidedReport\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xce\x02\n\x0cWriteRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12(\n\x08run_spec\x18\x05 \x01(\x0b\x32\x16.tracestore.v1.RunSpec\x12$\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x14.tracestore.v1.Chunk\x12,\n\x05seals\x18\x07 \x03(\x0b\x32\x1d.tracestore.v1.TrajectorySeal\x12(\n\x05links\x18\x08 \x03(\x0b\x32\x19.tracestore.v1.PrefixLink\x12\x10\n\x08shm_pool\x18\t \x01(\t\x12/\n\x08unguided\x18\n \x03(\x0b\x32\x1d.tracestore.v1.UnguidedReport\x12\x15\n\rkeeps_staging\x18\x0b \x01(\x08\"\x89\x01\n\rWriteResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x02 \x01(\x04\x12\x19\n\x11received_sequence\x18\x03 \x01(\x04\x12\x1e\n\x11released_sequence\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_released_sequence\"\xa3\x01\n\x0bSealRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12,\n\x05seals\x18\x05 \x03(\x0b\x32\x1d.tracestore.v1.TrajectorySeal\x12(\n\x05links\x18\x06 \x03(\x0b\x32\x19.tracestore.v1.PrefixLink\"7\n\x0cSealResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x02 \x01(\x04\"E\n\x07Segment\x12\x12\n\ntrajectory\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\x03\x12\x11\n\ttoken_end\x18\x03 \x01(\x03\"\xce\x01\n\x0bReadRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12$\n\x04plan\x18\x02 \x03(\x0b\x32\x16.tracestore.v1.Segment\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\r\n\x05sites\x18\x04 \x03(\t\x12,\n\non_missing\x18\x05 \x01(\x0e\x32\x18.tracestore.v1.OnMissing\x12\x13\n\x0bhas_columns\x18\x06 \x01(\x08\x12\x14\n\x0c\x63olumn_start\x18\x07 \x01(\x05\x12\x12\n\ncolumn_end\x18\x08 \x01(\x05\"\x88\x02\n\x0cReadResponse\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x0e\n\x06n_rows\x18\x03 \x01(\x03\x12\x12\n\ntotal_rows\x18\x04 \x01(\x03\x12\x12\n\ncode_bytes\x18\x05 \x01(\x05\x12\x13\n\x0bscale_bytes\x18\x06 \x01(\x05\x12\r\n\x05\x63odes\x18\x07 \x01(\x0c\x12\x0e\n\x06scales\x18\x08 \x01(\x0c\x12\x14\n\x0cglobal_scale\x18\t \x01(\x0c\x12\x14\n\x0ctoken_scales\x18\n \x01(\x0c\x12\x18\n\x10has_token_scales\x18\x0b \x01(\x08\x12\r\n\x05valid\x18\x0c \x01(\x0c\x12\x16\n\x0epolicy_version\x18\r \x01(\x0c\"\x1a\n\x0bStatRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\"\x8a\x01\n\x0bWriterState\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x19\n\x11received_sequence\x18\x04 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x05 \x01(\x04\x12\x1a\n\x12\x63ommitted_sequence\x18\x06 \x01(\x04\"\xe2\x02\n\x0cStatResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.tracestore.v1.ServingState\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rbacklog_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_in_use_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x04\x12\x11\n\twal_bytes\x18\x06 \x01(\x04\x12\x19\n\x11open_trajectories\x18\x07 \x01(\x04\x12\x18\n\x10shards_committed\x18\x08 \x01(\x04\x12+\n\x07writers\x18\t \x03(\x0b\x32\x1a.tracestore.v1.WriterState\x12\x13\n\x0bstorage_url\x18\n \x01(\t\x12(\n\x08run_spec\x18\x0b \x01(\x0b\x32\x16.tracestore.v1.RunSpec\x12\x10\n\x08\x64\x65graded\x18\x0c \x03(\t*{\n\x08SiteKind\x12\x19\n\x15SITE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SITE_KIND_MOE_INPUT\x10\x01\x12\x11\n\rSITE_KIND_KEY\x10\x02\x12\x13\n\x0fSITE_KIND_VALUE\x10\x03\x12\x13\n\x0fSITE_KIND_OTHER\x10\x04*R\n\tOnMissing\x12\x1a\n\x16ON_MISSING_UNSPECIFIED\x10\x00\x12\x14\n\x10ON_MISSING_ERROR\x10\x01\x12\x13\n\x0fON_MISSING_MASK\x10\x02*d\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x02\x32\x99\x02\n\nTraceStore\x12\x46\n\x05Write\x12\x1b.tracestore.v1.WriteRequest\x1a\x1c.tracestore.v1.WriteResponse(\x01\x30\x01\x12?\n\x04Seal\x12\x1a.tracestore.v1.SealRequest\x1a\x1b.tracestore.v1.SealResponse\x12\x41\n\x04Read\x12\x1a.tracestore.v1.ReadRequest\x1a\x1b.tracestore.v1.ReadResponse0\x01\x12?\n\x04Stat\x12\x1a.tracestore.v1.StatRequest\x1a\x1b.tracestore.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etracestore/v1/tracestore.proto\x12\rtracestore.v1\"\x8f\x01\n\x04Site\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.tracestore.v1.SiteKind\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x0c\n\x04\x62its\x18\x06 \x01(\x05\x12\x16\n\x0erows_per_token\x18\x07 \x01(\x05\":\n\x07RunSpec\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\"\n\x05sites\x18\x02 \x03(\x0b\x32\x13.tracestore.v1.Site\"R\n\x06ShmRef\x12\x14\n\x0c\x63odes_offset\x18\x01 \x01(\x04\x12\x15\n\rscales_offset\x18\x02 \x01(\x04\x12\x1b\n\x13token_scales_offset\x18\x03 \x01(\x04\"\xa5\x02\n\x05\x43hunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x13\n\x0btoken_start\x18\x04 \x01(\x03\x12\x10\n\x08n_tokens\x18\x05 \x01(\x03\x12\r\n\x05\x63odes\x18\x06 \x01(\x0c\x12\x0e\n\x06scales\x18\x07 \x01(\x0c\x12\x14\n\x0cglobal_scale\x18\x08 \x01(\x02\x12\x14\n\x0ctoken_scales\x18\t \x01(\x0c\x12\x18\n\x10has_token_scales\x18\n \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\r\x12\"\n\x03shm\x18\x0c \x01(\x0b\x32\x15.tracestore.v1.ShmRef\x12\x14\n\x07ids_crc\x18\r \x01(\x07H\x00\x88\x01\x01\x42\n\n\x08_ids_crc\"]\n\x0eTrajectorySeal\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x10\n\x08n_tokens\x18\x03 \x01(\x03\x12\r\n\x05sites\x18\x04 \x03(\t\"Z\n\nPrefixLink\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\ntrajectory\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x10\n\x08n_tokens\x18\x04 \x01(\x03\"/\n\x0eUnguidedReport\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\xce\x02\n\x0cWriteRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12(\n\x08run_spec\x18\x05 \x01(\x0b\x32\x16.tracestore.v1.RunSpec\x12$\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x14.tracestore.v1.Chunk\x12,\n\x05seals\x18\x07 \x03(\x0b\x32\x1d.tracestore.v1.TrajectorySeal\x12(\n\x05links\x18\x08 \x03(\x0b\x32\x19.tracestore.v1.PrefixLink\x12\x10\n\x08shm_pool\x18\t \x01(\t\x12/\n\x08unguided\x18\n \x03(\x0b\x32\x1d.tracestore.v1.UnguidedReport\x12\x15\n\rkeeps_staging\x18\x0b \x01(\x08\"\x89\x01\n\rWriteResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x02 \x01(\x04\x12\x19\n\x11received_sequence\x18\x03 \x01(\x04\x12\x1e\n\x11released_sequence\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x14\n\x12_released_sequence\"\xa3\x01\n\x0bSealRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12,\n\x05seals\x18\x05 \x03(\x0b\x32\x1d.tracestore.v1.TrajectorySeal\x12(\n\x05links\x18\x06 \x03(\x0b\x32\x19.tracestore.v1.PrefixLink\"7\n\x0cSealResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x02 \x01(\x04\"E\n\x07Segment\x12\x12\n\ntrajectory\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\x03\x12\x11\n\ttoken_end\x18\x03 \x01(\x03\"\x91\x02\n\x0bReadRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12$\n\x04plan\x18\x02 \x03(\x0b\x32\x16.tracestore.v1.Segment\x12\x10\n\x08versions\x18\x03 \x03(\x03\x12\r\n\x05sites\x18\x04 \x03(\t\x12,\n\non_missing\x18\x05 \x01(\x0e\x32\x18.tracestore.v1.OnMissing\x12\x13\n\x0bhas_columns\x18\x06 \x01(\x08\x12\x14\n\x0c\x63olumn_start\x18\x07 \x01(\x05\x12\x12\n\ncolumn_end\x18\x08 \x01(\x05\x12*\n\ttoken_ids\x18\t \x03(\x0b\x32\x17.tracestore.v1.TokenIds\x12\x15\n\rmask_mismatch\x18\n \x01(\x08\"+\n\x08TokenIds\x12\x12\n\ntrajectory\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"\xfc\x02\n\x0cReadResponse\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x11\n\trow_start\x18\x02 \x01(\x03\x12\x0e\n\x06n_rows\x18\x03 \x01(\x03\x12\x12\n\ntotal_rows\x18\x04 \x01(\x03\x12\x12\n\ncode_bytes\x18\x05 \x01(\x05\x12\x13\n\x0bscale_bytes\x18\x06 \x01(\x05\x12\r\n\x05\x63odes\x18\x07 \x01(\x0c\x12\x0e\n\x06scales\x18\x08 \x01(\x0c\x12\x14\n\x0cglobal_scale\x18\t \x01(\x0c\x12\x14\n\x0ctoken_scales\x18\n \x01(\x0c\x12\x18\n\x10has_token_scales\x18\x0b \x01(\x08\x12\r\n\x05valid\x18\x0c \x01(\x0c\x12\x16\n\x0epolicy_version\x18\r \x01(\x0c\x12?\n\nmismatched\x18\x0e \x03(\x0b\x32+.tracestore.v1.ReadResponse.MismatchedEntry\x1a\x31\n\x0fMismatchedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1a\n\x0bStatRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\"\x8a\x01\n\x0bWriterState\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x19\n\x11received_sequence\x18\x04 \x01(\x04\x12\x18\n\x10\x64urable_sequence\x18\x05 \x01(\x04\x12\x1a\n\x12\x63ommitted_sequence\x18\x06 \x01(\x04\"\xe2\x02\n\x0cStatResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.tracestore.v1.ServingState\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rbacklog_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13memory_in_use_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x04\x12\x11\n\twal_bytes\x18\x06 \x01(\x04\x12\x19\n\x11open_trajectories\x18\x07 \x01(\x04\x12\x18\n\x10shards_committed\x18\x08 \x01(\x04\x12+\n\x07writers\x18\t \x03(\x0b\x32\x1a.tracestore.v1.WriterState\x12\x13\n\x0bstorage_url\x18\n \x01(\t\x12(\n\x08run_spec\x18\x0b \x01(\x0b\x32\x16.tracestore.v1.RunSpec\x12\x10\n\x08\x64\x65graded\x18\x0c \x03(\t*{\n\x08SiteKind\x12\x19\n\x15SITE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SITE_KIND_MOE_INPUT\x10\x01\x12\x11\n\rSITE_KIND_KEY\x10\x02\x12\x13\n\x0fSITE_KIND_VALUE\x10\x03\x12\x13\n\x0fSITE_KIND_OTHER\x10\x04*R\n\tOnMissing\x12\x1a\n\x16ON_MISSING_UNSPECIFIED\x10\x00\x12\x14\n\x10ON_MISSING_ERROR\x10\x01\x12\x13\n\x0fON_MISSING_MASK\x10\x02*d\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_SERVING\x10\x01\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x02\x32\x99\x02\n\nTraceStore\x12\x46\n\x05Write\x12\x1b.tracestore.v1.WriteRequest\x1a\x1c.tracestore.v1.WriteResponse(\x01\x30\x01\x12?\n\x04Seal\x12\x1a.tracestore.v1.SealRequest\x1a\x1b.tracestore.v1.SealResponse\x12\x41\n\x04Read\x12\x1a.tracestore.v1.ReadRequest\x1a\x1b.tracestore.v1.ReadResponse0\x01\x12?\n\x04Stat\x12\x1a.tracestore.v1.StatRequest\x1a\x1b.tracestore.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tracestore.v1.tracestore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SITEKIND']._serialized_start=2610
-  _globals['_SITEKIND']._serialized_end=2733
-  _globals['_ONMISSING']._serialized_start=2735
-  _globals['_ONMISSING']._serialized_end=2817
-  _globals['_SERVINGSTATE']._serialized_start=2819
-  _globals['_SERVINGSTATE']._serialized_end=2919
+  _globals['_READRESPONSE_MISMATCHEDENTRY']._loaded_options = None
+  _globals['_READRESPONSE_MISMATCHEDENTRY']._serialized_options = b'8\001'
+  _globals['_SITEKIND']._serialized_start=2872
+  _globals['_SITEKIND']._serialized_end=2995
+  _globals['_ONMISSING']._serialized_start=2997
+  _globals['_ONMISSING']._serialized_end=3079
+  _globals['_SERVINGSTATE']._serialized_start=3081
+  _globals['_SERVINGSTATE']._serialized_end=3181
   _globals['_SITE']._serialized_start=50
   _globals['_SITE']._serialized_end=193
   _globals['_RUNSPEC']._serialized_start=195
@@ -44,33 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHMREF']._serialized_start=255
   _globals['_SHMREF']._serialized_end=337
   _globals['_CHUNK']._serialized_start=340
-  _globals['_CHUNK']._serialized_end=599
-  _globals['_TRAJECTORYSEAL']._serialized_start=601
-  _globals['_TRAJECTORYSEAL']._serialized_end=694
-  _globals['_PREFIXLINK']._serialized_start=696
-  _globals['_PREFIXLINK']._serialized_end=786
-  _globals['_UNGUIDEDREPORT']._serialized_start=788
-  _globals['_UNGUIDEDREPORT']._serialized_end=835
-  _globals['_WRITEREQUEST']._serialized_start=838
-  _globals['_WRITEREQUEST']._serialized_end=1172
-  _globals['_WRITERESPONSE']._serialized_start=1175
-  _globals['_WRITERESPONSE']._serialized_end=1312
-  _globals['_SEALREQUEST']._serialized_start=1315
-  _globals['_SEALREQUEST']._serialized_end=1478
-  _globals['_SEALRESPONSE']._serialized_start=1480
-  _globals['_SEALRESPONSE']._serialized_end=1535
-  _globals['_SEGMENT']._serialized_start=1537
-  _globals['_SEGMENT']._serialized_end=1606
-  _globals['_READREQUEST']._serialized_start=1609
-  _globals['_READREQUEST']._serialized_end=1815
-  _globals['_READRESPONSE']._serialized_start=1818
-  _globals['_READRESPONSE']._serialized_end=2082
-  _globals['_STATREQUEST']._serialized_start=2084
-  _globals['_STATREQUEST']._serialized_end=2110
-  _globals['_WRITERSTATE']._serialized_start=2113
-  _globals['_WRITERSTATE']._serialized_end=2251
-  _globals['_STATRESPONSE']._serialized_start=2254
-  _globals['_STATRESPONSE']._serialized_end=2608
-  _globals['_TRACESTORE']._serialized_start=2922
-  _globals['_TRACESTORE']._serialized_end=3203
+  _globals['_CHUNK']._serialized_end=633
+  _globals['_TRAJECTORYSEAL']._serialized_start=635
+  _globals['_TRAJECTORYSEAL']._serialized_end=728
+  _globals['_PREFIXLINK']._serialized_start=730
+  _globals['_PREFIXLINK']._serialized_end=820
+  _globals['_UNGUIDEDREPORT']._serialized_start=822
+  _globals['_UNGUIDEDREPORT']._serialized_end=869
+  _globals['_WRITEREQUEST']._serialized_start=872
+  _globals['_WRITEREQUEST']._serialized_end=1206
+  _globals['_WRITERESPONSE']._serialized_start=1209
+  _globals['_WRITERESPONSE']._serialized_end=1346
+  _globals['_SEALREQUEST']._serialized_start=1349
+  _globals['_SEALREQUEST']._serialized_end=1512
+  _globals['_SEALRESPONSE']._serialized_start=1514
+  _globals['_SEALRESPONSE']._serialized_end=1569
+  _globals['_SEGMENT']._serialized_start=1571
+  _globals['_SEGMENT']._serialized_end=1640
+  _globals['_READREQUEST']._serialized_start=1643
+  _globals['_READREQUEST']._serialized_end=1916
+  _globals['_TOKENIDS']._serialized_start=1918
+  _globals['_TOKENIDS']._serialized_end=1961
+  _globals['_READRESPONSE']._serialized_start=1964
+  _globals['_READRESPONSE']._serialized_end=2344
+  _globals['_READRESPONSE_MISMATCHEDENTRY']._serialized_start=2295
+  _globals['_READRESPONSE_MISMATCHEDENTRY']._serialized_end=2344
+  _globals['_STATREQUEST']._serialized_start=2346
+  _globals['_STATREQUEST']._serialized_end=2372
+  _globals['_WRITERSTATE']._serialized_start=2375
+  _globals['_WRITERSTATE']._serialized_end=2513
+  _globals['_STATRESPONSE']._serialized_start=2516
+  _globals['_STATRESPONSE']._serialized_end=2870
+  _globals['_TRACESTORE']._serialized_start=3184
+  _globals['_TRACESTORE']._serialized_end=3465
 # @@protoc_insertion_point(module_scope)

@@ -75,7 +75,7 @@ class ShmRef(_message.Message):
     def __init__(self, codes_offset: _Optional[int] = ..., scales_offset: _Optional[int] = ..., token_scales_offset: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("policy_version", "trajectory", "site", "token_start", "n_tokens", "codes", "scales", "global_scale", "token_scales", "has_token_scales", "checksum", "shm")
+    __slots__ = ("policy_version", "trajectory", "site", "token_start", "n_tokens", "codes", "scales", "global_scale", "token_scales", "has_token_scales", "checksum", "shm", "ids_crc")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Chunk(_message.Message):
     HAS_TOKEN_SCALES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    IDS_CRC_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     trajectory: str
     site: str
@@ -100,7 +101,8 @@ class Chunk(_message.Message):
     has_token_scales: bool
     checksum: int
     shm: ShmRef
-    def __init__(self, policy_version: _Optional[int] = ..., trajectory: _Optional[str] = ..., site: _Optional[str] = ..., token_start: _Optional[int] = ..., n_tokens: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., global_scale: _Optional[float] = ..., token_scales: _Optional[bytes] = ..., has_token_scales: _Optional[bool] = ..., checksum: _Optional[int] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    ids_crc: int
+    def __init__(self, policy_version: _Optional[int] = ..., trajectory: _Optional[str] = ..., site: _Optional[str] = ..., token_start: _Optional[int] = ..., n_tokens: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., global_scale: _Optional[float] = ..., token_scales: _Optional[bytes] = ..., has_token_scales: _Optional[bool] = ..., checksum: _Optional[int] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., ids_crc: _Optional[int] = ...) -> None: ...
 
 class TrajectorySeal(_message.Message):
     __slots__ = ("policy_version", "trajectory", "n_tokens", "sites")
@@ -207,7 +209,7 @@ class Segment(_message.Message):
     def __init__(self, trajectory: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("run", "plan", "versions", "sites", "on_missing", "has_columns", "column_start", "column_end")
+    __slots__ = ("run", "plan", "versions", "sites", "on_missing", "has_columns", "column_start", "column_end", "token_ids", "mask_mismatch")
     RUN_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,8 @@ class ReadRequest(_message.Message):
     HAS_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     COLUMN_START_FIELD_NUMBER: _ClassVar[int]
     COLUMN_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     run: str
     plan: _containers.RepeatedCompositeFieldContainer[Segment]
     versions: _containers.RepeatedScalarFieldContainer[int]
@@ -224,10 +228,27 @@ class ReadRequest(_message.Message):
     has_columns: bool
     column_start: int
     column_end: int
-    def __init__(self, run: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., sites: _Optional[_Iterable[str]] = ..., on_missing: _Optional[_Union[OnMissing, str]] = ..., has_columns: _Optional[bool] = ..., column_start: _Optional[int] = ..., column_end: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    mask_mismatch: bool
+    def __init__(self, run: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., sites: _Optional[_Iterable[str]] = ..., on_missing: _Optional[_Union[OnMissing, str]] = ..., has_columns: _Optional[bool] = ..., column_start: _Optional[int] = ..., column_end: _Optional[int] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., mask_mismatch: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("trajectory", "ids")
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    trajectory: str
+    ids: bytes
+    def __init__(self, trajectory: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class ReadResponse(_message.Message):
-    __slots__ = ("site", "row_start", "n_rows", "total_rows", "code_bytes", "scale_bytes", "codes", "scales", "global_scale", "token_scales", "has_token_scales", "valid", "policy_version")
+    __slots__ = ("site", "row_start", "n_rows", "total_rows", "code_bytes", "scale_bytes", "codes", "scales", "global_scale", "token_scales", "has_token_scales", "valid", "policy_version", "mismatched")
+    class MismatchedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SITE_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     N_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +262,7 @@ class ReadResponse(_message.Message):
     HAS_TOKEN_SCALES_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_FIELD_NUMBER: _ClassVar[int]
     site: str
     row_start: int
     n_rows: int
@@ -254,7 +276,8 @@ class ReadResponse(_message.Message):
     has_token_scales: bool
     valid: bytes
     policy_version: bytes
-    def __init__(self, site: _Optional[str] = ..., row_start: _Optional[int] = ..., n_rows: _Optional[int] = ..., total_rows: _Optional[int] = ..., code_bytes: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., global_scale: _Optional[bytes] = ..., token_scales: _Optional[bytes] = ..., has_token_scales: _Optional[bool] = ..., valid: _Optional[bytes] = ..., policy_version: _Optional[bytes] = ...) -> None: ...
+    mismatched: _containers.ScalarMap[str, str]
+    def __init__(self, site: _Optional[str] = ..., row_start: _Optional[int] = ..., n_rows: _Optional[int] = ..., total_rows: _Optional[int] = ..., code_bytes: _Optional[int] = ..., scale_bytes: _Optional[int] = ..., codes: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., global_scale: _Optional[bytes] = ..., token_scales: _Optional[bytes] = ..., has_token_scales: _Optional[bool] = ..., valid: _Optional[bytes] = ..., policy_version: _Optional[bytes] = ..., mismatched: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StatRequest(_message.Message):
     __slots__ = ("run",)
