@@ -56,7 +56,8 @@ SETTINGS = (
             "process as TRACESTORE_STORAGE_RETRY_DEADLINE, which every tracestore Storage reads)",
             metavar="SECONDS"),
     Setting("--host", text("an address"), "127.0.0.1", "gRPC bind address"),
-    Setting("--port", optional(PORT), 7433, "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only"),
+    Setting("--port", optional(PORT), 7433, "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only. "
+            "Default 7433, but off beside --unix-socket without --auth-tokens (give --port to listen on TCP too)"),
     Setting("--unix-socket", PATH, None, "also listen on this unix socket", metavar="PATH"),
     Setting("--tls-cert", PATH, None, "PEM certificate chain: TLS on TCP", metavar="FILE"),
     Setting("--tls-key", PATH, None, "PEM private key of --tls-cert", metavar="FILE"),
@@ -331,11 +332,20 @@ def config_from_args(ns: argparse.Namespace) -> Any:
     from .config import ServerConfig
 
     resolve(ns)
+    port = ns.port
+    if (
+        getattr(ns, "_sources", {}).get("port", "default") == "default"
+        and ns.unix_socket is not None
+        and ns.auth_tokens is None
+    ):
+        # Beside a unix socket and without tokens, TCP listens only where the operator asks: on
+        # 127.0.0.1 any local user could read and write every run, whatever the socket's mode.
+        port = ns.port = None
     return ServerConfig(
         storage=ns.storage,
         storage_options=storage_options_from(ns),
         host=ns.host,
-        port=ns.port,
+        port=port,
         unix_socket=ns.unix_socket,
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,
@@ -498,7 +508,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.ready_file:
         tmp = ns.ready_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"port": sidecar.port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)
+            port = sidecar.port if ns.port is not None else None  # (null: no TCP listener)
+            json.dump({"port": port, "metrics_port": sidecar.metrics_port, "pid": os.getpid()}, f)
         os.replace(tmp, ns.ready_file)
     while not stop.wait(1.0):
         pass

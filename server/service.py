@@ -503,7 +503,7 @@ class Sidecar:
         cfg = self.config
         tcp = f"{cfg.host}:{self.port} ({'mutual TLS' if cfg.tls_client_ca else 'TLS' if self._tls else 'plaintext'})"
         if cfg.port is None:
-            tcp = "no TCP port (--port off)"
+            tcp = "no TCP port (--port off, the default beside --unix-socket without --auth-tokens)"
         if self._tokens is None:
             log.warning(
                 "no --auth-tokens: every caller may read and write every run; serving %s%s",

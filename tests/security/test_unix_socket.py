@@ -304,3 +304,43 @@ def test_a_sidecar_refused_at_the_wal_lock_leaves_no_socket_behind(tmp_path: Pat
         assert (tmp_path / "first.sock").exists()
     finally:
         first.stop(5)
+
+
+# -- TCP beside the socket ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "tcp"),
+    [([], False), (["--port", "0"], True)],
+    ids=["no-port-given:unix-only", "port-given:tcp-too"],
+)
+def test_without_tokens_tcp_listens_beside_the_socket_only_when_asked(
+    tmp_path: Path, extra: list[str], tcp: bool
+) -> None:
+    """Before: `serve --unix-socket PATH` without tokens also listened on 127.0.0.1:7433, where any
+    local user (uid 65534 in the report) read, wrote and fenced every run whatever the socket's mode."""
+    sock, ready = tmp_path / "ts.sock", tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}
+    cmd = [sys.executable, "-m", "tracestore.cli", "serve", "--storage", f"file://{tmp_path}/data", "--wal-dir", "off",
+           "--metrics-port", "off", "--unix-socket", str(sock), "--ready-file", str(ready), *extra]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            if ready.exists() or proc.poll() is not None:
+                break
+            import time
+
+            time.sleep(0.05)
+        assert ready.exists(), proc.communicate(timeout=10)[0] if proc.poll() is not None else "no ready file"
+        port = json.loads(ready.read_text())["port"]
+        assert (port is not None) == tcp
+        if not tcp:  # nothing listens on the default port of this sidecar
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", 7433)) != 0
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=10)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    if not tcp:
+        assert "no TCP port" in out, out
