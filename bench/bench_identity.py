@@ -146,7 +146,9 @@ def bench_line(ns: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
         for r in range(ns.repeat):
             order = list(got) if r % 2 == 0 else list(reversed(got))
             for name in order:
-                got[name].append(one_line_run(sp.unix_address, sp.proc.pid, f"r{r}{name[:4]}", ns, "with" in name))
+                ids = name.startswith("with ")
+                tag = f"r{r}-{'ids' if ids else 'plain'}"
+                got[name].append(one_line_run(sp.unix_address, sp.proc.pid, tag, ns, ids))
     finally:
         sp.kill()
     rows = []

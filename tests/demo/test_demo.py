@@ -140,7 +140,7 @@ def test_fp4_rollout_records_through_kernels_into_run_slabs(scales: str) -> None
         runs = run_specs(modes, h.sites, "nvfp4")
     seen: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def on_forward(start: int, end: int, slabs: dict, rows: int) -> None:
+    def on_forward(start: int, end: int, slabs: dict, rows: int, token_ids: object = None) -> None:
         assert rows == 2 * (end - start)
         b = slabs["trace_compact"]["layers.3.mlp.input"]
         seen.append((start, end, b.codes[:rows].clone(), b.scales[:rows].clone(), b.global_scale[:rows].clone()))

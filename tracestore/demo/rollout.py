@@ -61,7 +61,7 @@ class Rollout:
 
 
 # (start, end, {run: its slab with this forward's rows}, rows per site)
-OnForward = Callable[[int, int, Mapping[str, RecordSlab], int], None]
+OnForward = Callable[[int, int, Mapping[str, RecordSlab], int, torch.Tensor], None]
 
 
 def calibrate(model: Any, prompts: torch.Tensor) -> dict[str, float]:
@@ -177,7 +177,8 @@ def run_rollout(
     ``fmt`` None runs unquantized (the BF16 reference). ``scales``: "static" (``static_g`` per site,
     calibrated here from ``prompts`` when not given), "token" or "forward" (see the module).
     ``runs`` ({name: RunSpec}) are recorded: after each forward ``on_forward(start, end, slabs,
-    rows)`` gets each run's slab with the forward's rows (batch-major: row ``b*T + t``).
+    rows, token_ids)`` gets each run's slab with the forward's rows (batch-major: row ``b*T + t``)
+    and the forward's input token ids (int64 [B, end - start]).
     ``tokens`` [B, P+n_new] replays given tokens instead of sampling (teacher-forced decode, same
     forwards). ``progress(n)`` is called with the number of positions each forward covered.
     """
@@ -214,7 +215,7 @@ def run_rollout(
                 )
             forwards.append((start, end))
             if on_forward is not None and state.slabs:
-                on_forward(start, end, state.slabs, batch * (end - start))
+                on_forward(start, end, state.slabs, batch * (end - start), out[:, start:end])
             if progress is not None:
                 progress(end - start)
             lp = torch.log_softmax(logits, dim=-1)

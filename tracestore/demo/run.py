@@ -203,7 +203,7 @@ def _run(cfg: DemoConfig, out: pathlib.Path | None, progress: Progress | None) -
                 guidance = memory_guidance(roll, mode, cfg.format, cfg.rule)
                 if service is not None:
                     b, n = roll.tokens.shape
-                    read = service.guidance((int(b), int(n)), mode, cfg.device, cfg.rule)
+                    read = service.guidance((int(b), int(n)), mode, cfg.device, cfg.rule, roll.tokens)
                     identical[mode.name] = set(read) == set(guidance) and all(
                         same_records(read[k], guidance[k]) for k in guidance
                     )

@@ -113,13 +113,15 @@ class ServiceTransport:
             self.recorders[name] = RolloutRecorder(self.address, spec, writer="demo-rollout", policy_version=0)
         return self
 
-    def on_forward(self, start: int, end: int, slabs: Mapping[str, Any], rows: int) -> None:
-        """Record one rollout forward (``rows`` = batch x (end - start), batch-major) into every run."""
+    def on_forward(self, start: int, end: int, slabs: Mapping[str, Any], rows: int, token_ids: Any = None) -> None:
+        """Record one rollout forward (``rows`` = batch x (end - start), batch-major) into every run;
+        ``token_ids`` [batch, end - start]: its input tokens, each chunk's token identity."""
         batch = rows // (end - start)
         segs = [(trajectory_id(i), start, end) for i in range(batch)]
+        ids = None if token_ids is None else token_ids.reshape(-1)
         for name, rec in self.recorders.items():
             slab = slabs[name]
-            if not rec.record_slab(segs, slab, n_rows=rows):
+            if not rec.record_slab(segs, slab, n_rows=rows, token_ids=ids):
                 raise StorageError(f"run {self.runs[name].run}: the recorder refused a forward ({_plain(rec.stats)})")
             self.sent_bytes += rows * sum(f.code_bytes + f.scale_bytes for f in slab.layout)
 
@@ -137,16 +139,20 @@ class ServiceTransport:
             self.stats[name] = _plain(rec.stats)
             rec.close()
 
-    def guidance(self, tokens_shape: tuple[int, int], mode: Mode, device: str, rule: str = "bracket") -> dict[str, Any]:
+    def guidance(
+        self, tokens_shape: tuple[int, int], mode: Mode, device: str, rule: str = "bracket", tokens: Any = None
+    ) -> dict[str, Any]:
         """Read ``mode``'s run back through ``GuidanceReader`` for the training batch's plan
-        (trajectory-major rows, as the hooks flatten [batch, tokens])."""
+        (trajectory-major rows, as the hooks flatten [batch, tokens]); ``tokens`` [batch, n]: the
+        training batch's token ids, against which every record's token identity is checked."""
         from tracestore.client import GuidanceReader
         from tracestore.plan import MicrobatchPlan
 
         b, n = tokens_shape
         plan = MicrobatchPlan([(trajectory_id(i), 0, n) for i in range(b)])
+        ids = None if tokens is None else tokens.reshape(-1)
         with GuidanceReader(self.storage, run_id(mode), device=device, prefetch=False, rule=rule) as reader:
-            return dict(reader.read(plan))
+            return dict(reader.read(plan, token_ids=ids))
 
     def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
