@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tracestore.errors import ConfigError, ShapeError, ValidationError
+from tracestore.identity import as_token_ids
 from tracestore.records import validate_id, validate_version
 
 from ._cuda import DriverEvent
@@ -224,7 +225,7 @@ class SlabStage:
         # yet, oldest first: (slot, segments, policy version, the commit's event); an entry leaves
         # only once its copy and the slot's event are issued (the commit reads len() without a lock)
         self._deferred: bool | None = None if deferred and getattr(self.slot, "is_cuda", False) else False
-        self._todo: deque[tuple[int, Any, int, DriverEvent]] = deque()
+        self._todo: deque[tuple[int, Any, int, DriverEvent, Any]] = deque()
         self._issue = recorder._stage_lock  # one per recorder: its stages' copies are queued one at a time
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -237,20 +238,27 @@ class SlabStage:
         for slab, rows, ring in zip(self.slabs, self.rows, self.rings, strict=True):
             self._stage(slab, rows, ring, self.slot)
 
-    def commit(self, segments: Sequence[tuple[str, int, int]] | Segments, policy_version: int | None = None) -> bool:
-        """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`)."""
+    def commit(
+        self,
+        segments: Sequence[tuple[str, int, int]] | Segments,
+        policy_version: int | None = None,
+        token_ids: Any = None,
+    ) -> bool:
+        """Queue the last replay's rows for ``segments`` (as :meth:`RolloutRecorder.record_slab`,
+        ``token_ids`` too: host integers, one per token)."""
+        ids = None if token_ids is None else as_token_ids(token_ids)
         if self._deferred:
-            return self._commit_deferred(segments, policy_version)
+            return self._commit_deferred(segments, policy_version, ids)
         if self._deferred is None and self._start_deferred():
-            return self._commit_deferred(segments, policy_version)
+            return self._commit_deferred(segments, policy_version, ids)
         k = self.k
-        ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False)
+        ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False, ids=ids)
         self._events[k] = self._slot_event(ev, k)
         self.k = k = (k + 1) % self.slots
         self.recorder._copier.advance(self.slot, k, self._events[k])
         return ok
 
-    def _commit_deferred(self, segments: Any, policy_version: int | None) -> bool:
+    def _commit_deferred(self, segments: Any, policy_version: int | None, ids: Any = None) -> bool:
         self.raise_error()
         drv, cur = self._drv, self._raw_stream(self._dev)
         ready = drv.event()
@@ -258,7 +266,7 @@ class SlabStage:
         k = self.k
         v = self.recorder.policy_version if policy_version is None else validate_version(policy_version)
         self._steps += 1
-        self._todo.append((k, segments, v, ready))
+        self._todo.append((k, segments, v, ready, ids))
         self._wake.put(True)
         self.k = k = k + 1 if k + 1 < self.slots else 0
         if len(self._todo) >= self.slots:  # the copy that last read slot k is not queued yet: queue it here
@@ -290,10 +298,10 @@ class SlabStage:
         with self._issue:
             todo = self._todo
             while todo:
-                k, segments, version, ready = todo[0]
+                k, segments, version, ready, ids = todo[0]
                 try:
                     views = self._views[k]
-                    _, ev = self.recorder._queue_slabs(segments, self.slabs, None, version, views, False, ready)
+                    _, ev = self.recorder._queue_slabs(segments, self.slabs, None, version, views, False, ready, ids)
                     if ev is not None:
                         self._events[k] = self._slot_event(ev, k)
                 except Exception as exc:  # noqa: BLE001 - e.g. the caller's segments: raised at its next call

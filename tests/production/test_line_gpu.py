@@ -114,13 +114,14 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(
         graph = capture_graph(step)
         want = []
         gen = torch.Generator(device="cuda").manual_seed(0)
+        tokens = np.random.default_rng(0).integers(0, 150_000, (steps, n_seq))  # each step's input ids (host)
         for k in range(steps):
             x.copy_(torch.randn(n_seq, 256, device="cuda", generator=gen))
             g.copy_(torch.rand(n_seq, device="cuda", generator=gen) / 30 if k % 2 else torch.full_like(g, 0.01))
             graph.replay()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                assert stage.commit([(t, k, k + 1) for t in trajs])
+                assert stage.commit([(t, k, k + 1) for t in trajs], token_ids=tokens[k])
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             want.append(slab.data[:n_seq].clone())  # after the graph on the stream: this step's rows
@@ -131,6 +132,14 @@ def test_recording_step_captured_in_a_cuda_graph_through_a_sidecar(
                 assert torch.equal(want[-1], ref.data), f"step {k}: the branch's records differ"
         _seal_and_stop(rec, sp, trajs, steps)
     _check_steps(sp.storage, "graph", slab, want, trajs)
+    # every committed step carries its token identity (slab_stage's commit(token_ids=...))
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import Store
+
+    with StoreReader(Store(sp.storage), "graph") as reader:
+        ids = {t: tokens[:, i] for i, t in enumerate(trajs)}
+        st = reader.read([(t, 0, steps) for t in trajs], on_missing="mask", token_ids=ids).stats
+        assert st.ids_verified == st.chunks > 0 and st.ids_absent == 0, st
     assert rec.stats["driver_copies"] == (steps if copy == "driver" else 0), rec.stats
     assert side.forks == (2 * len(spec.sites) if branch else 0)  # capture_graph: a warm-up call and the capture
 
