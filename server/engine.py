@@ -165,8 +165,7 @@ class Engine:
             self.journal = Journal(
                 self.config, self.metrics, self.sessions, on_synced=self._on_synced, claims=self._dedupe.open_claims
             )
-            for segment, kind, payload in self.journal.replay():
-                replayed += self._replay_entry(segment, kind, payload)
+            replayed = self.journal.replay(self._replay_entry)
             # the runs with records queued again are busy: they get their slots back (runs.py)
             queued = {id(m) for w in self.writers.values() for m in w.pending}
             self.run_slots.restore_replayed(queued, self.run_spec)

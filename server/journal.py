@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from tracestore import faults
 from tracestore.errors import TraceStoreError
@@ -93,9 +93,12 @@ class Journal:
         """The log refused a write or an fsync: nothing is appended until :meth:`recover`."""
         return self.wal.error is not None
 
-    def replay(self) -> Iterator[tuple[int, int, bytes]]:
-        """``(segment, kind, payload)`` of every intact entry, oldest first (``WriteAheadLog.replay``)."""
-        return self.wal.replay()
+    def replay(self, apply: Callable[[int, int, bytes], int]) -> int:
+        """Hand every intact entry, oldest first, to ``apply(segment, kind, payload)``; returns the sum
+        of what it returned. An entry it cannot decode stops the start naming its segment file and
+        byte offset (``WriteAheadLog.replay_into``)."""
+        kinds = {DATA: "DATA", STATE: "STATE", PLAN: "PLAN", DONE: "DONE", OWNER: "OWNER", CLAIMS: "CLAIMS"}
+        return self.wal.replay_into(apply, kinds)
 
     def start(self) -> None:
         """After the replay: start the log's threads and delete the segments replay found committed."""

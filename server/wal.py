@@ -13,7 +13,9 @@ allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 n
 path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
 Replay repairs only a torn tail of the newest segment (zero padding after the last entry is the end
 of a segment) and refuses any other damage; the entry format, the segment files and the replay
-checks are in :mod:`tracestore.server.wal_file`.
+checks are in :mod:`tracestore.server.wal_file`. After each fdatasync the sync thread records in
+``DURABLE`` how far it made each segment durable (:mod:`tracestore.server.wal_mark`: one ``pwrite``,
+no extra fsync before the acknowledgement), so that replay refuses a segment cut below that.
 Segments are deleted oldest first once the caller says their entries are committed elsewhere *and*
 the entry saying so is durable (``delete_before(index, after=ticket)``).
 
@@ -35,7 +37,7 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tracestore import faults
@@ -49,6 +51,7 @@ from .wal_file import (
     Checked,
     Part,
     Segment,
+    apply_entries,
     cut,
     find_segments,
     fsync_dir,
@@ -56,6 +59,7 @@ from .wal_file import (
     replay_segments,
     segment_path,
 )
+from .wal_mark import DurableMark, read_marks
 
 log = logging.getLogger("tracestore.server")
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
@@ -143,6 +147,7 @@ class WriteAheadLog:
         self._delete_after = 0  # ... and until this ticket (the caller's DONE entry) is durable
         self._synced_pos = (0, 0)  # (segment index, size) the last successful fdatasync covered
         self._lock_fd = lock_directory(self.dir)
+        self._mark = DurableMark(self.dir)  # opened by start(), after replay read it
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -152,17 +157,29 @@ class WriteAheadLog:
         Only a torn tail is repaired: bad bytes at the end of the newest segment with no intact
         entry after them (a write the crash cut short; nothing after it was acknowledged). Anything
         else — a bad entry followed by intact ones, damage in an older segment, a segment missing
-        between two present ones — raises :class:`CorruptionError` naming the segment and offset,
-        before any entry of the log is yielded, and nothing is truncated: those bytes may be
-        acknowledged records.
+        between two present ones, a segment whose entries end before what ``DURABLE`` records as
+        synced or that it names past the newest — raises :class:`CorruptionError` naming the segment
+        and offset, before any entry of the log is yielded, and nothing is truncated: those bytes may
+        be acknowledged records.
         """
+        for index, kind, payload, _ in self._entries():
+            yield index, kind, payload
+
+    def replay_into(self, apply: Callable[[int, int, bytes], int], names: Mapping[int, str]) -> int:
+        """:meth:`replay`, handing each entry to ``apply(segment_index, type, payload)``; returns the
+        sum of what it returned. An entry whose contents ``apply`` cannot decode is CorruptionError
+        naming the segment file, the byte offset and (``names``) the entry's type (:func:`apply_entries`)."""
+        return apply_entries(self.dir, self._entries(), apply, names)
+
+    def _entries(self) -> Iterator[tuple[int, int, bytes, int]]:
         self.segments = find_segments(self.dir)
-        yield from replay_segments(self.segments)
+        return replay_segments(self.dir, self.segments, read_marks(self.dir))
 
     # -- appending ------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Open a fresh segment and start the sync thread (call after :meth:`replay`)."""
+        self._mark.open()
         with self._lock:
             if self.segments:  # replayed segments are durable as they are
                 self._synced_pos = (self.segments[-1].index, self.segments[-1].size)
@@ -343,6 +360,9 @@ class WriteAheadLog:
                     return
                 target, fd = self._written, self._fd
                 pos = (self.segments[-1].index, self.segments[-1].size)
+                # once this round's syncs return, every segment is durable at its size now: the
+                # older ones' last bytes (jobs, retired fds) are synced first
+                claims = [(seg.index, seg.size) for seg in self.segments]
                 retired, self._retired = self._retired, []
                 jobs, self._jobs = self._jobs, []
                 out = self._swap() if self.direct else None
@@ -375,11 +395,13 @@ class WriteAheadLog:
                         return
                 continue
             faults.point("wal.synced")
+            record = self._mark.record(claims)
             with self._lock:
                 if self._error is not None:  # failed (an append) meanwhile: this sync may predate it
                     continue
                 self._synced = target
                 self._synced_pos = pos
+                self._mark.write(record)  # (recover() cuts back no further than pos)
                 self._cond.notify_all()
                 pending = self._delete_pending if target >= max(self._head_ticket, self._delete_after) else 0
                 self._delete_pending = 0 if pending else self._delete_pending
@@ -555,6 +577,7 @@ class WriteAheadLog:
             pending, self._delete_pending = (self._delete_pending if self._error is None else 0), 0
         if pending:  # everything, the header included, is durable now
             self._delete(pending)
+        self._mark.close(self._mark.record([(s.index, s.size) for s in self.segments]) if self._error is None else None)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the directory's flock
             self._lock_fd = -1

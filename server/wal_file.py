@@ -10,7 +10,10 @@ A crash can leave a torn tail only at the very end of the newest segment: replay
 there only when no intact entry follows it anywhere in the file (zero padding after the last entry
 is the end of a segment). A bad entry followed by intact ones, a bad entry in an older segment, or a
 missing segment between two present ones is corruption of acknowledged data: replay refuses
-(:class:`CorruptionError` naming the segment and byte offset) and never truncates.
+(:class:`CorruptionError` naming the segment and byte offset) and never truncates. So is a segment
+whose intact entries end (the file ends, zero padding or a torn entry begins) before the bytes
+``DURABLE`` records as made durable by an fdatasync (:mod:`tracestore.server.wal_mark`), and a
+segment that record names past the newest one present: a crash never takes away synced bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -31,7 +34,12 @@ log = logging.getLogger("tracestore.server")
 HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
 SECTOR = 512  # the device writes whole sectors: a torn write zero-fills from a sector boundary on
-_SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
+SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
+MARK = "DURABLE"  # the record of bytes made durable per segment (wal_mark.py)
+WAYS_OUT = (
+    "Restore the segment from a backup, or move the WAL directory aside to start empty (losing the acknowledged "
+    "records not yet committed to storage)"
+)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -165,9 +173,23 @@ def intact_after(data: bytes, start: int) -> int | None:
     return None
 
 
-def scan_segment(seg: Segment, data: bytes, *, last: bool) -> int:
+def lost_tail(seg: Segment, end: int, durable: int, what: str) -> CorruptionError:
+    """The refusal for a segment whose intact entries end at ``end`` (``what`` is there) while an
+    fdatasync had made ``durable`` bytes of it durable."""
+    mark = seg.path.parent / MARK
+    return CorruptionError(
+        f"write-ahead log segment {seg.path} is cut short at byte {end} ({what}), but {durable} bytes of it were "
+        f"durably written (an fdatasync returned; recorded in {mark}): the entries in bytes {end}..{durable} were "
+        "acknowledged and are gone. A crash never takes away synced bytes: the file was truncated or overwritten "
+        "(damage to the file system or the disk). The sidecar will not start and has changed nothing. "
+        f"{WAYS_OUT}; or, to replay what is left and lose only those entries, delete {mark} and start again"
+    )
+
+
+def scan_segment(seg: Segment, data: bytes, *, last: bool, durable: int = 0) -> int:
     """Byte offset where ``seg``'s intact entries end; raises CorruptionError for damage that is
-    not a torn tail of the newest segment."""
+    not a torn tail of the newest segment, and when they end before ``durable`` (the bytes of it an
+    fdatasync made durable, from ``DURABLE``)."""
     pos = 0
     while pos < len(data):
         entry = entry_at(data, pos)
@@ -175,6 +197,8 @@ def scan_segment(seg: Segment, data: bytes, *, last: bool) -> int:
             pos = entry[1]
             continue
         if data.count(0, pos) == len(data) - pos:
+            if pos < durable:
+                raise lost_tail(seg, pos, durable, f"zeros from there to the file's end at byte {len(data)}")
             return pos  # zero padding after the last entry (direct mode): the end, not damage
         if pos + HEADER.size > len(data):
             bad = "truncated entry header"
@@ -183,6 +207,8 @@ def scan_segment(seg: Segment, data: bytes, *, last: bool) -> int:
             bad = "truncated entry" if pos + HEADER.size + length > len(data) else "checksum mismatch"
         later = intact_after(data, pos + 1)
         if last and later is None and (bad != "checksum mismatch" or zeroed_from_a_sector(data, pos)):
+            if pos < durable:
+                raise lost_tail(seg, pos, durable, f"a {bad} there, the last bytes of the file")
             log.warning(
                 "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
                 "never acknowledged)", seg.path, len(data) - pos, pos, bad,
@@ -199,20 +225,22 @@ def scan_segment(seg: Segment, data: bytes, *, last: bool) -> int:
         raise CorruptionError(
             f"write-ahead log segment {seg.path} is corrupt at byte {pos} ({bad}) in {where}: the entries "
             "from there on may hold acknowledged records, so the sidecar will not start and has changed "
-            "nothing. Restore the segment from a backup, or move the WAL directory aside to start empty "
-            "(losing the acknowledged records not yet committed to storage)"
+            f"nothing. {WAYS_OUT}"
         )
+    if pos < durable:
+        raise lost_tail(seg, pos, durable, "the file ends there")
     return pos
 
 
 # -- replay -----------------------------------------------------------------------------------------
 
+# what decoding an entry's contents raises when they are not what its type says
+UNDECODABLE = (ValueError, KeyError, TypeError, IndexError, struct.error, CorruptionError)
+
 
 def find_segments(directory: Path) -> list[Segment]:
     """The segments in ``directory``, oldest first; CorruptionError when one is missing between two."""
-    found = sorted(
-        (int(m.group(1)), p) for p in directory.iterdir() if (m := _SEGMENT_RE.fullmatch(p.name)) is not None
-    )
+    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := SEGMENT_RE.fullmatch(p.name)) is not None)
     for (a, pa), (b, _) in zip(found, found[1:], strict=False):
         if b != a + 1:
             raise CorruptionError(
@@ -223,17 +251,38 @@ def find_segments(directory: Path) -> list[Segment]:
     return [Segment(i, p, p.stat().st_size) for i, p in found]
 
 
-def replay_segments(segments: list[Segment]) -> Iterator[tuple[int, int, bytes]]:
-    """Yield ``(segment_index, type, payload)`` for every intact entry of ``segments``, oldest first,
-    after checking them all (:func:`scan_segment`) and cutting a torn tail of the newest one
-    (its ``size`` is updated)."""
+def check_marks(directory: Path, segments: list[Segment], durable: dict[int, int]) -> None:
+    """CorruptionError when ``durable`` (from ``DURABLE``) names a segment past the newest present:
+    segments that held acknowledged records are gone as a whole. (Those older than the oldest
+    present were retired after their records were committed: not checked.)"""
+    newest = segments[-1].index if segments else 0
+    gone = sorted(i for i in durable if i > newest)
+    if gone:
+        first, mark = segment_path(directory, gone[0]), directory / MARK
+        raise CorruptionError(
+            f"write-ahead log segment {first} is missing (the newest present is "
+            f"{segments[-1].path.name if segments else 'none'}), but {durable[gone[0]]} bytes of it were durably "
+            f"written (an fdatasync returned; recorded in {mark}): it and any segment after it held acknowledged "
+            f"records. The sidecar will not start and has changed nothing. {WAYS_OUT}; or, to replay what is "
+            f"left and lose those records, delete {mark} and start again"
+        )
+
+
+def replay_segments(
+    directory: Path, segments: list[Segment], durable: dict[int, int]
+) -> Iterator[tuple[int, int, bytes, int]]:
+    """Yield ``(segment_index, type, payload, byte offset)`` for every intact entry of ``segments`` (those of
+    ``directory``), oldest first, after checking them all (:func:`check_marks`, and
+    :func:`scan_segment` against ``durable``: ``{segment index: bytes an fdatasync made durable}``)
+    and cutting a torn tail of the newest one (its ``size`` is updated)."""
     # Check every segment first: a corrupt log must stop the start before the caller acts on
     # any of its entries.
+    check_marks(directory, segments, durable)
     ends: list[int] = []
     for n, seg in enumerate(segments):
         with open(seg.path, "rb") as f:
             data = f.read()
-        end = scan_segment(seg, data, last=n == len(segments) - 1)
+        end = scan_segment(seg, data, last=n == len(segments) - 1, durable=durable.get(seg.index, 0))
         ends.append(end)
     for seg, end in zip(segments, ends, strict=True):
         if end < seg.size:  # a torn tail of the newest segment
@@ -245,5 +294,31 @@ def replay_segments(segments: list[Segment]) -> Iterator[tuple[int, int, bytes]]
         while pos < end:
             length, _, kind = HEADER.unpack_from(data, pos)
             nxt = pos + HEADER.size + length
-            yield seg.index, kind, data[pos + HEADER.size : nxt]
+            yield seg.index, kind, data[pos + HEADER.size : nxt], pos
             pos = nxt
+
+
+def apply_entries(
+    directory: Path,
+    entries: Iterable[tuple[int, int, bytes, int]],
+    apply: Callable[[int, int, bytes], int],
+    names: Mapping[int, str],
+) -> int:
+    """Hand each of ``entries`` (:func:`replay_segments`) to ``apply(segment_index, type, payload)``;
+    returns the sum of what it returned. An entry whose contents ``apply`` cannot decode
+    (:data:`UNDECODABLE`; its CRC-32 holds, so they were like this when written) is CorruptionError
+    naming its segment file, byte offset and type (``names``) and the decoder's words, without
+    advice meant for a network client ("resend"): the sidecar refuses to start."""
+    n = 0
+    for index, kind, payload, at in entries:
+        try:
+            n += apply(index, kind, payload)
+        except UNDECODABLE as exc:
+            detail = re.sub(r";\s*resend\b.*$", "", (str(exc).strip().splitlines() or [""])[0])
+            raise CorruptionError(
+                f"write-ahead log segment {segment_path(directory, index)}: the {names.get(kind, f'type-{kind}')} "
+                f"entry at byte {at} ({len(payload)} bytes, its CRC-32 intact) cannot be replayed "
+                f"({type(exc).__name__}: {detail}); it and the entries after it may hold acknowledged records, so "
+                f"the sidecar will not start and has changed nothing. {WAYS_OUT}"
+            ) from exc
+    return n

@@ -236,14 +236,22 @@ def test_crash_right_after_segments_retire_does_not_wedge(tmp_path: Path, n: int
 # -- replay: torn tail versus corruption -----------------------------------------------------------
 
 
-def _log_with(tmp_path: Path, n: int, segment_bytes: int = 1 << 20) -> list[bytes]:
+def _log_with(tmp_path: Path, n: int, segment_bytes: int = 1 << 20, *, last_synced: bool = True) -> list[bytes]:
+    """A closed log of ``n`` entries; with ``last_synced=False`` its DURABLE record is left as a crash
+    before the last entry's fdatasync returned leaves it (not covering that entry)."""
     wal = WriteAheadLog(tmp_path, segment_bytes=segment_bytes)
     list(wal.replay())
     wal.start()
     payloads = [os.urandom(100 + i) for i in range(n)]
-    for p in payloads:
-        wal.append(1, [p])
+    durable, ticket = b"", 0
+    for i, p in enumerate(payloads):
+        if i == n - 1 and not last_synced:
+            assert wal.wait_synced(ticket, 10)
+            durable = (tmp_path / "DURABLE").read_bytes()
+        _, ticket = wal.append(1, [p])
     wal.close()
+    if durable:
+        (tmp_path / "DURABLE").write_bytes(durable)
     return payloads
 
 
@@ -298,7 +306,7 @@ def test_missing_middle_segment_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cut", ["inside_last_entry", "garbage_after"])
 def test_a_torn_tail_is_cut_and_everything_before_it_replays(tmp_path: Path, cut: str) -> None:
-    payloads = _log_with(tmp_path, 40)
+    payloads = _log_with(tmp_path, 40, last_synced=cut != "inside_last_entry")
     seg = _newest(tmp_path)
     data = seg.read_bytes()
     if cut == "inside_last_entry":
@@ -415,8 +423,10 @@ def test_a_last_entry_zero_filled_from_a_sector_is_a_torn_tail(tmp_path: Path) -
     wal = WriteAheadLog(tmp_path)
     list(wal.replay())
     wal.start()
+    durable = (tmp_path / "DURABLE").read_bytes()  # as the crash leaves it: the entry never synced
     wal.append(1, [os.urandom(5000)])
     wal.close()
+    (tmp_path / "DURABLE").write_bytes(durable)
     seg = _newest(tmp_path)
     data = bytearray(seg.read_bytes())
     start = _offset_of(seg, 0)  # the newest segment holds just that entry
