@@ -10,6 +10,8 @@ import sys
 import types
 from pathlib import Path
 
+import tracestore  # noqa: F401 - first: from the checkout its kernels/ folder then never answers `kernels`
+
 _HERE = str(Path(__file__).resolve().parent)
 
 if list(getattr(sys.modules.get("tests"), "__path__", [])) != [_HERE]:

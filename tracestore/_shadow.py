@@ -63,3 +63,56 @@ def step_aside(name: str, init_file: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+
+
+class _HidingFinder:
+    """The path-entry finder of the repository root, without the source folders' top-level names."""
+
+    def __init__(self, inner: object, names: frozenset[str]) -> None:
+        self._inner = inner
+        self._names = names
+
+    def find_spec(self, fullname: str, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in self._names:
+            return None
+        find = getattr(self._inner, "find_spec", None)
+        return find(fullname, target) if find is not None else None
+
+    def invalidate_caches(self) -> None:
+        inv = getattr(self._inner, "invalidate_caches", None)
+        if inv is not None:
+            inv()
+
+
+_HIDDEN: set[str] = set()
+
+
+def hide_source_folders(root: str, names: frozenset[str] = frozenset({"client", "server", "kernels"})) -> None:
+    """Make the path finder skip ``root``'s ``client/``, ``server/`` and ``kernels/`` as top-level
+    packages, so that ``importlib.util.find_spec("kernels")`` (what libraries use to ask whether
+    Hugging Face's kernel hub is installed) sees only a real installation, not the checkout's folder.
+
+    Installs a path hook for ``root`` (a checkout: the parent of the ``tracestore`` package with
+    those folders in it) and drops the finders already cached for it. Idempotent; a no-op where
+    ``root`` has none of the folders (an installed wheel keeps them inside ``tracestore/``)."""
+    root = os.path.realpath(root)
+    if root in _HIDDEN or not any(os.path.isfile(os.path.join(root, n, "__init__.py")) for n in names):
+        return
+    _HIDDEN.add(root)
+
+    def hook(entry: str) -> _HidingFinder:
+        if os.path.realpath(entry or os.curdir) != root:
+            raise ImportError("not the repository root")
+        for other in sys.path_hooks:
+            if other is hook:
+                continue
+            try:
+                return _HidingFinder(other(entry), names)
+            except ImportError:
+                continue
+        raise ImportError(f"no path hook handles {entry!r}")
+
+    sys.path_hooks.insert(0, hook)
+    for entry in list(sys.path_importer_cache):
+        if os.path.realpath(entry or os.curdir) == root:
+            del sys.path_importer_cache[entry]

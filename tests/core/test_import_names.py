@@ -147,3 +147,36 @@ def test_a_ray_task_with_the_checkout_as_working_dir() -> None:
         timeout=300,
     )
     assert "site-packages" in out and "tracestore.kernels" in out, out
+
+
+def test_without_the_hub_package_nothing_reports_it_installed(tmp_path: Path) -> None:
+    """Where Hugging Face's `kernels` is not installed (transformers < 5.25 has it optional), the
+    checkout's kernels/ folder must not answer `find_spec("kernels")`: transformers then imported it
+    to read its version and every MoE model failed to import (the GPU suite, transformers 5.17)."""
+    import sysconfig
+
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    site = tmp_path / "site"  # this interpreter's site-packages without the hub package
+    site.mkdir()
+    for entry in purelib.iterdir():
+        if entry.name != "kernels" and not entry.name.startswith("kernels-"):
+            (site / entry.name).symlink_to(entry)
+    out = _python(
+        """
+        import importlib.util, sys
+        spec = importlib.util.find_spec('kernels')
+        assert spec is not None and 'kernels/__init__.py' in spec.origin, spec  # the folder, before
+        import tracestore
+        assert importlib.util.find_spec('kernels') is None, importlib.util.find_spec('kernels')
+        try:
+            from transformers.utils.import_utils import is_kernels_available
+        except ImportError:
+            pass
+        else:
+            assert not is_kernels_available()
+        print('hidden')
+        """,
+        "-S",
+        env={"PYTHONPATH": str(site)},
+    )
+    assert "hidden" in out
