@@ -123,6 +123,17 @@ def validate_id(kind: str, value: object) -> str:
     return value
 
 
+# One past the largest token position a record, seal or link may name: 2^40 (~1.1e12) is far past any
+# context a model runs, and keeps sums over tokens, sites and rows exact in int64 and float64
+# (a position of 2^62 was accepted, and `inspect` then reported 6.2e23 site-tokens).
+MAX_TOKEN_END = 1 << 40
+
+
+def _tokens_end(what: str, end: int) -> None:
+    if end > MAX_TOKEN_END:
+        raise ValidationError(f"{what}: tokens must end at or before 2^40 (MAX_TOKEN_END), got {end}")
+
+
 def _int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValidationError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -290,6 +301,7 @@ class RecordChunk:
         object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
         object.__setattr__(self, "token_start", _int("token_start", self.token_start, 0))
         object.__setattr__(self, "n_tokens", _int("n_tokens", self.n_tokens, 1))
+        _tokens_end(f"trajectory {self.trajectory} site {self.site}", self.token_start + self.n_tokens)
         codes = _u8_2d("codes", self.codes)
         scales = _u8_2d("scales", self.scales)
         if codes.shape[0] != scales.shape[0]:
@@ -537,6 +549,7 @@ class TrajectorySeal:
         validate_id("trajectory", self.trajectory)
         object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
         object.__setattr__(self, "n_tokens", _int(f"seal of {self.trajectory}: n_tokens", self.n_tokens, 1))
+        _tokens_end(f"seal of {self.trajectory}", self.n_tokens)
         object.__setattr__(self, "sites", _site_tuple(self.run, self.sites))
 
     def to_dict(self) -> dict[str, Any]:
@@ -571,6 +584,7 @@ class PrefixLink:
             raise ValidationError(f"prefix link of {self.trajectory} names itself as its source")
         object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0))
         object.__setattr__(self, "n_tokens", _int(f"link of {self.trajectory}: n_tokens", self.n_tokens, 1))
+        _tokens_end(f"link of {self.trajectory}", self.n_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -153,6 +153,8 @@ def test_chunk_validate_and_checksum():
         ),
         (dict(n_tokens=0), ValidationError),
         (dict(token_start=-1), ValidationError),
+        (dict(token_start=2**62), ValidationError),  # before: accepted; inspect then counted 6.2e23 site-tokens
+        (dict(token_start=2**40 - 1), ValidationError),  # ends past 2^40 with its 6 tokens
         (dict(policy_version=-2), ValidationError),
         (dict(global_scale=float("nan")), ValidationError),
         (dict(global_scale=0.0), ValidationError),
@@ -273,7 +275,7 @@ def chunks(draw):
             draw(st.integers(0, 2**40)),
             draw(_ids),
             site.name,
-            draw(st.integers(0, 2**40)),
+            draw(st.integers(0, 2**40 - n)),
             n,
             rng.integers(0, 256, (rows, site.code_bytes), dtype=np.uint8),
             rng.integers(0, 256, (rows, site.scale_bytes), dtype=np.uint8),
@@ -317,3 +319,13 @@ def test_fast_crc32_matches_zlib():
         assert crc32(data.data, 12345) == zlib.crc32(data.data, 12345)
     ts = rng.standard_normal(9).astype(np.float32)
     assert crc32(ts.data) == zlib.crc32(ts.data)  # a non-byte buffer format
+
+
+def test_seals_and_links_end_by_two_to_the_forty() -> None:
+    from tracestore.records import MAX_TOKEN_END, PrefixLink, TrajectorySeal
+
+    TrajectorySeal("r", 0, "t", MAX_TOKEN_END, ("s",))
+    with pytest.raises(ValidationError, match="2\\^40"):
+        TrajectorySeal("r", 0, "t", 2**62, ("s",))
+    with pytest.raises(ValidationError, match="2\\^40"):
+        PrefixLink("r", 0, "t", "u", MAX_TOKEN_END + 1)
