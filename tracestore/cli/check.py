@@ -311,6 +311,9 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
         print(f"  {u['trajectory']}: unguided ({u['reason']}), {u['tokens']} tokens train with RTN", file=out)
     if not report["identity_checked"]:
         print("  token identity not checked (give --tokens FILE)", file=out)
+    else:
+        bad = sum(s["misaligned"] for e in report["trajectories"] for s in e.get("sites", {}).values())
+        print(f"  token identity: {bad} site-tokens of the run recorded for other token ids", file=out)
     for p in report["problems"]:
         print(f"PROBLEM: {p}", file=out)
     print("OK: aligned" if report["ok"] else f"MISALIGNED: {len(report['problems'])} problems", file=out)
