@@ -1,9 +1,14 @@
 """Every storage call is bounded: a black-holed endpoint or a stopped S3 server surfaces as
-StorageError within the timeout (never a hang), retries are counted and reported to the hook."""
+StorageError within the timeout (never a hang), retries are counted and reported to the hook. An
+endpoint that resets every connection fails the calls without "Task exception was never retrieved"
+errors from the S3 client's event loop."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import socket
+import struct
 import threading
 import time
 
@@ -11,6 +16,7 @@ import numpy as np
 import pytest
 
 from tracestore import StorageError
+from tracestore.storage.fs import Storage
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store
 
@@ -61,6 +67,56 @@ def test_black_holed_endpoint_times_out(black_hole):
     assert time.monotonic() - t0 < 5.0
     assert store.stats["timeouts"] == 2 and store.stats["retries"] == 1 and store.stats["errors"] == 1
     assert [k for k, _ in events] == ["timeout", "retry", "timeout", "error"]
+
+
+def reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
+    conn.close()
+
+
+@pytest.fixture
+def resetting_endpoint():
+    """A TCP endpoint that accepts every connection and resets it a moment later (what a proxy or
+    load balancer in front of a stopped S3 does). The reset comes from a thread of its own: that
+    lands it, often, after the client's connect completed and before its request went out."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn = srv.accept()[0]
+            except OSError:
+                continue
+            threading.Thread(target=reset, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join()
+    srv.close()
+
+
+def test_reset_connections_leave_no_unretrieved_task_exception(resetting_endpoint, caplog):
+    """Before: aiohttp's request-body writer task failed on the reset transport ("Cannot write to
+    closing transport") while the request itself failed and was reported; nobody read the task's
+    exception, so the event loop logged "Task exception was never retrieved" with a traceback for
+    every such PUT."""
+    caplog.set_level(logging.DEBUG, logger="tracestore.storage")
+    options = s3_options(resetting_endpoint, timeout=2.0)
+    options["config_kwargs"]["retries"] = {"max_attempts": 0}  # one request per call: no backoff to wait out
+    storage = Storage("s3://bucket/root", options, timeout=5.0, retries=0)
+    for i in range(200):  # ~2 s; before the fix 10-20% of them logged it
+        with pytest.raises(StorageError):
+            storage.publish(f"part-{i}", b"x" * 100_000)
+    for _ in range(3):  # the failed tasks are collected, and reported if unread, on the loop's thread
+        gc.collect()
+        time.sleep(0.2)
+    unread = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unread, unread[0].getMessage()
+    assert any("request body" in r.getMessage() for r in caplog.records), "the dropped errors are logged at DEBUG"
 
 
 def _free_port() -> int:

@@ -6,6 +6,7 @@ and ``tracestore.StoreReader`` (re-exported lazily from :mod:`.store` and :mod:`
 sidecar and ``tracestore.client.GuidanceReader``. The rooms:
 
 - :mod:`.fs` — fsspec access with timeouts and retries, and the one create-only publish;
+- :mod:`.aio` — fsspec's event loop: the request-body errors of reset connections that nobody reads;
 - :mod:`.local` — publishing on a local disk (create-only rename, writeback, ``ShardFile``);
 - :mod:`.store` — the run/version/writer layout, runs and ``write_shard`` (one or two shard files);
 - :mod:`.catalog` — what is committed: listing, the manifest and footer caches, retention, the

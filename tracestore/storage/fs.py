@@ -16,6 +16,10 @@ and memory get one PUT of the whole bytes (``If-None-Match: *``); local disk get
 the target directory, fsync, a create-only ``link``, and an fsync of the directory
 (:func:`~tracestore.storage.local.publish_local`, the one local publish path). A shard on local disk is written straight
 into that temp file while it is encoded (:class:`~tracestore.storage.local.ShardFile`, :meth:`Storage.publish_stream`).
+
+An async filesystem's event loop (fsspec's, shared by s3fs and the like) gets the handler of
+:func:`~tracestore.storage.aio.read_unread_body_errors`: a request body that a reset connection
+kept from being sent is logged at DEBUG, not as "Task exception was never retrieved".
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from typing import Any, TypeVar
 
 import fsspec
 import tenacity
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from tracestore.errors import ConfigError, ConflictError, NotFoundError, StorageError, TraceStoreError
+from tracestore.storage.aio import read_unread_body_errors
 from tracestore.storage.local import ShardFile, publish_local, write_all
 
 T = TypeVar("T")
@@ -228,6 +234,9 @@ class Storage:
             raise StorageError(f"cannot open storage {url!r}: {exc}") from exc
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        if isinstance(self.fs, AsyncFileSystem) and not self.fs.asynchronous:
+            # aiohttp's unread request-body errors on fsspec's loop (tracestore.storage.aio)
+            read_unread_body_errors(self.fs.loop)
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
