@@ -248,3 +248,102 @@ def test_other_users_in_the_sockets_group_are_told_apart_by_uid_and_gid(base: Pa
         assert _call_as(READER_UID, sock, "r1")["code"] == "PERMISSION_DENIED"  # its uid entry wins
     finally:
         sc.stop(5)
+
+
+# Every RPC of the sidecar, as another user: a peer token for each call (the client's channel) and
+# no token (a raw channel). Requests are built as root before the process becomes that user.
+_EVERY_RPC = """
+import json, os, sys
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+import tracestore.peer
+from tracestore.client.transport import channel
+from tracestore.server.testing import make_chunk, write_request
+from tracestore.v1 import tracestore_pb2 as pb
+a = json.loads(sys.argv[1])
+S = "/tracestore.v1.TraceStore/"
+writer, traj = "w-" + a["tag"], "t-" + a["tag"]
+write = write_request(1, [make_chunk(traj, 0, 2)], writer=writer).SerializeToString()
+seal = pb.SealRequest(run="run-a", writer=writer, epoch=1, sequence=2,
+                      seals=[pb.TrajectorySeal(trajectory=traj, n_tokens=2)]).SerializeToString()
+read = pb.ReadRequest(run="run-a", plan=[pb.Segment(trajectory="stored", token_start=0, token_end=2)],
+                      sites=["layers.1.mlp.input"])
+read = read.SerializeToString()
+stat_a, stat_all = pb.StatRequest(run="run-a").SerializeToString(), pb.StatRequest().SerializeToString()
+health = health_pb2.HealthCheckRequest().SerializeToString()
+refl = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+os.setgroups(a["groups"]); os.setgid(a["gid"]); os.setuid(a["uid"])
+
+def code(fn):
+    try:
+        fn()
+    except grpc.RpcError as exc:
+        return exc.code().name
+    except Exception as exc:  # no channel at all (e.g. the socket refuses this user)
+        return type(exc).__name__
+    return "OK"
+
+def storage_url(ch, req):
+    return pb.StatResponse.FromString(ch.unary_unary(S + "Stat")(req, timeout=20)).storage_url
+
+out = {}
+for how in ("peer", "raw"):
+    try:
+        ch = channel(a["address"]) if how == "peer" else grpc.insecure_channel(a["address"])
+    except Exception as exc:
+        out[how] = {"channel": type(exc).__name__}
+        continue
+    with ch:
+        out[how] = {
+            "Write": code(lambda: list(ch.stream_stream(S + "Write")(iter([write]), timeout=20))),
+            "Seal": code(lambda: ch.unary_unary(S + "Seal")(seal, timeout=20)),
+            "Read": code(lambda: list(ch.unary_stream(S + "Read")(read, timeout=20))),
+            "Stat run-a": code(lambda: ch.unary_unary(S + "Stat")(stat_a, timeout=20)),
+            "Stat": code(lambda: ch.unary_unary(S + "Stat")(stat_all, timeout=20)),
+            "health": code(lambda: ch.unary_unary("/grpc.health.v1.Health/Check")(health, timeout=20)),
+            "reflection": code(lambda: list(ch.stream_stream(
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(iter([refl]), timeout=20))),
+        }
+        if out[how]["Stat"] == "OK":
+            out[how]["storage_url"] = storage_url(ch, stat_all)
+print(json.dumps(out), flush=True)
+"""
+
+
+def _every_rpc_as(uid: int, groups: list[int], sock: Path) -> dict[str, dict[str, str]]:
+    a = {"uid": uid, "gid": uid, "groups": groups, "address": f"unix://{sock}", "tag": str(uid)}
+    p = subprocess.run([sys.executable, "-c", _EVERY_RPC, json.dumps(a)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@root_only
+def test_the_uid_rule_covers_every_rpc_of_a_unix_peer(base: Path) -> None:
+    """Issue 42's audit of "a unix peer's uid rule applies to everything it does": each RPC, tried
+    by users of the socket's group. A uid with no entry is refused every TraceStore RPC (Write, Seal,
+    Read, Stat with and without a run), with a peer token or with none; a read-only uid entry gets
+    exactly its scopes (no Write or Seal, Read and Stat of its run, not the storage URL); without a
+    token every TraceStore RPC is refused even for a listed uid. Health and reflection answer every
+    peer the socket admits, by design (probes need them; they carry no run data). A user outside
+    the socket's group reaches nothing at all."""
+    sc = _sidecar(base, f"uid:{READER_UID} read:run-a reader\n", socket_group=str(GROUP))
+    sock = base / "s.sock"
+    try:
+        with grpc.insecure_channel(f"unix://{sock}") as admin:  # a trajectory to read
+            assert _write(admin, "stored", "w-admin", ADMIN_TOKEN) == "OK"
+        assert sc.engine is not None and sc.engine.flush(30)
+        traced = ("Write", "Seal", "Read", "Stat run-a", "Stat")
+        open_ = {"health": "OK", "reflection": "OK"}
+        refused = {rpc: "UNAUTHENTICATED" for rpc in traced} | open_
+        outsider = _every_rpc_as(OUTSIDER_UID, [GROUP], sock)
+        assert outsider == {"peer": refused, "raw": refused}, outsider
+        reader = _every_rpc_as(READER_UID, [GROUP], sock)
+        expected = {"Write": "PERMISSION_DENIED", "Seal": "PERMISSION_DENIED", "Read": "OK", "Stat run-a": "OK",
+                    "Stat": "OK", "storage_url": ""} | open_  # fmt: skip
+        assert reader == {"peer": expected, "raw": refused}, reader
+        stranger = _every_rpc_as(OUTSIDER_UID + 1, [], sock)  # not in the socket's group
+        unreachable = {rpc: "UNAVAILABLE" for rpc in (*traced, *open_)}
+        assert stranger == {"peer": unreachable, "raw": unreachable}, stranger
+    finally:
+        sc.stop(5)
