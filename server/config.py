@@ -48,8 +48,10 @@ class ServerConfig:
     control. One ``max_message_bytes`` more stays reserved for the whole run: gRPC copies each
     received message out of its buffers once (one at a time, on its polling thread), so for a
     moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
-    row bytes of the sites read), and a Read holds its size against the memory budget while it
-    runs. ``max_writers``: writer sessions one sidecar keeps (they are durable: fencing and ownership);
+    row bytes of the sites read); a Read holds its size against the read budget, not the memory
+    budget, while it runs (``read_budget_bytes``; None: a quarter of the memory budget,
+    :attr:`read_budget`), and is cancelled once its caller has taken no response for
+    ``read_stall_s``. ``max_writers``: writer sessions one sidecar keeps (they are durable: fencing and ownership);
     ``max_runs``: runs with records not committed yet (a committed run's entry is only its spec,
     dropped when the slot is needed). With authentication, one identity holds at most
     ``max_writers_per_identity`` sessions and ``max_runs_per_identity`` runs of those (None: a
@@ -88,6 +90,8 @@ class ServerConfig:
     stream_window_bytes: int | None = None
     workers: int = 64
     max_read_bytes: int = 256 * MiB
+    read_budget_bytes: int | None = None
+    read_stall_s: float = 10.0
     max_writers: int = 1024
     max_runs: int = 256
     max_writers_per_identity: int | None = None
@@ -114,6 +118,10 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1024:
                 raise ConfigError(f"{name} must be an integer >= 1024 bytes, got {v!r}")
+        v = self.read_budget_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1024):
+            raise ConfigError(f"read_budget_bytes must be an integer >= 1024 bytes (or unset: a quarter of "
+                              f"memory_budget_bytes), got {v!r}")  # fmt: skip
         if self.port is None:
             if not self.unix_socket:
                 raise ConfigError("port off (--port off) leaves no listener: give --unix-socket PATH, or a --port")
@@ -123,7 +131,7 @@ class ServerConfig:
             raise ConfigError(f"metrics_port must be 0..65535 or None, got {self.metrics_port}")
         for name in (
             "flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s", "storage_unhealthy_s",
-            "wal_retry_s",
+            "wal_retry_s", "read_stall_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
@@ -207,16 +215,22 @@ class ServerConfig:
         return max(1, self.memory_budget_bytes // 2 // self.max_message_bytes)
 
     @property
+    def read_budget(self) -> int:
+        """Bytes all Reads in progress hold at once (their output and the slices being sent),
+        apart from the memory budget: ``read_budget_bytes``, else a quarter of ``memory_budget_bytes``."""
+        v = self.read_budget_bytes
+        return max(1024, self.memory_budget_bytes // 4) if v is None else v
+
+    @property
     def read_limit_bytes(self) -> int:
-        """The largest Read served: ``max_read_bytes``, and never more than the budget can hold
-        beside the room kept for a received message: a Read holds its output and the slices of it
-        being sent (:meth:`read_reservation`)."""
-        room = self.memory_budget_bytes - self.max_message_bytes
+        """The largest Read served: ``max_read_bytes``, and never more than the read budget can
+        hold: a Read holds its output and the slices of it being sent (:meth:`read_reservation`)."""
+        room = self.read_budget
         return min(self.max_read_bytes, max(room - 3 * READ_SLICE_BYTES, room // 4))
 
     @staticmethod
     def read_reservation(nbytes: int) -> int:
-        """What a Read of ``nbytes`` of output holds against the memory budget while it runs."""
+        """What a Read of ``nbytes`` of output holds against the read budget while it runs."""
         return nbytes + 3 * min(nbytes, READ_SLICE_BYTES)
 
     @property

@@ -107,6 +107,12 @@ class Metrics:
         self.read_latency = Histogram(
             p + "read_latency_seconds", "One Read RPC, first byte to last", buckets=_LATENCY, registry=r
         )
+        self.read_budget = Gauge(p + "read_budget_bytes", "Configured read budget (--read-budget-mib)", registry=r)
+        self.read_in_use = Gauge(p + "read_in_use_bytes", "Bytes Reads in progress hold against the read budget",
+                                 registry=r)  # fmt: skip
+        self.reads_stalled = Counter(
+            p + "reads_stalled", "Reads cancelled: the caller took no response for --read-stall-timeout", registry=r
+        )
         # admission and memory
         self.rejected = Counter(p + "rejected_requests", "Requests rejected, by gRPC status", ["code"], registry=r)
         self.requests = Counter(p + "requests", "RPCs handled, by method and status", ["method", "code"], registry=r)

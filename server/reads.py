@@ -2,12 +2,16 @@
 streamed back.
 
 A Read is sized from its request alone (:func:`read_size`) and refused over the read limit
-(``max_read_bytes``, within the memory budget) before anything is read or allocated; it commits
-what the sidecar holds first (read-your-writes), reserves its output in the engine's memory
-budget, reads storage through one ``StoreReader`` per run (kept between calls: :class:`Reads`
-owns them), and streams the rows in slices of about ``READ_SLICE_BYTES``. The caller must be
-allowed to read the run (``require_read``), checked before the run is looked up; the service
-(``service.py``) takes the call's slot and turns errors into status codes.
+(``max_read_bytes``, within the read budget) before anything is read or allocated; it commits
+what the sidecar holds first (read-your-writes, at most one such commit per flush interval for all
+reads: :class:`~.read_limits.CommitGate`), reserves its output in the read budget (not the
+engine's memory budget: :class:`~.read_limits.ReadBudget`), reads storage through one
+``StoreReader`` per run (kept between calls: :class:`Reads` owns them), and streams the rows in
+slices of about ``READ_SLICE_BYTES``, cancelled once its caller has taken none for
+``read_stall_s`` (:class:`~.read_limits.StallWatch`). The caller must be allowed to read the run
+(``require_read``), checked before the run is looked up; with tokens one identity runs at most
+half of the Read/Seal threads' calls. The service (``service.py``) takes the call's slot, gives
+back what the call holds (:meth:`Reads.release`) and turns errors into status codes.
 
 A reader holds the run's index and a pool of threads, so :class:`Reads` keeps those of the
 ``max_runs`` runs read most recently (one read by a call in progress is closed once that call is
@@ -19,6 +23,7 @@ sidecar by a thread pool per run. Looking a run up for a read takes none of the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -31,9 +36,12 @@ from tracestore.errors import GuidanceMismatch, LimitError, StorageError, Valida
 from tracestore.v1 import tracestore_pb2 as pb
 
 from .auth import Identity, require_read
-from .config import READ_SLICE_BYTES, ServerConfig
+from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
 from .engine import Engine
 from .metrics import Metrics
+from .read_limits import CommitGate, ReadBudget, ReadCalls, StallWatch, Watched, read_call_share, refuse_read_call
+
+log = logging.getLogger("tracestore.server")
 
 
 def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
@@ -76,8 +84,21 @@ def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
     return nbytes
 
 
+class ReadHold:
+    """What one Read call holds until :meth:`Reads.release`: one of its identity's Read calls
+    (``counted``) and ``nbytes`` of the read budget."""
+
+    __slots__ = ("identity", "counted", "nbytes")
+
+    def __init__(self, identity: str | None) -> None:
+        self.identity = identity  # None: authentication off (no shares)
+        self.counted = False
+        self.nbytes = 0
+
+
 class Reads:
-    """Read requests over one :class:`Engine`, with the ``StoreReader`` of each run read so far."""
+    """Read requests over one :class:`Engine`, with the ``StoreReader`` of each run read so far,
+    the read budget, each identity's Read calls, the stall watch and the read-forced commits."""
 
     def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
         self.engine = engine
@@ -86,18 +107,48 @@ class Reads:
         self._readers: OrderedDict[str, Any] = OrderedDict()  # run -> StoreReader, least recently read first
         self._using: dict[int, int] = {}  # id() of a reader -> calls reading with it now
         self._lock = threading.Lock()
+        shares = config.auth_tokens is not None
+        metrics.read_budget.set(config.read_budget)
+        self.budget = ReadBudget(
+            config.read_budget, config.read_budget // 2 if shares else None,
+            # a stalled Read frees what it holds within read_stall_s: a Read waits out one of them
+            config.backpressure_timeout_s + config.read_stall_s, metrics.read_in_use.set,
+        )  # fmt: skip
+        self.calls = ReadCalls(read_call_share(max(1, config.workers - HEALTH_THREADS), shares))
+        self.watch = StallWatch(config.read_stall_s, self._stalled)
+        self.commits = CommitGate(
+            engine.flush, lambda: engine.in_use > 0, config.flush_interval_s, config.storage_timeout_s
+        )
 
-    def rows(self, raw: bytes, who: Identity, reserved: list[int]) -> tuple[list[tuple[str, Any]], dict[str, str]]:
+    def _stalled(self) -> None:
+        self.metrics.reads_stalled.inc()
+        self.metrics.requests.labels("Read", "CANCELLED").inc()
+        log.info("cancelled a Read whose caller took no response for %g s (--read-stall-timeout)",
+                 self.config.read_stall_s)  # fmt: skip
+
+    def release(self, hold: ReadHold) -> None:
+        """Give back what a Read call holds (once its stream has ended)."""
+        if hold.nbytes:
+            self.budget.give(hold.identity, hold.nbytes)
+            hold.nbytes = 0
+        if hold.counted:
+            self.calls.give(hold.identity)
+            hold.counted = False
+
+    def rows(self, raw: bytes, who: Identity, hold: ReadHold) -> tuple[list[tuple[str, Any]], dict[str, str]]:
         """The rows a Read request ``raw`` of caller ``who`` asks for, per site, and the
         trajectories masked because their records belong to other token ids (with the reason);
-        ``reserved[0]``: the budget reserved for them (the caller gives it back once the stream
-        ends)."""
+        ``hold``: what the call holds for them (:meth:`release` gives it back once the stream ends)."""
         from tracestore.plan import MicrobatchPlan
         from tracestore.records import validate_id
         from tracestore.storage.reader import StoreReader
 
         from .ingest import _decode
 
+        if not self.calls.take(hold.identity):
+            assert self.calls.share is not None
+            raise refuse_read_call(self.calls.share, who.name)
+        hold.counted = True
         req = _decode(pb.ReadRequest, raw, "Read request")
         assert isinstance(req, pb.ReadRequest)
         require_read(who, req.run)
@@ -108,16 +159,17 @@ class Reads:
         if nbytes > self.config.read_limit_bytes:
             raise LimitError(
                 f"the read plan needs {nbytes} bytes of output, over this sidecar's limit of "
-                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the memory "
-                "budget holds beside one received message); read fewer tokens or sites at a time"
+                f"{self.config.read_limit_bytes} bytes (max_read_bytes, --max-read-mib; at most what the read "
+                "budget holds, --read-budget-mib); read fewer tokens or sites at a time"
             )
         # (an empty trajectory id is a padding segment: the client sends None that way)
         plan = MicrobatchPlan([(s.trajectory or None, s.token_start, s.token_end) for s in req.plan])
-        # Read-your-writes: commit what this sidecar holds before reading storage.
-        if not self.engine.flush(self.config.storage_timeout_s):
+        # Read-your-writes: commit what this sidecar holds before reading storage (at most one
+        # read-forced commit per flush interval, shared by the reads that wait for it).
+        if not self.commits.before_read():
             raise StorageError("could not commit pending records before the read (storage is behind); retry")
         # the output, and the slices of it being serialized and sent
-        reserved[0] = self.engine.reserve(self.config.read_reservation(nbytes))
+        hold.nbytes = self.budget.take(hold.identity, self.config.read_reservation(nbytes))
         on_missing: Literal["error", "mask"] = "mask" if req.on_missing == pb.ON_MISSING_MASK else "error"
         columns = (req.column_start, req.column_end) if req.has_columns else None
         token_ids = _token_ids(req)
@@ -166,7 +218,19 @@ class Reads:
         mismatched: dict[str, str] | None = None,
     ) -> Iterator[bytes]:
         """Serialized ReadResponse slices of ``rows_by_site`` (a Read that began at ``t0``), while
-        the caller is there to take them; ``mismatched`` rides in the first."""
+        the caller is there to take them (one that takes none for ``read_stall_s`` is cancelled);
+        ``mismatched`` rides in the first."""
+        with self.watch.watching(context) as watched:
+            yield from self._slices(rows_by_site, context, t0, mismatched, watched)
+
+    def _slices(
+        self,
+        rows_by_site: list[tuple[str, Any]],
+        context: grpc.ServicerContext,
+        t0: float,
+        mismatched: dict[str, str] | None,
+        watched: Watched,
+    ) -> Iterator[bytes]:
         nbytes = 0
         first = True
         for site, rows in rows_by_site:
@@ -197,7 +261,11 @@ class Reads:
                 )
                 first = False
                 nbytes += (b - a) * per_row
-                yield msg.SerializeToString()
+                data = msg.SerializeToString()
+                del msg
+                watched.since = time.monotonic()  # gRPC resumes this generator once data is sent
+                yield data
+                watched.since = None
         self.metrics.read_bytes.inc(nbytes)
         self.metrics.read_latency.observe(time.monotonic() - t0)
         self.metrics.requests.labels("Read", "OK").inc()

@@ -61,7 +61,7 @@ from .memory import OverBudgetError
 from .message import pack_wal_data
 from .metrics import Metrics, storage_op
 from .peer_auth import PeerEndpoint, PeerTokens
-from .reads import Reads
+from .reads import ReadHold, Reads
 from .reflection import enable_server_reflection
 from .sessions import SequenceError
 from .shm import ShmPools
@@ -119,7 +119,7 @@ class TraceStoreService:
     Memory: a Write stream reserves ``max_message_bytes`` of the engine's budget before it asks
     for a message and keeps only the message's size once it has arrived (plus one
     ``max_message_bytes`` reserved for good: gRPC's copy of the message it is delivering); a Read
-    reserves its output size before it reads storage and releases it when its stream ends.
+    reserves its output in the read budget, not this one, until its stream ends (``reads.py``).
     """
 
     def __init__(self, engine: Engine, metrics: Metrics, shm: ShmPools, config: ServerConfig) -> None:
@@ -285,21 +285,20 @@ class TraceStoreService:
 
     def read(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Plan-aligned rows, in slices of about READ_SLICE_BYTES. The whole output is held against
-        the memory budget from before storage is read until the stream ends."""
+        the read budget from before storage is read until the stream ends."""
         if not self.long_calls.take():
             self._refuse_busy(context, "Read")
-        reserved = [0]
+        hold = ReadHold(self._identity(self._caller()))
         try:
-            yield from self._read(raw, context, reserved)
+            yield from self._read(raw, context, hold)
         finally:
-            if reserved[0]:
-                self.engine.unreserve(reserved[0])
+            self.reads.release(hold)
             self.long_calls.give()
 
-    def _read(self, raw: bytes, context: grpc.ServicerContext, reserved: list[int]) -> Iterator[bytes]:
+    def _read(self, raw: bytes, context: grpc.ServicerContext, hold: ReadHold) -> Iterator[bytes]:
         t0 = time.monotonic()
         try:
-            rows_by_site, mismatched = self.reads.rows(raw, self._caller(), reserved)
+            rows_by_site, mismatched = self.reads.rows(raw, self._caller(), hold)
         except Exception as exc:  # noqa: BLE001
             self._fail(context, "Read", exc, {})
             return

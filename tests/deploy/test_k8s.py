@@ -320,8 +320,9 @@ def test_resources(docs):
     sidecar, engine = containers(one(docs, "Deployment"))
     res = sidecar["resources"]
     assert res["requests"]["cpu"] and res["requests"]["memory"] == res["limits"]["memory"]
-    budget = int(env(sidecar)["TRACESTORE_MEMORY_BUDGET_MIB"]) * 2**20
-    assert quantity_bytes(res["limits"]["memory"]) >= budget + 2**30, "memory limit must exceed the budget"
+    memory = int(env(sidecar)["TRACESTORE_MEMORY_BUDGET_MIB"])
+    budget = (memory + int(env(sidecar).get("TRACESTORE_READ_BUDGET_MIB", memory // 4))) * 2**20  # reads' own
+    assert quantity_bytes(res["limits"]["memory"]) >= budget + 2**30, "memory limit must exceed both budgets"
     if engine["image"].split("/")[-1].startswith("tracestore-engine-example:"):
         assert "nvidia.com/gpu" not in engine["resources"]["limits"]  # the CPU example engine
     else:

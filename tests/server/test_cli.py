@@ -96,11 +96,22 @@ def test_limit_flags_and_their_validation(monkeypatch: pytest.MonkeyPatch) -> No
     assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=32 << 20).reading_streams == 1
     with pytest.raises(ConfigError, match="at most half"):
         ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=33 << 20)
-    # the largest read fits the budget beside the room kept for a received message, replies included
-    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20).read_limit_bytes == 48 << 20
-    for budget, message in ((64 << 20, 4 << 20), (4 << 20, 1 << 20), (1 << 30, 64 << 20), (256 << 20, 128 << 20)):
-        cfg = ServerConfig(memory_budget_bytes=budget, max_message_bytes=message)
-        assert 0 < cfg.read_reservation(cfg.read_limit_bytes) <= budget - message, (budget, message)
+    # reads have their own budget (a quarter of the memory budget unless set) and the largest read
+    # fits it, the slices being sent included
+    assert ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20).read_budget == 16 << 20
+    assert ServerConfig().read_limit_bytes == 244 << 20  # 256 MiB less 3 slices of 4 MiB
+    cfg = ServerConfig(memory_budget_bytes=64 << 20, max_message_bytes=4 << 20, read_budget_bytes=64 << 20)
+    assert cfg.read_limit_bytes == 52 << 20
+    for budget, reads in ((64 << 20, None), (4 << 20, None), (1 << 30, 1 << 20), (256 << 20, 300 << 20)):
+        cfg = ServerConfig(memory_budget_bytes=budget, max_message_bytes=1 << 20, read_budget_bytes=reads)
+        assert 0 < cfg.read_reservation(cfg.read_limit_bytes) <= cfg.read_budget, (budget, reads)
+    args = ["serve", "--read-budget-mib", "48", "--read-stall-timeout", "2.5"]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert (cfg.read_budget, cfg.read_stall_s) == (48 << 20, 2.5)
+    assert config_from_args(build_parser().parse_args(["serve"])).read_stall_s == 10.0
+    for name, value in (("read_budget_bytes", 1000), ("read_budget_bytes", True), ("read_stall_s", 0.0)):
+        with pytest.raises(ConfigError, match=name):
+            ServerConfig(**{name: value})  # type: ignore[arg-type]
 
 
 def test_stream_window_flag_default_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:

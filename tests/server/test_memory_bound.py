@@ -183,10 +183,10 @@ def test_reads_are_bounded_and_inside_the_budget(tmp_path: Path) -> None:
     """A Read's output is sized from its plan before anything is read: tokens [0, 2^24) of a
     100-token trajectory (~1.4 GiB of masked rows) and [0, 2^40) are RESOURCE_EXHAUSTED naming the
     limit and the size, at no memory cost (before: +2 GiB, and INTERNAL for 2^40). Reads under
-    the limit hold their output against the memory budget: four concurrent 40 MiB reads on a
-    64 MiB budget take turns instead of growing the sidecar by all four at once."""
+    the limit hold their output against the read budget: four concurrent 40 MiB reads on a
+    64 MiB read budget take turns instead of growing the sidecar by all four at once."""
     sp = ServeProcess(tmp_path, flags=["--memory-budget-mib", "64", "--max-read-mib", "48", "--max-message-mib", "4",
-                                       "--backpressure-timeout", "30"]).start()  # fmt: skip
+                                       "--read-budget-mib", "64", "--backpressure-timeout", "30"]).start()  # fmt: skip
     try:
         assert sp.proc is not None
         ch = grpc.insecure_channel(sp.address, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -218,9 +218,9 @@ def test_reads_are_bounded_and_inside_the_budget(tmp_path: Path) -> None:
         for t in threads:
             t.join()
         grown_mib = (_rss_kib(sp.proc.pid, "VmHWM") - baseline) / 1024
-        print(f"4 concurrent 40 MiB reads, 64 MiB budget: RSS grew {grown_mib:.0f} MiB; {sizes}")
+        print(f"4 concurrent 40 MiB reads, 64 MiB read budget: RSS grew {grown_mib:.0f} MiB; {sizes}")
         assert all(isinstance(s, int) and s > 30_000_000 for s in sizes), sizes
-        assert grown_mib <= 64 + 64, f"4 concurrent reads grew the sidecar {grown_mib:.0f} MiB for a 64 MiB budget"
+        assert grown_mib <= 64 + 64, f"4 concurrent reads grew the sidecar {grown_mib:.0f} MiB for a 64 MiB read budget"
         ch.close()
     finally:
         sp.kill()
