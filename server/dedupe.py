@@ -7,38 +7,42 @@ message that were accepted before with the same bytes (a writer's retry) and ref
 (:class:`ConflictError`) one that overlaps accepted tokens with different bytes, or a seal or link
 that differs from the accepted one, and (:class:`ValidationError`) a chunk that reaches past its
 trajectory's seal, in the same message or an earlier one. With authentication on, a trajectory also belongs to the
-identity that first wrote it (:meth:`DedupeIndex.check_owner`).
+identity that first wrote it (:meth:`DedupeIndex.check_owner`; the owners are ``owners.py``'s).
 
 Memory stays bounded on a long-running sidecar: the index keeps the newest ``versions`` distinct
 policy versions of each run and forgets older ones (they are no longer written). Trajectory owners
 are kept apart from that window (a caller chooses the versions it writes, so four messages in new
 versions would otherwise have dropped every owner of the run): per (run, trajectory), whatever the
-version, the :data:`MAX_OWNED_TRAJECTORIES` most recently written.
+version, in the sidecar's owners table, with the :data:`MAX_OWNED_TRAJECTORIES` most recently
+written or looked up in memory (:class:`~tracestore.server.owners.TrajectoryOwners`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from tracestore.errors import ConflictError, PermissionDeniedError, ValidationError
+from tracestore.errors import ConflictError, ValidationError
 from tracestore.records import RecordChunk
 
 from .message import Message
+from .owners import TrajectoryOwners, trajectories
 
 Span = tuple[int, int, int]  # token_start, token_end, chunk checksum
-# Trajectory owners kept (least recently written forgotten first): ~200 bytes each, ~50 MiB. A
-# trajectory is written for minutes; this many outlive every trajectory a sidecar has in flight.
+# Trajectory owners kept in memory (least recently used forgotten first; with an owners table they
+# are looked up there again): ~200 bytes each, ~50 MiB. A trajectory is written for minutes; this
+# many outlive every trajectory a sidecar has in flight.
 MAX_OWNED_TRAJECTORIES = 1 << 18
 
 
 class DedupeIndex:
-    """Chunks, seals, links and trajectory owners seen per (run, policy version, trajectory[, site]).
-    Not thread-safe: the engine calls it with its lock held."""
+    """Chunks, seals, links and trajectory owners seen per (run, policy version, trajectory[, site]);
+    the owners' table is at ``owners_path`` (None: memory only). Not thread-safe: the engine calls
+    it with its lock held."""
 
-    def __init__(self, versions: int) -> None:
+    def __init__(self, versions: int, owners_path: Path | None = None) -> None:
         self.versions = versions
         # (run, version, trajectory, site) -> sorted [(start, end, checksum)] of chunks seen
         self._index: dict[tuple[str, int, str, str], list[Span]] = {}
@@ -47,9 +51,8 @@ class DedupeIndex:
         self._open: set[tuple[str, str]] = set()  # (run, trajectory) with records and no seal
         self._sealed: set[tuple[str, str]] = set()
         self._versions: dict[str, list[int]] = {}  # per run: distinct policy versions with dedupe state
-        # (run, trajectory) -> identity whose writer first wrote it, in any version (with
-        # authentication on), least recently written first
-        self._traj_owner: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # (run, trajectory) -> identity whose writer first wrote it, in any version (with authentication on)
+        self.owners = TrajectoryOwners(owners_path, MAX_OWNED_TRAJECTORIES)
 
     @property
     def open_trajectories(self) -> int:
@@ -58,33 +61,27 @@ class DedupeIndex:
 
     def check_owner(self, msg: Message, identity: str) -> None:
         """``identity`` may write the trajectories ``msg`` names and link to their sources."""
-        for key in dict.fromkeys(_trajectories(msg)):
-            owner = self._traj_owner.get(key)
-            if owner is not None and owner != identity:
-                raise PermissionDeniedError(
-                    f"trajectory {key[1]} of run {key[0]} was written by another identity; "
-                    "its records, seal and links are not yours to write"
-                )
-        for link in msg.links:
-            owner = self._traj_owner.get((link.run, link.source))
-            if owner is not None and owner != identity:
-                raise PermissionDeniedError(
-                    f"trajectory {link.trajectory} may not link to {link.source} v{link.policy_version}, which "
-                    "another identity wrote"
-                )
+        self.owners.check(msg, identity)
 
     def open_claims(self) -> list[tuple[str, str, str]]:
-        """(run, trajectory, identity) of every open trajectory (records, no seal) with an owner:
-        what a WAL segment's header keeps so that ownership survives a restart."""
-        owners = self._traj_owner
-        return [(run, t, owners[(run, t)]) for run, t in self._open if (run, t) in owners]
+        """(run, trajectory, identity) of every open trajectory (records, no seal) whose owner is in
+        memory: what a WAL segment's header keeps (the owners table has the others)."""
+        known = ((run, t, self.owners.known((run, t))) for run, t in self._open)
+        return [(run, t, identity) for run, t, identity in known if identity is not None]
 
     def restore_claims(self, claims: Iterable[tuple[str, str, str]]) -> None:
         """Replay of a CLAIMS entry: those trajectories are those identities' (first claim wins)."""
         for run, t, identity in claims:
-            self._traj_owner.setdefault((run, t), identity)
+            self.owners.claim([(run, t)], identity)
             if (run, t) not in self._sealed:
                 self._open.add((run, t))
+
+    def restore_owners(self, msg: Message, identity: str | None) -> None:
+        """Replay of a DATA entry, committed or not: the trajectories ``msg`` writes are its writer's
+        owner's, ``identity`` (None: written with authentication off, nothing claimed), unless
+        someone owns them already."""
+        if identity is not None:
+            self.owners.claim(trajectories(msg), identity)
 
     def check(self, msg: Message) -> None:
         """Refuse ``msg`` (ConflictError) if it writes different bytes under a key seen before;
@@ -141,11 +138,7 @@ class DedupeIndex:
         for the first time, and the site-tokens accepted earlier that those seals cut (at or past
         their n_tokens: stored, never read as valid)."""
         if identity is not None:
-            owners = self._traj_owner
-            for key in dict.fromkeys(_trajectories(msg)):
-                owners[key] = owners.pop(key, identity)  # the first writer's, now the most recent
-            while len(owners) > MAX_OWNED_TRAJECTORIES:
-                owners.popitem(last=False)
+            self.owners.claim(trajectories(msg), identity)  # the first writer's, now the most recent
         for c, crc in zip(msg.chunks, msg.crcs, strict=True):
             self._see_version(c.run, c.policy_version)
             bisect.insort(
@@ -198,11 +191,3 @@ class DedupeIndex:
         live = {k[2] for k in self._index if k[0] == run} | {k[2] for k in self._seals if k[0] == run}
         self._open = {k for k in self._open if k[0] != run or k[1] in live}
         self._sealed = {k for k in self._sealed if k[0] != run or k[1] in live}
-
-
-def _trajectories(msg: Message) -> list[tuple[str, str]]:
-    """(run, trajectory) of every chunk, seal and link ``msg`` writes."""
-    keys = [(c.run, c.trajectory) for c in msg.chunks]
-    keys += [(x.run, x.trajectory) for x in msg.seals]
-    keys += [(x.run, x.trajectory) for x in msg.links]
-    return keys

@@ -1,15 +1,14 @@
-"""The sidecar's ingest engine: the coordinator of admission, commits, WAL replay and shutdown,
-under one lock.
+"""The sidecar's ingest engine: the coordinator of admission, commits, WAL replay and shutdown, under one lock.
 
 No gRPC here (the service in ``service.py`` parses requests and maps errors to status codes). The
 engine holds the lock and what ties its parts together; each part owns its state: the run slots
 (``runs.py``), the writer sessions (``sessions.py``: the epochs and sequences messages are fenced against,
 writer ownership, each writer's queue), the memory budget and the writers' shared memory the
 sidecar holds (``memory.py``), the write-ahead log bookkeeping (``journal.py``: acks at fsync,
-segment retirement, recovery from a failed log), the dedupe index (``dedupe.py``), the flusher
-thread (``flusher.py``, which reaches the engine through its ``FlushSource`` protocol) and the
-message and WAL entry format (``message.py``). No part imports this module; the engine calls the
-stateful ones with its lock held.
+segment retirement, recovery from a failed log), the dedupe index (``dedupe.py``, with the
+trajectory owners of ``owners.py``), the flusher thread (``flusher.py``, which reaches the engine
+through its ``FlushSource`` protocol) and the message and WAL entry format (``message.py``). No part
+imports this module; the engine calls the stateful ones with its lock held.
 
 Life of a message (one numbered batch of chunks/seals/links from one writer):
 ``submit`` checks (epoch, sequence) against the writer's session — a resend is answered as
@@ -44,6 +43,7 @@ from .journal import Journal
 from .memory import MemoryBudget, OverBudgetError, StagingHolds
 from .message import CLAIMS, DATA, STATE, Message, Owner, Plan, decode_claims, decode_entry, decode_state
 from .metrics import Metrics
+from .owners import table_path
 from .runs import RunSlots
 from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
@@ -77,7 +77,7 @@ class Engine:
         self.sessions = Sessions(config.max_writers, per_identity)
         share = config.runs_per_identity if config.auth_tokens is not None else None
         self.run_slots = RunSlots(config.max_runs, share, self._busy_runs)
-        self._dedupe = DedupeIndex(config.dedupe_versions)
+        self._dedupe = DedupeIndex(config.dedupe_versions, table_path(config))
         self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now)
         self.holds = StagingHolds(metrics, self.sessions.writers)
         self._in_flight: set[int] = set()  # id() of messages whose shard the flusher is writing now
@@ -162,9 +162,8 @@ class Engine:
         self.parse_wal_data = parse_wal_data
         replayed = 0
         if self.config.wal_dir is not None:
-            self.journal = Journal(
-                self.config, self.metrics, self.sessions, on_synced=self._on_synced, claims=self._dedupe.open_claims
-            )
+            self.journal = Journal(self.config, self.metrics, self.sessions, on_synced=self._on_synced,
+                                   claims=self._dedupe.open_claims, owners=self._dedupe.owners)  # fmt: skip
             replayed = self.journal.replay(self._replay_entry)
             # the runs with records queued again are busy: they get their slots back (runs.py)
             queued = {id(m) for w in self.writers.values() for m in w.pending}
@@ -187,6 +186,7 @@ class Engine:
         if kind == DATA:
             assert self.parse_wal_data is not None
             msg = self.parse_wal_data(payload)
+            self._dedupe.restore_owners(msg, self.sessions.get(msg.run, msg.writer).owner)  # committed or not
             st = self.sessions.replayed(msg, segment)
             if st is None:
                 return 0  # covered by a state snapshot (already committed)
@@ -580,7 +580,7 @@ class Engine:
             with self._lock:
                 if not stuck and not any(w.pending for w in self.writers.values()):
                     self.journal.truncate()  # everything is committed
-            self.journal.wal.close()
+            self.journal.close()
 
     def stat(self, run: str = "") -> dict[str, Any]:
         with self._lock:

@@ -12,7 +12,10 @@ The log itself (framing, fsync, segment files) is ``wal.py`` and its entry forma
   appended again when the device takes writes again (:meth:`Journal.recover`).
 
 Every new segment starts with a STATE entry, the writer sessions' snapshot (``sessions.py``), and
-with authentication on a CLAIMS entry, who owns each open trajectory (``dedupe.py``).
+with authentication on a CLAIMS entry, who owns each open trajectory (``dedupe.py``). With
+authentication on, the trajectory owners table (``owners.py``) is written before any segment is
+deleted (:meth:`Journal.retire`, :meth:`Journal.truncate`): a trajectory's owner is always in the
+table or in a segment still on disk.
 Not thread-safe: the engine (``engine.py``) calls it with its lock held.
 """
 
@@ -24,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from tracestore import faults
-from tracestore.errors import TraceStoreError
+from tracestore.errors import StorageError, TraceStoreError
 
 from .config import ServerConfig
 from .flusher import Round
@@ -45,6 +48,7 @@ from .message import (
     encode_state,
 )
 from .metrics import Metrics
+from .owners import TrajectoryOwners
 from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
 
@@ -53,7 +57,9 @@ log = logging.getLogger("tracestore.server")
 
 class Journal:
     """The engine's side of its WAL in ``config.wal_dir``; ``on_synced(ticket)`` is the WAL's
-    callback after each fsync (the engine takes its lock, then calls :meth:`synced`)."""
+    callback after each fsync (the engine takes its lock, then calls :meth:`synced`). ``owners``:
+    the trajectory owners, whose table is opened once the directory is locked and written before
+    segments go."""
 
     def __init__(
         self,
@@ -62,6 +68,7 @@ class Journal:
         sessions: Sessions,
         on_synced: Callable[[int], None],
         claims: Callable[[], list[Claim]] | None = None,
+        owners: TrajectoryOwners | None = None,
     ) -> None:
         assert config.wal_dir is not None
         self.metrics = metrics
@@ -74,6 +81,13 @@ class Journal:
             on_synced=on_synced,
             segment_header=self._header,
         )
+        self._owners = owners
+        if owners is not None:
+            try:
+                owners.open()  # (the WAL holds the directory's lock from here)
+            except BaseException:
+                self.wal.close()
+                raise
         self._acks: deque[tuple[int, WriterState, Message]] = deque()  # WAL ticket, writer, message
         self._outstanding: dict[int, int] = {}  # segment -> its messages not committed yet
         self._done_ticket = 0  # WAL ticket of the newest DONE entry: segments go only once it is durable
@@ -161,21 +175,43 @@ class Journal:
         """Delete WAL segments whose every message is committed — once the DONE entries saying so
         are durable (a crash before that replays the PLANs, and a PLAN whose messages were partly
         deleted would rebuild a different shard under a committed shard's number: the sidecar
-        wedged on that conflict for good)."""
+        wedged on that conflict for good) — and, with trajectory owners, once every claim made so
+        far is in their table (the owners' writer thread deletes them then, off the engine's lock)."""
         if self._done_backlog:
             return
         live = [s for s, n in self._outstanding.items() if n > 0]
         keep_from = min(live, default=self.wal.active_index)
         for s in [s for s in self._outstanding if s < keep_from]:
             del self._outstanding[s]
-        self.wal.delete_before(keep_from, after=self._done_ticket)
-        self.metrics.wal_bytes.set(self.wal.nbytes)
+        after = self._done_ticket
+
+        def delete() -> None:
+            self.wal.delete_before(keep_from, after=after)
+            self.metrics.wal_bytes.set(self.wal.nbytes)
+
+        if self._owners is not None and keep_from > self.wal.segments[0].index:
+            self._owners.persist_then(delete)
+        else:
+            delete()
 
     def truncate(self) -> None:
         """Everything is committed (at shutdown): keep only a fresh segment holding the writer
-        sessions (so resends after the restart are still recognised)."""
+        sessions (so resends after the restart are still recognised), once the trajectory owners
+        are in their table (else the log stays whole, and its replay claims them again)."""
+        if self._owners is not None:
+            try:
+                self._owners.persist()
+            except StorageError as exc:
+                log.warning("%s; the write-ahead log is kept whole (its replay claims them again)", exc)
+                return
         self._outstanding.clear()
         self.wal.delete_before(self.wal.rotate())
+
+    def close(self) -> None:
+        """Close the owners table (after a write in progress, and the deletion waiting on it), then the log."""
+        if self._owners is not None:
+            self._owners.close()
+        self.wal.close()
 
     # -- recovery ---------------------------------------------------------------------------------
 
