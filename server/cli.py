@@ -35,6 +35,8 @@ from tracestore.cli import (
     text,
 )
 
+from .config import SHM_POOLS
+
 MiB = 1 << 20
 PORT = integer(0, 65535)
 SECONDS = number(gt=0)
@@ -112,6 +114,9 @@ SETTINGS = (
             "with --auth-tokens: open Write streams one identity (token name; 'unix-socket' for the socket's "
             "callers without a token) may hold, at most --max-streams",
             show="a quarter of --max-streams, at least 8 (at most --max-streams)"),
+    Setting("--max-shm-pools-per-identity", integer(1, SHM_POOLS), None,
+            f"with --auth-tokens: shared-memory staging pools one identity may hold open, of the {SHM_POOLS} the "
+            "sidecar keeps open at once", show=f"{SHM_POOLS // 4} (a quarter)"),
     Setting("--storage-unhealthy", SECONDS, 300.0,
             "seconds of storage refusing every commit before health reports NOT_SERVING", metavar="SECONDS"),
     Setting("--wal-retry", SECONDS, 1.0, "seconds between attempts to recover a failed write-ahead log",
@@ -378,6 +383,7 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         max_writers_per_identity=ns.max_writers_per_identity,
         max_runs_per_identity=ns.max_runs_per_identity,
         max_streams_per_identity=ns.max_streams_per_identity,
+        max_shm_pools_per_identity=ns.max_shm_pools_per_identity,
         storage_unhealthy_s=ns.storage_unhealthy,
         wal_retry_s=ns.wal_retry,
         grace_s=ns.grace,

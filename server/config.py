@@ -27,6 +27,9 @@ MAX_STREAM_WINDOW = 64 << 20
 # The least default share of Write streams per identity (--max-streams-per-identity unset): one
 # tensor-parallel engine's recorder processes (up to 8), one stream each.
 MIN_STREAMS_PER_IDENTITY = 8
+# Writers' shared-memory staging pools the sidecar keeps open at once (server/shm.py); with tokens
+# one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
+SHM_POOLS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,9 @@ class ServerConfig:
     ``max_writers_per_identity`` sessions and ``max_runs_per_identity`` runs of those (None: a
     quarter of the global limit, :attr:`writers_per_identity`, :attr:`runs_per_identity`), and
     ``max_streams_per_identity`` open Write streams (None: a quarter of ``max_streams``, at least 8,
-    :attr:`streams_per_identity`), so that one team cannot take every slot from the others.
+    :attr:`streams_per_identity`), and ``max_shm_pools_per_identity`` of the :data:`SHM_POOLS`
+    shared-memory pools open at once (None: a quarter, :attr:`shm_pools_per_identity`), so that
+    one team cannot take every slot from the others.
     ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
     64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
@@ -97,6 +102,7 @@ class ServerConfig:
     max_writers_per_identity: int | None = None
     max_runs_per_identity: int | None = None
     max_streams_per_identity: int | None = None
+    max_shm_pools_per_identity: int | None = None
     storage_unhealthy_s: float = 300.0
     wal_retry_s: float = 1.0
     grace_s: float = 30.0
@@ -156,6 +162,12 @@ class ServerConfig:
                     f"{name} ({v}) must be at most {whole} ({limit}): it is one identity's share of that limit; "
                     f"lower it, or raise {whole} too"
                 )
+        v = self.max_shm_pools_per_identity
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SHM_POOLS):
+            raise ConfigError(
+                f"max_shm_pools_per_identity must be an integer from 1 to {SHM_POOLS} (the shared-memory pools the "
+                f"sidecar keeps open at once), or unset: a quarter of them; got {v!r}"
+            )
         w = self.stream_window_bytes
         if w is not None:
             if isinstance(w, bool) or not isinstance(w, int) or not GRPC_STREAM_WINDOW <= w <= MAX_STREAM_WINDOW:
@@ -200,6 +212,14 @@ class ServerConfig:
         if v is not None:
             return v
         return min(self.max_streams, max(MIN_STREAMS_PER_IDENTITY, self.max_streams // 4))
+
+    @property
+    def shm_pools_per_identity(self) -> int:
+        """Shared-memory pools one authenticated identity may hold open: ``max_shm_pools_per_identity``,
+        else a quarter of :data:`SHM_POOLS` (16: every recorder process has one pool, and one
+        tensor-parallel engine's recorders share the unix socket's identity)."""
+        v = self.max_shm_pools_per_identity
+        return SHM_POOLS // 4 if v is None else v
 
     @property
     def stream_window(self) -> int:

@@ -404,7 +404,7 @@ class Sidecar:
             )
             self._store.remove_stale_temp_files()  # left by writers killed mid-publish (local disk only)
         self.engine = Engine(cfg, self._store, self.metrics)
-        self.shm = ShmPools(cfg.shm_dir, on_change=self.metrics.shm_capacity.set, max_pool_bytes=cfg.max_shm_pool_bytes)
+        self.shm = ShmPools.for_config(cfg, on_change=self.metrics.shm_capacity.set)  # (a share per identity)
         service = self.service = TraceStoreService(self.engine, self.metrics, self.shm, cfg)
         interceptors = []
         if self._tokens is not None:

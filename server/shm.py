@@ -59,7 +59,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tracestore.errors import PermissionDeniedError, ValidationError
+from tracestore.errors import LimitError, PermissionDeniedError, ValidationError
+
+from .config import SHM_POOLS, ServerConfig
 
 POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 MIN_POOL_BYTES = 4096
@@ -74,9 +76,16 @@ class ShmPools:
     it (see the module docstring). Refusals raise :class:`ValidationError` (INVALID_ARGUMENT: not
     a pool at all) or :class:`PermissionDeniedError` (PERMISSION_DENIED: a pool the client may not
     have read), naming the pool and what was expected.
+
+    At most :attr:`MAX_POOLS` pools are open at once, and a pool stays open while its file exists.
+    ``share`` (authentication on): how many of them one identity may have opened (the identity that
+    first named a pool holds its slot until the pool is closed), so that a caller naming pool files
+    of its own cannot take every slot from the others. Either limit refuses a new pool with
+    :class:`LimitError` (RESOURCE_EXHAUSTED: a slot comes back when a recorder closes and removes
+    its pool file).
     """
 
-    MAX_POOLS = 64
+    MAX_POOLS = SHM_POOLS
     MAX_POOL_BYTES = 64 << 30
 
     def __init__(
@@ -86,25 +95,69 @@ class ShmPools:
         *,
         group: int | None = None,
         max_pool_bytes: int | None = None,
+        share: int | None = None,
     ) -> None:
         self.dir = Path(shm_dir)
         self.group = group
         self.uid = os.geteuid()
         self.max_pool_bytes = self.MAX_POOL_BYTES if max_pool_bytes is None else int(max_pool_bytes)
+        self.share = share
         self._maps: dict[str, mmap.mmap] = {}  # pools read in place
         self._copied: dict[str, tuple[int, int]] = {}  # pools read with pread: name -> (fd, size)
+        self._opened_by: dict[str, str] = {}  # pool -> the identity whose share it counts in
+        self.held: dict[str, int] = {}  # identity -> pools it holds open (an entry only while > 0)
         self._lock = threading.Lock()
         self._on_change = on_change
+
+    @classmethod
+    def for_config(cls, cfg: ServerConfig, on_change: Callable[[int], None] | None = None) -> ShmPools:
+        """The pools of a sidecar configured by ``cfg``: its directory and largest pool, and with a
+        token file the share of one identity (``shm_pools_per_identity``)."""
+        share = cfg.shm_pools_per_identity if cfg.auth_tokens is not None else None
+        return cls(cfg.shm_dir, on_change, max_pool_bytes=cfg.max_shm_pool_bytes, share=share)
+
+    def viewer(self, identity: str | None) -> Callable[[str, int, int], memoryview]:
+        """:meth:`view` on behalf of the caller ``identity`` (None: counted in no share)."""
+        return lambda name, offset, length: self.view(name, offset, length, identity)
 
     def _forget_gone(self) -> None:
         # A recorder unlinks its pool when it closes; drop our map of it so its memory is freed.
         for name in [n for n in self._maps if not os.path.lexists(self.dir / n)]:
             with contextlib.suppress(BufferError):
                 self._maps.pop(name).close()
+            self._give_back(name)
         for name in [n for n in self._copied if not os.path.lexists(self.dir / n)]:
             os.close(self._copied.pop(name)[0])
+            self._give_back(name)
 
-    def view(self, name: str, offset: int, length: int) -> memoryview:
+    def _give_back(self, name: str) -> None:
+        """Pool ``name`` is closed: its slot goes back to the identity that held it. Under the lock."""
+        who = self._opened_by.pop(name, None)
+        if who is not None:
+            left = self.held[who] - 1
+            if left:
+                self.held[who] = left
+            else:
+                del self.held[who]
+
+    def _check_slot(self, identity: str | None) -> None:
+        """LimitError unless ``identity`` may open one more pool: its share first (a caller over its
+        own share is told so), then the sidecar's limit. Under the lock."""
+        if identity is not None and self.share is not None and self.held.get(identity, 0) >= self.share:
+            raise LimitError(
+                f"caller {identity!r} holds {self.share} shared-memory pools open on this sidecar, its share "
+                "(max_shm_pools_per_identity, --max-shm-pools-per-identity); a slot comes back when one of its "
+                "recorders closes (its pool file removed): retry later, or raise the share"
+            )
+        if len(self._maps) + len(self._copied) >= self.MAX_POOLS:
+            raise LimitError(
+                f"{self.MAX_POOLS} shared-memory pools are open on this sidecar, its limit; a slot comes back when a "
+                "recorder closes (its pool file removed): retry later, or close idle recorders"
+            )
+
+    def view(self, name: str, offset: int, length: int, identity: str | None = None) -> memoryview:
+        """``length`` bytes at ``offset`` of pool ``name``, which is checked and opened on first use:
+        a pool opened for ``identity`` counts in its share (:meth:`viewer`)."""
         mm = self._maps.get(name)  # (three lookups per chunk: the name was checked when it was mapped)
         if mm is not None and offset >= 0 and length >= 0 and offset + length <= len(mm):
             return memoryview(mm)[offset : offset + length]
@@ -117,13 +170,15 @@ class ShmPools:
             copied = self._copied.get(name)
             if mm is None and copied is None:
                 self._forget_gone()
-                if len(self._maps) + len(self._copied) >= self.MAX_POOLS:
-                    raise ValidationError(f"{self.MAX_POOLS} shared-memory pools mapped already; close idle recorders")
+                self._check_slot(identity)
                 opened = self._open(name)
                 if isinstance(opened, mmap.mmap):
                     mm = self._maps[name] = opened
                 else:
                     copied = self._copied[name] = opened
+                if identity is not None and self.share is not None:
+                    self._opened_by[name] = identity
+                    self.held[identity] = self.held.get(identity, 0) + 1
                 if self._on_change is not None:
                     self._on_change(self._bytes())
             size = len(mm) if mm is not None else copied[1]  # type: ignore[index]
@@ -244,6 +299,8 @@ class ShmPools:
             for fd, _ in self._copied.values():
                 os.close(fd)
             self._copied.clear()
+            self._opened_by.clear()
+            self.held.clear()
 
 
 def _check_no_acl(name: str, where: Path, fd: int) -> None:

@@ -6,9 +6,9 @@ reserved room in the engine's memory budget for the largest message gRPC may del
 it on; a consumer parses each message, authorizes its run, decides whether its shared-memory
 payload is held in place or copied, and submits it to the engine. The gRPC thread sends an ack
 whenever the writer's durable (or released) sequence moves, and ends the stream with the first
-error, at shutdown, or when it has waited :data:`READ_TURN_IDLE_S` for a message while other
-streams wait for a turn or one was just refused for want of a slot (in the last two cases once all
-it sent is durable).
+error, at shutdown, or when it has waited for a message while other streams wait for a turn (the
+longer the queue, the sooner: :meth:`ReadTurns.idle_limit`) or one was just refused for want of a
+slot (:data:`READ_TURN_IDLE_S`), in the last two cases once all it sent is durable.
 
 The stream reports errors through the service's ``fail`` (``service.py``: the status code and
 the details the caller may see), which aborts the call.
@@ -40,11 +40,22 @@ from .metrics import Metrics, unguided_reason
 from .sessions import WriterState
 from .shm import ShmPools
 
-# A Write stream that has waited this long for its next message while other streams wait for a turn
-# to read, or were just refused a slot, is ended (OK, once all it sent is durable), so idle
-# recorders cannot starve busy ones nor keep others out. A recorder (client/session.py) loses nothing
-# by it: with nothing unacknowledged it opens its next stream after its reconnect pause.
+# A Write stream that has waited this long for its next message while other streams were just
+# refused a slot, or wait for a turn to read (then sooner: ReadTurns.idle_limit), is ended (OK,
+# once all it sent is durable), so idle recorders cannot starve busy ones nor keep others out. A
+# recorder (client/session.py) loses nothing by it: with nothing unacknowledged it opens its next
+# stream after its reconnect pause.
 READ_TURN_IDLE_S = 2.0
+# While streams wait for a turn, holders idle this long pass their turns on, so that the turns go
+# round every waiting stream within about TURN_WAIT_S however many wait (ReadTurns.idle_limit);
+# but never sooner than TURN_IDLE_MIN_S (time for a message its writer already sent to arrive).
+# The pace follows the longest queue of the last TURN_PEAK_S. A message that has begun to arrive
+# looks idle too (gRPC says nothing until all of it is in), so a stream that has sent messages before
+# keeps its turn longer by the time its largest one takes at TURN_ARRIVAL_BPS (4 MiB: +125 ms).
+TURN_WAIT_S = 1.0
+TURN_IDLE_MIN_S = 0.05
+TURN_PEAK_S = 2 * TURN_WAIT_S
+TURN_ARRIVAL_BPS = 32 << 20
 # How often an open stream asks whether its caller's credential still holds (a SIGHUP reload may
 # revoke it): a revoked writer is refused within this, busy or idle.
 RECHECK_S = 0.25
@@ -57,13 +68,24 @@ class ReadTurns:
     """Turns to read a message, first come first served: a Write stream takes one before it asks
     gRPC for its next message and gives it back once the message has arrived. There are only as
     many as the memory budget covers at ``max_message_bytes`` each (a message arrives whole, up to
-    that size, once it is asked for), so the streams without one wait with nothing read."""
+    that size, once it is asked for), so the streams without one wait with nothing read.
+
+    A message once asked for cannot be un-asked, so a turn held by a stream whose writer sends
+    nothing comes back only when that stream ends: :meth:`idle_limit` says how long such a holder
+    may keep it while others wait. It shrinks as the queue grows, so that however many idle streams
+    queue ahead of a writer with a message (up to ``--max-streams``), its turn comes within about
+    :data:`TURN_WAIT_S`: the waiting streams pass through the turns ``turns`` at a time."""
 
     def __init__(self, turns: int, on_waiting: Callable[[int], None] | None = None) -> None:
+        self.turns = turns
         self.free = turns
-        self._queue: deque[object] = deque()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # the streams waiting, in arrival order: each with a condition of its own (a release wakes
+        # the one it hands its turn to, not every waiting stream) and whether it was handed one
+        self._queue: deque[_Waiter] = deque()
         self._on_waiting = on_waiting
+        # the longest the queue was within the last TURN_PEAK_S, and since when (monotonic)
+        self._peak, self._peak_at = 0, 0.0
 
     @property
     def waiting(self) -> int:
@@ -71,33 +93,59 @@ class ReadTurns:
 
     def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.25) -> bool:
         """Wait for a turn (in arrival order); False once ``give_up()`` is true (polled)."""
-        me = object()
-        with self._cond:
+        with self._lock:
             if self.free > 0 and not self._queue:
                 self.free -= 1
                 return True
+            me = _Waiter(threading.Condition(self._lock))
             self._queue.append(me)
             self._changed()
-            try:
-                while not (self.free > 0 and self._queue[0] is me):
-                    if give_up():
-                        return False
-                    self._cond.wait(poll_s)
-                self.free -= 1
-                return True
-            finally:
-                self._queue.remove(me)
-                self._changed()
-                self._cond.notify_all()
+            while not me.granted:
+                if give_up():
+                    self._queue.remove(me)
+                    self._changed()
+                    return False
+                me.cond.wait(poll_s)
+            return True  # release() took it off the queue and handed it its turn
 
     def release(self) -> None:
-        with self._cond:
-            self.free += 1
-            self._cond.notify_all()
+        """Give a turn back: straight to the stream that has waited longest, if any."""
+        with self._lock:
+            if not self._queue:
+                self.free += 1
+                return
+            head = self._queue.popleft()
+            head.granted = True
+            self._changed()
+            head.cond.notify()
+
+    def idle_limit(self) -> float:
+        """Seconds a turn holder may wait for a message that does not come while others wait: a
+        share of :data:`TURN_WAIT_S` such that the streams waiting and those holding turns, ``turns``
+        at a time, all get a turn within it (never less than :data:`TURN_IDLE_MIN_S`). Counted
+        from the longest the queue was within the last :data:`TURN_PEAK_S`: a stream that joined
+        the end of a long queue must not wait longer as the queue ahead of it shortens."""
+        waiting = len(self._queue)
+        if time.monotonic() - self._peak_at <= TURN_PEAK_S:
+            waiting = max(waiting, self._peak)
+        return max(TURN_IDLE_MIN_S, TURN_WAIT_S * self.turns / (waiting + self.turns))
 
     def _changed(self) -> None:
+        waiting, now = len(self._queue), time.monotonic()
+        if waiting >= self._peak or now - self._peak_at > TURN_PEAK_S:
+            self._peak, self._peak_at = waiting, now
         if self._on_waiting is not None:
-            self._on_waiting(len(self._queue))
+            self._on_waiting(waiting)
+
+
+class _Waiter:
+    """A stream waiting for a turn (:meth:`ReadTurns.acquire`)."""
+
+    __slots__ = ("cond", "granted")
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond
+        self.granted = False
 
 
 class WriteStream:
@@ -144,6 +192,9 @@ class WriteStream:
         # and whether the consumer is working on a message
         self.reading_since: float | None = None
         self.busy = False
+        self.largest = 0  # bytes of the largest message received on this stream
+        self._turn_lock = threading.Lock()
+        self._turn_held = False  # the receiver holds a turn (ReadTurns) not handed on yet
         # Two threads per stream: one takes messages off the wire (after reserving budget for them),
         # one parses and admits them, so receiving message n+1 overlaps processing message n.
         self.handoff: queue.Queue[tuple[bytes, int] | None] = queue.Queue(maxsize=1)
@@ -171,7 +222,7 @@ class WriteStream:
         sent = (0, 0, 0)
         try:
             while True:
-                self.waker.wait(0.25)
+                self.waker.wait(self._poll_s())
                 self._recheck()
                 st, err, done = self.state, self.error, self.done
                 if st is not None:
@@ -195,9 +246,18 @@ class WriteStream:
                     break
             self.metrics.requests.labels("Write", "OK").inc()
         finally:
+            self._give_turn()  # the next stream need not wait for gRPC to end this one's pending read
             self.metrics.active_streams.dec()
             if self.state is not None:
                 self.engine.unlisten(self.state, self.waker)
+
+    def _give_turn(self) -> None:
+        """Hand this stream's turn on, once: by the receiver when its message has arrived, or by the
+        gRPC thread as the stream ends (its reservation stays until the receiver lets go of it)."""
+        with self._turn_lock:
+            held, self._turn_held = self._turn_held, False
+        if held:
+            self.turns.release()
 
     def _recheck(self) -> None:
         now = time.monotonic()
@@ -222,9 +282,13 @@ class WriteStream:
                 # to its size): ask only with a turn and room in the budget for the largest one.
                 if not self.turns.acquire(give_up_turn):
                     break
+                with self._turn_lock:
+                    self._turn_held = True
                 try:
                     reserved = self.engine.reserve(self.bound)
                     self.reading_since = time.monotonic()
+                    if self.turns.waiting:
+                        self.waker.wake()  # others wait: pass the turn on once idle (_poll_s)
                     try:
                         raw = next(it)
                     except BaseException:
@@ -232,7 +296,8 @@ class WriteStream:
                         raise
                 finally:
                     self.reading_since = None
-                    self.turns.release()
+                    self._give_turn()
+                self.largest = max(self.largest, len(raw))
                 keep = min(reserved, max(len(raw), 1))  # what the message holds from here on
                 if keep < reserved:
                     self.engine.unreserve(reserved - keep)
@@ -248,7 +313,7 @@ class WriteStream:
             self.handoff.put(None)
 
     def _consume(self, local: bool) -> None:
-        shm = self.shm.view if local else None
+        shm = self.shm.viewer(self.identity) if local else None  # pools it opens count in its share
         copies = [0]
 
         def before_copy(pool: str, count: Callable[[], int]) -> None:
@@ -323,16 +388,34 @@ class WriteStream:
             self.waker.wake()
 
     def idle_while_others_wait(self) -> bool:
-        """This stream's turn to read, or its slot, is wasted: it has waited READ_TURN_IDLE_S for a
-        message that has not come (its first one included), everything it took is processed, and
-        other streams wait for a turn or were just refused for want of a slot. Without the latter, a
-        stream that never sent (not even its first message) held its --max-streams slot for as long
-        as it stayed open once no stream waited for a turn: always when max_streams <= the turns."""
+        """This stream's turn to read, or its slot, is wasted: it has waited for a message that has
+        not come (its first one included), everything it took is processed, and other streams wait
+        for a turn (it waited :meth:`_turn_limit`) or were just refused for want of a slot
+        (it waited READ_TURN_IDLE_S). Without the latter, a stream that never sent (not even its
+        first message) held its --max-streams slot for as long as it stayed open once no stream
+        waited for a turn: always when max_streams <= the turns. With a fixed wait for the former,
+        idle streams passed through the turns ``turns`` per READ_TURN_IDLE_S, and a writer queued
+        behind 255 of them waited 65 s for its first message to be read."""
         since = self.reading_since
-        return (
-            since is not None
-            and time.monotonic() - since > READ_TURN_IDLE_S
-            and not self.busy
-            and self.handoff.empty()
-            and (self.turns.waiting > 0 or self.slot_wanted())
-        )
+        if since is None or self.busy or not self.handoff.empty():
+            return False
+        idle = time.monotonic() - since
+        if self.turns.waiting > 0:
+            return idle > self._turn_limit()
+        return idle > READ_TURN_IDLE_S and self.slot_wanted()
+
+    def _turn_limit(self) -> float:
+        """How long this stream may hold its turn without a message while others wait:
+        :meth:`ReadTurns.idle_limit`, plus the time its largest message so far takes to arrive at
+        TURN_ARRIVAL_BPS (a writer of large messages is not cut off while one arrives), at most
+        READ_TURN_IDLE_S. A stream earns the extra only with bytes it sent (a refused message ends it)."""
+        return min(READ_TURN_IDLE_S, self.turns.idle_limit() + self.largest / TURN_ARRIVAL_BPS)
+
+    def _poll_s(self) -> float:
+        """How long the gRPC thread sleeps between looks at the stream (a wake-up cuts it short):
+        RECHECK_S, or less while it holds a turn others wait for, so that it passes the turn on as
+        soon as it has waited :meth:`_turn_limit`."""
+        since = self.reading_since
+        if since is None or not self.turns.waiting:
+            return RECHECK_S
+        return min(RECHECK_S, max(0.01, since + self._turn_limit() - time.monotonic()))

@@ -73,7 +73,7 @@ def test_aligned_refs_exit_zero(store: tuple[str, dict[str, TraceRef]], tmp_path
     assert rc == 0 and rep["ok"]
     linked = next(e for e in rep["trajectories"] if e["trajectory"] == "linked::a0")
     assert linked["sites"]["layers.0.attn.k"] == {
-        "recorded": 7, "unrecorded_final": 1, "missing": 0, "wrong_version": 0, "via_links": 4,
+        "recorded": 7, "unrecorded_final": 1, "missing": 0, "wrong_version": 0, "via_links": 4, "misaligned": 0,
     }  # fmt: skip
 
 
