@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from tracestore.checksum import chunk_checksum_parts
-from tracestore.identity import TokenLedger, fold_ids
+from tracestore.checksum import ChunkKey, chunk_checksum
+from tracestore.identity import TokenLedger
 from tracestore.records import PrefixLink, RunSpec, SiteSpec, TrajectorySeal
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import inline_chunk_parts, link_to_pb, seal_to_pb
@@ -240,15 +240,14 @@ class _Fill:
         if self.size and self.size + nbytes > self.limit:
             self._cut(())
         cb, sb = site.code_bytes, site.scale_bytes
-        crc = chunk_checksum_parts(
-            self.run, version, trajectory, site.name, token_start, n_tokens, n_tokens * site.rows_per_token,
-            cb, sb, codes, scales, g, ts,
-        )  # fmt: skip
         ledger = self.b.ledger
         ids = ledger.crc(trajectory, token_start + n_tokens) if ledger else None
+        rows = n_tokens * site.rows_per_token
+        key = ChunkKey(self.run, version, trajectory, site.name, token_start, n_tokens, rows, cb, sb, g, ids)
+        crc = chunk_checksum(key, codes, scales, ts)
         head = pb.Chunk(
             policy_version=version, trajectory=trajectory, site=site.name, token_start=token_start,
-            n_tokens=n_tokens, global_scale=g, has_token_scales=ts is not None, checksum=fold_ids(crc, ids),
+            n_tokens=n_tokens, global_scale=g, has_token_scales=ts is not None, checksum=crc,
             ids_crc=ids,
         )  # fmt: skip
         if shm is not None:  # descriptors only

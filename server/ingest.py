@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tracestore.checksum import FAST, chunk_checksum_from_crcs, crc32, crc32_combine, crc32_held, record_checksum
+from tracestore.checksum import (
+    FAST,
+    ChunkKey,
+    chunk_checksum_from_crcs,
+    crc32,
+    crc32_combine,
+    crc32_held,
+    record_checksum,
+)
 from tracestore.errors import CorruptionError, ValidationError
-from tracestore.identity import fold_ids
 from tracestore.records import RecordChunk, RunSpec, validate_id
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import (
@@ -223,13 +230,11 @@ def _parse(
         if FAST:  # payload CRCs computed above (small chunks' here: protobuf parsed them)
             cc, cs, ct = part_crcs
             crc = chunk_checksum_from_crcs(
-                chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
-                chunk.codes.shape[0], chunk.codes.shape[1], chunk.scales.shape[1], chunk.global_scale,
+                ChunkKey.of(chunk),
                 (crc32_held(codes) if cc is None else cc, len(codes)),
                 (crc32_held(scales) if cs is None else cs, len(scales)),
                 None if ts is None else (crc32_held(ts) if ct is None else ct, len(ts)),
-            )  # fmt: skip
-            crc = fold_ids(crc, chunk.ids_crc)
+            )
         else:
             crc = record_checksum(chunk)
         object.__setattr__(chunk, "_crc", crc)  # frozen dataclass: set once, here

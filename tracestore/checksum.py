@@ -1,31 +1,201 @@
-"""The wire path's CRC-32 and record-chunk checksum: the ones :mod:`tracestore.records` defines.
+"""CRC-32 and the record-chunk checksum: the one module that defines them.
 
-``records.crc32`` is ISA-L's crc32 when ``isal`` is installed (zlib-identical values; 1.2-3.6 GB/s
-for zlib against ~23 GB/s measured on the bench machine, the largest per-byte cost of ingest), else
-zlib's. Kept as a module so the client and server import one name for the checksum they exchange.
+A chunk's checksum is the CRC-32 (zlib's values) of a canonical encoding (docs/data-model.md):
+the tag :data:`CHECKSUM_TAG`; ``run\\0trajectory\\0site\\0`` (UTF-8); :data:`HEAD` packed as
+``(policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, g)``; the codes bytes;
+the scales bytes; then ``b"\\1"`` + the token scales' float32 little-endian bytes, or ``b"\\0"``;
+then, for a chunk with a token identity, ``b"\\2"`` + ``ids_crc`` as ``<I`` (:func:`fold_ids`).
+
+Everything but the payloads is a :class:`ChunkKey`. Two entry points compute the value:
+:func:`chunk_checksum` over the payload bytes (each field may lie in several buffers), and
+:func:`chunk_checksum_from_crcs` from the payloads' own CRC-32s without reading them again.
+:func:`record_checksum` applies the first to any object with a chunk's fields.
+
+``crc32`` is ISA-L's when ``isal`` is installed (zlib-identical values; ~23 GB/s against zlib's
+1.2-3.6 GB/s on the bench machine, the largest per-byte cost of ingest), else zlib's.
+
+Example::
+
+    key = ChunkKey("run-1", 0, "traj-7", "layers.0.mlp.input", token_start=0, n_tokens=2,
+                   n_rows=2, code_bytes=1024, scale_bytes=128, global_scale=1.0)
+    chunk_checksum(key, [codes], [scales], None) == record.checksum
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from tracestore.identity import fold_ids
-from tracestore.records import (
-    _crc32_combine,
-    chunk_checksum,
-    chunk_checksum_from_crcs,
-    chunk_checksum_parts,
-    crc32,
-    crc32_combine,
-)
+_fast_crc32: Callable[..., int] | None
+_fast_combine: Callable[[int, int, int], int] | None
+try:  # optional: ISA-L's CRC-32 (same values as zlib's)
+    from isal.isal_zlib import crc32 as _fast_crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _fast_crc32 = None
+try:
+    from isal.isal_zlib import crc32_combine as _fast_combine
+except ImportError:  # pragma: no cover - depends on the environment
+    _fast_combine = None
 
-# ISA-L's crc32 and crc32_combine (C), rather than zlib's crc32 and the Python combine
-FAST = crc32 is not zlib.crc32 and crc32_combine is not _crc32_combine
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's crc32_combine (GF(2) matrix method, as in zlib's crc32.c)."""
+
+    def times(mat: list[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec >>= 1
+            i += 1
+        return out
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = square(odd)  # two zero bits
+    odd = square(even)  # four zero bits
+    while True:
+        even = square(odd)  # first pass: one zero byte
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+crc32: Callable[..., int] = zlib.crc32 if _fast_crc32 is None else _fast_crc32
+"""zlib-compatible CRC-32 (``crc32(data, value=0)``): ISA-L's when ``isal`` is installed, else zlib's."""
+
+crc32_combine: Callable[[int, int, int], int] = _crc32_combine if _fast_combine is None else _fast_combine
+"""``crc32_combine(crc(a), crc(b), len(b)) == crc32(a + b)`` (zlib semantics)."""
+
+FAST = _fast_crc32 is not None and _fast_combine is not None  # ISA-L's crc32 and crc32_combine (C)
+
+CHECKSUM_TAG = b"tracestore.chunk.v1\0"
+HEAD = struct.Struct("<qqqqqqf")  # policy_version, token_start, n_tokens, n_rows, code_bytes, scale_bytes, g
+HEAD_DTYPE = np.dtype(
+    [("pv", "<i8"), ("ts", "<i8"), ("nt", "<i8"), ("nr", "<i8"), ("cb", "<i8"), ("sb", "<i8"), ("g", "<f4")]
+)  # HEAD as a numpy record, for checksums computed column-wise
+IDS_TAG = 2  # the byte before a chunk's ids_crc in its checksum
+IDS_FOLD = struct.Struct("<BI")
+IDS_FOLD_DTYPE = np.dtype([("tag", "u1"), ("ids", "<u4")])  # IDS_FOLD as a numpy record
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKey:
+    """Everything a chunk's checksum covers but its payloads: where its rows belong (run, policy
+    version, trajectory, site, tokens ``[token_start, token_start + n_tokens)``), their shape
+    (``n_rows`` rows of ``code_bytes`` code and ``scale_bytes`` scale bytes), the decode-side
+    global scale g (hashed as float32) and the token identity ``ids_crc`` (None: none)."""
+
+    run: str
+    policy_version: int
+    trajectory: str
+    site: str
+    token_start: int
+    n_tokens: int
+    n_rows: int
+    code_bytes: int
+    scale_bytes: int
+    global_scale: float
+    ids_crc: int | None = None
+
+    @classmethod
+    def of(cls, chunk: Any) -> ChunkKey:
+        """The key of any object with a chunk's fields and 2-D ``codes``/``scales`` (a
+        ``RecordChunk``, or a received one not validated yet)."""
+        n_rows, code_bytes = chunk.codes.shape
+        return cls(
+            chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
+            n_rows, code_bytes, chunk.scales.shape[1], chunk.global_scale, getattr(chunk, "ids_crc", None),
+        )  # fmt: skip
+
+    def head(self) -> bytes:
+        """The encoding's bytes before the payloads."""
+        return key_prefix(self.run, self.trajectory, self.site) + HEAD.pack(
+            self.policy_version, self.token_start, self.n_tokens, self.n_rows, self.code_bytes, self.scale_bytes,
+            np.float32(self.global_scale),
+        )  # fmt: skip
+
+
+def key_prefix(run: str, trajectory: str, site: str) -> bytes:
+    """The encoding's first bytes: the tag and the key strings."""
+    return CHECKSUM_TAG + f"{run}\0{trajectory}\0{site}\0".encode()
+
+
+def fold_ids(checksum: int, ids: int | None) -> int:
+    """A chunk checksum extended by its token identity: ``crc32(b"\\2" + <I ids, checksum)``;
+    unchanged when the chunk carries none (so chunks without identity keep their checksum)."""
+    if ids is None:
+        return checksum
+    return zlib.crc32(IDS_FOLD.pack(IDS_TAG, ids), checksum)
+
+
+def chunk_checksum(
+    key: ChunkKey,
+    codes: Sequence[Any],
+    scales: Sequence[Any],
+    token_scales: Sequence[Any] | None,
+    *,
+    crc_fn: Callable[..., int] | None = None,
+) -> int:
+    """The checksum of the chunk ``key`` whose codes, scales and token scales (None: none) are the
+    concatenation of the byte buffers given for each, in order. ``crc_fn``: the CRC-32 to hash the
+    payloads with (same values; default :data:`crc32`)."""
+    f = crc32 if crc_fn is None else crc_fn
+    crc = crc32(key.head())
+    for part in codes:
+        crc = f(part, crc)
+    for part in scales:
+        crc = f(part, crc)
+    if token_scales is None:
+        return fold_ids(crc32(b"\0", crc), key.ids_crc)
+    crc = crc32(b"\1", crc)
+    for part in token_scales:
+        crc = f(part, crc)
+    return fold_ids(crc, key.ids_crc)
+
+
+def chunk_checksum_from_crcs(
+    key: ChunkKey, codes: tuple[int, int], scales: tuple[int, int], token_scales: tuple[int, int] | None
+) -> int:
+    """:func:`chunk_checksum` from the CRC-32s (seed 0) of the payloads, each given as
+    ``(crc, length)``, combined with ``crc32_combine`` instead of reading the bytes again."""
+    crc = crc32(key.head())
+    crc = crc32_combine(crc, codes[0], codes[1])
+    crc = crc32_combine(crc, scales[0], scales[1])
+    if token_scales is None:
+        return fold_ids(crc32(b"\0", crc), key.ids_crc)
+    return fold_ids(crc32_combine(crc32(b"\1", crc), token_scales[0], token_scales[1]), key.ids_crc)
+
+
+def record_checksum(chunk: Any) -> int:
+    """The checksum of any object with a chunk's fields (``RecordChunk.checksum``, or a received
+    chunk not validated yet): 2-D ``codes``/``scales``, float32 ``token_scales`` [rows] or None."""
+    ts = chunk.token_scales
+    return chunk_checksum(
+        ChunkKey.of(chunk),
+        [np.ascontiguousarray(chunk.codes).data],
+        [np.ascontiguousarray(chunk.scales).data],
+        None if ts is None else [np.ascontiguousarray(ts, dtype="<f4").data],
+    )
 
 
 def _gil_held_crc() -> Callable[[int, int, int], int] | None:
@@ -62,28 +232,13 @@ def crc32_address(address: int, length: int, value: int = 0) -> int:
 
 
 def crc32_held(data: Any, value: int = 0) -> int:
-    """``crc32``, keeping the GIL for buffers of 4 KiB to 1 MiB (at most ~50 us of work here).
+    """``crc32``, keeping the GIL for buffers of 4 KiB to 1 MiB (at most ~50 us of work).
 
-    isal's crc32, like zlib's, releases the GIL above 5 KiB. On a thread that checksums many
-    chunk payloads in a row while other threads want the GIL (the sidecar's stream reader, beside
-    gRPC's threads), each release costs a futex hand-off and then a wait to get the GIL back: a
-    200 KB CRC took 0.73 ms instead of 6 us next to one busy Python thread (measured here). Not
-    for a thread that should yield to others, such as the recorder's sender beside the engine."""
+    isal's crc32, like zlib's, releases the GIL above 5 KiB; on a thread that checksums many
+    payloads in a row beside other busy threads (the sidecar's stream reader), each release costs
+    a hand-off and a wait to get the GIL back (a 200 KB CRC: 0.73 ms instead of 6 us). Not for a
+    thread that should yield to others, such as the recorder's sender beside the engine."""
     a = np.frombuffer(data, np.uint8)
     if a.size < HOLD_BYTES[0]:
         return int(crc32(data, value))
     return crc32_address(a.ctypes.data, a.size, value)
-
-
-__all__ = [
-    "FAST", "chunk_checksum", "chunk_checksum_from_crcs", "chunk_checksum_parts", "crc32", "crc32_combine",
-    "crc32_address", "crc32_held", "record_checksum",
-]  # fmt: skip
-
-
-def record_checksum(chunk: Any) -> int:
-    """``RecordChunk.checksum`` for any object with a chunk's fields (e.g. a received, unvalidated one)."""
-    return fold_ids(chunk_checksum(
-        chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
-        chunk.codes, chunk.scales, chunk.global_scale, chunk.token_scales,
-    ), getattr(chunk, "ids_crc", None))  # fmt: skip

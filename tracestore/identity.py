@@ -20,17 +20,16 @@ Example::
 
 from __future__ import annotations
 
-import struct
 import zlib
 from typing import Any
 
 import numpy as np
 
+from tracestore.checksum import fold_ids  # noqa: F401  (a chunk's identity in its checksum)
 from tracestore.errors import ValidationError
 
 IDS_TAG = b"tracestore.ids.v1\0"
 _SEED = zlib.crc32(IDS_TAG)
-_FOLD = struct.Struct("<BI")
 MAX_TOKEN_ID = (1 << 31) - 1
 GAP_ID = -1  # stands for a position a recorder skipped: never a token id (those are 0..2^31-1)
 
@@ -53,14 +52,6 @@ def as_token_ids(ids: Any, what: str = "token_ids") -> np.ndarray:
 def ids_crc(prefix: Any) -> int:
     """The identity value of a chunk ending after ``prefix`` (the token ids from position 0)."""
     return zlib.crc32(as_token_ids(prefix, "prefix").data, _SEED)
-
-
-def fold_ids(checksum: int, ids: int | None) -> int:
-    """A chunk checksum extended by its identity value: ``crc32(b"\\2" + <I ids, checksum)``;
-    unchanged when the chunk carries none (so chunks without identity keep their checksum)."""
-    if ids is None:
-        return checksum
-    return zlib.crc32(_FOLD.pack(2, ids), checksum)
 
 
 class PrefixCrcs:

@@ -310,7 +310,7 @@ def test_arrow_round_trip(items):
 def test_fast_crc32_matches_zlib():
     import zlib
 
-    from tracestore.records import crc32
+    from tracestore.checksum import crc32
 
     rng = np.random.default_rng(5)
     for n in (0, 1, 7, 4096, 100_003):

@@ -19,7 +19,7 @@ from tracestore.server.memory import SHM_HOLD_FRACTION
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
-from tracestore.checksum import chunk_checksum_parts
+from tracestore.checksum import ChunkKey, chunk_checksum
 from tracestore.v1 import tracestore_pb2 as pb
 
 SITE = SPEC.site("layers.1.mlp.input")
@@ -86,8 +86,8 @@ def _descriptor_request(pool: StagingPool, seq: int, traj: str, codes: np.ndarra
     pool.view[a : a + codes.nbytes] = codes.tobytes()
     pool.view[b : b + scales.nbytes] = scales.tobytes()
     n = codes.shape[0]
-    crc = chunk_checksum_parts(SPEC.run, 0, traj, SITE.name, 0, n, n, SITE.code_bytes, SITE.scale_bytes,
-                               [codes], [scales], 0.5, None)  # fmt: skip
+    key = ChunkKey(SPEC.run, 0, traj, SITE.name, 0, n, n, SITE.code_bytes, SITE.scale_bytes, 0.5)
+    crc = chunk_checksum(key, [codes], [scales], None)
     req = pb.WriteRequest(run=SPEC.run, writer="raw", epoch=1, sequence=seq, shm_pool=pool.name or "",
                           keeps_staging=keeps)  # fmt: skip
     if seq == 1:

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tracestore import PrefixLink, SiteSpec, TrajectorySeal
+from tracestore.checksum import crc32_combine
 from tracestore.cli.inspect import validate_version
-from tracestore.records import crc32_combine
 from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table
 from tracestore.storage.manifest import ManifestColumns
 from tracestore.storage.shard_read import _crc_fixed_rows, crc32_combine_many, verify_shard

@@ -58,7 +58,7 @@ def _verify_unit(u: _Unit) -> list[str]:
     """The problems found in one unit (``CORRUPT ...`` lines without the prefix)."""
     import pyarrow as pa
 
-    from tracestore.records import crc32
+    from tracestore.checksum import crc32
     from tracestore.storage.shard_read import verify_shard
 
     m = u.cols

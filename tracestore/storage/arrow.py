@@ -19,8 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracestore.errors import CorruptionError, ValidationError
-from tracestore.identity import fold_ids
-from tracestore.records import RecordChunk, chunk_checksum
+from tracestore.records import RecordChunk
 
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"tracestore.schema_version"
@@ -246,21 +245,7 @@ def chunk_from_parts(
     except ValueError as exc:
         raise CorruptionError(f"{desc}: stored record does not validate: {exc}") from exc
     if verify:
-        actual = fold_ids(
-            chunk_checksum(
-                chunk.run,
-                chunk.policy_version,
-                chunk.trajectory,
-                chunk.site,
-                chunk.token_start,
-                chunk.n_tokens,
-                chunk.codes,
-                chunk.scales,
-                chunk.global_scale,
-                chunk.token_scales,
-            ),
-            chunk.ids_crc,
-        )
+        actual = chunk.checksum
         if actual != checksum:
             raise CorruptionError(f"{desc}: checksum mismatch (stored {checksum:#010x}, computed {actual:#010x})")
     return chunk

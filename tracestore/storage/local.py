@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from tracestore import faults as _faults
+from tracestore.checksum import crc32
 from tracestore.errors import ConflictError, StorageError
-from tracestore.records import crc32
 
 T = TypeVar("T")
 

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tracestore.checksum import crc32
 from tracestore.errors import CorruptionError, ValidationError
-from tracestore.records import PrefixLink, TrajectorySeal, crc32
+from tracestore.records import PrefixLink, TrajectorySeal
 from tracestore.storage.arrow import SCHEMA_VERSION
 
 MANIFEST_FORMAT = "tracestore.manifest"

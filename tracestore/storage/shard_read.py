@@ -28,10 +28,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracestore.checksum import crc32_held
+from tracestore.checksum import (
+    HEAD_DTYPE,
+    IDS_FOLD_DTYPE,
+    IDS_TAG,
+    ChunkKey,
+    chunk_checksum,
+    crc32,
+    crc32_combine,
+    crc32_held,
+    key_prefix,
+)
 from tracestore.errors import CorruptionError
-from tracestore.identity import fold_ids
-from tracestore.records import _CHECKSUM_TAG, chunk_checksum_parts, crc32, crc32_combine
 from tracestore.storage.arrow import CHUNK_SCHEMA, SCHEMA_VERSION, schema_version_of
 from tracestore.storage.manifest import ChunkEntry, Manifest, ManifestColumns
 
@@ -102,7 +110,7 @@ def read_chunks(
 ) -> None:
     """Read the row groups holding ``entries`` and hand each chunk, verified, to ``on_chunk``.
 
-    Every chunk's checksum is recomputed (:func:`tracestore.records.chunk_checksum`) over the
+    Every chunk's checksum is recomputed (:func:`tracestore.checksum.chunk_checksum`) over the
     manifest's key and the stored bytes and must equal the manifest's value, so a flipped byte,
     a truncated file or another shard's file in this place raises :class:`CorruptionError`
     naming the shard and the chunk. Parquet page checksums are verified by Arrow's decoder
@@ -263,13 +271,9 @@ def _read_batch(
             raise CorruptionError(f"shard {where}: {_chunk_desc(e)}: stored byte lengths do not divide into {n} rows")
         cb, sb = c.size // n, s.size // n
         gs = gs_all[j]
-        actual = chunk_checksum_parts(
-            run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, [c], [s], gs,
-            None if ts is None else [ts], crc_fn=crc_fn,
-        )  # fmt: skip
         ids = None if ids_all is None else ids_all[j]
-        if ids is not None:
-            actual = fold_ids(actual, ids)
+        key = ChunkKey(run, version, e.trajectory, e.site, e.token_start, e.n_tokens, n, cb, sb, gs, ids)
+        actual = chunk_checksum(key, [c], [s], None if ts is None else [ts], crc_fn=crc_fn)
         if actual != e.checksum:
             raise CorruptionError(
                 f"shard {where}: {_chunk_desc(e)}: checksum mismatch "
@@ -300,10 +304,6 @@ def worker_pool() -> concurrent.futures.ThreadPoolExecutor:
 # ---------------------------------------------------------------------------- full validation
 
 
-_HEAD = np.dtype(
-    [("pv", "<i8"), ("ts", "<i8"), ("nt", "<i8"), ("nr", "<i8"), ("cb", "<i8"), ("sb", "<i8"), ("g", "<f4")]
-)  # the packed "<qqqqqqf" of the chunk checksum's head (tracestore.records._checksum_head)
-_IDS_FOLD = np.dtype([("tag", "u1"), ("ids", "<u4")])  # tracestore.identity.fold_ids: b"\2" + <I ids_crc
 VALIDATE_BATCH_BYTES = 64 << 20  # row groups decoded at once by verify_shard
 
 
@@ -374,7 +374,7 @@ def verify_shard(
     checksum of those row groups (Arrow's decoder), every key column and stored checksum against
     the manifest, every chunk's byte lengths against its row count (and against
     ``sites[name] = (code_bytes, scale_bytes, rows_per_token)`` when given), and every chunk's
-    checksum (:func:`tracestore.records.chunk_checksum`), computed over whole columns at once.
+    checksum (:func:`tracestore.checksum.chunk_checksum`), computed over whole columns at once.
     The whole file's crc32 is not checked here (the caller has the bytes).
     """
     try:
@@ -478,7 +478,7 @@ def _verify_rows(
             f"shard {where}: {cols.describe(lo + j)}: {clen[j]} code and {slen[j]} scale bytes in {nrows[j]} rows "
             "do not match the site's layout"
         )
-    # 3. every chunk's checksum (tracestore.records.chunk_checksum: tag and key strings, the packed
+    # 3. every chunk's checksum (tracestore.checksum: tag and key strings, the packed
     # numbers, codes, scales, token scales), from CRCs of the parts combined column-wise: one CRC
     # call per codes and scales value; the head's CRC by linearity from the bytes that differ
     # between chunks
@@ -487,17 +487,14 @@ def _verify_rows(
     uniq, inverse = np.unique(key, return_inverse=True)
     tnames = tcodes.dictionary.to_pylist()
     prefix = np.array(
-        [
-            crc32(_CHECKSUM_TAG + f"{cols.run}\0{tnames[k // n_sites]}\0{snames[k % n_sites]}\0".encode())
-            for k in uniq.tolist()
-        ],
+        [crc32(key_prefix(cols.run, tnames[k // n_sites], snames[k % n_sites])) for k in uniq.tolist()],
         dtype=np.uint32,
     )[inverse.reshape(-1)]
-    head = np.empty(n, _HEAD)
+    head = np.empty(n, HEAD_DTYPE)
     head["pv"] = cols.policy_version
     head["ts"], head["nt"], head["nr"], head["cb"], head["sb"] = start, ntok, nrows, cb, sb
     head["g"] = table.column("global_scale").to_numpy()
-    step = _HEAD.itemsize
+    step = HEAD_DTYPE.itemsize
     actual = crc32_combine_many(prefix, _crc_fixed_rows(head), np.full(n, step))
     crc_c = np.concatenate([_crc_values(cv, co) for (co, cv, _), _, _ in parts])
     crc_s = np.concatenate([_crc_values(sv, so) for _, (so, sv, _), _ in parts])
@@ -511,9 +508,9 @@ def _verify_rows(
     if "ids_crc" in table.column_names and table.column("ids_crc").null_count < n:  # identity folded in last
         ids = table.column("ids_crc")
         has_ids = ids.is_valid().to_numpy(zero_copy_only=False)
-        fold = np.empty(int(has_ids.sum()), _IDS_FOLD)
-        fold["tag"], fold["ids"] = 2, ids.drop_null().to_numpy()
-        actual[has_ids] = crc32_combine_many(actual[has_ids], _crc_fixed_rows(fold), _IDS_FOLD.itemsize)
+        fold = np.empty(int(has_ids.sum()), IDS_FOLD_DTYPE)
+        fold["tag"], fold["ids"] = IDS_TAG, ids.drop_null().to_numpy()
+        actual[has_ids] = crc32_combine_many(actual[has_ids], _crc_fixed_rows(fold), IDS_FOLD_DTYPE.itemsize)
     j = _first_false(actual.astype(np.int64) == expect_crc)
     if j is not None:
         return (

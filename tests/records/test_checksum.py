@@ -1,7 +1,9 @@
-"""The wire-path checksum equals records.chunk_checksum bit for bit (it only swaps the crc32 engine)."""
+"""The chunk checksum (tracestore.checksum): equal to the encoding docs/data-model.md specifies,
+computed here from scratch with zlib and struct, through every entry point."""
 
 from __future__ import annotations
 
+import struct
 import zlib
 from pathlib import Path
 
@@ -10,8 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracestore.checksum import crc32, record_checksum
-from tracestore.records import RecordChunk, chunk_checksum
+from tracestore.checksum import ChunkKey, chunk_checksum, chunk_checksum_from_crcs, crc32, record_checksum
+from tracestore.records import RecordChunk
+
+
+def _spec_checksum(c: RecordChunk) -> int:
+    """The chunk checksum as docs/data-model.md writes it, with zlib and struct only."""
+    rows, cb = c.codes.shape
+    data = b"tracestore.chunk.v1\0" + f"{c.run}\0{c.trajectory}\0{c.site}\0".encode()
+    data += struct.pack("<qqqqqqf", c.policy_version, c.token_start, c.n_tokens, rows, cb, c.scales.shape[1],
+                        c.global_scale)  # fmt: skip
+    data += c.codes.tobytes() + c.scales.tobytes()
+    data += b"\0" if c.token_scales is None else b"\1" + c.token_scales.astype("<f4").tobytes()
+    if c.ids_crc is not None:
+        data += b"\2" + struct.pack("<I", c.ids_crc)
+    return zlib.crc32(data)
 
 
 @settings(max_examples=80, deadline=None)
@@ -23,19 +38,29 @@ from tracestore.records import RecordChunk, chunk_checksum
     version=st.integers(0, 10**6),
     g=st.floats(1e-30, 1e30),
     with_ts=st.booleans(),
+    ids=st.none() | st.integers(0, 2**32 - 1),
     traj=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,20}", fullmatch=True).filter(lambda t: ".." not in t),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_equals_records_checksum(rows: int, cb: int, sb: int, start: int, version: int, g: float, with_ts: bool,
-                                 traj: str, seed: int) -> None:  # fmt: skip
+def test_every_entry_point_gives_the_specified_checksum(rows: int, cb: int, sb: int, start: int, version: int,
+                                                        g: float, with_ts: bool, ids: int | None, traj: str,
+                                                        seed: int) -> None:  # fmt: skip
     rng = np.random.default_rng(seed)
     c = RecordChunk("run-x", version, traj, "site.a", start, rows,
                     codes=rng.integers(0, 256, (rows, cb), dtype=np.uint8),
                     scales=rng.integers(0, 256, (rows, sb), dtype=np.uint8), global_scale=g,
-                    token_scales=rng.random(rows, dtype=np.float32) if with_ts else None)  # fmt: skip
-    assert record_checksum(c) == c.checksum == chunk_checksum(
-        c.run, c.policy_version, c.trajectory, c.site, c.token_start, c.n_tokens, c.codes, c.scales,
-        c.global_scale, c.token_scales)  # fmt: skip
+                    token_scales=rng.random(rows, dtype=np.float32) if with_ts else None, ids_crc=ids)  # fmt: skip
+    want = _spec_checksum(c)
+    assert record_checksum(c) == c.checksum == want
+    key = ChunkKey(c.run, version, traj, "site.a", start, rows, rows, cb, sb, g, ids)
+    assert c.key.head() == key.head()  # (RecordChunk keeps g as float32; the head hashes it as float32)
+    ts = None if c.token_scales is None else c.token_scales.tobytes()
+    # payloads split into pieces anywhere hash as their concatenation
+    cut = int(rng.integers(0, rows * cb + 1))
+    codes = c.codes.tobytes()
+    assert chunk_checksum(key, [codes[:cut], codes[cut:]], [c.scales.tobytes()], None if ts is None else [ts]) == want
+    crcs = [(zlib.crc32(b), len(b)) for b in (codes, c.scales.tobytes())]
+    assert chunk_checksum_from_crcs(key, crcs[0], crcs[1], None if ts is None else (zlib.crc32(ts), len(ts))) == want
 
 
 @given(data=st.binary(max_size=5000), seed=st.integers(0, 2**32 - 1))
@@ -57,35 +82,8 @@ def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
     (got,) = msg.chunks
     assert got.checksum == c.checksum == msg.crcs[0]
     raw[len(raw) // 2] ^= 0xFF  # lands in the codes payload the chunk views
-    assert chunk_checksum(got.run, got.policy_version, got.trajectory, got.site, got.token_start, got.n_tokens,
-                          got.codes, got.scales, got.global_scale, got.token_scales) != c.checksum  # fmt: skip
+    assert record_checksum(got) != c.checksum
     assert got.checksum == c.checksum  # cached at receipt, not recomputed over today's bytes
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    rows=st.integers(1, 30),
-    cb=st.integers(0, 300),
-    sb=st.integers(0, 20),
-    with_ts=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_checksum_from_payload_crcs_equals_the_canonical_one(rows: int, cb: int, sb: int, with_ts: bool,
-                                                             seed: int) -> None:  # fmt: skip
-    """chunk_checksum_from_crcs combines the payloads' own CRCs (crc32_combine) into the chunk checksum
-    the sidecar would otherwise compute by reading the payloads a second time."""
-    from tracestore.checksum import chunk_checksum_from_crcs, chunk_checksum_parts
-
-    rng = np.random.default_rng(seed)
-    codes, scales = rng.bytes(rows * cb), rng.bytes(rows * sb)
-    ts = rng.random(rows, dtype=np.float32).tobytes() if with_ts else None
-    head = ("run-x", 3, "traj-1", "site.a", 17, rows, rows, cb, sb)
-    want = chunk_checksum_parts(*head, [codes], [scales], 0.25, None if ts is None else [ts])
-    got = chunk_checksum_from_crcs(
-        *head, 0.25, (zlib.crc32(codes), len(codes)), (zlib.crc32(scales), len(scales)),
-        None if ts is None else (zlib.crc32(ts), len(ts)),
-    )  # fmt: skip
-    assert got == want
 
 
 @given(n=st.sampled_from([0, 1, 4095, 4096, 5000, 200_000, 1 << 20, (1 << 20) + 1, 3 << 20]),
