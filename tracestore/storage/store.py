@@ -71,15 +71,9 @@ reach 10**18 in the year 33658)."""
 SHARD_FILES_ENV = "TRACESTORE_SHARD_FILES"
 SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
 SPLIT_MIN_BYTES = 24 << 20
-"""Default payload from which a write is split into two files written side by side. Measured on a
-2-core box with ``bench/ab_write_shard.py`` (``Store.write_shard`` of 512-token chunks, 8-10 rounds
-in a new random order each, medians of 9 writes; one file / two files / the tree before one writer
-per shard, whose two writers encoded one file): 30 MiB on memory:// 51.3 / 38.6 / 38.9 ms, on local
-disk 135 / 94 / 90 ms; 15 MiB on memory:// 31.3 / 29.2 / 29.5 ms, on local disk 37.9 / 38.8 / 43.9
-ms. Two files cost more CPU (15 MiB: 40 vs 33 ms on memory://, 52 vs 41 on disk), which the
-sidecar's ingest pays when its flusher shares the cores with it: with a 12 MiB threshold on
-memory:// the gRPC ingest rows of ``bench_ingest`` (15 MiB commit-ack shards) fell from 0.93x to
-0.63x of the old tree, so below this a shard stays one file."""
+"""Default payload from which a write is split into two files written side by side (below it one
+file: two cost ~25% more CPU, which the sidecar's ingest pays)."""
+# 2 cores, one file / two: 30 MiB on memory:// 51.3 / 38.6 ms, local disk 135 / 94; 15 MiB: 31.3 / 29.2, 37.9 / 38.8
 SPLIT_MIN_CHUNK_BYTES = 32 << 10
 """Only shards whose chunks hold this many bytes on average are split: the per-chunk work (checks,
 sort, index, manifest) holds the GIL, so a shard of small chunks gains nothing from a second
