@@ -74,16 +74,16 @@ def test_validate_a_healthy_store(tmp_path, mode):
 
 def test_worker_processes_verify_units(tmp_path):
     """Units verified in a worker process (this process does not help here) give the same answers."""
-    from tracestore.cli.verify import _Verifier, _Workers
+    from tracestore.cli.verify import Verifier, VerifyWorkers
 
     store, _ = _mixed_store(tmp_path)
     manifests = [ManifestColumns.from_json(store.storage.cat(p), p) for p in store.manifest_paths(RUN, 0)]
-    verifier = _Verifier(store, RUN, 0)
+    verifier = Verifier(store, RUN, 0)
     units = [u for m in manifests if m.shard for u in verifier._units(m)]
     damaged = manifests[0]
     raw = bytearray(store.storage.cat(damaged.shard))
     raw[len(raw) // 2] ^= 0x10
-    workers = _Workers(1)
+    workers = VerifyWorkers(1)
     try:
         assert [workers.submit(u).result(timeout=60) for u in units] == [[]] * len(units)
         store.storage.fs.pipe_file(store.storage.full(damaged.shard), bytes(raw))

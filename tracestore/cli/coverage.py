@@ -27,7 +27,7 @@ class _Coverage:
     ends: dict[str, int]  # largest token end of any site, per trajectory
 
 
-class _Version:
+class VersionRecords:
     """The manifests of one (run, version) as columns; ``corrupt``: (path, message) of those that
     do not load. ``on_manifest(m)`` is called for each manifest as soon as it is loaded."""
 
@@ -167,7 +167,7 @@ def _ranges(tokens: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _check_sealed(store: Any, v: _Version, out: TextIO) -> int:
+def check_sealed(store: Any, v: VersionRecords, out: TextIO) -> int:
     """Every sealed trajectory has a record for every token of every sealed site (its final
     position excepted), through its prefix links; from the manifests, reading only where chunks
     of one version overlap (their bytes must agree)."""

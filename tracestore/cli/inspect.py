@@ -32,8 +32,8 @@ from collections import defaultdict
 from typing import Any, TextIO
 
 from tracestore.cli import JSON_OBJECT, SWITCH, Setting, add_settings, integer, number, optional, text
-from tracestore.cli.coverage import _check_sealed, _Version
-from tracestore.cli.verify import PARALLEL_MIN_BYTES, _jobs, _Verifier, _Workers
+from tracestore.cli.coverage import VersionRecords, check_sealed
+from tracestore.cli.verify import PARALLEL_MIN_BYTES, Verifier, VerifyWorkers, job_count
 from tracestore.errors import TraceStoreError, ValidationError
 
 NOTHING = 3
@@ -94,8 +94,8 @@ def validate_version(
     *,
     jobs: int | None = None,
     parallel_min_bytes: int = PARALLEL_MIN_BYTES,
-    loaded: _Version | None = None,
-    verifier: _Verifier | None = None,
+    loaded: VersionRecords | None = None,
+    verifier: Verifier | None = None,
 ) -> int:
     """Verify every manifest, shard and sealed trajectory of one version; print problems, return
     their count. ``jobs``: shards verified at once, by this process and ``jobs - 1`` worker
@@ -106,24 +106,24 @@ def validate_version(
 
     if not isinstance(store, Store):
         raise TypeError("validate_version needs a Store")
-    own: list[_Workers] = []
-    n = _jobs(jobs)
+    own: list[VerifyWorkers] = []
+    n = job_count(jobs)
 
-    def workers() -> _Workers:
-        own.append(_Workers(n - 1))
+    def workers() -> VerifyWorkers:
+        own.append(VerifyWorkers(n - 1))
         return own[0]
 
     try:
         if verifier is None:
-            verifier = _Verifier(store, run, version, workers if n > 1 else None, parallel_min_bytes)
+            verifier = Verifier(store, run, version, workers if n > 1 else None, parallel_min_bytes)
         if loaded is None:
-            loaded = _Version(store, run, version, verifier.submit)
+            loaded = VersionRecords(store, run, version, verifier.submit)
         problems = 0
         for path, msg in loaded.corrupt:
             print(f"CORRUPT {path}: {msg}", file=out)
             problems += 1
         try:
-            problems += _check_sealed(store, loaded, out)
+            problems += check_sealed(store, loaded, out)
         finally:
             for p in verifier.problems():
                 print(f"CORRUPT {p}", file=out)
@@ -148,15 +148,15 @@ def run(ns: argparse.Namespace) -> int:
     resolve(ns)
     report: dict[str, Any] = {"url": ns.url, "runs": [], "ok": True}
     out: TextIO = io.StringIO() if ns.json else sys.stdout
-    started: list[_Workers] = []
+    started: list[VerifyWorkers] = []
     rc = 0
     try:
         store = Store(ns.url, ns.storage_options, timeout=ns.timeout)
-        jobs = _jobs(ns.jobs)
+        jobs = job_count(ns.jobs)
 
-        def workers() -> _Workers:  # started once, for the first version large enough; then shared
+        def workers() -> VerifyWorkers:  # started once, for the first version large enough; then shared
             if not started:
-                started.append(_Workers(jobs - 1))
+                started.append(VerifyWorkers(jobs - 1))
             return started[0]
 
         stored_runs = store.list_runs()
@@ -186,8 +186,8 @@ def run(ns: argparse.Namespace) -> int:
                     file=out,
                 )
             for v in versions:
-                verifier = _Verifier(store, run_id, v, workers if jobs > 1 else None) if ns.validate else None
-                loaded = _Version(store, run_id, v, None if verifier is None else verifier.submit)
+                verifier = Verifier(store, run_id, v, workers if jobs > 1 else None) if ns.validate else None
+                loaded = VersionRecords(store, run_id, v, None if verifier is None else verifier.submit)
                 summary: dict[str, Any] = {}
                 try:
                     summary = _version_summary(loaded, ns.trajectory)
@@ -231,7 +231,7 @@ def _check_run_id(run: str) -> None:
     validate_id("run", run)
 
 
-def _version_summary(v: _Version, trajectory: str | None) -> dict[str, Any]:
+def _version_summary(v: VersionRecords, trajectory: str | None) -> dict[str, Any]:
     """What ``inspect`` reports of one version, as plain JSON values."""
     ms = v.manifests
     shard_bytes = sum(m.shard_bytes for m in ms)

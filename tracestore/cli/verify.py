@@ -7,7 +7,7 @@ shard holds ~300,000 chunks. Shards are verified ``--jobs`` at a time (default: 
 this process and ``jobs - 1`` worker processes, once a version holds :data:`PARALLEL_MIN_BYTES` of
 shards (a worker costs ~0.35 s of CPU to start: the time this process takes to verify ~200 MB);
 this process reads the manifests and checks completeness first, then verifies what the workers
-have not taken (:meth:`_Workers.help`). A large local shard is split between them by row groups
+have not taken (:meth:`VerifyWorkers.help`). A large local shard is split between them by row groups
 (:data:`SPLIT_BYTES`). A worker is started as ``python -c`` with a small bootstrap that runs
 :func:`_worker_main`, and gets its work as pickles over a socketpair.
 """
@@ -140,7 +140,7 @@ def _worker_main(fd: int) -> None:
         _send(sock, result)
 
 
-class _Workers:
+class VerifyWorkers:
     """``n`` worker processes, each fed units by one thread of this process (which waits on its
     socket without the GIL). A worker that cannot start or dies reports its unit as a problem; the
     next unit starts a new one."""
@@ -236,7 +236,7 @@ class _Workers:
                 self._stop(*worker)
 
 
-class _Verifier:
+class Verifier:
     """Verifies the shards of one version as their manifests load: in this process, or in
     ``workers`` (when given) for a version of at least ``parallel_min_bytes`` on storage."""
 
@@ -245,13 +245,13 @@ class _Verifier:
         store: Any,
         run: str,
         version: int,
-        workers: Callable[[], _Workers] | None = None,
+        workers: Callable[[], VerifyWorkers] | None = None,
         parallel_min_bytes: int = PARALLEL_MIN_BYTES,
     ) -> None:
         self.store = store
         self.sites = {s.name: (s.code_bytes, s.scale_bytes, s.rows_per_token) for s in store.get_run(run).sites}
         self.local = bool(store.storage.local)
-        self.workers: _Workers | None = None
+        self.workers: VerifyWorkers | None = None
         # (memory:// lives in this process only)
         if (
             workers is not None
@@ -291,7 +291,8 @@ class _Verifier:
         return out
 
 
-def _jobs(jobs: int | None) -> int:
+def job_count(jobs: int | None) -> int:
+    """``jobs`` when given, else the CPUs this process may run on."""
     if jobs:
         return jobs
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tracestore.demo.train import Mode
+    from tracestore.demo.modes import Mode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,48 +17,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
 from tracestore.client.train_hooks import GuidedFP4Hooks
 from tracestore.demo import fidelity
+from tracestore.demo.modes import Mode, standard_modes  # noqa: F401  (the demo's modes, used with training)
 from tracestore.demo.rollout import Rollout
 from tracestore.formats import E2M1_MAGNITUDES, FP4Format
 from tracestore.fp4 import quantize_blocks, scale_values
 from tracestore.guidance import Guidance
-
-Quant = Literal["none", "rtn", "trace"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """A training configuration: ``quant`` none/rtn/trace; for trace, the recorded ``layers``
-    (every site of those layers: MoE input, K, V) and ``bits``."""
-
-    name: str
-    label: str
-    quant: Quant
-    layers: frozenset[int] = frozenset()
-    bits: int = 1
-
-    def records(self, layer: int) -> bool:
-        return self.quant == "trace" and layer in self.layers
-
-
-def standard_modes(n_layers: int, bits: int = 1) -> tuple[Mode, ...]:
-    """The five modes of the demo; ``bits`` is the compact / all-layers TRACE b (default 1)."""
-    every = frozenset(range(n_layers))
-    latter = frozenset(range(n_layers // 2, n_layers))
-    return (
-        Mode("bf16", "BF16 reference", "none"),
-        Mode("rtn", "vanilla RTN QAT", "rtn"),
-        Mode("trace_compact", f"TRACE b={bits}, latter half", "trace", latter, bits),
-        Mode("trace_all", f"TRACE b={bits}, all layers", "trace", every, bits),
-        Mode("trace_full", "TRACE b=4, all layers (full info)", "trace", every, 4),
-    )
-
 
 _MAGS = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
 
