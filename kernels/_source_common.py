@@ -233,9 +233,11 @@ __device__ __forceinline__ u32 mx_scale_byte(float amax, int rceil) {
     return (u32)(k + 127);
 }
 
-/* Decode-side g as the reference resolves it: 0 or non-finite -> 1 (docs/numerics.md §3). */
+/* Decode-side g as the reference resolves it (sane_global_scales): a g that is not a positive finite
+   number (0, -0, negative, +-inf, NaN: both comparisons fail) -> 1; positive subnormals are kept
+   (docs/numerics.md §3). */
 __device__ __forceinline__ float sane_g(float g) {
-    return (fabsf(g) <= FLT_MAX_F && g != 0.f) ? g : 1.f;
+    return (g > 0.f && g <= FLT_MAX_F) ? g : 1.f;
 }
 
 

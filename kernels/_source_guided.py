@@ -108,7 +108,7 @@ __global__ void guided_b1(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u3
         const u8* cp = codes + grow * c_stride + (i64)(blk0 + gi) * (BLK / 8);
         cw[gi] = BLK == 16 ? (u32)*reinterpret_cast<const u16*>(cp) : *reinterpret_cast<const u32*>(cp);
     }
-    float gr = FMT == F_NVFP4 ? g[g_per_row ? grow : 0] : 1.f;
+    float gr = FMT == F_NVFP4 ? sane_g(g[g_per_row ? grow : 0]) : 1.f;   /* docs/numerics.md §3 */
     float tsv = TS ? ts[grow] : 1.f;
     bool ok = (!valid || valid[grow]) && (!mask || mask[row]);
 #pragma unroll
@@ -150,7 +150,7 @@ __global__ void guided_fwd(const u8* __restrict__ x, i64 x_stride, u32 n_rows, u
     float v[BLK], out[BLK];
     load_block<DT, BLK>(x + (i64)row * x_stride + (i64)blk * (BLK * ESZ), v);
     i64 grow = rows ? rows[row] : (i64)row;
-    float gr = FMT == F_NVFP4 ? g[g_per_row ? grow : 0] : 1.f;
+    float gr = FMT == F_NVFP4 ? sane_g(g[g_per_row ? grow : 0]) : 1.f;   /* docs/numerics.md §3 */
     bool fallback = MODE == 1;
     float sfv = 0.f;
     u64 cw0 = 0ull, cw1 = 0ull;

@@ -99,7 +99,7 @@ __device__ __forceinline__ u32 record_block(const u32* w, float g, float s_enc, 
         if (enc_tab != nullptr && (p >= 0.f || p != p)) {
             sf = e4m3_cvt(p);
             mul = enc_tab[sf];
-        } else {   /* a negative decode-side g, or per-row g (no table): the general path */
+        } else {   /* per-row g (no table): the general path */
             sf = e4m3_encode_pos(p);
             mul = __fdiv_rn(s_enc, e4m3_decode(sf));
             if (mul > FLT_MAX_F) mul = FLT_MAX_F;
@@ -295,7 +295,8 @@ __global__ void record_codes(const u8* __restrict__ packed, i64 p_stride, const 
             scales_out[(i64)row * so_stride + c] = sb;
         }
     }
-    if (blk0 == 0 && g_out) g_out[(i64)row * g_stride] = g_ptr ? g_ptr[(i64)row * g_in_stride] : 1.f;
+    /* the g the trainer uses: 0, negative or non-finite -> 1 (docs/numerics.md §3) */
+    if (blk0 == 0 && g_out) g_out[(i64)row * g_stride] = g_ptr ? sane_g(g_ptr[(i64)row * g_in_stride]) : 1.f;
 }
 
 /* One request's tokens from a paged FP4 cache: pool [pages, page_size, row bytes] (any strides
@@ -318,7 +319,7 @@ __global__ void record_kv(const u8* __restrict__ pool, i64 pool_page, i64 pool_s
     load_fp4<BLK>(pool + page * pool_page + (i64)slot * pool_slot + (i64)blk * (BLK / 2), codes);
     store_bits<BLK, BITS>(codes_out + (i64)t * c_stride + (i64)blk * (BLK * BITS / 8), codes);
     scales_out[(i64)t * so_stride + blk] = spool[page * spool_page + (i64)slot * spool_slot + blk];
-    if (blk == 0 && g_out) g_out[(i64)t * g_stride] = g_ptr ? g_ptr[(i64)t * g_in_stride] : 1.f;
+    if (blk == 0 && g_out) g_out[(i64)t * g_stride] = g_ptr ? sane_g(g_ptr[(i64)t * g_in_stride]) : 1.f;
 }
 
 /* A RecordSlab's first rows (n16 16-byte words) into slot *slot of a device ring (slot_bytes

@@ -24,7 +24,7 @@ import torch
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import FP4Format, get_format, packed_row_bytes
-from tracestore.fp4 import resolve_global_scale
+from tracestore.fp4 import resolve_global_scale, sane_global_scales
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
 
@@ -50,10 +50,6 @@ def _lut(bits: int, rule: str, device: torch.device) -> torch.Tensor:
     if t is None:
         t = _luts[key] = lut_tensor(bits, rule, device)
     return t
-
-
-def _sane_g(g: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
 
 
 def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
@@ -99,7 +95,7 @@ def _guided_fp4_op(
         rule,  # type: ignore[arg-type]
         token_scales=token_scales,
         valid=ok,
-        fallback_global_scale=_sane_g(g) if f.has_global_scale else None,
+        fallback_global_scale=sane_global_scales(g) if f.has_global_scale else None,
     ).clone()
 
 
@@ -210,8 +206,9 @@ def guided_fp4(
     ``guidance`` holds M record rows; x's row i uses guidance row ``rows[i]`` (int64[N], e.g. the
     token permutation of an expert dispatch) or row i when ``rows`` is None (then M == N).
     ``mask`` bool[N]: False rows (and ``guidance.valid`` False rows, and blocks whose scale byte is
-    NaN) fall back to RTN with the training side's own block scales and the record's g (0 or
-    non-finite -> 1). Output has x's dtype and shape; backward is straight-through.
+    NaN) fall back to RTN with the training side's own block scales and the record's g. Every g
+    (the record's and the fallback's) that is 0, negative or not finite is used as 1
+    (docs/numerics.md §3). Output has x's dtype and shape; backward is straight-through.
     ``fallback_global_scale`` (float32, one element or one per guidance row, on x's device): the g
     that rows without a record (``guidance.valid`` False) quantize with instead of the record's
     (the reader gives such rows 1.0), e.g. the trainer's own RTN scale; rows with a record keep theirs.

@@ -26,7 +26,7 @@ import torch
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import FP4Format, packed_row_bytes
-from tracestore.fp4 import quantize, quantize_blocks, resolve_global_scale
+from tracestore.fp4 import quantize, quantize_blocks, resolve_global_scale, sane_global_scales
 from tracestore.layouts import padded_shape, unswizzle_scales
 from tracestore.packing import pack_bits, pack_fp4, unpack_fp4
 
@@ -167,7 +167,7 @@ def _g_tensor(
 
 
 def compute_global_scale(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Decode-side NVFP4 g = amax(|x|)/2688 (0 or non-finite -> 1) into ``out`` (float32, 1 element).
+    """Decode-side NVFP4 g = amax(|x|)/2688 (0 or non-finite -> 1, §3) into ``out`` (float32, 1 element).
 
     Three graph-safe launches on the GPU (zero, amax with atomics, finalize); the reference
     ``resolve_global_scale`` on the CPU. Returns ``out``.
@@ -204,8 +204,10 @@ def record_from_activations(
     ``x`` [N, width] float32/bfloat16/float16 (or [..., width], contiguous); writes rows
     ``[row_offset, row_offset+N)`` of ``out``: packed low-b bits, scale bytes, g per row, and the
     packed FP4 codes if ``out.fp4`` exists. NVFP4 ``global_scale`` is decode-side: a float32
-    device tensor (graph-safe), a float, or None = amax(|x|)/2688 computed on the device (two
-    extra small launches). Returns the written rows as a :class:`RecordBuffer` view.
+    device tensor of one element or one per row (graph-safe), a float, or None = amax(|x|)/2688
+    computed on the device (two extra small launches). A g that is 0, negative or not finite is
+    quantized with and stored as 1.0 (docs/numerics.md §3). Returns the written rows as a
+    :class:`RecordBuffer` view.
     """
     width, fmt, bits = site_params(site)
     x = check_rows_2d(check_float(x), "x", width)
@@ -223,9 +225,9 @@ def record_from_activations(
         g = _g_tensor(global_scale, fmt, x.device, slot, n)
     per_row = g is not None and g.numel() > 1
     if not use_gpu(x.device):
-        if per_row:  # one g per row: docs/numerics.md §3 row by row, 0 / non-finite -> 1
+        if per_row:  # one g per row: docs/numerics.md §3 row by row, 0 / negative / non-finite -> 1
             assert g is not None
-            gr = torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
+            gr = sane_global_scales(g)
             codes_b, sf = quantize_blocks(x.float().reshape(n, -1, fmt.block), fmt, gr.reshape(n, 1))
             codes = codes_b.reshape(n, width)
             rows.scales.copy_(sf)
@@ -297,8 +299,10 @@ def record_from_codes(
 
     ``packed_fp4`` uint8[N, width/2]; ``scales`` uint8[N, width/block] row-major, or for
     ``scale_layout="swizzled128x4"`` CUTLASS's swizzled buffer (any shape, R'·C' bytes,
-    docs/numerics.md §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor or float).
-    Writes rows ``[row_offset, row_offset+N)`` of ``out`` and returns them.
+    docs/numerics.md §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor
+    of one element or one per row, or a float); a g that is 0, negative or not finite is stored as
+    1.0, the g the trainer uses (docs/numerics.md §3). Writes rows ``[row_offset, row_offset+N)`` of
+    ``out`` and returns them.
     """
     width, fmt, bits = site_params(site)
     packed_fp4 = check_rows_2d(check_uint8(packed_fp4, "packed_fp4"), "packed_fp4", width // 2)
@@ -331,7 +335,7 @@ def record_from_codes(
         codes = unpack_fp4(packed_fp4)
         rows.codes.copy_(pack_bits(codes, bits))
         rows.scales.copy_(unswizzle_scales(scales, n, nb) if swz else scales)
-        rows.global_scale.copy_(g.expand(n) if g is not None else torch.ones(n))
+        rows.global_scale.copy_(sane_global_scales(g).expand(n) if g is not None else torch.ones(n))
         return rows
     check_aligned(packed_fp4, "packed_fp4", fmt.block // 2)
     # two NVFP4 blocks per thread (16-byte loads) where rows have an even block count and the
@@ -414,7 +418,7 @@ def _one_kv(
         codes = unpack_fp4(pool[pg, slot].reshape(n_tokens, width // 2))
         rows.codes.copy_(pack_bits(codes, bits))
         rows.scales.copy_(spool[pg, slot].reshape(n_tokens, -1))
-        rows.global_scale.copy_(g.expand(n_tokens) if g is not None else torch.ones(n_tokens))
+        rows.global_scale.copy_(sane_global_scales(g).expand(n_tokens) if g is not None else torch.ones(n_tokens))
         return rows
     base_ok = pool.data_ptr() % (fmt.block // 2) == 0 and (pool.stride(0) % (fmt.block // 2)) == 0
     if not base_ok or (pool.stride(1) % (fmt.block // 2)):
@@ -467,7 +471,9 @@ def record_kv_pages(
     uint8[pages, page_size, heads, head_dim/block], ``page_table`` int32/int64[≥ pages used] the
     request's pages in order. Token ``t`` lives at page ``page_table[t // page_size]``, slot
     ``t % page_size``; its record row is heads×head_dim wide. Page ids are trusted (they are read
-    on the device, never synchronized to the host). Returns the written rows per cache.
+    on the device, never synchronized to the host). NVFP4 ``global_scale``: the cache's decode-side
+    g per cache (float32 device tensor of one element or one per token, or a float); a g that is 0,
+    negative or not finite is stored as 1.0 (docs/numerics.md §3). Returns the written rows per cache.
     """
     pools, spools = _pair(kv_pool, "kv_pool"), _pair(kv_scales, "kv_scales")
     k = len(pools)

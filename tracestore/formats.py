@@ -28,9 +28,19 @@ E4M3_NAN_BYTE = 0x7F
 E8M0_NAN_BYTE = 0xFF
 E8M0_BIAS = 127
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # 2688: decode-side g = amax / (6 * 448)
+FLT_MAX = float(np.finfo(np.float32).max)
 
 ScaleRule = Literal["floor", "rceil"]
 FormatName = Literal["nvfp4", "mxfp4"]
+
+
+def sane_global_scale(g: float) -> float:
+    """The decode-side NVFP4 g as the records store and the trainer uses it (docs/numerics.md §3):
+    ``g`` rounded to float32, or 1.0 where that is not a positive finite number (0, -0, negative,
+    ±inf, NaN). Positive subnormals are kept. ``sane_global_scale(float("nan")) == 1.0``."""
+    with np.errstate(over="ignore"):
+        v = float(np.float32(g))
+    return v if 0.0 < v <= FLT_MAX else 1.0
 
 
 def e2m1_values() -> np.ndarray:

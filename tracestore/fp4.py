@@ -70,14 +70,22 @@ def _f32(v: float | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float32).reshape(())
 
 
+def sane_global_scales(g: torch.Tensor) -> torch.Tensor:
+    """Decode-side NVFP4 g, elementwise, as records store and the trainer uses it (docs/numerics.md
+    §3): float32 ``g`` where it is a positive finite number, 1.0 where it is 0, -0, negative, ±inf or
+    NaN. Positive subnormals are kept bit for bit. Same shape and device as ``g``."""
+    g = g.to(torch.float32)
+    return torch.where((g > 0) & (g <= FLT_MAX), g, torch.ones_like(g))
+
+
 def resolve_global_scale(x: torch.Tensor, global_scale: float | torch.Tensor | None) -> torch.Tensor:
-    """Decode-side g as a float32 scalar: given, or amax(|x|)/2688; 0 or non-finite -> 1 (§3)."""
+    """Decode-side g as a float32 scalar: given, or amax(|x|)/2688; then :func:`sane_global_scales`
+    (0, negative or non-finite -> 1, §3)."""
     if global_scale is None:
         g = x.float().abs().amax().to(torch.float32) / NVFP4_GLOBAL_DIVISOR
     else:
         g = _f32(global_scale).to(x.device)
-    ok = torch.isfinite(g) & (g != 0)
-    return torch.where(ok, g, torch.ones_like(g))
+    return sane_global_scales(g)
 
 
 def rtn_codes(z: torch.Tensor) -> torch.Tensor:

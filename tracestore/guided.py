@@ -20,6 +20,7 @@ from tracestore.fp4 import (
     quantize,
     quantize_blocks,
     rtn_codes,
+    sane_global_scales,
     scale_values,
 )
 from tracestore.packing import unpack_bits
@@ -138,10 +139,10 @@ def _row_global_scale(
     global_scale: float | torch.Tensor, fmt: FP4Format, lead: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """g as float32 broadcastable to [..., nblocks]: a scalar, or one per row (chunks recorded in
-    different forwards carry different global scales)."""
+    different forwards carry different global scales); 0, negative or non-finite -> 1 (§3)."""
     if fmt.name != "nvfp4":
         return torch.ones((), dtype=torch.float32, device=device)
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
+    g = sane_global_scales(torch.as_tensor(global_scale, dtype=torch.float32, device=device))
     if g.dim() == 0:
         return g
     if tuple(g.shape) != lead:
@@ -173,7 +174,8 @@ def guided_round(
 
     ``packed`` uint8[..., D*bits/8] (from :func:`pack_bits`), ``scales`` uint8[..., D/block] raw
     rollout scale bytes, ``global_scale`` the rollout's decode-side g (NVFP4), optional
-    ``token_scales`` float32[...]. Returns ``x``'s dtype; backward is straight-through.
+    ``token_scales`` float32[...]. Returns ``x``'s dtype; backward is straight-through. A g that
+    is 0, negative or not finite is used as 1, as records store it (docs/numerics.md §3).
 
     Values not backed by a record — rows where ``valid`` is False, blocks whose scale byte is NaN —
     fall back to RTN with the training side's own block scales (docs/numerics.md §8) and decode-side

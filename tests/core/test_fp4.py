@@ -18,8 +18,23 @@ from tracestore import (
     get_format,
     quantize,
 )
-from tracestore.formats import E2M1_BOUNDARIES, E2M1_MAGNITUDES, E4M3_TO_FLOAT, E8M0_TO_FLOAT, FP4Format
-from tracestore.fp4 import e2m1_table, e4m3_decode, e4m3_encode, e8m0_decode, mx_scale_bytes, rtn_codes
+from tracestore.formats import (
+    E2M1_BOUNDARIES,
+    E2M1_MAGNITUDES,
+    E4M3_TO_FLOAT,
+    E8M0_TO_FLOAT,
+    FP4Format,
+    sane_global_scale,
+)
+from tracestore.fp4 import (
+    e2m1_table,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    mx_scale_bytes,
+    rtn_codes,
+    sane_global_scales,
+)
 
 FORMATS = [NVFP4, MXFP4, MXFP4_RCEIL]
 
@@ -125,12 +140,35 @@ def test_nan_block(fmt):
     assert not torch.isnan(dequantize(q)[0]).any()
 
 
-@pytest.mark.parametrize("g", [0.0, float("inf"), float("nan")])
+DEGENERATE_G = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -0.5, -3.0e38, -(2.0**-140)]
+
+
+@pytest.mark.parametrize("g", DEGENERATE_G)
 def test_degenerate_global_scale_means_one(g):
+    """docs/numerics.md §3: a g that is not a positive finite float32 becomes 1."""
     x = torch.linspace(-3, 3, 32)
-    assert torch.equal(quantize(x, NVFP4, g).codes, quantize(x, NVFP4, 1.0).codes)
-    assert quantize(x, NVFP4, g).global_scale == 1.0
+    for given in (g, torch.tensor(g)):
+        q = quantize(x, NVFP4, given)
+        assert torch.equal(q.codes, quantize(x, NVFP4, 1.0).codes)
+        assert torch.equal(q.scales, quantize(x, NVFP4, 1.0).scales)
+        assert q.global_scale == 1.0
     assert quantize(torch.zeros(16), NVFP4).global_scale == 1.0
+
+
+def test_sane_global_scales_elementwise():
+    g = torch.tensor([*DEGENERATE_G, 0.75, 2.0**-140, 3.0e38])
+    want = torch.tensor([1.0] * len(DEGENERATE_G) + [0.75, 2.0**-140, 3.0e38])
+    assert torch.equal(sane_global_scales(g).view(torch.int32), want.view(torch.int32))
+    assert [sane_global_scale(float(v)) for v in g] == want.tolist()
+    assert sane_global_scale(float(np.float32(2.0**-140))) == 2.0**-140  # subnormals are kept
+
+
+def test_subnormal_global_scale_is_used_as_given():
+    """A positive subnormal g is finite and nonzero: kept, though 1/g overflows to inf (§3)."""
+    x = torch.cat([torch.zeros(16), torch.linspace(-1, 1, 16)])
+    q = quantize(x, NVFP4, 2.0**-140)
+    assert q.global_scale == 2.0**-140
+    assert q.scales.tolist() == [0x7F, 0x7E]  # 0·inf is NaN: the all-zero block reads as NaN (§8)
 
 
 def test_default_global_scale_is_amax_over_2688():

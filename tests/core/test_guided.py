@@ -158,6 +158,26 @@ def test_valid_mask_and_per_row_global_scale():
     assert torch.equal(y[2:], dequantize(q2))
 
 
+@pytest.mark.parametrize(
+    "g", [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -0.5], ids=["0", "-0", "inf", "-inf", "nan", "neg"]
+)
+def test_degenerate_record_global_scale_means_one(g):
+    """docs/numerics.md §3: the rollout's g, when 0, negative or not finite, is 1 on the training side
+    too — in the guided values and in the RTN fallback (a NaN scale byte, an invalid row)."""
+    x_roll = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    q = quantize(x_roll, NVFP4, 1.0)
+    p = pack_bits(q.codes, 1)
+    scales = q.scales.clone()
+    scales[2, 1] = 0x7F
+    x = x_roll * 1.01
+    valid = torch.tensor([True, False, True])
+    want = guided_round(x, p, scales, 1.0, 1, valid=valid)
+    assert torch.equal(guided_round(x_roll, p, q.scales, g, 1), dequantize(q))  # invariant 1 with g = 1
+    assert torch.equal(guided_round(x, p, scales, g, 1, valid=valid), want)
+    assert torch.equal(guided_round(x, p, scales, torch.tensor([g, 1.0, g]), 1, valid=valid), want)
+    assert torch.equal(guided_round(x, p, scales, 1.0, 1, valid=valid, fallback_global_scale=g), want)
+
+
 def test_token_scales_divide_z_and_multiply_output():
     x = torch.randn(2, 16)
     q = quantize(x / 4, NVFP4)  # as if the engine pre-divided by a per-token scale of 4

@@ -11,7 +11,7 @@ from tracestore.kernels.testing import assert_bits_equal
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
-from tracestore.fp4 import dequantize, quantize, scale_values
+from tracestore.fp4 import dequantize, quantize, sane_global_scales, scale_values
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
 from tracestore.packing import pack_bits
@@ -63,7 +63,7 @@ def reference(x, gd, rows=None, mask=None):
     ok = valid
     if mask is not None:
         ok = mask if ok is None else ok & mask
-    fb = torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g)) if gd.fmt.has_global_scale else None
+    fb = sane_global_scales(g) if gd.fmt.has_global_scale else None
     return guided_round(
         x, codes, scales, g, gd.bits, gd.fmt, gd.rule, token_scales=ts, valid=ok, fallback_global_scale=fb
     )
@@ -90,6 +90,32 @@ def test_cpu_rows_mask_token_scales(gen):
     # masked rows are RTN with the record's g
     g = gd.global_scale[rows[1]]
     assert_bits_equal(y[1], rtn_fake_quant(x[1:2], NVFP4, g).reshape(-1))
+
+
+DEGENERATE_G = {"zero": 0.0, "neg-zero": -0.0, "inf": float("inf"), "neg-inf": float("-inf"), "nan": float("nan")}
+DEGENERATE_G["negative"] = -0.5
+
+
+def with_g(gd, g):
+    return Guidance(gd.codes, gd.scales, g, gd.bits, gd.fmt, gd.rule, token_scales=gd.token_scales, valid=gd.valid)
+
+
+def degenerate_cases(gen, device="cpu"):
+    """(x, guidance with a degenerate g, the same guidance with g = 1) for a scalar g and one per row,
+    b = 1 bracket (guided_b1) and b = 2 paper (the table kernel), rows with and without records."""
+    for (name, g), (bits, rule) in itertools.product(DEGENERATE_G.items(), [(1, "bracket"), (2, "paper")]):
+        x, gd = make_case(6, 3, "nvfp4", bits, torch.float32, gen, rule, per_row_g=False)
+        row_g = torch.tensor([g, 0.75, g, g, 1.0, g], dtype=torch.float32)
+        row_one = torch.tensor([1.0, 0.75, 1.0, 1.0, 1.0, 1.0], dtype=torch.float32)
+        yield f"{name} b{bits} scalar", x, with_g(gd, g), with_g(gd, 1.0)
+        yield f"{name} b{bits} per-row", x, with_g(gd, row_g), with_g(gd, row_one)
+
+
+def test_cpu_degenerate_g_means_one(gen):
+    """docs/numerics.md §3: a record g that is 0, negative or not finite is used as 1, in guided
+    values and in the RTN fallback alike."""
+    for what, x, bad, one in degenerate_cases(gen):
+        assert_bits_equal(guided_fp4(x, bad), guided_fp4(x, one), what)
 
 
 def test_cpu_identity_invariant(gen):
@@ -185,6 +211,15 @@ def test_gpu_guided_exact(fmt, dtype, bits, decide, gen):
     for rule, (n, blocks) in itertools.product(["bracket", "paper"], [(1, 1), (7, 13), (129, 31)]):
         x, gd = make_case(n, blocks, fmt, bits, dtype, gen, rule, per_row_g=n % 2 == 1)
         gpu_vs_cpu(x, gd, what=f"{rule} {n}x{blocks}")
+
+
+@pytest.mark.gpu
+def test_gpu_guided_degenerate_g(decide, gen):
+    """The kernels use a degenerate record g as 1 (docs/numerics.md §3), like the reference."""
+    for what, x, bad, one in degenerate_cases(gen):
+        gpu_vs_cpu(x, bad, what=what)
+        y = guided_fp4(x.cuda(), bad.to("cuda"))
+        assert_bits_equal(y.cpu(), guided_fp4(x, one), what)
 
 
 @pytest.mark.gpu

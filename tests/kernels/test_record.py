@@ -177,6 +177,114 @@ def test_errors(gen):
         record_kv_pages(k, ks, torch.tensor([0.0, 1.0]), 2, site("nvfp4", 4), out, global_scale=1.0)
 
 
+# ------------------------------------------------------------- the decode-side g rule (numerics §3)
+
+# A decode-side g that is not a positive finite float32 is stored as 1.0, the g the trainer uses
+# (docs/numerics.md §3); a positive subnormal g is a positive finite number and is kept bit for bit.
+BAD_G = {
+    "zero": 0.0,
+    "neg-zero": -0.0,
+    "inf": float("inf"),
+    "neg-inf": float("-inf"),
+    "nan": float("nan"),
+    "negative": -0.5,
+    "neg-max": -3.0e38,
+}
+SUBNORMAL_G = 2.0**-140  # a float32 subnormal: 1/g overflows to inf
+ROW_G = [*BAD_G.values(), 0.75, SUBNORMAL_G]  # one g per row, bad and good mixed
+ROW_G_STORED = [1.0] * len(BAD_G) + [0.75, SUBNORMAL_G]
+
+
+def g_forms(g, n, device="cpu"):
+    """``global_scale`` arguments that all carry the value ``g``: a float, a one-element float32 tensor,
+    and one value per row (``n`` rows)."""
+    return {
+        "float": g,
+        "tensor": torch.tensor([g], dtype=torch.float32, device=device),
+        "per-row": torch.full((n,), g, dtype=torch.float32, device=device),
+    }
+
+
+def assert_g_stored(out, lo, want):
+    got = out.global_scale[lo : lo + len(want)].cpu()
+    assert_bits_equal(got, torch.tensor(want, dtype=torch.float32), "global_scale")
+
+
+@pytest.mark.parametrize("form", ["float", "tensor", "per-row"])
+@pytest.mark.parametrize("g", BAD_G.values(), ids=BAD_G.keys())
+def test_cpu_record_from_codes_stores_degenerate_g_as_one(g, form, gen):
+    s = site("nvfp4", 3)
+    q = quantize(activations(4, s.width, torch.float32, gen), NVFP4, 1.0)
+    out = poisoned(s, 6, "cpu")
+    record_from_codes(pack_fp4(q.codes), q.scales, s, out, row_offset=1, global_scale=g_forms(g, 4)[form])
+    assert_g_stored(out, 1, [1.0] * 4)
+    assert_bits_equal(out.codes[1:5], pack_bits(q.codes, 1))
+
+
+def test_cpu_record_from_codes_per_row_g_mixed(gen):
+    s = site("nvfp4", 2)
+    n = len(ROW_G)
+    q = quantize(activations(n, s.width, torch.float32, gen), NVFP4, 1.0)
+    out = poisoned(s, n + 2, "cpu")
+    record_from_codes(pack_fp4(q.codes), q.scales, s, out, row_offset=2, global_scale=torch.tensor(ROW_G))
+    assert_g_stored(out, 2, ROW_G_STORED)
+
+
+@pytest.mark.parametrize("g", BAD_G.values(), ids=BAD_G.keys())
+def test_cpu_record_kv_pages_stores_degenerate_g_as_one(g, gen):
+    heads, hd = 2, 32
+    s = SiteSpec("layers.3.attn.k", "key", 3, heads * hd, "nvfp4", 1)
+    k, ks = kv_cache(6, 4, heads, hd, NVFP4, gen)
+    v, vs = kv_cache(6, 4, heads, hd, NVFP4, gen)
+    table = torch.tensor([5, 0, 3, 2], dtype=torch.int32)
+    ok, ov = poisoned(s, 12, "cpu"), poisoned(s, 12, "cpu")
+    gs = (g, torch.tensor([g], dtype=torch.float32))
+    record_kv_pages((k, v), (ks, vs), table, 11, s, (ok, ov), token_start=2, row_offset=1, global_scale=gs)
+    assert_g_stored(ok, 1, [1.0] * 11)
+    assert_g_stored(ov, 1, [1.0] * 11)
+    # one g per token
+    ow = poisoned(s, 12, "cpu")
+    record_kv_pages(k, ks, table, len(ROW_G), s, ow, token_start=2, row_offset=1, global_scale=torch.tensor(ROW_G))
+    assert_g_stored(ow, 1, ROW_G_STORED)
+
+
+@pytest.mark.parametrize("form", ["float", "tensor", "per-row"])
+@pytest.mark.parametrize("g", BAD_G.values(), ids=BAD_G.keys())
+def test_cpu_record_from_activations_degenerate_g_is_one(g, form, gen):
+    """The rows are quantized with g = 1 and store g = 1."""
+    s = site("nvfp4", 3)
+    x = activations(4, s.width, torch.bfloat16, gen)
+    out = poisoned(s, 6, "cpu")
+    record_from_activations(x, s, out, row_offset=1, global_scale=g_forms(g, 4)[form])
+    check_rows(out, 1, x, s, 1.0)
+
+
+def test_cpu_record_from_activations_per_row_g_mixed(gen):
+    s = site("nvfp4", 2)
+    n = len(ROW_G)
+    x = activations(n, s.width, torch.float32, gen)
+    out = poisoned(s, n + 1, "cpu")
+    record_from_activations(x, s, out, row_offset=1, global_scale=torch.tensor(ROW_G))
+    for i, g in enumerate(ROW_G_STORED):
+        check_rows(out, 1 + i, x[i : i + 1], s, g)
+
+
+def test_cpu_subnormal_g_is_kept(gen):
+    """A positive subnormal g is used as given (docs/numerics.md §3): 1/g overflows to inf, so a
+    nonzero block saturates at scale byte 0x7E with codes ±6 and an all-zero block gets scale byte
+    0x7F (0·inf is NaN), which readers treat as a block without a record (§8)."""
+    s = site("nvfp4", 2)
+    x = torch.zeros(1, s.width)
+    x[0, 16:] = torch.linspace(-1, 1, 16)
+    x[0, 24] = 0.0
+    out = poisoned(s, 1, "cpu")
+    record_from_activations(x, s, out, global_scale=SUBNORMAL_G)
+    assert_g_stored(out, 0, [SUBNORMAL_G])
+    assert out.scales[0].tolist() == [0x7F, 0x7E]
+    codes = quantize(x, NVFP4, SUBNORMAL_G).codes[0]
+    assert codes[:16].eq(7).all() and codes[16:].tolist() == [15] * 8 + [0] + [7] * 7
+
+
 # ------------------------------------------------------------------------------------------- GPU
 
 SHAPES = [(1, 1), (7, 13), (129, 31), (300, 128)]  # (rows, blocks): one row, primes, 128+1 rows
@@ -381,6 +489,71 @@ def test_gpu_record_kv_pages_exact(fmt, bits, pt_dtype, gen):
         assert_bits_equal(out.scales[7:308], sx.cuda())
     if g is not None:
         assert bool((ok.global_scale[7:308] == 0.5).all()) and bool((ov.global_scale[7:308] == 0.25).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("record_variant", KR.RECORD_VARIANTS, indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_record_from_activations_degenerate_g(record_variant, dtype, gen):
+    """record_act quantizes with and stores the g of docs/numerics.md §3, like the CPU path: each
+    degenerate g as a float, one-element tensor and per-row tensor, and one g per row mixing
+    degenerate, normal and subnormal values; every row bit for bit against the CPU launcher."""
+    s = site("nvfp4", 13)
+    n = len(ROW_G)
+    x = activations(n, s.width, dtype, gen)
+    cases = [(f"{k} {form}", v) for k, g in BAD_G.items() for form, v in g_forms(g, n).items()]
+    cases += [("subnormal", SUBNORMAL_G), ("mixed per-row", torch.tensor(ROW_G))]
+    for what, g in cases:
+        want, got = poisoned(s, n + 3, "cpu"), poisoned(s, n + 3, "cuda")
+        record_from_activations(x, s, want, row_offset=3, global_scale=g)
+        gd = g.cuda() if isinstance(g, torch.Tensor) else g
+        record_from_activations(x.cuda(), s, got, row_offset=3, global_scale=gd)
+        for name in ("codes", "scales", "global_scale", "fp4"):
+            assert_bits_equal(getattr(got, name).cpu(), getattr(want, name), f"{what}: {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rowmajor", "swizzled128x4"])
+def test_gpu_record_from_codes_degenerate_g(layout, gen):
+    """record_codes stores the g of docs/numerics.md §3 (0, negative, non-finite -> 1; subnormal kept),
+    like the CPU path, for a float, a one-element tensor and one g per row."""
+    for n, blocks in [(len(ROW_G), 2), (len(ROW_G), 13)]:  # paired (even block count) and single blocks
+        s = site("nvfp4", blocks, 1)
+        codes = torch.randint(0, 16, (n, s.width), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 256, (n, blocks), generator=gen, dtype=torch.uint8)
+        sc = swizzle_scales(scales, fill=0x55) if layout != "rowmajor" else scales
+        cases = [(f"{k} {form}", v) for k, g in BAD_G.items() for form, v in g_forms(g, n).items()]
+        cases += [("subnormal", SUBNORMAL_G), ("mixed per-row", torch.tensor(ROW_G))]
+        for what, g in cases:
+            want, got = poisoned(s, n + 4, "cpu"), poisoned(s, n + 4, "cuda")
+            record_from_codes(pack_fp4(codes), sc, s, want, row_offset=4, scale_layout=layout, global_scale=g)
+            gd = g.cuda() if isinstance(g, torch.Tensor) else g
+            record_from_codes(
+                pack_fp4(codes).cuda(), sc.cuda(), s, got, row_offset=4, scale_layout=layout, global_scale=gd
+            )
+            for name in ("codes", "scales", "global_scale"):
+                assert_bits_equal(getattr(got, name).cpu(), getattr(want, name), f"{n}x{blocks} {what}: {name}")
+            if what == "mixed per-row":
+                assert_g_stored(got, 4, ROW_G_STORED)
+
+
+@pytest.mark.gpu
+def test_gpu_record_kv_pages_degenerate_g(gen):
+    """record_kv stores the g of docs/numerics.md §3, like the CPU path."""
+    heads, hd = 2, 32
+    s = SiteSpec("layers.3.attn.k", "key", 3, heads * hd, "nvfp4", 1)
+    k, ks = kv_cache(6, 4, heads, hd, NVFP4, gen)
+    table = torch.tensor([5, 0, 3, 2], dtype=torch.int32)
+    n = len(ROW_G)
+    cases = [(f"{k_} {form}", v) for k_, g in BAD_G.items() for form, v in g_forms(g, n).items()]
+    cases += [("subnormal", SUBNORMAL_G), ("mixed per-row", torch.tensor(ROW_G))]
+    for what, g in cases:
+        want, got = poisoned(s, n + 1, "cpu"), poisoned(s, n + 1, "cuda")
+        record_kv_pages(k, ks, table, n, s, want, token_start=2, row_offset=1, global_scale=g)
+        gd = g.cuda() if isinstance(g, torch.Tensor) else g
+        record_kv_pages(k.cuda(), ks.cuda(), table.cuda(), n, s, got, token_start=2, row_offset=1, global_scale=gd)
+        for name in ("codes", "scales", "global_scale"):
+            assert_bits_equal(getattr(got, name).cpu(), getattr(want, name), f"{what}: {name}")
 
 
 @pytest.mark.gpu
