@@ -72,7 +72,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from tracestore.client import GuidanceReader
-    from tracestore.client.reader import _plan_key
+    from tracestore.client.read.reader import _plan_key
 
     samples: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-read-") as tmp:

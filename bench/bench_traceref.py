@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, print_table, time_it  # noqa: E402
-from tracestore.client.traceref import TraceRef, attempt_id, site_digest  # noqa: E402
+from tracestore.client.record.traceref import TraceRef, attempt_id, site_digest  # noqa: E402
 
 from tracestore.rank_plan import RankCoord, TrainerLayout, rank_plan  # noqa: E402
 from tracestore.records import RecordChunk, RunSpec, SiteSpec, TrajectorySeal  # noqa: E402
@@ -100,7 +100,7 @@ def _child_memory(url: str, refs: list[TraceRef], layout: str, coord: RankCoord)
     import json
     import subprocess
 
-    from tracestore.client.traceref import write_jsonl
+    from tracestore.client.record.traceref import write_jsonl
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         write_jsonl(refs, f)
@@ -115,7 +115,7 @@ def child(url: str, refs_file: str, layout: str, dp: int, cp: int, pp: int, tp: 
     import gc
 
     import torch  # noqa: F401 - a trainer has it loaded before it reads
-    from tracestore.client.traceref import read_jsonl
+    from tracestore.client.record.traceref import read_jsonl
 
     refs = read_jsonl(refs_file)
     reader = StoreReader(Store(url), SPEC.run)

@@ -6,6 +6,10 @@ lazily where a GPU tensor or a sidecar connection needs them.
     from tracestore.client import RolloutRecorder, SiteOutput, GuidanceReader
     from tracestore.client import TraceRef, attempt_id   # handles an RL framework carries
     from tracestore.client import GuidedFP4Hooks         # guided FP4 fake-quant of a model in training
+    from tracestore.client import FP4SiteRecorder, HFSiteHooks   # transformers models
+
+Three halls: ``record/`` (the engine side), ``read/`` (the trainer's reads) and ``hf/``
+(transformers hooks), which never import each other; they share ``transport.py`` and the core.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ else:
     from typing import Any
 
     _LAZY = {
-        "RolloutRecorder": "tracestore.client.recorder",
-        "SiteOutput": "tracestore.client.site_output",
-        "SlabStage": "tracestore.client.slab",
-        "Segments": "tracestore.client.slab",
-        "GuidedFP4Hooks": "tracestore.client.train_hooks",
-        "GuidanceReader": "tracestore.client.reader",
-        "StagingPool": "tracestore.client.staging",
-        "TraceRef": "tracestore.client.traceref",
-        "attempt_id": "tracestore.client.traceref",
+        "RolloutRecorder": "tracestore.client.record.recorder",
+        "SiteOutput": "tracestore.site_output",
+        "SlabStage": "tracestore.client.record.slab",
+        "Segments": "tracestore.client.record.slab",
+        "StagingPool": "tracestore.client.record.staging",
+        "GuidanceReader": "tracestore.client.read.reader",
+        "GuidedFP4Hooks": "tracestore.client.hf.train_hooks",
+        "HFSiteHooks": "tracestore.client.hf.hooks",
+        "FP4SiteRecorder": "tracestore.client.hf.recorder",
+        "TraceRef": "tracestore.traceref",
+        "attempt_id": "tracestore.traceref",
     }
 
     __all__ = list(_LAZY)

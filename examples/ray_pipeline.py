@@ -7,8 +7,8 @@ slices from the shared storage URL and take training steps with guided fake-quan
 Layout. ``n_rollout`` rollout actors, each with a sidecar process beside it (WAL on, ``file://``
 storage shared by all), generate with a tiny random-init transformers MoE model
 (:func:`tracestore.demo.model.build_model`) and record every MoE-block input and K/V site with
-:class:`tracestore.client.hf_recorder.FP4SiteRecorder`. Each trajectory is recorded under a
-write-once attempt id and handed out as a :class:`~tracestore.client.traceref.TraceRef` once its
+:class:`tracestore.client.hf.recorder.FP4SiteRecorder`. Each trajectory is recorded under a
+write-once attempt id and handed out as a :class:`~tracestore.client.record.traceref.TraceRef` once its
 shard is on storage (``RolloutRecorder.refs``). The driver gathers samples (token ids, which any
 framework moves anyway) and refs, and hands every trainer rank the whole step: each rank builds
 its own plan (:func:`tracestore.rank_plan.rank_plan`) and reads only its rows. Two trainer
@@ -97,7 +97,7 @@ class Rollout:
         recording every forward; ``kill_sidecar_after``: SIGKILL the sidecar after that many
         forwards (a crash in the middle of the rollout). Returns (samples, refs)."""
         import torch
-        from tracestore.client.hf_recorder import FP4SiteRecorder
+        from tracestore.client.hf.recorder import FP4SiteRecorder
 
         from tracestore.packing import pack_bits
 
@@ -155,7 +155,7 @@ class Rollout:
 
 
 class GuidedSiteHook:
-    """``fn(site, x)`` for :class:`tracestore.client.hf_hooks.HFSiteHooks` in training: guided
+    """``fn(site, x)`` for :class:`tracestore.client.hf.hooks.HFSiteHooks` in training: guided
     rounding (straight-through backward) with ``guidance[site]`` rows at each batch position
     (``index[b, t]`` = the plan row, -1 for a position the plan does not hold), RTN with the
     trainer's own global scale where a row has no record and at sites without guidance."""
@@ -225,7 +225,7 @@ class Trainer:
         (for the driver's alignment check) and the memory its reader holds."""
         import pyarrow as pa
         import torch
-        from tracestore.client.hf_hooks import HFSiteHooks
+        from tracestore.client.hf.hooks import HFSiteHooks
 
         from tracestore.rank_plan import rank_plan
 
@@ -345,7 +345,7 @@ def run(workdir: str, *, n_rollout: int = 2, batch: int = 3, num_cpus: int = 4) 
     """Run two steps (policy versions 0 and 1; in step 1 the last rollout actor's sidecar is killed
     mid-rollout) and return the summary with every check's outcome."""
     import ray
-    from tracestore.client.traceref import write_jsonl
+    from tracestore.client.record.traceref import write_jsonl
 
     t0 = time.monotonic()
     work = Path(workdir)

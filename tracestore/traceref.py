@@ -18,7 +18,7 @@ layer already validates (nothing in the storage format changes). A reader given 
 exactly ``ref.stored_id``, never another attempt.
 
 When a ref exists. :meth:`tracestore.client.RolloutRecorder.refs` (made in
-:mod:`tracestore.client.traceref`) hands out a guided ref only once the message carrying the
+:mod:`tracestore.client.record.traceref`) hands out a guided ref only once the message carrying the
 trajectory's seal is durable at the sidecar *and* the sidecar reports the shard holding it committed
 to storage (``Stat``'s ``committed_sequence`` for the recorder's writer): publication completes
 before the handle exists, so a trainer given a guided ref can read it from storage. A trajectory the

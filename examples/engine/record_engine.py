@@ -95,8 +95,8 @@ def main() -> int:
 
     import torch
     from tracestore.client import RolloutRecorder
-    from tracestore.client.hf_hooks import HFSiteHooks
-    from tracestore.client.hf_recorder import FP4SiteRecorder
+    from tracestore.client.hf.hooks import HFSiteHooks
+    from tracestore.client.hf.recorder import FP4SiteRecorder
 
     from tracestore.records import RunSpec
 

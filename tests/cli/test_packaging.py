@@ -59,7 +59,9 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 from tracestore.client import RolloutRecorder, SiteOutput, GuidanceReader
-from tracestore.client import recorder, reader, transport, staging, traceref
+from tracestore.client import transport
+from tracestore.client.record import recorder, staging, traceref, slab, session, copier
+from tracestore.client.read import reader, row_sources, read_process
 import grpc
 from tracestore.v1 import tracestore_pb2_grpc
 print("ok")

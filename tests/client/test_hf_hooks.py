@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import HFSiteHooks, site_name  # noqa: E402
-from tracestore.client.hf_layouts import LAYOUTS, KVStyle, Layout, register_layout  # noqa: E402
-from tracestore.client.hf_recorder import FP4SiteRecorder  # noqa: E402
+from tracestore.client.hf.hooks import HFSiteHooks, site_name  # noqa: E402
+from tracestore.client.hf.layouts import LAYOUTS, KVStyle, Layout, register_layout  # noqa: E402
+from tracestore.client.hf.recorder import FP4SiteRecorder  # noqa: E402
 
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
 from tracestore.errors import ConfigError, ShapeError  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
-from tracestore.client.hf_recorder import FP4SiteRecorder  # noqa: E402
+from tracestore.client.hf.hooks import HFSiteHooks  # noqa: E402
+from tracestore.client.hf.recorder import FP4SiteRecorder  # noqa: E402
 
 from tracestore.demo.model import ARCHS, ModelSpec, build_model  # noqa: E402
 from tracestore.demo.train import codes_on_grid  # noqa: E402
@@ -107,7 +107,7 @@ def generate(model, hooks: HFSiteHooks | None = None, n: int = NEW) -> torch.Ten
 
 
 def layers_of(model) -> list:  # noqa: ANN001
-    from tracestore.client.hf_layouts import decoder_layers, layout_for
+    from tracestore.client.hf.layouts import decoder_layers, layout_for
 
     return decoder_layers(model, layout_for(model)[1])[1]
 

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
-from tracestore.client.train_hooks import GuidedFP4Hooks  # noqa: E402
+from tracestore.client.hf.hooks import HFSiteHooks  # noqa: E402
+from tracestore.client.hf.train_hooks import GuidedFP4Hooks  # noqa: E402
 
 from tests.hf_compat import checkpointing_off, checkpointing_on  # noqa: E402
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402

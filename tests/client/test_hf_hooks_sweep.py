@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the hook helper needs torch")
 transformers = pytest.importorskip("transformers", reason="the hook helper needs the demo extra (transformers)")
 
-from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
-from tracestore.client.hf_layouts import decoder_layers, layout_for  # noqa: E402
+from tracestore.client.hf.hooks import HFSiteHooks  # noqa: E402
+from tracestore.client.hf.layouts import decoder_layers, layout_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

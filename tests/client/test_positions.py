@@ -22,8 +22,8 @@ pytest.importorskip("transformers", reason="the hook helper needs the demo extra
 pytest.importorskip("grpc", reason="the sidecar needs the server extra")
 
 from tracestore.client import GuidanceReader, RolloutRecorder  # noqa: E402
-from tracestore.client.hf_hooks import HFSiteHooks  # noqa: E402
-from tracestore.client.hf_recorder import FP4SiteRecorder  # noqa: E402
+from tracestore.client.hf.hooks import HFSiteHooks  # noqa: E402
+from tracestore.client.hf.recorder import FP4SiteRecorder  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402

@@ -334,7 +334,7 @@ def test_reads_through_child_processes_land_on_the_gpu(tmp_path) -> None:
     ]  # fmt: skip
     store.write_shard(SPEC.run, 0, "w0", 0, chunks)
     plan = [("b", 10, 300), ("a", 0, 300)]
-    from tracestore.client import read_process
+    from tracestore.client.read import read_process
 
     old, read_process.MIN_SLICE_BYTES = read_process.MIN_SLICE_BYTES, 1  # split even this small read
     try:

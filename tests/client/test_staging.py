@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tracestore.client.staging import StagingPool, sweep_stale_pools
+from tracestore.client.record.staging import StagingPool, sweep_stale_pools
 
 from tracestore.errors import ConfigError
 
@@ -63,7 +63,7 @@ def test_too_small_pool_is_refused() -> None:
 
 _HOLDER = """
 import sys, time
-from tracestore.client.staging import StagingPool
+from tracestore.client.record.staging import StagingPool
 pool = StagingPool(1 << 20, shared=True, shm_dir=sys.argv[1])
 print(pool.name, flush=True)
 time.sleep(60)

@@ -84,7 +84,7 @@ def test_the_tracestore_names_still_work_beside_the_hub_package() -> None:
         import kernels, tracestore.kernels, tracestore.client, tracestore.server
         assert 'site-packages' in kernels.__file__, kernels.__file__
         assert tracestore.kernels.guided_fp4.__module__.startswith('tracestore.kernels')
-        assert tracestore.client.RolloutRecorder.__module__ == 'tracestore.client.recorder'
+        assert tracestore.client.RolloutRecorder.__module__ == 'tracestore.client.record.recorder'
         """
     )
 

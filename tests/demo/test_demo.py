@@ -134,7 +134,7 @@ def test_fp4_rollout_records_through_kernels_into_run_slabs(scales: str) -> None
     model = build_model(SMALL, dtype=torch.bfloat16, seed=3)
     prompts = torch.randint(3, 256, (2, 5), generator=torch.Generator().manual_seed(4))
     modes = standard_modes(4)
-    from tracestore.client.hf_hooks import HFSiteHooks
+    from tracestore.client.hf.hooks import HFSiteHooks
 
     with HFSiteHooks(model, lambda s, x: None) as h:
         runs = run_specs(modes, h.sites, "nvfp4")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tracestore.client.traceref import TraceRef, attempt_id, site_digest, write_jsonl
+from tracestore.client.record.traceref import TraceRef, attempt_id, site_digest, write_jsonl
 
 from tracestore.cli import main
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, SiteSpec, TrajectorySeal

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tracestore.client.traceref import TraceRef, site_digest
+from tracestore.client.record.traceref import TraceRef, site_digest
 
 from tracestore.errors import ConfigError, ShapeError, ValidationError
 from tracestore.rank_plan import RankCoord, TrainerLayout, all_coords, rank_plan

@@ -23,7 +23,7 @@ from tracestore.fp4 import dequantize, quantize  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
 from tracestore.guided import guided_round  # noqa: E402
 from tracestore.packing import pack_bits  # noqa: E402
-from tracestore.torchao_qat import (  # noqa: E402
+from tracestore.client.hf.torchao_qat import (  # noqa: E402
     TraceGuidance,
     TraceNVFP4FakeQuantizedLinear,
     TraceQATConfig,

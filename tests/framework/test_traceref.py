@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
-from tracestore.client.traceref import (
+from tracestore.client.record.traceref import (
     TraceRef,
     attempt_id,
     check_refs,

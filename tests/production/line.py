@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments
-from tracestore.client.hf_hooks import HFSiteHooks
+from tracestore.client.hf.hooks import HFSiteHooks
 from tracestore.kernels import RecordSlab, record_from_activations
 from tracestore.server.testing import ServeProcess
 

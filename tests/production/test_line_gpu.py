@@ -239,7 +239,7 @@ def _check_steps(storage: str, run: str, slab: RecordSlab, want: list, trajs: li
 
 def _copy_path(copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Select the recorder's slab copy path: the CUDA driver's (default) or torch's."""
-    from tracestore.client import _cuda
+    from tracestore.client.record import _cuda
 
     if copy == "torch":
         monkeypatch.setattr(_cuda, "_DRIVER", [None])

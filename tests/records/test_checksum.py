@@ -166,7 +166,7 @@ def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: py
 def test_shared_memory_payloads_are_checked_again_when_copied_into_the_wal(tmp_path: Path) -> None:
     """parse_write marks a message's shared-memory payloads Checked(verify=True) (another process's
     memory: the WAL checks its copy against the CRC taken at receipt), its own bytes not."""
-    from tracestore.client.staging import StagingPool
+    from tracestore.client.record.staging import StagingPool
     from tracestore.server.ingest import ShmPools, parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
     from tracestore.server.wal import Checked

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.client.recorder import WriterFencedError
+from tracestore.client.record.recorder import WriterFencedError
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request

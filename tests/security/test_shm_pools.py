@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.client.staging import StagingPool
+from tracestore.client.record.staging import StagingPool
 from tracestore.server.config import ServerConfig
 from tracestore.server.service import Sidecar
 from tracestore.server.shm import ShmPools

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
-from tracestore.client.staging import StagingPool
+from tracestore.client.record.staging import StagingPool
 from tracestore.server.config import ServerConfig
 from tracestore.server.memory import SHM_HOLD_FRACTION
 from tracestore.server.service import Sidecar

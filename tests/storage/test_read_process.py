@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from tracestore.client import GuidanceReader, read_process
-from tracestore.client.read_process import SPARE_BLOCKS
+from tracestore.client import GuidanceReader
+from tracestore.client.read import read_process
+from tracestore.client.read.read_process import SPARE_BLOCKS
 
 from tracestore.errors import ConfigError, CorruptionError, MissingRecordsError, StorageError
 from tracestore.storage.reader import StoreReader

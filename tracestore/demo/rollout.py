@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
+from tracestore.client.hf.hooks import HFSiteHooks, HookedSite
 from tracestore.formats import FP4Format
 from tracestore.kernels import RecordSlab, record_from_activations, record_from_codes
 from tracestore.kernels._common import fmt_name

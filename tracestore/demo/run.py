@@ -117,7 +117,7 @@ Progress = Callable[[str, int], Any]  # (description, total) -> callable(step)
 
 
 def _hooked_sites(model: Any) -> tuple[Any, ...]:
-    from tracestore.client.hf_hooks import HFSiteHooks
+    from tracestore.client.hf.hooks import HFSiteHooks
 
     with HFSiteHooks(model, lambda site, x: None) as hooks:
         return hooks.sites

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
-from tracestore.client.train_hooks import GuidedFP4Hooks
+from tracestore.client.hf.hooks import HFSiteHooks, HookedSite
+from tracestore.client.hf.train_hooks import GuidedFP4Hooks
 from tracestore.demo import fidelity
 from tracestore.demo.modes import Mode, standard_modes  # noqa: F401  (the demo's modes, used with training)
 from tracestore.demo.rollout import Rollout

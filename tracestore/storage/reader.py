@@ -262,7 +262,7 @@ class StoreReader:
         up and decodes faster alone.
         ``out``: where each site's rows go (:class:`OutputArrays` of the shapes :meth:`layout`
         gives, for every site read; default: one new buffer from Arrow's memory pool), e.g. rows of
-        a shared-memory block that another process maps (:mod:`tracestore.client.read_process`).
+        a shared-memory block that another process maps (:mod:`tracestore.client.read.read_process`).
         ``token_ids``: the trainer's token ids (a mapping trajectory -> ids from position 0, or one
         array aligned with the plan's tokens when every segment starts at 0): every chunk that
         carries its token identity is checked against them

@@ -14,9 +14,9 @@ them unguided (they are never sealed, so a reader sees them as incomplete), coun
 carries on.
 
 This module is the engine-facing part: arguments, staging copies and the queue. The sender's
-parts own their state: :mod:`tracestore.client.items` (the queue items and the unguided ledger),
-:mod:`tracestore.client.outbox` (the sender's end of the queue), :mod:`tracestore.client.chunks`
-(the chunk builder) and :mod:`tracestore.client.session` (the Write stream, acknowledgements,
+parts own their state: :mod:`tracestore.client.record.items` (the queue items and the unguided ledger),
+:mod:`tracestore.client.record.outbox` (the sender's end of the queue), :mod:`tracestore.client.record.chunks`
+(the chunk builder) and :mod:`tracestore.client.record.session` (the Write stream, acknowledgements,
 reconnects, fencing and giving up).
 
 Example::
@@ -37,21 +37,21 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
+from tracestore.client.transport import resolve_token
 
 from tracestore.errors import ConfigError, ShapeError, TraceStoreError, ValidationError
 from tracestore.identity import as_token_ids
 from tracestore.records import PrefixLink, RunSpec, validate_id, validate_version
+from tracestore.site_output import SiteOutput, check_array, per_row_g
 
 from .chunks import ChunkBuilder
 from .copier import StagingCopier
 from .items import Finish, Forward, Region, SlabForward, SlabPlan, Unguided
 from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
-from .site_output import SiteOutput, check_array, per_row_g
 from .slab import SegmentCheck, Segments, SlabStage
 from .staging import GROUP_ENV, StagingPool, socket_group
 from .traceref import SealLedger
-from .transport import resolve_token
 
 log = logging.getLogger("tracestore.client")
 
@@ -175,7 +175,7 @@ class RolloutRecorder:
             rejected_messages=0,
             dropped=0,  # messages and queued records dropped unacknowledged (given up, refused, stopped, closed)
             stale_pools_removed=self.pool.stale_removed,  # left in shm_dir by recorders that died
-            driver_copies=0,  # slab forwards copied through the CUDA driver (client/_cuda.py), not torch
+            driver_copies=0,  # slab forwards copied through the CUDA driver (client/record/_cuda.py), not torch
             stager_behind=0,  # SlabStage commits that queued pending copies themselves (the stager lagged)
         )
         self._unguided = Unguided(self.stats)
@@ -355,15 +355,15 @@ class RolloutRecorder:
         has ``slots - 1`` steps to be queued and land before its slot is written again);
         ``deferred``: on a GPU, commits leave the copies to the stage's stager thread (see
         :class:`SlabStage`)."""
-        return SlabStage(self, slab, rows, slots, deferred)
+        stage = SlabStage(_StageHost(self), slab, rows, slots, deferred)
+        self._stages.append(stage)
+        return stage
 
     def _drain_stages(self) -> None:
         """Queue the copies the slab stages' commits deferred (before what must follow them in
         order: a seal, a link, another forward, a flush), and raise an error one of them met."""
         for stage in self._stages:
-            if stage._todo:
-                stage.stage_pending()
-            stage.raise_error()
+            stage.drain()
 
     def _slab_plan(self, slab: Any) -> SlabPlan:
         """``slab`` checked against the run once (cached by identity, the slab kept alive)."""
@@ -566,22 +566,67 @@ class RolloutRecorder:
 
     def attempt(self, trajectory: str, attempt: int | None = None) -> str:
         """The stored id to record ``attempt`` of ``trajectory`` under (``"<trajectory>::a<n>"``,
-        :func:`tracestore.client.traceref.attempt_id`); default: the next attempt this recorder has
+        :func:`tracestore.client.record.traceref.attempt_id`); default: the next attempt this recorder has
         not handed out. Attempts of one trajectory on one recorder must increase, so a retried or
         aborted rollout never writes under an earlier attempt's id (across recorders, pass the
         framework's own retry counter)."""
         return self._seals.attempt(trajectory, attempt)
 
     def refs(self, trajectories: Sequence[str], timeout: float = 60.0) -> list[Any]:
-        """One :class:`tracestore.client.traceref.TraceRef` per stored id of ``trajectories`` (each
+        """One :class:`tracestore.client.record.traceref.TraceRef` per stored id of ``trajectories`` (each
         finished with :meth:`finish`), in order. Waits up to ``timeout`` seconds for every seal to
         be durable and for the sidecar to report the shard holding it committed to storage; a
         trajectory that is unguided, or not durable or published by then, gets an unguided ref
         (``guided=False`` and its ``reason``). A guided ref therefore names records a trainer can
         read from storage."""
-        from .traceref import make_refs
+        from tracestore.client.transport import channel
 
-        return make_refs(self, list(trajectories), timeout)
+        from .traceref import RefSource, make_refs
+
+        source = RefSource(
+            self.writer, self.run_spec, self._seals, lambda t: self.flush(timeout=t),
+            lambda: channel(self.address, *self._credentials),
+        )  # fmt: skip
+        return make_refs(source, list(trajectories), timeout)
 
 
 __all__ = ["RolloutRecorder", "Segments", "SiteOutput", "SlabStage", "WriterFencedError"]
+
+
+class _StageHost:
+    """The recorder as its slab stages see it (:class:`~tracestore.client.record.slab.StageHost`)."""
+
+    def __init__(self, recorder: RolloutRecorder) -> None:
+        self._rec = recorder
+
+    @property
+    def writer(self) -> str:
+        return self._rec.writer
+
+    @property
+    def policy_version(self) -> int:
+        return self._rec.policy_version
+
+    @property
+    def stats(self) -> Any:
+        return self._rec.stats
+
+    @property
+    def copier(self) -> StagingCopier:
+        return self._rec._copier
+
+    @property
+    def issue_lock(self) -> threading.Lock:
+        return self._rec._stage_lock
+
+    def slab_plan(self, slab: Any) -> SlabPlan:
+        return self._rec._slab_plan(slab)
+
+    def queue_slabs(
+        self, segments: Any, slabs: tuple[Any, ...], policy_version: int | None, views: list[Any],
+        after: Any = None, ids: Any = None,
+    ) -> tuple[bool, Any]:  # fmt: skip
+        return self._rec._queue_slabs(segments, slabs, None, policy_version, views, False, after, ids)
+
+    def unguide(self, trajectories: list[str], reason: str) -> None:
+        self._rec._unguided.mark(trajectories, reason)

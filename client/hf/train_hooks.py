@@ -1,6 +1,6 @@
 """Guided FP4 fake quantization for training a transformers model: the trainer's half of TRACE.
 
-:class:`GuidedFP4Hooks` attaches to the same sites :class:`~tracestore.client.hf_hooks.HFSiteHooks`
+:class:`GuidedFP4Hooks` attaches to the same sites :class:`~tracestore.client.hf.hooks.HFSiteHooks`
 records in a rollout (every MoE-block input, the post-RoPE K/V entering the KV cache) and replaces
 each site's input by its FP4 fake quantization, in forward and backward (straight-through):
 
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
+from tracestore.client.hf.hooks import HFSiteHooks, HookedSite
 
 from tracestore.errors import ConfigError, ShapeError
 from tracestore.formats import FP4Format, get_format

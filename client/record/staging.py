@@ -26,9 +26,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from tracestore.errors import ConfigError
+from tracestore.client.transport import unix_socket_path
 
-from .transport import unix_socket_path
+from tracestore.errors import ConfigError
 
 log = logging.getLogger("tracestore.client")
 

@@ -6,14 +6,14 @@ the ``Read`` RPC; ``grpcs://host:port`` for TLS, or ``channel_credentials=`` and
 for a sidecar that requires them, see :func:`tracestore.client.transport.channel`). The next
 plan can be fetched in the background (:meth:`GuidanceReader.prefetch`) while the current
 microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
-child process and lands in shared memory (:mod:`tracestore.client.read_process`); ``process=N``
+child process and lands in shared memory (:mod:`tracestore.client.read.read_process`); ``process=N``
 splits each read's rows among N children. Beside a training loop that keeps the GIL busy, a
 prefetch in a thread of the trainer waits for that lock between its copies, a child does not;
 and N children decode on N cores where one process reaches about 2. Results are torch tensors on
 ``device``; for a CUDA device the host arrays are pinned (in the prefetch thread, for a prefetched
 plan) and copied with ``non_blocking=True`` on the current stream.
 
-The source is chosen once, at construction (:func:`tracestore.client.row_sources.open_rows`);
+The source is chosen once, at construction (:func:`tracestore.client.read.row_sources.open_rows`);
 each gives ``{site: SiteRows}`` (:class:`tracestore.storage.rows.SiteRows`), which
 :meth:`GuidanceReader.read_host` returns as they are and :meth:`GuidanceReader.read` turns into
 :class:`~tracestore.guidance.Guidance` of host tensors (pinned for CUDA), then moves to ``device``.

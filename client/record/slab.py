@@ -10,7 +10,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -21,7 +21,8 @@ from tracestore.records import validate_id, validate_version
 from ._cuda import DriverEvent
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .recorder import RolloutRecorder
+    from .copier import StagingCopier
+    from .items import SlabPlan
 
 log = logging.getLogger("tracestore.client")
 
@@ -152,6 +153,47 @@ class SegmentCheck:
                     known.add(t)
 
 
+class StageHost(Protocol):
+    """What a :class:`SlabStage` needs of the recorder that made it
+    (``RolloutRecorder.slab_stage`` hands one over)."""
+
+    @property
+    def writer(self) -> str: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def stats(self) -> Any:
+        """The recorder's counters (``stager_behind`` is counted here)."""
+
+    @property
+    def copier(self) -> StagingCopier:
+        """The recorder's staging copier (its side stream and ring-slot selection)."""
+
+    @property
+    def issue_lock(self) -> threading.Lock:
+        """Held while one of the recorder's stages queues its deferred copies."""
+
+    def slab_plan(self, slab: Any) -> SlabPlan:
+        """``slab`` checked against the run's sites."""
+
+    def queue_slabs(
+        self,
+        segments: Any,
+        slabs: tuple[Any, ...],
+        policy_version: int | None,
+        views: list[Any],
+        after: Any = None,
+        ids: Any = None,
+    ) -> tuple[bool, Any]:
+        """Stage one forward's rows from the ring slot ``views`` (as ``record_slab``), the copies
+        after the event ``after`` if given; (queued, the event the copies complete on)."""
+
+    def unguide(self, trajectories: list[str], reason: str) -> None:
+        """Mark ``trajectories`` unguided for ``reason``."""
+
+
 class SlabStage:
     """Recording from inside a CUDA graph (``RolloutRecorder.slab_stage``).
 
@@ -161,7 +203,7 @@ class SlabStage:
     engine thread, is the bookkeeping outside the graph. A replay without a commit is simply not
     recorded (the next replay writes the same slot). On the CPU the same calls copy at once.
 
-    On a GPU (with the CUDA driver binding, ``client/_cuda.py``) ``commit`` does only what must
+    On a GPU (with the CUDA driver binding, ``client/record/_cuda.py``) ``commit`` does only what must
     happen before the next replay is queued: it records an event on the engine's current stream
     (the step's rows are in slot k once it fires), selects the next slot (a one-element fill on
     that stream) and orders the next replay after the staging copy that last read that slot (a
@@ -190,7 +232,7 @@ class SlabStage:
 
     def __init__(
         self,
-        recorder: RolloutRecorder,
+        host: StageHost,
         slab: Any,
         rows: int | Sequence[int] | None = None,
         slots: int = 2,
@@ -199,12 +241,12 @@ class SlabStage:
         import torch
         from tracestore.kernels import stage_rows
 
-        self.recorder = recorder
+        self.host = host
         self.slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
         want = [rows] * len(self.slabs) if rows is None or isinstance(rows, int) else list(rows)
         if slots < 2 or len(want) != len(self.slabs):
             raise ConfigError(f"need slots >= 2 and one row count per slab, got {slots} and {want}")
-        plans = [recorder._slab_plan(s) for s in self.slabs]  # checks the sites now, not at the first commit
+        plans = [host.slab_plan(s) for s in self.slabs]  # checks the sites now, not at the first commit
         self.rows = [s.capacity if r is None else int(r) for s, r in zip(self.slabs, want, strict=True)]
         for s, r in zip(self.slabs, self.rows, strict=True):
             if not 0 < r <= s.capacity:
@@ -226,12 +268,11 @@ class SlabStage:
         # only once its copy and the slot's event are issued (the commit reads len() without a lock)
         self._deferred: bool | None = None if deferred and getattr(self.slot, "is_cuda", False) else False
         self._todo: deque[tuple[int, Any, int, DriverEvent, Any]] = deque()
-        self._issue = recorder._stage_lock  # one per recorder: its stages' copies are queued one at a time
+        self._issue = host.issue_lock  # one per recorder: its stages' copies are queued one at a time
         self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: Exception | None = None
         self._steps = 0  # commits so far (named in a deferred error)
-        recorder._stages.append(self)
 
     def capture(self) -> None:
         """Stage the slabs' rows into the selected ring slot (inside the captured region)."""
@@ -252,10 +293,10 @@ class SlabStage:
         if self._deferred is None and self._start_deferred():
             return self._commit_deferred(segments, policy_version, ids)
         k = self.k
-        ok, ev = self.recorder._queue_slabs(segments, self.slabs, None, policy_version, self._views[k], False, ids=ids)
+        ok, ev = self.host.queue_slabs(segments, self.slabs, policy_version, self._views[k], ids=ids)
         self._events[k] = self._slot_event(ev, k)
         self.k = k = (k + 1) % self.slots
-        self.recorder._copier.advance(self.slot, k, self._events[k])
+        self.host.copier.advance(self.slot, k, self._events[k])
         return ok
 
     def _commit_deferred(self, segments: Any, policy_version: int | None, ids: Any = None) -> bool:
@@ -264,15 +305,15 @@ class SlabStage:
         ready = drv.event()
         drv.record(ready, cur)
         k = self.k
-        v = self.recorder.policy_version if policy_version is None else validate_version(policy_version)
+        v = self.host.policy_version if policy_version is None else validate_version(policy_version)
         self._steps += 1
         self._todo.append((k, segments, v, ready, ids))
         self._wake.put(True)
         self.k = k = k + 1 if k + 1 < self.slots else 0
         if len(self._todo) >= self.slots:  # the copy that last read slot k is not queued yet: queue it here
-            self.recorder.stats["stager_behind"] += 1
+            self.host.stats["stager_behind"] += 1
             self.stage_pending()
-        self.recorder._copier.advance(self.slot, k, self._events[k], cur)
+        self.host.copier.advance(self.slot, k, self._events[k], cur)
         return True
 
     def _start_deferred(self) -> bool:
@@ -280,14 +321,14 @@ class SlabStage:
         device); starts the stager thread if so."""
         import torch
 
-        copier = self.recorder._copier
-        drv = copier._driver()
+        copier = self.host.copier
+        drv = copier.cuda_driver()
         dev = self.slot.device.index
         self._deferred = bool(drv is not None and (copier.one_gpu or dev == torch.cuda.current_device()))
         if self._deferred:
             self._drv, self._raw_stream, self._dev = drv, copier.raw_stream, dev
             self._thread = threading.Thread(
-                target=_stager, args=(self, dev), daemon=True, name=f"tracestore-stager-{self.recorder.writer}"
+                target=_stager, args=(self, dev), daemon=True, name=f"tracestore-stager-{self.host.writer}"
             )
             self._thread.start()
         return self._deferred
@@ -301,12 +342,12 @@ class SlabStage:
                 k, segments, version, ready, ids = todo[0]
                 try:
                     views = self._views[k]
-                    _, ev = self.recorder._queue_slabs(segments, self.slabs, None, version, views, False, ready, ids)
+                    _, ev = self.host.queue_slabs(segments, self.slabs, version, views, ready, ids)
                     if ev is not None:
                         self._events[k] = self._slot_event(ev, k)
                 except Exception as exc:  # noqa: BLE001 - e.g. the caller's segments: raised at its next call
                     self._error = _named(exc, f"slab stage commit {self._steps - len(todo) + 1}")
-                    log.warning("recorder %s: %s", self.recorder.writer, self._error)
+                    log.warning("recorder %s: %s", self.host.writer, self._error)
                     self._unguide(segments)
                 finally:
                     todo.popleft()
@@ -316,9 +357,16 @@ class SlabStage:
         """A refused step's trajectories are unguided (their records have a gap), where it names any."""
         try:
             trajs = list(getattr(segments, "trajectories", None) or (s[0] for s in segments))
-            self.recorder._unguided.mark([t for t in trajs if isinstance(t, str)], "malformed_commit")
+            self.host.unguide([t for t in trajs if isinstance(t, str)], "malformed_commit")
         except Exception:  # noqa: BLE001 - segments too malformed to name a trajectory
             pass
+
+    def drain(self) -> None:
+        """Queue the copies deferred so far and raise an error one of them met (the recorder's
+        call before what must follow them in order: a seal, a link, another forward, a flush)."""
+        if self._todo:
+            self.stage_pending()
+        self.raise_error()
 
     def raise_error(self) -> None:
         """Raise (once) the error a deferred commit met, if any."""
@@ -342,7 +390,7 @@ class SlabStage:
             return ev
         if self._slot_events is None:
             self._slot_events = [ev.driver.event() for _ in range(self.slots)]  # kept, never pooled
-        ev.driver.record(self._slot_events[k], self.recorder._copier.side_handle)
+        ev.driver.record(self._slot_events[k], self.host.copier.side_handle)
         return self._slot_events[k]
 
 
@@ -365,4 +413,4 @@ def _stager(stage: SlabStage, device: int) -> None:
         try:
             stage.stage_pending()
         except Exception:  # noqa: BLE001 - logged; the engine thread's next commit retries
-            log.exception("recorder %s: the slab stager failed", stage.recorder.writer)
+            log.exception("recorder %s: the slab stager failed", stage.host.writer)

@@ -1,7 +1,7 @@
 """Hooks that see every MoE-block input and the K/V entering the KV cache of a transformers model.
 
 Nothing in the model is edited or monkeypatched. Where the hooks go comes from the model's layout
-(:mod:`tracestore.client.hf_layouts`: decoder-layer list, attention module, MoE block, shared expert):
+(:mod:`tracestore.client.hf.layouts`: decoder-layer list, attention module, MoE block, shared expert):
 
 - MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block, which may replace the
   block's input (fake quantization); in a decoder layer that holds its experts itself (Gemma 4), on
@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tracestore.client.hf_layouts import KVStyle, Layout, SiteKind, decoder_layers, layout_for, text_config
+from tracestore.client.hf.layouts import KVStyle, Layout, SiteKind, decoder_layers, layout_for, text_config
 
 from tracestore.errors import ConfigError, DTypeError, ShapeError, require
 
@@ -171,7 +171,7 @@ class HFSiteHooks:
     holds its experts itself under a layout without ``moe_inline`` is refused with the reason.
     ``layers`` limits the hooked decoder layers (default all);
     ``kv=False`` hooks MoE inputs only, ``moe=False`` K/V only; ``layout`` overrides the registered
-    :class:`~tracestore.client.hf_layouts.Layout`. Use as a context manager or call :meth:`remove`.
+    :class:`~tracestore.client.hf.layouts.Layout`. Use as a context manager or call :meth:`remove`.
     A model compiled with ``torch.compile`` (or holding a compiled submodule) is refused: hook first,
     then compile. A second hook set on a model that has one is refused unless ``stack=True`` (both
     run, in attach order); ``owner`` names this set in those errors.
@@ -242,7 +242,7 @@ class HFSiteHooks:
             if kv and wanted and not self._kv_sites and not self._kv_free:
                 raise ConfigError(
                     f"{self.model_type or type(model).__name__}: no hooked decoder layer has an attention module at "
-                    f"{self.layout.attention!r}; register its layout (tracestore.client.hf_layouts.register_layout)"
+                    f"{self.layout.attention!r}; register its layout (tracestore.client.hf.layouts.register_layout)"
                 )
         except BaseException:
             self.remove()

@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tracestore.client.transport import channel, method
+
 from tracestore.errors import PermissionDeniedError, TraceStoreError
 from tracestore.records import RunSpec
 from tracestore.v1 import tracestore_pb2 as pb
@@ -35,7 +37,6 @@ from tracestore.wire import run_spec_to_pb
 from .chunks import ChunkBuilder
 from .items import Forward, Outgoing, Unguided
 from .outbox import Outbox
-from .transport import channel, method
 
 log = logging.getLogger("tracestore.client")
 

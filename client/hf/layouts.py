@@ -1,6 +1,6 @@
 """Where the quantization sites sit in a transformers decoder: a small registry of layouts.
 
-A :class:`Layout` says, for one ``config.model_type``, where :class:`~tracestore.client.hf_hooks.HFSiteHooks`
+A :class:`Layout` says, for one ``config.model_type``, where :class:`~tracestore.client.hf.hooks.HFSiteHooks`
 finds what it hooks, as dotted attribute paths:
 
 - ``layers``: the decoder-layer ``ModuleList``, relative to the text backbone. The backbone is found
@@ -293,5 +293,5 @@ def decoder_layers(model: Any, layout: Layout) -> tuple[str, list[nn.Module]]:
         node, path = get_path(node, step), (f"{path}.{step}" if path else step)
     raise ConfigError(
         f"{type(model).__name__} has no decoder-layer list {layout.layers!r} on its text backbone (searched "
-        f"through {', '.join(WRAPPERS)}); register its layout with tracestore.client.hf_layouts.register_layout"
+        f"through {', '.join(WRAPPERS)}); register its layout with tracestore.client.hf.layouts.register_layout"
     )

@@ -1,9 +1,9 @@
-"""Where a :class:`~tracestore.client.reader.GuidanceReader` gets its rows: one :class:`RowSource`,
+"""Where a :class:`~tracestore.client.read.reader.GuidanceReader` gets its rows: one :class:`RowSource`,
 chosen once by :func:`open_rows` from the reader's ``source``.
 
 - :class:`StoreRows`: a storage URL read in this process (:class:`~tracestore.storage.reader.StoreReader`);
 - :class:`ProcessRows`: a storage URL read by child processes into shared memory
-  (``process=True`` or ``N``, :mod:`tracestore.client.read_process`);
+  (``process=True`` or ``N``, :mod:`tracestore.client.read.read_process`);
 - :class:`SidecarRows`: a sidecar address, the ``Read`` RPC.
 
 Every source answers a plan with ``{site: SiteRows}``
@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+from tracestore.client.transport import channel, is_sidecar_address, method
 
 from tracestore.errors import (
     ConfigError,
@@ -35,8 +36,6 @@ from tracestore.errors import (
 )
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec
-
-from .transport import channel, is_sidecar_address, method
 
 if TYPE_CHECKING:  # pragma: no cover
     from tracestore.storage.reader import StoreReader
@@ -100,7 +99,7 @@ class StoreRows:
 
 
 class ProcessRows:
-    """A storage URL read by child processes (:class:`~tracestore.client.read_process.ReadProcesses`):
+    """A storage URL read by child processes (:class:`~tracestore.client.read.read_process.ReadProcesses`):
     the rows are numpy arrays over shared memory. ``reader`` (in this process) gives the run's
     spec and each read's layout; it reads nothing itself."""
 

@@ -8,8 +8,9 @@ shard holding it is committed to storage.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tracestore.errors import ValidationError
@@ -27,14 +28,13 @@ from tracestore.traceref import (
     split_attempt_id,
     write_jsonl,
 )
-from tracestore.traceref import _unpickle as _unpickle  # pickled refs made before the move name it here
 
 from .items import STOP_REASONS, Outgoing, Unguided, bounded_put
 
 if TYPE_CHECKING:  # pragma: no cover
     import threading
 
-    from .recorder import RolloutRecorder
+    from tracestore.records import RunSpec
 
 
 class SealLedger:
@@ -100,18 +100,31 @@ class SealLedger:
 # ---------------------------------------------------------------------------------------- producing
 
 
-def make_refs(recorder: RolloutRecorder, trajectories: Sequence[str], timeout: float = 60.0) -> list[TraceRef]:
+@dataclasses.dataclass(frozen=True)
+class RefSource:
+    """What :func:`make_refs` needs of a recorder: its writer id and run, its seal ledger,
+    ``flush(timeout)`` (send what is queued, wait for the acknowledgements) and ``connect()`` (a
+    gRPC channel to its sidecar, closed by the caller)."""
+
+    writer: str
+    run_spec: RunSpec
+    seals: SealLedger
+    flush: Callable[[float], Any]
+    connect: Callable[[], Any]
+
+
+def make_refs(recorder: RefSource, trajectories: Sequence[str], timeout: float = 60.0) -> list[TraceRef]:
     """Refs for ``trajectories`` (stored ids, :func:`attempt_id`) of ``recorder``, in order; see
     :meth:`tracestore.client.RolloutRecorder.refs`."""
     parsed = [split_attempt_id(t) for t in trajectories]
     deadline = time.monotonic() + max(0.0, float(timeout))
-    recorder.flush(timeout=max(0.0, deadline - time.monotonic()))
+    recorder.flush(max(0.0, deadline - time.monotonic()))
     state: dict[str, tuple[str, Any]] = {}
     # 1. every trajectory durably sealed or unguided (the sender may still be giving up on some)
     while True:
         for t in trajectories:
             if t not in state or state[t][0] == "pending":
-                state[t] = recorder._seals.state(t)
+                state[t] = recorder.seals.state(t)
         pending = [t for t in trajectories if state[t][0] == "pending"]
         if not pending or time.monotonic() >= deadline:
             break
@@ -138,7 +151,7 @@ def make_refs(recorder: RolloutRecorder, trajectories: Sequence[str], timeout: f
                          "" if ok else "unpublished", recorder.writer)
             )  # fmt: skip
             if ok:
-                recorder._seals.forget(t)
+                recorder.seals.forget(t)
         else:
             version, n_tokens, reason = info
             out.append(
@@ -159,17 +172,17 @@ def _reason(reason: str) -> str:
 
 
 def _wait_published(
-    recorder: RolloutRecorder, sealed: Mapping[str, tuple[int, int, TrajectorySeal]], deadline: float
+    recorder: RefSource, sealed: Mapping[str, tuple[int, int, TrajectorySeal]], deadline: float
 ) -> set[str]:
     """The trajectories of ``sealed`` ({t: (epoch, seq, seal)}) whose message the sidecar reports
     committed before ``deadline``. A writer's messages are committed in order, so a committed
     message of a later epoch covers every earlier one."""
+    from tracestore.client.transport import method
+
     from tracestore.v1 import tracestore_pb2 as pb
 
-    from .transport import channel, method
-
     done: set[str] = set()
-    ch = channel(recorder.address, *recorder._credentials)
+    ch = recorder.connect()
     try:
         stat = method(ch, "Stat", "unary_unary")
         while True:

@@ -67,7 +67,7 @@ _BOOT = (
     "s = socket.socket(fileno=int(sys.argv[1]))\n"
     "(n,) = struct.unpack('<Q', s.recv(8, socket.MSG_WAITALL))\n"
     "sys.path[:0] = pickle.loads(s.recv(n, socket.MSG_WAITALL))\n"
-    "from tracestore.client.read_process import serve\n"
+    "from tracestore.client.read.read_process import serve\n"
     "serve(s)\n"
 )
 

@@ -1,7 +1,7 @@
 """FP4 fake quantization at every hooked site of a transformers model, recorded into
 ``RolloutRecorder``\\ s (:class:`FP4SiteRecorder`), and the recorder outputs of one forward's FP4
 codes (:func:`site_outputs`): the readable CPU/any-device rollout path built on
-:class:`tracestore.client.hf_hooks.HFSiteHooks`."""
+:class:`tracestore.client.hf.hooks.HFSiteHooks`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from tracestore.client.hf_hooks import HFSiteHooks, HookedSite
-from tracestore.client.hf_layouts import Layout
+from tracestore.client.hf.hooks import HFSiteHooks, HookedSite
+from tracestore.client.hf.layouts import Layout
 
 from tracestore.errors import ConfigError, ShapeError
 
@@ -27,9 +27,8 @@ def site_outputs(
     batch-major, which matches segments ``[(trajectory_b, start, start+T) for b in batch]``;
     ``rows`` (int64 indices into the ``B*T`` batch-major rows) keeps those rows only, in that order.
     """
-    from tracestore.client.recorder import SiteOutput
-
     from tracestore.packing import pack_bits
+    from tracestore.site_output import SiteOutput
 
     out = {}
     for site in run_spec.sites:

@@ -5,7 +5,7 @@ From the CPU a copy is a memoryview assignment, done at once. From a GPU every c
 is queued on the side stream after the engine's current stream, behind one event, and the
 current stream then waits for that event (a device-side wait: the engine's next kernels rewrite
 what was copied). A slab goes through five CUDA driver calls that keep the GIL
-(:mod:`tracestore.client._cuda`: through torch each of seven calls released it and could wait the
+(:mod:`tracestore.client.record._cuda`: through torch each of seven calls released it and could wait the
 5 ms switch interval to get it back while the sender thread ran); where the driver cannot be
 used, through torch.
 """
@@ -114,7 +114,7 @@ class StagingCopier:
                 n = rows * plan.row_bytes
                 view[off + rel : off + rel + n] = _as_bytes(src.reshape(-1)[:n]).data
             return None
-        drv = self._driver() if self.driver is not False else None
+        drv = self.cuda_driver() if self.driver is not False else None
         ev = None if drv is None else self._slabs_driver(drv, staged, srcs, off, order, after)
         if ev is not None:
             return ev
@@ -238,8 +238,8 @@ class StagingCopier:
             cur.wait_event(ev)
         return ev
 
-    def _driver(self) -> Any:
-        """The CUDA driver binding (client/_cuda.py), or None (then torch's path)."""
+    def cuda_driver(self) -> Any:
+        """The CUDA driver binding (client/record/_cuda.py), or None (then torch's path)."""
         if self.driver is None:
             import torch
 

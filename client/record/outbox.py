@@ -1,5 +1,5 @@
 """The sender's end of the recorder's queue (:class:`Outbox`): the engine thread appends items to
-:attr:`Outbox.queue`; the sender thread (:mod:`tracestore.client.session`) lays out slab rows,
+:attr:`Outbox.queue`; the sender thread (:mod:`tracestore.client.record.session`) lays out slab rows,
 splits forwards into pieces or keeps decode steps whole, resolves seals in queue order and holds
 small forwards back to coalesce them, under the recorder's lock where a method says so."""
 
