@@ -1,0 +1,115 @@
+"""Hooks shared by the engine plugins: which site a call belongs to, and the capturing wrappers.
+
+- :class:`SiteScope`: the MoE layer (site name and decode-side global scale) whose forward is
+  running on this thread, set by a forward pre-hook on each MoE module and cleared after it;
+  the FlashInfer entry, which receives no layer, records under it.
+- :func:`wrap_moe_entry`: wraps a FlashInfer fused-MoE entry (``trtllm_fp4_block_scale_moe`` /
+  ``trtllm_fp4_block_scale_routed_moe``): when its ``hidden_states`` are packed FP4 codes
+  (``uint8 [T, H/2]``) it records them with ``hidden_states_scale`` (E4M3, linear layout) and,
+  on the per-token path, ``per_token_scale`` (float32 ``[T]``), then calls the entry unchanged.
+- :func:`patch_attr`: replaces a module attribute by a wrapper once (idempotent: a wrapped
+  attribute carries ``__tracestore_wrapped__`` and is not wrapped again).
+- :func:`site_name`: an engine module prefix (``model.layers.3.mlp.experts``) -> the site name
+  :class:`HFSiteHooks` uses for the same tensor (``layers.3.mlp.input``) or, for dense linear
+  inputs, ``layers.{i}.<module path>.input``.
+
+Hooks never change what the engine computes: a wrapper calls the original with the original
+arguments and returns its result; a recording failure is logged and counted, never raised into
+the engine, except bad wiring found at install time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tracestore.errors import ValidationError
+
+from .codes import record_rows
+
+log = logging.getLogger("tracestore.client.engines")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+MOE_SUFFIXES = ("mlp.experts", "block_sparse_moe.experts", "mlp", "block_sparse_moe", "feed_forward.experts")
+
+
+def site_name(prefix: str, moe: bool = False) -> str:
+    """Site name for an engine module ``prefix``: MoE blocks and their experts -> ``layers.{i}.mlp.input``;
+    anything else -> ``layers.{i}.{rest}.input``. A prefix without ``layers.{i}.`` raises."""
+    m = _LAYER.search(prefix)
+    if m is None:
+        raise ValidationError(f"module {prefix!r} is not under layers.{{i}}.: no site name for it")
+    layer, rest = m.group(1), m.group(2)
+    if moe:
+        return f"layers.{layer}.mlp.input"
+    return f"layers.{layer}.{rest}.input"
+
+
+class SiteScope(threading.local):
+    """The MoE site whose layer runs on this thread: ``name`` and decode-side ``g`` (None: per token)."""
+
+    name: str | None = None
+    g: torch.Tensor | float | None = None
+
+    def enter(self, name: str, g: torch.Tensor | float | None) -> None:
+        self.name, self.g = name, g
+
+    def leave(self) -> None:
+        self.name, self.g = None, None
+
+
+SCOPE = SiteScope()
+Capture = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def patch_attr(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.attr`` by ``make(original)`` unless it is already a tracestore wrapper.
+    Returns True when it patched."""
+    current = getattr(owner, attr)
+    if getattr(current, "__tracestore_wrapped__", None) is not None:
+        return False
+    wrapper = make(current)
+    wrapper.__tracestore_wrapped__ = current  # type: ignore[attr-defined]
+    setattr(owner, attr, wrapper)
+    return True
+
+
+def unpatch_attr(owner: Any, attr: str) -> bool:
+    """Undo :func:`patch_attr` (True when there was a wrapper to remove)."""
+    current = getattr(owner, attr)
+    original = getattr(current, "__tracestore_wrapped__", None)
+    if original is None:
+        return False
+    setattr(owner, attr, original)
+    return True
+
+
+def wrap_moe_entry(fn: Callable[..., Any], capture: Capture, bits: Callable[[], int]) -> Callable[..., Any]:
+    """A FlashInfer fused-MoE entry that records its FC1 input under :data:`SCOPE`'s site first."""
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        x = kwargs.get("hidden_states")
+        site = SCOPE.name
+        if site is not None and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+            try:
+                pts = kwargs.get("per_token_scale")
+                codes, scales, g = record_rows(
+                    x.reshape(-1, x.shape[-1]),
+                    kwargs["hidden_states_scale"],
+                    layout="linear",
+                    bits=bits(),
+                    global_scale=None if pts is not None else SCOPE.g,
+                    token_scale=None if pts is None else pts.reshape(-1).to(torch.float32),
+                )
+                capture(site, codes, scales, g)
+            except Exception:  # never into the engine: the forward goes on unrecorded
+                log.exception("tracestore: recording the MoE input of %s failed", site)
+        return fn(*args, **kwargs)
+
+    return entry

@@ -1,0 +1,242 @@
+"""One engine instance's recording: the forward's captured sites -> the recorder, by a step plan.
+
+:class:`EngineRecorder` sits between an engine plugin and :class:`tracestore.client.RolloutRecorder`:
+
+- during a forward, the plugin's hooks call :meth:`EngineRecorder.capture` once per site with the
+  record rows of every token of the forward (:func:`tracestore.client.engines.codes.record_rows`);
+- after it, :meth:`EngineRecorder.end_forward` applies the step's
+  :class:`~tracestore.client.engines.rows.StepPlan`: prefix links first, then the planned rows
+  (one ``record_forward`` with their token ids), draft rows held on the host until confirmed;
+- :meth:`EngineRecorder.end_request` seals a finished request, or records why it has a gap, and
+  returns the dict an engine hands back on the request output (with the :class:`TraceRef`).
+
+The run's sites are declared from the first forward that captures any (every forward passes
+through every layer); a later forward capturing a site outside them raises. Without a sidecar
+connection the recorder marks trajectories unguided and the engine keeps running.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracestore.errors import ValidationError
+from tracestore.records import RunSpec, SiteSpec
+from tracestore.traceref import site_digest, split_attempt_id
+
+from .rows import Ending, StepPlan
+from .setting import RecordSetting
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def site_spec(name: str, width: int, bits: int) -> SiteSpec:
+    """The :class:`SiteSpec` of a captured site: ``layers.{i}.mlp.input`` is a ``moe_input`` (the
+    name :class:`HFSiteHooks` gives a MoE block's input), anything else under ``layers.{i}.`` is ``other``."""
+    m = _LAYER.match(name)
+    if m is None:
+        raise ValidationError(f"site {name!r}: engine sites are named layers.{{i}}.<...>")
+    if name.endswith(".mlp.input"):
+        return SiteSpec(name, "moe_input", layer=int(m.group(1)), width=width, bits=bits)
+    return SiteSpec(name, "other", layer=int(m.group(1)), width=width, bits=bits)
+
+
+class EngineRecorder:
+    """Records one engine instance's forwards under ``setting`` (see the module docstring).
+
+    ``make_recorder(run_spec)`` builds the :class:`RolloutRecorder` once the sites are known (default:
+    one connected to ``setting.sidecar`` with ``setting.writer`` and ``setting.policy_version``).
+    """
+
+    def __init__(self, setting: RecordSetting, make_recorder: Callable[[RunSpec], Any] | None = None) -> None:
+        self.setting = setting
+        self._make = make_recorder or self._default_recorder
+        self.recorder: Any = None
+        self.run_spec: RunSpec | None = None
+        self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+        self._lock = threading.Lock()
+        self.stats = {
+            "forwards": 0,
+            "rows": 0,
+            "links": 0,
+            "held": 0,
+            "released": 0,
+            "dropped": 0,
+            "seals": 0,
+            "gaps": 0,
+        }
+
+    def _default_recorder(self, spec: RunSpec) -> Any:
+        from tracestore.client import RolloutRecorder
+
+        s = self.setting
+        return RolloutRecorder(
+            s.sidecar, spec, writer=s.writer, policy_version=s.policy_version, staging_bytes=s.staging_mb << 20
+        )
+
+    # -- during a forward -------------------------------------------------------------------------
+
+    def capture(self, site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
+        """This forward's record rows of ``site`` (one row per token of the forward, in its order):
+        ``codes uint8 [T, width·bits/8]``, ``scales uint8 [T, width/16]``, ``g float32 [1]`` or ``[T]``.
+        A site captured twice in one forward raises (two consumers under one name)."""
+        if site in self._sites:
+            raise ValidationError(f"site {site!r} captured twice in one forward")
+        if codes.shape[0] != scales.shape[0] or g.numel() not in (1, codes.shape[0]):
+            raise ValidationError(
+                f"site {site!r}: {codes.shape[0]} code rows, {scales.shape[0]} scale rows, {g.numel()} g values"
+            )
+        self._sites[site] = (codes, scales, g)
+
+    def discard_forward(self) -> None:
+        """Forget what this forward captured (a forward with nothing to record: warm-up, profiling)."""
+        self._sites.clear()
+
+    def _ensure_run(self) -> None:
+        if self.run_spec is not None:
+            unknown = set(self._sites) - set(self.run_spec.site_names)
+            if unknown:
+                raise ValidationError(
+                    f"sites {sorted(unknown)} appeared after the run declared {self.run_spec.site_names}"
+                )
+            return
+        bits = self.setting.bits
+        specs = [site_spec(n, c.shape[1] * 8 // bits, bits) for n, (c, _, _) in sorted(self._sites.items())]
+        self.run_spec = RunSpec(self.setting.run, tuple(specs))
+        self.recorder = self._make(self.run_spec)
+
+    # -- after a forward --------------------------------------------------------------------------
+
+    def end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None = None) -> bool:
+        """Apply ``plan`` to this forward's captured rows, laid out in ``order`` (``(request_id,
+        n)`` pairs; default the plan's scheduled order). Returns the recorder's answer for the
+        planned rows (True when there were none)."""
+        sites, self._sites = self._sites, {}
+        if not sites:
+            if plan.segments or plan.held:
+                raise ValidationError("the step plans rows but the forward captured no site")
+            self._links_and_released(plan)
+            return True
+        self._sites = sites
+        try:
+            self._ensure_run()
+        finally:
+            self._sites = {}
+        self.stats["forwards"] += 1
+        n_fwd = sum(n for _, n in (plan.order if order is None else order))
+        for name, (c, _, _) in sites.items():
+            if c.shape[0] < n_fwd:  # (rows past them: padding the engine added)
+                raise ValidationError(f"site {name!r} captured {c.shape[0]} rows; the forward has {n_fwd} tokens")
+        at = plan.starts(order)
+        for traj, pos, rid, off, tok in plan.held:  # draft rows: kept on the host until confirmed
+            row = at[rid] + off
+            self._held[(traj, pos)] = (
+                tok,
+                {
+                    n: (c[row : row + 1].cpu(), s[row : row + 1].cpu(), self._g_row(g, row))
+                    for n, (c, s, g) in sites.items()
+                },
+            )
+            self.stats["held"] += 1
+        self._links_and_released(plan)
+        if not plan.segments:
+            return True
+        idx = torch.from_numpy(plan.row_index(order))
+        outputs = {}
+        from tracestore.client import SiteOutput
+
+        for name, (c, s, g) in sites.items():
+            i = idx.to(c.device)
+            gg = g if g.numel() == 1 else g.index_select(0, i)
+            outputs[name] = SiteOutput(c.index_select(0, i), s.index_select(0, i), gg)
+        self.stats["rows"] += int(idx.numel())
+        return bool(
+            self.recorder.record_forward(plan.segments, outputs, token_ids=np.asarray(plan.token_ids, dtype=np.int64))
+        )
+
+    @staticmethod
+    def _g_row(g: torch.Tensor, row: int) -> torch.Tensor:
+        return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).cpu()
+
+    def _links_and_released(self, plan: StepPlan) -> None:
+        for traj, source, n in plan.links:
+            self.recorder_or_raise().link_prefix(traj, source, n)
+            self.stats["links"] += 1
+        for key in plan.dropped:
+            if self._held.pop(key, None) is not None:
+                self.stats["dropped"] += 1
+        self._release(plan.released)
+
+    def recorder_or_raise(self) -> Any:
+        if self.recorder is None:
+            raise ValidationError("no forward has captured a site yet: the run's sites are not known")
+        return self.recorder
+
+    def _release(self, released: Sequence[tuple[str, int]]) -> None:
+        """Record confirmed draft rows, one ``record_forward`` per run of consecutive positions."""
+        i = 0
+        while i < len(released):
+            traj, pos = released[i]
+            j = i + 1
+            while j < len(released) and released[j] == (traj, pos + j - i):
+                j += 1
+            taken = [self._held.pop((traj, p)) for _, p in released[i:j]]
+            rows = [r for _, r in taken]
+            outputs = {}
+            from tracestore.client import SiteOutput
+
+            for name in rows[0]:
+                c = torch.cat([r[name][0] for r in rows])
+                s = torch.cat([r[name][1] for r in rows])
+                gs = [r[name][2] for r in rows]
+                g = gs[0] if all(bool(torch.equal(x, gs[0])) for x in gs) else torch.cat(gs)
+                outputs[name] = SiteOutput(c, s, g)
+            ids = np.asarray([t for t, _ in taken], dtype=np.int64)
+            self.recorder_or_raise().record_forward([(traj, pos, pos + j - i)], outputs, token_ids=ids)
+            self.stats["released"] += j - i
+            i = j
+
+    # -- after a request --------------------------------------------------------------------------
+
+    def end_request(self, ending: Ending) -> dict[str, Any]:
+        """Seal ``ending``'s trajectory (or note its gap) and return the request-output dict:
+        ``{"trajectory", "n_tokens", "gap", "trace_ref"}`` (``trace_ref``: TraceRef JSON, guided
+        when the trajectory was sealed; durability is the sidecar's to confirm, e.g. ``check_refs``)."""
+        self._release(ending.released)
+        from tracestore.client import TraceRef
+
+        traj, n = ending.trajectory, ending.n_tokens
+        for key in [k for k in self._held if k[0] == traj]:
+            del self._held[key]
+        gap = ending.gap
+        if gap is None and self.recorder is not None and n >= 1:
+            if not self.recorder.finish(traj, n):
+                gap = "unguided"
+        elif gap is None:
+            gap = "nothing_recorded"
+        self.stats["seals" if gap is None else "gaps"] += 1
+        base, attempt = split_attempt_id(traj)
+        ref = None
+        if self.run_spec is not None:
+            ref = TraceRef(
+                run=self.run_spec.run,
+                policy_version=self.recorder.policy_version,
+                trajectory=base,
+                attempt=attempt,
+                n_tokens=max(n, 1),
+                sites=site_digest(self.run_spec),
+                guided=gap is None,
+                reason="" if gap is None else ("aborted" if gap == "aborted" else "refused"),
+                writer=self.setting.writer,
+            ).to_json()
+        return {"trajectory": traj, "n_tokens": n, "gap": gap, "trace_ref": ref}
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Flush and close the recorder (True: everything acknowledged durable)."""
+        return True if self.recorder is None else bool(self.recorder.close(timeout))

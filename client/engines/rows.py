@@ -1,0 +1,315 @@
+"""Scheduler facts -> which forward rows are recorded where (engine-independent).
+
+An engine's scheduler says, per step and per running request, which positions the forward feeds:
+``start`` (tokens already computed) and ``n`` (tokens fed, the last ``n_draft`` of them speculative
+draft tokens), in the order the forward lays its rows out. :class:`RowMapper` turns that into a
+:class:`StepPlan` — record segments (trajectory, start, end) with the forward rows they take,
+prefix links, draft rows to hold — and, when a request ends, a seal or a gap with its reason.
+
+What it promises, case by case:
+
+- **Continuous batching / chunked prefill**: every position is recorded once, at the step that
+  first computes it; a chunk continues where the previous one stopped.
+- **Prefix-cache hits** (a request's first step starts past 0): the hit is linked to the
+  trajectory that recorded those positions with the same token ids (:meth:`link` in the plan,
+  :meth:`RolloutRecorder.link_prefix`), never stored again. With no such trajectory the request
+  gets the gap ``prefix_unrecorded`` (its records would lack the prefix).
+- **GRPO groups** (n > 1: several requests with one prompt): the first request that records a
+  prompt owns it; later requests with the same prompt link to it for the prompt's length.
+- **Preemption / recompute**: positions already recorded are skipped when recomputed (a write-once
+  key never gets other bytes); positions computed while unrecorded give the gap
+  ``unrecorded_positions``.
+- **Speculative decoding**: draft rows are held, released only once a later step's ``start`` (the
+  scheduler's computed count after rejection) or the finished token ids confirm them; rejected
+  drafts are dropped, never recorded.
+- **Abort**: no seal, gap ``aborted``; held rows are dropped.
+
+Token ids travel with every record segment (the chunk's token identity, docs/data-model.md).
+The mapper keeps per-request state only until :meth:`RowMapper.finish`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from tracestore.errors import ValidationError
+from tracestore.identity import IDS_TAG, as_token_ids
+from tracestore.traceref import attempt_id
+
+_SEED = zlib.crc32(IDS_TAG)
+_BAD = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+def trajectory_id(request_id: str, prefix: str = "") -> str:
+    """A stored trajectory id for an engine request id: characters outside ``[A-Za-z0-9_.:-]`` become
+    ``-``, ``..`` becomes ``.-``, a leading non-alphanumeric gets ``r`` before it, at most 128
+    characters less room for an attempt suffix (longer ids keep their last 100 characters behind an
+    8-hex CRC, so distinct ids stay distinct); ``::`` (reserved for attempts) becomes ``:-``."""
+    t = _BAD.sub("-", f"{prefix}{request_id}").replace("..", ".-").replace("::", ":-")
+    if not t or not t[0].isalnum():
+        t = "r" + t
+    if len(t) > 109:
+        t = f"{zlib.crc32(t.encode()):08x}-{t[-100:]}"
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One request's share of a forward: positions ``[start, start + n)``, the last ``n_draft`` of
+    them draft tokens; ``token_ids`` the ``n`` input ids (None: the mapper already knows them)."""
+
+    request_id: str
+    start: int
+    n: int
+    n_draft: int = 0
+    token_ids: Sequence[int] | np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.n < 0 or not 0 <= self.n_draft <= self.n:
+            raise ValidationError(
+                f"request {self.request_id}: need start >= 0, n >= 0, 0 <= n_draft <= n; "
+                f"got start={self.start} n={self.n} n_draft={self.n_draft}"
+            )
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What to do with one forward's rows.
+
+    ``segments[i]`` = ``(trajectory, start, end)`` takes ``rows[i]`` = ``(request_id, offset,
+    count)``: rows ``offset .. offset + count`` of that request's share of the forward (the engine
+    worker resolves where each request's share starts in its own batch order: :meth:`row_index`);
+    ``token_ids`` holds their input ids in segment order. ``held`` lists ``(trajectory, position,
+    request_id, offset, token_id)`` draft rows to keep until confirmed. ``links`` are
+    ``(trajectory, source, n_tokens)`` prefix links to write before the segments. ``released`` are
+    earlier held rows now confirmed: ``(trajectory, position)`` in order (their bytes are in the
+    caller's hold store)."""
+
+    segments: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    rows: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    held: list[tuple[str, int, str, int, int]] = dataclasses.field(default_factory=list)
+    links: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    released: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    dropped: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    order: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (request_id, n) as scheduled
+
+    @property
+    def n_rows(self) -> int:
+        return sum(c for _, _, c in self.rows)
+
+    def starts(self, order: Sequence[tuple[str, int]] | None = None) -> dict[str, int]:
+        """First forward row of each request's share, for a forward laid out in ``order``
+        (``(request_id, n)`` pairs; default: the scheduled order)."""
+        out, row = {}, 0
+        for rid, n in self.order if order is None else order:
+            out[rid] = row
+            row += n
+        return out
+
+    def row_index(self, order: Sequence[tuple[str, int]] | None = None) -> np.ndarray:
+        """Forward rows to record, in segment order (``int64``), for a forward laid out in ``order``."""
+        if not self.rows:
+            return np.zeros(0, dtype=np.int64)
+        at = self.starts(order)
+        missing = [rid for rid, _, _ in self.rows if rid not in at]
+        if missing:
+            raise ValidationError(f"the forward's layout lacks requests {missing[:5]} that the plan records")
+        return np.concatenate([np.arange(at[rid] + a, at[rid] + a + c, dtype=np.int64) for rid, a, c in self.rows])
+
+
+@dataclasses.dataclass
+class Ending:
+    """A finished request: ``seal`` (trajectory, n_tokens) or ``gap`` (the reason records are
+    incomplete: ``aborted``, ``prefix_unrecorded``, ``unrecorded_positions``); ``released`` as in
+    :class:`StepPlan` (held drafts the final ids confirm)."""
+
+    trajectory: str
+    n_tokens: int
+    gap: str | None
+    released: list[tuple[str, int]]
+
+
+@dataclasses.dataclass
+class _Req:
+    trajectory: str
+    ids: list[int]  # input ids known from position 0
+    recorded: int = 0  # positions [0, recorded) are stored or linked
+    gap: str | None = None
+    prompt_len: int = 0
+    held: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> its input id
+    crcs: dict[int, int] = dataclasses.field(default_factory=dict)  # registered prefix ends -> crc
+
+
+class RowMapper:
+    """Per-step row mapping for one engine instance (see the module docstring for the cases).
+
+    ``block``: the prefix-cache block size (hits are registered and looked up at its multiples and
+    at each prompt's end). ``prefix``: prepended to every trajectory id.
+    """
+
+    def __init__(self, block: int = 16, prefix: str = "") -> None:
+        if block < 1:
+            raise ValidationError(f"block must be >= 1, got {block}")
+        self.block = block
+        self.prefix = prefix
+        self._reqs: dict[str, _Req] = {}
+        self._owners: dict[tuple[int, int], str] = {}  # (n_tokens, ids crc) -> trajectory that records them
+        self._attempts: dict[str, int] = {}  # base trajectory id -> attempts handed out
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: Sequence[int] | np.ndarray, trajectory: str | None = None) -> str:
+        """Start tracking a request with its prompt ids; returns its stored trajectory id (default:
+        :func:`tracestore.traceref.attempt_id` of :func:`trajectory_id`, the next attempt of that id,
+        so a request id reused after its first run ended records under a new attempt). Adding a
+        request that is still tracked is an error."""
+        if request_id in self._reqs:
+            raise ValidationError(f"request {request_id!r} is already tracked (finish it first)")
+        ids = as_token_ids(np.asarray(prompt_ids, dtype=np.int64), f"request {request_id} prompt ids").tolist()
+        if trajectory is None:
+            base = trajectory_id(request_id, self.prefix)
+            n = self._attempts.get(base, 0)
+            self._attempts[base] = n + 1
+            trajectory = attempt_id(base, n)
+        traj = trajectory
+        self._reqs[request_id] = _Req(traj, ids, prompt_len=len(ids))
+        return traj
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def trajectory(self, request_id: str) -> str:
+        return self._req(request_id).trajectory
+
+    def _req(self, request_id: str) -> _Req:
+        r = self._reqs.get(request_id)
+        if r is None:
+            raise ValidationError(f"request {request_id!r} is not tracked (add() it when it is first scheduled)")
+        return r
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def step(self, batch: Sequence[Scheduled]) -> StepPlan:
+        """Map one forward: ``batch`` in the forward's row order. Returns the :class:`StepPlan`."""
+        plan = StepPlan()
+        for s in batch:
+            plan.order.append((s.request_id, s.n))
+            r = self._req(s.request_id)
+            if s.token_ids is not None:
+                ids = as_token_ids(np.asarray(s.token_ids, dtype=np.int64), f"request {s.request_id} ids").tolist()
+                if len(ids) != s.n:
+                    raise ValidationError(f"request {s.request_id}: {len(ids)} token ids for {s.n} scheduled tokens")
+                if s.start > len(r.ids):
+                    raise ValidationError(
+                        f"request {s.request_id}: ids from position {s.start}, only {len(r.ids)} known before it"
+                    )
+                r.ids[s.start :] = ids
+            elif s.start + s.n > len(r.ids):
+                raise ValidationError(
+                    f"request {s.request_id}: positions up to {s.start + s.n} scheduled, ids known up to {len(r.ids)}"
+                )
+            self._confirm(r, s.start, plan.released, plan.dropped)
+            self._place(r, s, plan)
+        return plan
+
+    def _confirm(self, r: _Req, computed: int, released: list[tuple[str, int]], dropped: list[tuple[str, int]]) -> None:
+        """Held drafts below ``computed`` were accepted (in order, from ``recorded``); the rest are dropped."""
+        if not r.held:
+            return
+        for pos in sorted(r.held):
+            if pos == r.recorded and pos < computed and r.gap is None:
+                released.append((r.trajectory, pos))
+                r.recorded += 1
+            else:
+                dropped.append((r.trajectory, pos))
+        r.held.clear()
+        self._register(r)
+
+    def _place(self, r: _Req, s: Scheduled, plan: StepPlan) -> None:
+        start, end = s.start, s.start + s.n
+        if r.gap is not None:
+            return
+        if r.recorded == 0 and start == 0 and r.prompt_len:
+            key = (r.prompt_len, self._crc(r.ids, r.prompt_len))
+            source = self._owners.setdefault(key, r.trajectory)  # the first to record a prompt owns it
+            if source != r.trajectory:  # a group sibling records this prompt: link to it
+                plan.links.append((r.trajectory, source, r.prompt_len))
+                r.recorded = r.prompt_len
+        if r.recorded == 0 and start > 0:  # a prefix-cache hit on the first step
+            hit = self._owners.get((start, self._crc(r.ids, start)))
+            if hit is None:
+                r.gap = "prefix_unrecorded"
+                return
+            plan.links.append((r.trajectory, hit, start))
+            r.recorded = start
+        if start > r.recorded:
+            r.gap = "unrecorded_positions"
+            return
+        first = max(start, r.recorded)
+        sure_end = end - s.n_draft
+        if first < sure_end:
+            plan.segments.append((r.trajectory, first, sure_end))
+            plan.rows.append((s.request_id, first - start, sure_end - first))
+            plan.token_ids.extend(r.ids[first:sure_end])
+            r.recorded = sure_end
+        for pos in range(max(sure_end, r.recorded), end):
+            r.held[pos] = r.ids[pos]
+            plan.held.append((r.trajectory, pos, s.request_id, pos - start, r.ids[pos]))
+        self._register(r)
+
+    def _register(self, r: _Req) -> None:
+        """Offer this trajectory's recorded prefixes (block multiples, the prompt's end) to later hits."""
+        ends = [e for e in range(self.block, r.recorded + 1, self.block) if e not in r.crcs]
+        if r.prompt_len and r.prompt_len <= r.recorded and r.prompt_len not in r.crcs:
+            ends.append(r.prompt_len)
+        for e in ends:
+            c = self._crc(r.ids, e)
+            r.crcs[e] = c
+            self._owners.setdefault((e, c), r.trajectory)
+
+    @staticmethod
+    def _crc(ids: list[int], n: int) -> int:
+        return zlib.crc32(np.asarray(ids[:n], dtype="<i4").tobytes(), _SEED)
+
+    # -- endings ----------------------------------------------------------------------------------
+
+    def finish(
+        self, request_id: str, all_ids: Sequence[int] | np.ndarray | None = None, aborted: bool = False
+    ) -> Ending:
+        """End a request. ``all_ids``: its final token ids (prompt + output); held drafts whose ids
+        match them are released (accepted), the rest dropped. Returns its :class:`Ending`; its
+        registered prefixes stay linkable (their records are stored)."""
+        r = self._reqs.pop(request_id, None)
+        if r is None:
+            raise ValidationError(f"request {request_id!r} is not tracked")
+        final = r.ids if all_ids is None else [int(i) for i in all_ids]
+        n_tokens = len(final)
+        released: list[tuple[str, int]] = []
+        if aborted:
+            r.gap = "aborted"
+        elif r.held:
+            ok = 0
+            while (
+                r.recorded + ok in r.held
+                and r.recorded + ok < n_tokens
+                and r.held[r.recorded + ok] == final[r.recorded + ok]
+            ):
+                ok += 1
+            self._confirm(r, r.recorded + ok, released, [])
+        if r.gap is None and r.recorded < n_tokens - 1:
+            r.gap = "unrecorded_positions"
+        if r.gap is not None:
+            self.forget_owner(r.trajectory)
+        return Ending(r.trajectory, n_tokens, r.gap, released)
+
+    def forget_owner(self, trajectory: str) -> None:
+        """Stop offering ``trajectory``'s prefixes (its records will not be stored: a gap, an abort)."""
+        for key in [k for k, t in self._owners.items() if t == trajectory]:
+            del self._owners[key]

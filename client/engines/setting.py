@@ -1,0 +1,103 @@
+"""The one setting that turns recording on inside an engine, and the engines' version gate.
+
+``TRACESTORE_RECORD`` (or the same string in the engine's own config) is whitespace-separated
+``key=value`` pairs::
+
+    TRACESTORE_RECORD="sidecar=unix:///run/tracestore.sock run=grpo-7 policy_version=12"
+
+Keys: ``sidecar`` (the recorder's address), ``run``, ``policy_version`` (required); ``writer``
+(default ``<host>-<pid>``), ``bits`` (1..4, default 1), ``sites`` (``moe``: the MoE expert inputs,
+default; ``all``: also the dense NVFP4 linear inputs), ``staging_mb`` (default 256). Unset or empty:
+the plugins install nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Literal
+
+from tracestore.errors import ConfigError
+from tracestore.formats import check_bits
+from tracestore.records import validate_id, validate_version
+
+ENV = "TRACESTORE_RECORD"
+SiteChoice = Literal["moe", "all"]
+_KEYS = ("sidecar", "run", "policy_version", "writer", "bits", "sites", "staging_mb")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordSetting:
+    """What a plugin records and where to: parsed from one string by :func:`parse_setting`."""
+
+    sidecar: str
+    run: str
+    policy_version: int
+    writer: str = ""
+    bits: int = 1
+    sites: SiteChoice = "moe"
+    staging_mb: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.sidecar:
+            raise ConfigError(f"{ENV}: sidecar= is empty; give the sidecar's address, e.g. sidecar=127.0.0.1:7433")
+        validate_id("run", self.run)
+        object.__setattr__(self, "policy_version", validate_version(self.policy_version))
+        object.__setattr__(self, "bits", check_bits(self.bits))
+        if self.sites not in ("moe", "all"):
+            raise ConfigError(f"{ENV}: sites= must be 'moe' or 'all', got {self.sites!r}")
+        if not isinstance(self.staging_mb, int) or self.staging_mb < 1:
+            raise ConfigError(f"{ENV}: staging_mb= must be a positive integer, got {self.staging_mb!r}")
+        if not self.writer:
+            object.__setattr__(self, "writer", f"{socket.gethostname()}-{os.getpid()}")
+        validate_id("writer", self.writer)
+
+
+def parse_setting(text: str) -> RecordSetting:
+    """``"sidecar=ADDR run=RUN policy_version=N [writer=W] [bits=B] [sites=moe|all] [staging_mb=M]"``
+    -> :class:`RecordSetting`. Unknown keys, a pair without ``=``, a repeated key or a missing
+    required key raise :class:`~tracestore.errors.ConfigError` naming it."""
+    values: dict[str, str] = {}
+    for pair in text.split():
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"{ENV}: expected key=value pairs, got {pair!r} in {text!r}")
+        if key not in _KEYS:
+            raise ConfigError(f"{ENV}: unknown key {key!r}; known keys: {', '.join(_KEYS)}")
+        if key in values:
+            raise ConfigError(f"{ENV}: key {key!r} given twice in {text!r}")
+        values[key] = value
+    missing = [k for k in ("sidecar", "run", "policy_version") if k not in values]
+    if missing:
+        raise ConfigError(f"{ENV}: missing {', '.join(missing)} in {text!r} (needs sidecar=, run=, policy_version=)")
+    try:
+        ints = {k: int(values[k]) for k in ("policy_version", "bits", "staging_mb") if k in values}
+    except ValueError as e:
+        raise ConfigError(f"{ENV}: policy_version, bits and staging_mb are integers: {e}") from None
+    return RecordSetting(
+        sidecar=values["sidecar"],
+        run=values["run"],
+        writer=values.get("writer", ""),
+        sites=values.get("sites", "moe"),  # type: ignore[arg-type]  # checked in __post_init__
+        **ints,  # type: ignore[arg-type]
+    )
+
+
+def setting_from_env(environ: dict[str, str] | None = None) -> RecordSetting | None:
+    """The setting from ``TRACESTORE_RECORD``; None when it is unset or blank (recording off)."""
+    text = (os.environ if environ is None else environ).get(ENV, "").strip()
+    return parse_setting(text) if text else None
+
+
+def check_engine_version(engine: str, installed: str, validated: tuple[str, ...]) -> None:
+    """Fail closed: raise :class:`~tracestore.errors.ConfigError` unless ``installed`` is one of the
+    ``validated`` releases (compared on major.minor.patch, local suffixes like ``+cpu`` ignored)."""
+    base = installed.split("+", 1)[0]
+    if base not in validated:
+        raise ConfigError(
+            f"tracestore's {engine} plugin is validated against {engine} {' / '.join(validated)}, "
+            f"but {engine} {installed} is installed: it hooks engine internals that move between "
+            f"releases, so it records nothing rather than risk wrong rows. Install {engine}=={validated[-1]}, "
+            f"or unset {ENV} to run without recording."
+        )

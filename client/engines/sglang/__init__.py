@@ -1,0 +1,37 @@
+"""tracestore's SGLang plugin (``sglang.srt.plugins`` entry point ``tracestore``).
+
+Enabled by one setting, ``TRACESTORE_RECORD`` (:mod:`tracestore.client.engines.setting`).
+:func:`register` runs in every SGLang process that calls ``load_plugins()`` (the engine's main
+process, each scheduler process, the detokenizer); it does nothing without the setting, refuses any
+SGLang release but :data:`VALIDATED_VERSIONS` (a ``ConfigError`` naming both versions, which
+SGLang's loader logs: the engine then runs without recording), and registers its hooks with
+SGLang's ``HookRegistry`` once per process (:mod:`.hooks`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+VALIDATED_VERSIONS: tuple[str, ...] = ("0.5.23",)
+_lock = threading.Lock()
+_installed = False
+
+
+def register() -> None:
+    """The entry point: check the setting and the version, then register the hooks (idempotent)."""
+    global _installed
+    from tracestore.client.engines.setting import check_engine_version, setting_from_env
+
+    setting = setting_from_env()
+    if setting is None:
+        return
+    import sglang
+
+    check_engine_version("sglang", sglang.__version__, VALIDATED_VERSIONS)
+    with _lock:
+        if _installed:
+            return
+        from . import hooks
+
+        hooks.register_hooks(setting)
+        _installed = True

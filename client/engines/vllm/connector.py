@@ -1,0 +1,167 @@
+"""The out-of-tree KV connector that maps vLLM's scheduler to record rows (it moves no KV data).
+
+Load it with ``kv_transfer_config={"kv_connector": "TraceStoreConnector", "kv_role": "kv_both",
+"kv_connector_module_path": "tracestore.client.engines.vllm.connector"}``; the setting comes from
+``kv_connector_extra_config["tracestore"]`` or ``TRACESTORE_RECORD``.
+
+Scheduler side (one per engine core):
+
+- ``on_new_request`` keeps each :class:`vllm.v1.request.Request` (its ``all_token_ids`` and
+  ``spec_token_ids`` give every scheduled position's input id);
+- ``build_connector_meta`` turns the step's ``SchedulerOutput`` (new and cached requests,
+  ``num_scheduled_tokens``, ``scheduled_spec_decode_tokens``) into a
+  :class:`~tracestore.client.engines.rows.StepPlan` through a
+  :class:`~tracestore.client.engines.rows.RowMapper`, sent to the workers as the step's metadata;
+- ``request_finished`` ends the request in the mapper (aborted: a gap) and returns the dict vLLM
+  puts on the request output as ``kv_transfer_params``: ``{"tracestore": {"trajectory",
+  "n_tokens", "gap", "trace_ref"}}``. Where the recorder lives in this process (one-process
+  engines) the seal is queued here at once; otherwise the ending rides on the next step's metadata
+  to the worker that recorded the rows.
+
+Worker side: ``bind_connector_metadata`` hands the plan to the forward's capture
+(:mod:`.hooks`); every other connector method is a no-op (no KV is loaded or saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch  # noqa: F401  (before vLLM: an environment without torch reports the missing extra)
+from tracestore.client.engines import setting as _setting
+from tracestore.client.engines.rows import Ending, RowMapper, Scheduled, StepPlan
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tracestore.errors import ConfigError
+
+from . import hooks
+
+log = logging.getLogger("tracestore.client.engines")
+
+
+@dataclasses.dataclass
+class TraceStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's row plan, and the requests that ended since the last step (their seals)."""
+
+    plan: StepPlan
+    endings: list[Ending] = dataclasses.field(default_factory=list)
+
+
+def _status_aborted(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status == RequestStatus.FINISHED_ABORTED)
+
+
+class TraceStoreConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        text = extra.get("tracestore")
+        self.setting = _setting.parse_setting(text) if text else _setting.setting_from_env()
+        if self.setting is None:
+            raise ConfigError(
+                "TraceStoreConnector needs the recording setting: "
+                f"kv_connector_extra_config['tracestore'] or {_setting.ENV}"
+            )
+        block = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 16) or 16)
+        self.mapper = RowMapper(block=block)
+        self._requests: dict[str, Any] = {}
+        self._endings: list[Ending] = []
+        if role == KVConnectorRole.WORKER and hooks.ENGINE is None:
+            from tracestore.client.engines import vllm as plugin
+
+            plugin.register()  # no-op where the entry point already ran
+            if hooks.ENGINE is None:
+                hooks.install(self.setting)
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests.setdefault(request.request_id, request)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def _ids(self, rid: str, start: int, n: int, drafts: list[int]) -> list[int]:
+        req = self._requests[rid]
+        known = list(req.all_token_ids[start : start + n - len(drafts)])
+        return known + list(drafts)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TraceStoreConnectorMetadata:
+        sched = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens or {}
+        batch = []
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.req_id
+            if rid not in self._requests:
+                raise ConfigError(f"request {rid} was scheduled but never announced to the connector")
+            if not self.mapper.known(rid):
+                self.mapper.add(rid, list(new.prompt_token_ids or []))
+            n, drafts = sched[rid], list(spec.get(rid, ()))
+            batch.append(
+                Scheduled(
+                    rid, new.num_computed_tokens, n, len(drafts), self._ids(rid, new.num_computed_tokens, n, drafts)
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            if rid not in sched or not self.mapper.known(rid):
+                continue
+            n, drafts = sched[rid], list(spec.get(rid, ()))
+            batch.append(Scheduled(rid, start, n, len(drafts), self._ids(rid, start, n, drafts)))
+        plan = self.mapper.step(batch)
+        meta = TraceStoreConnectorMetadata(plan, self._endings)
+        self._endings = []
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        if not self.mapper.known(rid):
+            return False, None
+        ending = self.mapper.finish(rid, list(request.all_token_ids), aborted=_status_aborted(request))
+        if hooks.ENGINE is not None:  # the recorder is in this process: seal now
+            params = hooks.ENGINE.end_request(ending)
+        else:
+            self._endings.append(ending)
+            params = {
+                "trajectory": ending.trajectory,
+                "n_tokens": ending.n_tokens,
+                "gap": ending.gap,
+                "trace_ref": None,
+            }
+        return False, {"tracestore": params}
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, TraceStoreConnectorMetadata):
+            hooks.PLAN.value = connector_metadata.plan
+            if hooks.ENGINE is not None:
+                for ending in connector_metadata.endings:
+                    hooks.ENGINE.end_request(ending)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,226 @@
+"""Where the vLLM plugin captures (vLLM 0.32.0; every hooked name is checked by tests/engines).
+
+- **MoE expert inputs (FC1)**: ``flashinfer.fused_moe.trtllm_fp4_block_scale_moe`` and
+  ``..._routed_moe`` (vLLM's trtllm NVFP4 experts look them up as module attributes at call time)
+  are wrapped by :func:`tracestore.client.engines.capture.wrap_moe_entry`; the site is the MoE
+  runner whose ``_forward_impl`` is running (``MoERunner.layer_name``, e.g.
+  ``model.layers.3.mlp.experts`` -> ``layers.3.mlp.input``). The FC2 input is quantized inside the
+  FlashInfer kernel: it is never seen, never recorded.
+- **Dense NVFP4 linears**: ``apply_weights`` of every ``NvFp4LinearKernel`` subclass sets the
+  layer's site (``layers.{i}.<path>.input``, from ``layer.prefix``) while it runs; an input that
+  arrives already quantized (a ``QuantizedActivation``: ``data`` uint8 codes, ``scale`` swizzled
+  128×4 E4M3) is recorded there. Recorded only with ``sites=all``.
+- **CPU emulation** (vLLM's pure-torch NVFP4 path): ``ref_nvfp4_quant_dequant`` — the module global
+  ``run_nvfp4_emulations`` calls and the binding ``fused_moe/utils.py`` imported by name — is
+  wrapped so the codes and scales vLLM's own ``ref_nvfp4_quant`` produces are recorded under the
+  running site (the first quantization inside a MoE runner is its FC1 input; later ones, FC2, are
+  not recorded), and the dequantized result the engine uses is the original function's.
+- **Rows**: ``GPUModelRunner.execute_model`` clears the capture before the forward and afterwards
+  hands it to :class:`~tracestore.client.engines.recording.EngineRecorder` with the step plan the
+  KV connector bound (:mod:`.connector`) and the worker's own request order
+  (``input_batch.req_ids``).
+
+Python hooks fire only in eager execution (``enforce_eager=True``) or while a graph is being
+captured; graph replay without re-capture records nothing (see docs/integration.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+from typing import Any
+
+import torch
+from tracestore.client.engines.capture import SCOPE, patch_attr, site_name, wrap_moe_entry
+from tracestore.client.engines.codes import codes_from_values, record_rows
+from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.setting import RecordSetting
+
+from tracestore.packing import pack_bits
+
+log = logging.getLogger("tracestore.client.engines")
+
+MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe")
+EMU = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
+MOE_UTILS = "vllm.model_executor.layers.fused_moe.utils"
+RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+NVFP4_KERNELS = "vllm.model_executor.kernels.linear.nvfp4"
+MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+ENGINE: EngineRecorder | None = None
+PLAN = threading.local()  # .value: the step plan the connector bound for the coming forward
+_MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE runner
+
+
+def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
+    if ENGINE is not None:
+        ENGINE.capture(site, codes, scales, g)
+
+
+def _bits() -> int:
+    return 1 if ENGINE is None else ENGINE.setting.bits
+
+
+def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
+    """Install every hook in this process; returns what was patched (``module:attr``). Idempotent."""
+    global ENGINE
+    ENGINE = engine if engine is not None else EngineRecorder(setting)
+    done: list[str] = []
+    done += install_flashinfer()
+    runner = importlib.import_module(RUNNER).MoERunner
+    if patch_attr(runner, "_forward_impl", _wrap_moe_runner):
+        done.append(f"{RUNNER}:MoERunner._forward_impl")
+    if setting.sites == "all":
+        done += _install_dense()
+    emu = importlib.import_module(EMU)
+    for mod in (emu, importlib.import_module(MOE_UTILS)):
+        if patch_attr(mod, "ref_nvfp4_quant_dequant", functools.partial(_wrap_ref_quant_dequant, emu)):
+            done.append(f"{mod.__name__}:ref_nvfp4_quant_dequant")
+    mr = importlib.import_module(MODEL_RUNNER).GPUModelRunner
+    if patch_attr(mr, "execute_model", _wrap_execute_model):
+        done.append(f"{MODEL_RUNNER}:GPUModelRunner.execute_model")
+    log.info("tracestore: vLLM hooks installed: %s", ", ".join(done) or "none (already installed)")
+    return done
+
+
+def install_flashinfer() -> list[str]:
+    """Wrap FlashInfer's fused-MoE FP4 entries where FlashInfer is importable (GPU builds)."""
+    done = []
+    for name in ("flashinfer.fused_moe", "flashinfer"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for entry in MOE_ENTRIES:
+            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, _capture, _bits)):
+                done.append(f"{name}:{entry}")
+    return done
+
+
+def _moe_g(runner: Any) -> torch.Tensor | None:
+    """Decode-side g of a MoE runner's FC1 input on the static-scale path (1 / vLLM's a1_gscale)."""
+    qc = getattr(getattr(runner, "quant_method", None), "moe_quant_config", None)
+    enc = getattr(qc, "a1_gscale", None)
+    return None if enc is None else (1.0 / enc.float()).reshape(-1)[:1]
+
+
+def _wrap_moe_runner(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def _forward_impl(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = (SCOPE.name, SCOPE.g, getattr(_MOE_SEEN, "n", 0))
+        SCOPE.enter(site_name(str(self.layer_name), moe=True), _moe_g(self))
+        _MOE_SEEN.n = 0
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            SCOPE.name, SCOPE.g, _MOE_SEEN.n = outer
+
+    return _forward_impl
+
+
+_DENSE = threading.local()  # .name: the dense site whose apply_weights is running
+
+
+def _install_dense() -> list[str]:
+    import pkgutil
+
+    pkg = importlib.import_module(NVFP4_KERNELS)
+    base = importlib.import_module(f"{NVFP4_KERNELS}.base").NvFp4LinearKernel
+    for m in pkgutil.iter_modules(pkg.__path__):
+        try:
+            importlib.import_module(f"{NVFP4_KERNELS}.{m.name}")
+        except Exception:  # a backend whose own imports fail here (GPU libraries) is never selected
+            continue
+    done = []
+    todo = list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if "apply_weights" in vars(cls) and patch_attr(cls, "apply_weights", _wrap_apply_weights):
+            done.append(f"{cls.__module__}:{cls.__name__}.apply_weights")
+    return done
+
+
+def _wrap_apply_weights(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def apply_weights(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+        prefix = getattr(layer, "prefix", "")
+        name = site_name(prefix) if "layers." in prefix else None
+        data, scale = getattr(x, "data", None), getattr(x, "scale", None)
+        if name is not None and isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and scale is not None:
+            try:  # already quantized by a fused producer: the codes this GEMM eats
+                enc = getattr(layer, "input_global_scale_inv", None)
+                g = None if enc is None else (1.0 / enc.float()).reshape(-1)[:1]
+                _capture(
+                    name,
+                    *record_rows(
+                        data.reshape(-1, data.shape[-1]), scale, layout="swizzled128x4", bits=_bits(), global_scale=g
+                    ),
+                )
+            except Exception:
+                log.exception("tracestore: recording %s failed", name)
+            name = None
+        outer = getattr(_DENSE, "name", None)
+        _DENSE.name = name
+        try:
+            return fn(self, layer, x, bias)
+        finally:
+            _DENSE.name = outer
+
+    return apply_weights
+
+
+def record_ref_quant(
+    x: torch.Tensor, global_scale: torch.Tensor, block_size: int, emu: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Record rows of vLLM's own ``ref_nvfp4_quant(x, global_scale, block_size)`` (``global_scale``
+    encode-side, as vLLM passes it): ``(codes, scales, g)`` with ``g`` = 1 / ``global_scale``."""
+    values, sf = emu.ref_nvfp4_quant(x, global_scale, block_size)
+    codes = codes_from_values(values)
+    scales = sf.to(torch.float8_e4m3fn).view(torch.uint8)
+    g = (1.0 / global_scale.float()).reshape(-1)[:1]
+    return pack_bits(codes, _bits()), scales, g
+
+
+def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def ref_nvfp4_quant_dequant(x: torch.Tensor, global_scale: torch.Tensor, block_size: int) -> torch.Tensor:
+        site = None
+        if SCOPE.name is not None:  # inside a MoE runner: its first quantization is the FC1 input
+            n = getattr(_MOE_SEEN, "n", 0)
+            _MOE_SEEN.n = n + 1
+            site = SCOPE.name if n == 0 else None
+        elif getattr(_DENSE, "name", None) is not None:
+            site = _DENSE.name
+        if site is not None and ENGINE is not None and x.ndim == 2 and block_size == 16:
+            try:
+                _capture(site, *record_ref_quant(x, global_scale, block_size, emu))
+            except Exception:
+                log.exception("tracestore: recording %s failed", site)
+        return fn(x, global_scale, block_size)
+
+    return ref_nvfp4_quant_dequant
+
+
+def _wrap_execute_model(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if ENGINE is not None:
+            ENGINE.discard_forward()
+        out = fn(self, scheduler_output, *args, **kwargs)
+        plan = getattr(PLAN, "value", None)
+        PLAN.value = None
+        if ENGINE is not None and plan is not None:
+            sched = scheduler_output.num_scheduled_tokens
+            order = [(rid, sched[rid]) for rid in self.input_batch.req_ids if rid in sched]
+            try:
+                ENGINE.end_forward(plan, order)
+            except Exception:
+                log.exception("tracestore: recording the step failed; its requests are left unsealed")
+        elif ENGINE is not None:
+            ENGINE.discard_forward()
+        return out
+
+    return execute_model

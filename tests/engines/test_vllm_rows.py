@@ -1,0 +1,285 @@
+"""Scheduler -> rows through the vLLM connector, driven by vLLM's own Request / SchedulerOutput /
+NewRequestData / CachedRequestData classes, recorded through a real sidecar and read back from storage.
+
+Every captured row's bytes are a function of the token ids of its prefix, so a row stored at the
+wrong position, for the wrong request, from a rejected draft or twice with other bytes shows up
+as a mismatch against the request's final ids (or a write conflict at the sidecar)."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: the engine venv (.ci/engines-venv) runs these")
+pytestmark = pytest.mark.engines
+
+import torch  # noqa: E402
+from tracestore.client.engines.recording import EngineRecorder  # noqa: E402
+from tracestore.client.engines.setting import parse_setting  # noqa: E402
+from tracestore.client.engines.vllm import hooks  # noqa: E402
+from tracestore.client.engines.vllm.connector import TraceStoreConnector  # noqa: E402
+from tracestore.server.testing import ServeProcess  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from tracestore import Store, StoreReader  # noqa: E402
+
+SITE = "layers.0.mlp.input"
+WIDTH = 32  # 4 code bytes (b = 1), 2 scale bytes per row
+
+
+def row_bytes(prefix: list[int]) -> tuple[bytes, bytes]:
+    c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes())
+    return c.to_bytes(4, "little"), bytes([(c >> 3) & 0x3F, (c >> 11) & 0x3F])
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        yield sp
+    finally:
+        sp.terminate()
+
+
+class Engine:
+    """Our connector (scheduler and worker roles, one process) fed by vLLM's real classes; the
+    'forward' captures one row per scheduled token, in a worker order of the test's choosing."""
+
+    def __init__(self, address: str, run: str, block: int = 4) -> None:
+        text = f"sidecar={address} run={run} policy_version=0 writer=w-{run}"
+        cfg = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TraceStoreConnector",
+                kv_role="kv_both",
+                kv_connector_module_path="tracestore.client.engines.vllm.connector",
+                kv_connector_extra_config={"tracestore": text},
+            ),
+            cache_config=CacheConfig(block_size=block),
+        )
+        self.engine = EngineRecorder(parse_setting(text))
+        hooks.ENGINE = self.engine
+        self.sched = TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
+        self.worker = TraceStoreConnector(cfg, KVConnectorRole.WORKER, None)
+        self.reqs: dict[str, Request] = {}
+        self.results: dict[str, dict] = {}
+
+    def add(self, rid: str, prompt: list[int]) -> Request:
+        r = Request(rid, prompt, SamplingParams(max_tokens=64), None)
+        self.reqs[rid] = r
+        self.sched.on_new_request(r)
+        return r
+
+    def step(
+        self,
+        new: list[tuple[str, int, int]],
+        cached: list[tuple[str, int, int]],
+        spec: dict[str, list[int]] | None = None,
+        worker_order: list[str] | None = None,
+    ) -> None:
+        """new/cached: (request id, num_computed_tokens, num_scheduled_tokens)."""
+        spec = spec or {}
+        out = SchedulerOutput.make_empty()
+        for rid, start, n in new:
+            r = self.reqs[rid]
+            r.num_computed_tokens = start
+            out.scheduled_new_reqs.append(
+                NewRequestData(rid, list(r.prompt_token_ids), [], r.sampling_params, None, ([],), start, None)
+            )
+            out.num_scheduled_tokens[rid] = n
+        cd = CachedRequestData.make_empty()
+        for rid, start, n in cached:
+            cd.req_ids.append(rid)
+            cd.num_computed_tokens.append(start)
+            out.num_scheduled_tokens[rid] = n
+        out.scheduled_cached_reqs = cd
+        for rid, d in spec.items():
+            self.reqs[rid].spec_token_ids = list(d)
+            out.scheduled_spec_decode_tokens[rid] = list(d)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        meta = self.sched.build_connector_meta(out)
+        self.worker.bind_connector_metadata(meta)  # (as vLLM hands it to the worker)
+        order = worker_order or [rid for rid, _, _ in new + cached]
+        rows_c, rows_s = [], []
+        for rid in order:
+            start = next(s for r, s, _ in new + cached if r == rid)
+            n = out.num_scheduled_tokens[rid]
+            ids = list(self.reqs[rid].all_token_ids) + list(spec.get(rid, ()))
+            for p in range(start, start + n):
+                c, s = row_bytes(ids[: p + 1])
+                rows_c.append(c)
+                rows_s.append(s)
+        self.engine.capture(
+            SITE,
+            torch.tensor(np.frombuffer(b"".join(rows_c), np.uint8).reshape(-1, 4)),
+            torch.tensor(np.frombuffer(b"".join(rows_s), np.uint8).reshape(-1, 2)),
+            torch.ones(1),
+        )
+        self.engine.end_forward(hooks.PLAN.value, [(rid, out.num_scheduled_tokens[rid]) for rid in order])
+        hooks.PLAN.value = None
+        self.worker.clear_connector_metadata()
+
+    def sample(self, rid: str, *tokens: int) -> None:
+        self.reqs[rid].append_output_token_ids(list(tokens))
+        self.reqs[rid].spec_token_ids = []
+
+    def finish(self, rid: str, aborted: bool = False) -> dict:
+        r = self.reqs[rid]
+        r.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = self.sched.request_finished(r, [])
+        assert params is not None
+        self.results[rid] = params["tracestore"]
+        return params["tracestore"]
+
+    def close(self) -> None:
+        assert self.engine.close(30)
+        hooks.ENGINE = None
+
+
+def check_stored(sp: ServeProcess, run: str, eng: Engine, rid: str) -> int:
+    """Every stored row of ``rid``'s trajectory equals the row of its final ids; returns the count."""
+    res = eng.results[rid]
+    ids = list(eng.reqs[rid].all_token_ids)
+    n = res["n_tokens"]
+    with StoreReader(Store(sp.storage), run) as reader:
+        rows = reader.read([(res["trajectory"], 0, n)], on_missing="mask")[SITE]
+    for p in range(n - 1):
+        assert rows.valid[p], (rid, p)
+        c, s = row_bytes(ids[: p + 1])
+        assert rows.codes[p].tobytes() == c and rows.scales[p].tobytes() == s, (rid, p)
+    assert not rows.valid[n - 1]  # the last token is never fed
+    return n - 1
+
+
+def drain(sp: ServeProcess) -> None:
+    sp.terminate()
+    sp.start()
+
+
+def test_batching_chunked_prefill_and_worker_order(sidecar: ServeProcess) -> None:
+    eng = Engine(sidecar.address, "cb")
+    eng.add("a", [1, 2, 3, 4, 5, 6, 7])
+    eng.add("b", [9, 8])
+    eng.step([("a", 0, 4), ("b", 0, 2)], [], worker_order=["b", "a"])  # chunk 1 of a's prompt
+    eng.sample("b", 30)
+    eng.step([], [("a", 4, 3), ("b", 2, 1)], worker_order=["a", "b"])  # a's last chunk, b decodes
+    eng.sample("a", 40)
+    eng.sample("b", 31)
+    eng.step([], [("b", 3, 1), ("a", 7, 1)], worker_order=["b", "a"])
+    eng.sample("a", 41)
+    eng.sample("b", 32)
+    ra, rb = eng.finish("a"), eng.finish("b")
+    eng.close()
+    assert ra["gap"] is None and rb["gap"] is None
+    ref = json.loads(ra["trace_ref"])
+    assert ref["guided"] and ref["n_tokens"] == 9 and ref["trajectory"] == "a"
+    drain(sidecar)
+    assert check_stored(sidecar, "cb", eng, "a") == 8
+    assert check_stored(sidecar, "cb", eng, "b") == 4
+
+
+def test_prefix_hit_links_and_grpo_group_shares_the_prompt(sidecar: ServeProcess) -> None:
+    eng = Engine(sidecar.address, "px", block=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    for rid in ("g0", "g1"):  # n = 2: vLLM fans one prompt out into two requests
+        eng.add(rid, list(prompt))
+    eng.step([("g0", 0, 9), ("g1", 0, 9)], [])
+    eng.sample("g0", 100)
+    eng.sample("g1", 200)
+    eng.step([], [("g0", 9, 1), ("g1", 9, 1)])
+    eng.sample("g0", 101)
+    eng.sample("g1", 201)
+    # later: a request whose first 8 tokens hit the prefix cache (two blocks of 4)
+    eng.add("h", prompt[:8] + [77, 78])
+    eng.step([("h", 8, 2)], [])
+    eng.sample("h", 300)
+    # and one whose cached prefix nobody here recorded: a gap, never a wrong row
+    eng.add("x", [1, 1, 1, 1, 2, 2])
+    eng.step([("x", 4, 2)], [])
+    eng.sample("x", 400)
+    res = {rid: eng.finish(rid) for rid in ("g0", "g1", "h", "x")}
+    stats = dict(eng.engine.stats)
+    eng.close()
+    assert [res[r]["gap"] for r in ("g0", "g1", "h")] == [None, None, None]
+    assert res["x"]["gap"] == "prefix_unrecorded" and not json.loads(res["x"]["trace_ref"])["guided"]
+    assert stats["links"] == 2  # g1 -> g0 (the prompt), h -> g0 (8 tokens)
+    assert stats["rows"] == 9 + 2 + 2  # g0's prompt once, the two decodes, h's own 2
+    drain(sidecar)
+    for rid in ("g0", "g1", "h"):
+        check_stored(sidecar, "px", eng, rid)
+
+
+def test_preemption_recompute_and_abort(sidecar: ServeProcess) -> None:
+    eng = Engine(sidecar.address, "pr", block=4)
+    eng.add("p", [3, 1, 4, 1, 5])
+    eng.add("q", [2, 7, 1, 8])
+    eng.step([("p", 0, 5), ("q", 0, 4)], [])
+    eng.sample("p", 9)
+    eng.sample("q", 2)
+    eng.step([], [("p", 5, 1), ("q", 4, 1)])
+    eng.sample("p", 2)
+    eng.sample("q", 8)
+    # p is preempted, then resumed from scratch: everything recomputed, nothing stored twice
+    eng.step([("p", 0, 7)], [])
+    eng.sample("p", 6)
+    # q is aborted mid-decode
+    rq = eng.finish("q", aborted=True)
+    rp = eng.finish("p")
+    stats = dict(eng.engine.stats)
+    eng.close()
+    assert rq["gap"] == "aborted" and json.loads(rq["trace_ref"])["reason"] == "aborted"
+    assert rp["gap"] is None
+    assert stats["rows"] == 5 + 4 + 1 + 1 + 1  # the recompute stored only position 6
+    drain(sidecar)
+    check_stored(sidecar, "pr", eng, "p")
+    with StoreReader(Store(sidecar.storage), "pr") as reader:  # q: rows stored, never sealed
+        seals = reader.read([("q::a0", 0, 6)], on_missing="mask", require_sealed=False)[SITE]
+        assert seals.valid[:5].all()
+
+
+def test_spec_decode_rejections_are_never_recorded(sidecar: ServeProcess) -> None:
+    eng = Engine(sidecar.address, "sd", block=4)
+    eng.add("s", [4, 4, 4])
+    eng.step([("s", 0, 3)], [])
+    eng.sample("s", 10)
+    # verify token 10 at position 3 with drafts [11, 12] at 4, 5: the engine accepts 11, rejects 12
+    eng.step([], [("s", 3, 3)], spec={"s": [11, 12]})
+    eng.sample("s", 11, 13)  # accepted draft 11, then the bonus token 13 (not 12)
+    # next step: computed count 5 confirms positions 3 and 4
+    eng.step([], [("s", 5, 1)])
+    eng.sample("s", 14)
+    res = eng.finish("s")
+    stats = dict(eng.engine.stats)
+    eng.close()
+    assert res["gap"] is None
+    assert stats["held"] == 2 and stats["released"] == 1 and stats["dropped"] == 1
+    drain(sidecar)
+    assert check_stored(sidecar, "sd", eng, "s") == 6
+
+
+def test_setting_is_required_and_checked(tmp_path: Path) -> None:
+    from tracestore.errors import ConfigError
+
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TraceStoreConnector",
+            kv_role="kv_both",
+            kv_connector_module_path="tracestore.client.engines.vllm.connector",
+        )
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRACESTORE_RECORD", raising=False)
+        with pytest.raises(ConfigError, match="needs the recording setting"):
+            TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
+        mp.setenv("TRACESTORE_RECORD", "sidecar=x run=r")
+        with pytest.raises(ConfigError, match="missing policy_version"):
+            TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
