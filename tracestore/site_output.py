@@ -8,6 +8,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 
 
@@ -45,7 +47,19 @@ def per_row_g(out: SiteOutput, name: str, rows: int) -> SiteOutput:
         )
     if not _dtype_is_cached(getattr(g, "dtype", None), "float32"):
         raise DTypeError(f"{name}.global_scale per row must be float32, got {getattr(g, 'dtype', type(g).__name__)}")
-    return SiteOutput(out.codes, out.scales, 1.0, g.reshape(-1))
+    return SiteOutput(out.codes, out.scales, 1.0, _sane_per_row(g.reshape(-1)))
+
+
+def _sane_per_row(g: Any) -> Any:
+    """Per-row g with the §3 rule applied elementwise (0, negative or not finite: 1), on the
+    tensor's own device: they become the rows' token scales, which nothing else checks."""
+    if hasattr(g, "detach"):  # a torch tensor (torch is loaded already)
+        from tracestore.fp4 import sane_global_scales
+
+        return sane_global_scales(g)
+    a = np.asarray(g, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where((a > 0) & (a <= np.finfo(np.float32).max), a, np.float32(1.0))
 
 
 def _dtype_is(dt: Any, want: str) -> bool:

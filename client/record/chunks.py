@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tracestore.checksum import ChunkKey, chunk_checksum
+from tracestore.formats import sane_global_scale
 from tracestore.identity import TokenLedger
 from tracestore.records import PrefixLink, RunSpec, SiteSpec, TrajectorySeal
 from tracestore.v1 import tracestore_pb2 as pb
@@ -240,6 +241,7 @@ class _Fill:
         if self.size and self.size + nbytes > self.limit:
             self._cut(())
         cb, sb = site.code_bytes, site.scale_bytes
+        g = sane_global_scale(g)  # 0, negative or not finite: 1 (docs/numerics.md §3), as the trainer uses it
         ledger = self.b.ledger
         ids = ledger.crc(trajectory, token_start + n_tokens) if ledger else None
         rows = n_tokens * site.rows_per_token

@@ -449,3 +449,39 @@ def test_closed_recorder_frees_its_pool_without_the_cycle_collector(served: Serv
     with GuidanceReader(served.address, SPEC.run, prefetch=False) as reader:
         host = reader.read_host([(ro.traj(0), 0, ro.prompt + ro.gen - 1)])
     assert host[site.name].policy_version.tolist() == [7] * (ro.prompt + ro.gen - 1)
+
+
+def test_degenerate_global_scales_are_stored_as_one(served: ServeProcess) -> None:
+    """A g of 0, a negative number or a non-finite one means g = 1 (docs/numerics.md §3), and is
+    stored as 1: a scalar g through the chunk, a per-row g through the rows' token scales (a NaN
+    there would make the trainer's output NaN; a scalar one was refused by the sidecar)."""
+    site = SPEC.site("layers.20.mlp.input")
+    rec = RolloutRecorder(served.address, SPEC, "degenerate-g")
+    rng = np.random.default_rng(5)
+    bad = [0.0, -0.0, -2.0, float("inf"), float("-inf"), float("nan")]
+
+    def forward(traj: str, g: object) -> None:
+        out = {}
+        for s in SPEC.sites:
+            rows = len(bad) * s.rows_per_token
+            codes = rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+            scales = rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8)
+            out[s.name] = SiteOutput(codes, scales, g if s.name == site.name else 1.0)
+        assert rec.record_forward([(traj, 0, len(bad))], out)
+        rec.finish(traj, len(bad) + 1)
+
+    for k, g in enumerate(bad):
+        forward(f"scalar-{k}", g)
+    per_row = np.array(bad, np.float32)
+    per_row[0] = 0.375  # a valid g among them stays as it is
+    forward("per-row", per_row)
+    assert rec.flush(30), rec.stats
+    rec.close()
+    with GuidanceReader(served.address, SPEC.run) as reader:
+        for k in range(len(bad)):
+            rows = reader.read_host([(f"scalar-{k}", 0, len(bad))])[site.name]
+            assert rows.valid.all() and np.all(rows.global_scale == 1.0), (bad[k], rows.global_scale)
+        rows = reader.read_host([("per-row", 0, len(bad))])[site.name]
+        assert rows.valid.all()
+        assert rows.global_scale.tolist() == [1.0] * len(bad)
+        assert rows.token_scales.tolist() == [0.375, 1.0, 1.0, 1.0, 1.0, 1.0], rows.token_scales
