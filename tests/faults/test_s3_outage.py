@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,11 @@ def test_s3_outage_backlog_rises_and_drains(tmp_path: Path) -> None:
     bucket = f"ts-{uuid.uuid4().hex[:10]}"
     s3fs.S3FileSystem(**_options(endpoint)).mkdir(bucket)
     url = f"s3://{bucket}/root"
+    metrics_port = free_port()
     sc = Sidecar(
         tmp_path, storage=url, storage_options=_options(endpoint),
-        flags=["--flush-interval", "0.2", "--storage-timeout", "3", "--memory-budget-mib", "64",
+        flags=["--metrics-port", str(metrics_port), "--flush-interval", "0.2", "--storage-timeout", "3",
+               "--memory-budget-mib", "64",
                "--max-message-mib", "4", "--backpressure-timeout", "1", "--wal-segment-mib", "4", "--grace", "10"],
     )  # fmt: skip
     w = Writer("s3-w", trajs=4, tokens=128, window=4)
@@ -81,6 +84,7 @@ def test_s3_outage_backlog_rises_and_drains(tmp_path: Path) -> None:
             bg.phase = "after"
             time.sleep(1.0)
         r.trials = 1
+        problems += _storage_metric_problems(metrics_port)
         if peak_backlog == 0:
             problems.append("the backlog did not rise during the outage")
         if acked_in_outage == 0:
@@ -114,6 +118,19 @@ def test_s3_outage_backlog_rises_and_drains(tmp_path: Path) -> None:
     assert chk.ok(), chk
     assert not problems, "\n".join(problems)
     assert UNRETRIEVED not in sc.log(), sc.log()[-4000:]
+
+
+def _storage_metric_problems(port: int) -> list[str]:
+    """The outage is counted in the storage error/retry metrics, labelled by operation only (a
+    bounded label set: no run, trajectory or path in it)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    names = ("tracestore_storage_errors_total{", "tracestore_storage_retries_total{")
+    samples = [line for line in text.splitlines() if line.startswith(names)]
+    if not any(float(line.rsplit(" ", 1)[1]) >= 1 for line in samples):
+        return ["the outage left no trace in the storage error/retry metrics"]
+    ops = [line.split('op="', 1)[1].split('"', 1)[0] for line in samples if 'op="' in line]
+    unbounded = [op for op in ops if " " in op or "/" in op or "s3-w" in op]
+    return [f"storage metric labels carry ids or paths: {unbounded[:5]}"] if unbounded else []
 
 
 class _ResettingFront:
