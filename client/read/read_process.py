@@ -23,8 +23,8 @@ trainer's ``__main__`` is never imported again. It exits when its socket closes,
 happens when the parent dies. If it dies itself, the read in progress raises
 :class:`~tracestore.errors.StorageError`, and the next read starts a new child.
 
-Wire format, both ways: an 8-byte little-endian length, then a pickle. A child only unpickles
-what its parent sends it.
+Messages both ways are :mod:`tracestore.worker`'s (a length, then a pickle); a block's descriptor
+travels beside an 8-byte note.
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ import importlib
 import logging
 import mmap
 import os
-import pickle
 import queue
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import weakref
@@ -48,12 +46,13 @@ from typing import Any
 
 import numpy as np
 
+from tracestore import worker
 from tracestore.errors import StorageError, TraceStoreError
 from tracestore.storage.rows import Layout, SiteRows, output_arrays, output_sections
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<Q")
+_FD_NOTE = struct.pack("<Q", 1)  # the byte message a block's descriptor travels with
 BLOCK_ROUND = 2 << 20  # block sizes are whole multiples of this (so a little growth still fits)
 # Free blocks kept for the next reads (more are unmapped). One is enough for the usual pattern
 # (step k trains on one result while the next is prefetched into another, then k's block is free),
@@ -62,40 +61,9 @@ SPARE_BLOCKS = 1
 MIN_SLICE_BYTES = 8 << 20  # a plan is split among children only into slices of at least this
 START_TIMEOUT_S = 60.0  # for a child's start (imports, opening the store), if the read timeout is shorter
 
-_BOOT = (
-    "import pickle, socket, struct, sys\n"
-    "s = socket.socket(fileno=int(sys.argv[1]))\n"
-    "(n,) = struct.unpack('<Q', s.recv(8, socket.MSG_WAITALL))\n"
-    "sys.path[:0] = pickle.loads(s.recv(n, socket.MSG_WAITALL))\n"
-    "from tracestore.client.read.read_process import serve\n"
-    "serve(s)\n"
-)
-
 # What a child is told to fill: the read's layout (StoreReader.layout), the block's sections
 # (tracestore.storage.rows.output_sections) and the plan tokens [t0, t1) of its slice
 Target = tuple[Any, Any, tuple[int, int]]
-
-
-def _send(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise EOFError("socket closed")
-        got += k
-    return buf
-
-
-def _recv(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return pickle.loads(_recv_exact(sock, n))
 
 
 # -- a child ----------------------------------------------------------------------------------------
@@ -117,7 +85,7 @@ def _serve_loop(sock: socket.socket) -> None:
     try:
         while True:
             try:
-                msg = _recv(sock)
+                msg = worker.recv(sock)
             except EOFError:
                 return
             kind = msg[0]
@@ -133,11 +101,11 @@ def _serve_loop(sock: socket.socket) -> None:
                 if kind == "init":
                     _, source, run, storage_options = msg
                     reader = StoreReader(Store(source, storage_options), run)
-                    _send(sock, ("ready",))
+                    worker.send(sock, ("ready",))
                 elif kind == "read":
                     _, block, n_new, _, (layout, sections, tokens), kwargs = msg
                     if n_new:  # the block's descriptor follows the message
-                        _, fds, _, _ = socket.recv_fds(sock, _LEN.size, 1)
+                        _, fds, _, _ = socket.recv_fds(sock, 8, 1)
                         try:
                             maps[block] = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
                         finally:
@@ -149,11 +117,11 @@ def _serve_loop(sock: socket.socket) -> None:
                     reply = {name: _beside(rows) for name, rows in result.items()}
                     mismatched = dict(result.stats.mismatched)
                     del out, result
-                    _send(sock, ("rows", reply, mismatched))
+                    worker.send(sock, ("rows", reply, mismatched))
                 else:
                     raise ValueError(f"unknown message {kind!r}")
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
-                _send(sock, ("error", type(exc).__module__, type(exc).__qualname__, str(exc)))
+                worker.send(sock, ("error", type(exc).__module__, type(exc).__qualname__, str(exc)))
     finally:
         if reader is not None:
             reader.close()
@@ -174,16 +142,10 @@ class _Child:
     """One child process and its socket (parent side)."""
 
     def __init__(self, source: str, run: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child.fileno())], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL
-            )
+            self.proc, parent = worker.start("tracestore.client.read.read_process", "serve")
         except OSError as exc:
-            parent.close()
             raise StorageError(f"could not start a read process ({sys.executable}): {exc}") from exc
-        finally:
-            child.close()
         self.sock = parent
         self.timeout = timeout
         self.source = source
@@ -191,8 +153,7 @@ class _Child:
         self.drop: list[int] = []  # of those, unmapped in the parent since it last heard
         parent.settimeout(max(timeout, START_TIMEOUT_S))  # its imports can take a while on a busy host
         try:
-            _send(parent, list(sys.path))  # (read by _BOOT, before it can import this module)
-            _send(parent, ("init", source, run, storage_options))
+            worker.send(parent, ("init", source, run, storage_options))
             reply = self.reply("start")
         except BaseException:
             self.stop()
@@ -208,21 +169,21 @@ class _Child:
 
     def send_read(self, block: int, fd: int, dropped: list[int], target: Target, kwargs: Any) -> None:
         new = block not in self.blocks
-        _send(self.sock, ("read", block, int(new), dropped, target, kwargs))
+        worker.send(self.sock, ("read", block, int(new), dropped, target, kwargs))
         if new:
-            socket.send_fds(self.sock, [_LEN.pack(1)], [fd])
+            socket.send_fds(self.sock, [_FD_NOTE], [fd])
             self.blocks.add(block)
 
     def send_drops(self, dropped: list[int]) -> None:
         """Unmap the blocks the parent dropped (no reply): a child that no read uses for a while
         must not keep their memory alive."""
-        _send(self.sock, ("drop", dropped))
+        worker.send(self.sock, ("drop", dropped))
 
     def reply(self, what: str) -> Any:
         """The next message, or raises: StorageError if the child died or timed out (then it is
         stopped), its own error class if it reported one."""
         try:
-            msg = _recv(self.sock)
+            msg = worker.recv(self.sock)
         except (EOFError, OSError) as exc:
             waited = self.sock.gettimeout()
             if isinstance(exc, TimeoutError):
@@ -242,14 +203,7 @@ class _Child:
         return msg
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):  # wakes a thread blocked on it here, and the child there
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        worker.stop(self.proc, self.sock, timeout=5)  # (the shutdown wakes a thread blocked on the socket)
 
 
 class ReadProcesses:

@@ -8,14 +8,12 @@ this process and ``jobs - 1`` worker processes, once a version holds :data:`PARA
 shards (a worker costs ~0.35 s of CPU to start: the time this process takes to verify ~200 MB);
 this process reads the manifests and checks completeness first, then verifies what the workers
 have not taken (:meth:`VerifyWorkers.help`). A large local shard is split between them by row groups
-(:data:`SPLIT_BYTES`). A worker is started as ``python -c`` with a small bootstrap that runs
-:func:`_worker_main`, and gets its work as pickles over a socketpair.
+(:data:`SPLIT_BYTES`). A worker is a :mod:`tracestore.worker` child running :func:`worker_main`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tracestore import worker
 from tracestore.errors import TraceStoreError
 
 PARALLEL_MIN_BYTES = 1 << 30
@@ -94,50 +93,19 @@ def _verify_unit(u: _Unit) -> list[str]:
     return problems
 
 
-_LEN_BYTES = 8
-# A worker is ``python -c`` with this bootstrap, not a multiprocessing child: multiprocessing's
-# spawn runs the caller's ``__main__`` again (a script without a main guard would re-run itself).
-_BOOT = (
-    "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
-    "from tracestore.cli.verify import _worker_main; _worker_main(int(sys.argv[1]))"
-)
-
-
-def _send(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(len(data).to_bytes(_LEN_BYTES, "little") + data)
-
-
-def _recv(sock: socket.socket) -> Any:
-    head = _recv_exact(sock, _LEN_BYTES)
-    return pickle.loads(_recv_exact(sock, int.from_bytes(head, "little")))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        got = sock.recv_into(view)
-        if not got:
-            raise EOFError("the other end closed")
-        view = view[got:]
-    return buf
-
-
-def _worker_main(fd: int) -> None:
-    """A verification worker: verify each unit its parent sends, answer with the problems, exit
-    when the parent closes the socket (or dies)."""
-    sock = socket.socket(fileno=fd)
+def worker_main(sock: socket.socket) -> None:
+    """A verification worker (:func:`tracestore.worker.start`): verify each unit its parent sends,
+    answer with the problems, exit when the parent closes the socket (or dies)."""
     while True:
         try:
-            unit = _recv(sock)
+            unit = worker.recv(sock)
         except EOFError:
             return
         try:
             result = _verify_unit(unit)
         except Exception as exc:  # noqa: BLE001 - reported as the unit's problem
             result = [f"shard {unit.where}: verification failed ({type(exc).__name__}: {exc})"]
-        _send(sock, result)
+        worker.send(sock, result)
 
 
 class VerifyWorkers:
@@ -184,33 +152,17 @@ class VerifyWorkers:
 
     @staticmethod
     def _start() -> tuple[subprocess.Popen[bytes], socket.socket] | str:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child.fileno()), json.dumps(sys.path)],
-                pass_fds=[child.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
+            return worker.start("tracestore.cli.verify", "worker_main")
         except OSError as exc:
-            parent.close()
             return f"could not start a validation worker ({sys.executable}): {exc}"
-        finally:
-            child.close()
-        return proc, parent
 
     @staticmethod
     def _stop(proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        worker.stop(proc, sock)
 
     def _serve(self) -> None:
-        worker = self._start()
+        child = self._start()
         try:
             while True:
                 item = self.queue.get()
@@ -219,21 +171,21 @@ class VerifyWorkers:
                 fut, unit = item
                 if not fut.set_running_or_notify_cancel():
                     continue
-                if isinstance(worker, str):
-                    fut.set_result([f"shard {unit.where}: not verified: {worker}"])
-                    worker = self._start()
+                if isinstance(child, str):
+                    fut.set_result([f"shard {unit.where}: not verified: {child}"])
+                    child = self._start()
                     continue
                 try:
-                    _send(worker[1], unit)
-                    fut.set_result(_recv(worker[1]))
+                    worker.send(child[1], unit)
+                    fut.set_result(worker.recv(child[1]))
                 except (OSError, EOFError, pickle.UnpicklingError) as exc:
-                    self._stop(*worker)
-                    code = worker[0].returncode
+                    self._stop(*child)
+                    code = child[0].returncode
                     fut.set_result([f"shard {unit.where}: not verified: its worker exited (code {code}) ({exc})"])
-                    worker = self._start()
+                    child = self._start()
         finally:
-            if not isinstance(worker, str):
-                self._stop(*worker)
+            if not isinstance(child, str):
+                self._stop(*child)
 
 
 class Verifier:
