@@ -113,3 +113,24 @@ def wrap_moe_entry(fn: Callable[..., Any], capture: Capture, bits: Callable[[], 
         return fn(*args, **kwargs)
 
     return entry
+
+
+MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe")
+
+
+def install_flashinfer(capture: Capture, bits: Callable[[], int]) -> list[str]:
+    """Wrap FlashInfer's fused-MoE FP4 entries on ``flashinfer.fused_moe`` and ``flashinfer`` (both
+    engines import them from either, inside the calling function: the attribute is read at each call)
+    where FlashInfer is importable (GPU builds). Returns what was patched; idempotent."""
+    import importlib
+
+    done = []
+    for name in ("flashinfer.fused_moe", "flashinfer"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for entry in MOE_ENTRIES:
+            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, capture, bits)):
+                done.append(f"{name}:{entry}")
+    return done

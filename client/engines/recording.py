@@ -108,8 +108,9 @@ class EngineRecorder:
             return
         bits = self.setting.bits
         specs = [site_spec(n, c.shape[1] * 8 // bits, bits) for n, (c, _, _) in sorted(self._sites.items())]
-        self.run_spec = RunSpec(self.setting.run, tuple(specs))
-        self.recorder = self._make(self.run_spec)
+        spec = RunSpec(self.setting.run, tuple(specs))
+        self.recorder = self._make(spec)
+        self.run_spec = spec
 
     # -- after a forward --------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class EngineRecorder:
         self.stats["seals" if gap is None else "gaps"] += 1
         base, attempt = split_attempt_id(traj)
         ref = None
-        if self.run_spec is not None:
+        if self.run_spec is not None and self.recorder is not None:
             ref = TraceRef(
                 run=self.run_spec.run,
                 policy_version=self.recorder.policy_version,

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.engines
 
 import torch  # noqa: E402
 from tracestore.client.engines import capture as cap  # noqa: E402
+from tracestore.client.engines.capture import MOE_ENTRIES  # noqa: E402
 from tracestore.client.engines.codes import (  # noqa: E402
     codes_from_values,
     record_rows,
@@ -131,7 +132,7 @@ def _fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> tuple[types.ModuleType,
 
     fi = types.ModuleType("flashinfer")
     fm = types.ModuleType("flashinfer.fused_moe")
-    for name in hooks.MOE_ENTRIES:
+    for name in MOE_ENTRIES:
         setattr(fm, name, entry)
         setattr(fi, name, entry)
     fi.fused_moe = fm  # type: ignore[attr-defined]
@@ -145,14 +146,14 @@ def _vllm_call_keywords(entry: str) -> set[str]:
     return _ast.keywords(next(_ast.calls(tree, f"flashinfer.fused_moe.{entry}")))
 
 
-@pytest.mark.parametrize("entry", hooks.MOE_ENTRIES)
+@pytest.mark.parametrize("entry", MOE_ENTRIES)
 @pytest.mark.parametrize("per_token", [True, False])
 def test_flashinfer_moe_entry_records_fc1_input(
     monkeypatch: pytest.MonkeyPatch, engine: EngineRecorder, entry: str, per_token: bool
 ) -> None:
     fm, calls = _fake_flashinfer(monkeypatch)
     assert sorted(hooks.install_flashinfer()) == sorted(
-        f"{m}:{e}" for m in ("flashinfer.fused_moe", "flashinfer") for e in hooks.MOE_ENTRIES
+        f"{m}:{e}" for m in ("flashinfer.fused_moe", "flashinfer") for e in MOE_ENTRIES
     )
     assert hooks.install_flashinfer() == []  # idempotent
     t, h = 11, 96
@@ -182,7 +183,7 @@ def test_flashinfer_moe_entry_records_fc1_input(
     getattr(fm, entry)(**kwargs)
     assert engine._sites == {}
     for m in (sys.modules["flashinfer"], fm):
-        for e in hooks.MOE_ENTRIES:
+        for e in MOE_ENTRIES:
             cap.unpatch_attr(m, e)
 
 

@@ -33,7 +33,8 @@ import threading
 from typing import Any
 
 import torch
-from tracestore.client.engines.capture import SCOPE, patch_attr, site_name, wrap_moe_entry
+from tracestore.client.engines.capture import SCOPE, patch_attr, site_name
+from tracestore.client.engines.capture import install_flashinfer as _install_flashinfer
 from tracestore.client.engines.codes import codes_from_values, record_rows
 from tracestore.client.engines.recording import EngineRecorder
 from tracestore.client.engines.setting import RecordSetting
@@ -42,7 +43,6 @@ from tracestore.packing import pack_bits
 
 log = logging.getLogger("tracestore.client.engines")
 
-MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe")
 EMU = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
 MOE_UTILS = "vllm.model_executor.layers.fused_moe.utils"
 RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
@@ -87,16 +87,7 @@ def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> lis
 
 def install_flashinfer() -> list[str]:
     """Wrap FlashInfer's fused-MoE FP4 entries where FlashInfer is importable (GPU builds)."""
-    done = []
-    for name in ("flashinfer.fused_moe", "flashinfer"):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        for entry in MOE_ENTRIES:
-            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, _capture, _bits)):
-                done.append(f"{name}:{entry}")
-    return done
+    return _install_flashinfer(_capture, _bits)
 
 
 def _moe_g(runner: Any) -> torch.Tensor | None:

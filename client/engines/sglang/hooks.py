@@ -1,0 +1,219 @@
+"""Where the SGLang plugin captures (SGLang 0.5.23; every hooked name is checked by tests/engines).
+
+All hooks go through SGLang's ``HookRegistry`` (applied by ``load_plugins()`` in each process;
+only the scheduler process runs the hooked code):
+
+- ``Scheduler.run_batch`` (AROUND): the batch's rows -> a :class:`StepPlan` (extend / mixed
+  batches: each request's positions ``[prefix_len, extend_end)`` with ids from
+  ``full_untruncated_fill_ids``; decode batches: one row at ``seqlen - 1``), in ``batch.reqs``
+  order, which is the forward's row order; speculative verify and draft batches are not recorded
+  (their requests end with the gap ``unrecorded_positions``). Then the forward, then the rows.
+- ``Scheduler.process_batch_result`` (AFTER): requests of the batch that finished are sealed
+  (``FINISH_ABORT``: a gap ``aborted``); their ending dict is kept in :data:`ENDINGS` by request id.
+- ``FusedMoE.forward`` (AROUND): sets the MoE site ``layers.{layer_id}.mlp.input`` and its
+  decode-side g (1 / ``w13_input_scale_quant`` where the layer has it) for FlashInfer's entries,
+  wrapped on first use (:func:`tracestore.client.engines.capture.install_flashinfer`). The FC2
+  input is quantized inside the kernel: never recorded.
+- ``ModelOptFp4LinearMethod.apply`` (AROUND, ``sites=all``): a prequantized ``(codes, scales)``
+  input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
+  record what it returns (scales swizzled 128×4, g = 1 / ``layer.input_scale_inv``).
+
+Overlap scheduling runs the forward on another thread while the scheduler prepares the next
+batch: rows could not be told apart, so with it on the plugin records nothing and logs why
+(start SGLang with ``--disable-overlap-schedule`` to record).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from tracestore.client.engines.capture import SCOPE, install_flashinfer, site_name
+from tracestore.client.engines.codes import record_rows
+from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
+from tracestore.client.engines.setting import RecordSetting
+
+log = logging.getLogger("tracestore.client.engines")
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
+MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
+
+ENGINE: EngineRecorder | None = None
+MAPPER: RowMapper | None = None
+ENDINGS: dict[str, dict[str, Any]] = {}  # request id -> its ending dict (trajectory, n_tokens, gap, trace_ref)
+_DENSE = threading.local()
+_warned_overlap = False
+
+
+def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
+    if ENGINE is not None:
+        ENGINE.capture(site, codes, scales, g)
+
+
+def _bits() -> int:
+    return 1 if ENGINE is None else ENGINE.setting.bits
+
+
+def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
+    """Register the hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``); returns the targets."""
+    global ENGINE, MAPPER
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    ENGINE = engine if engine is not None else EngineRecorder(setting)
+    MAPPER = RowMapper(block=1)
+    targets = [
+        (f"{SCHEDULER}.run_batch", around_run_batch, HookType.AROUND),
+        (f"{SCHEDULER}.process_batch_result", after_process_batch_result, HookType.AFTER),
+        (f"{FUSED_MOE}.forward", around_moe_forward, HookType.AROUND),
+    ]
+    if setting.sites == "all":
+        targets.append((f"{MODELOPT}.ModelOptFp4LinearMethod.apply", around_linear_apply, HookType.AROUND))
+        import importlib
+
+        if callable(getattr(importlib.import_module(MODELOPT), "fp4_quantize", None)):  # None without sgl-kernel (CPU)
+            targets.append((f"{MODELOPT}.fp4_quantize", around_fp4_quantize, HookType.AROUND))
+    for target, hook, kind in targets:
+        HookRegistry.register(target, hook, kind)
+    return [t for t, _, _ in targets]
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+def batch_rows(batch: Any, mapper: RowMapper) -> list[Scheduled] | None:
+    """The forward's rows of an SGLang ``ScheduleBatch`` as :class:`Scheduled` entries in
+    ``batch.reqs`` order (new requests are added to ``mapper``); None for a batch that is not
+    recorded (idle, speculative verify or draft)."""
+    mode = batch.forward_mode
+    if mode is None or mode.is_idle() or mode.is_target_verify() or getattr(mode, "is_draft_extend", lambda: False)():
+        return None
+    out = []
+    for req in batch.reqs:
+        rid = str(req.rid)
+        if not mapper.known(rid):
+            mapper.add(rid, list(req.origin_input_ids))
+        if mode.is_decode():
+            pos = req.seqlen - 1
+            full = list(req.origin_input_ids) + list(req.output_ids)
+            out.append(Scheduled(rid, pos, 1, 0, [full[pos]]))
+        elif mode.is_extend():
+            start, end = int(req.prefix_len), int(req.extend_end)
+            out.append(Scheduled(rid, start, end - start, 0, list(req.full_untruncated_fill_ids[start:end])))
+        else:
+            return None
+    return out
+
+
+def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Scheduler.run_batch``: plan the batch's rows, run it, record them."""
+    global _warned_overlap
+    if ENGINE is None or MAPPER is None:
+        return original(scheduler, batch, *args, **kwargs)
+    if getattr(scheduler, "enable_overlap", False):
+        if not _warned_overlap:
+            log.error(
+                "tracestore: SGLang runs with overlap scheduling; nothing is recorded (--disable-overlap-schedule)"
+            )
+            _warned_overlap = True
+        return original(scheduler, batch, *args, **kwargs)
+    install_flashinfer(_capture, _bits)
+    plan: StepPlan | None = None
+    try:
+        rows = batch_rows(batch, MAPPER)
+        plan = None if rows is None else MAPPER.step(rows)
+    except Exception:
+        log.exception("tracestore: mapping the batch's rows failed; not recorded")
+    ENGINE.discard_forward()
+    result = original(scheduler, batch, *args, **kwargs)
+    if plan is not None:
+        try:
+            ENGINE.end_forward(plan)
+        except Exception:
+            log.exception("tracestore: recording the batch failed")
+    ENGINE.discard_forward()
+    return result
+
+
+def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """``Scheduler.process_batch_result``: seal the batch's finished requests (aborted: a gap)."""
+    if ENGINE is None or MAPPER is None:
+        return None
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for req in getattr(batch, "reqs", None) or ():
+        rid = str(req.rid)
+        if req.finished() and MAPPER.known(rid):
+            full = list(req.origin_input_ids) + list(req.output_ids)
+            ending = MAPPER.finish(rid, full, aborted=isinstance(req.finished_reason, FINISH_ABORT))
+            ENDINGS[rid] = ENGINE.end_request(ending)
+    return None
+
+
+# -- sites --------------------------------------------------------------------------------------
+
+
+def around_moe_forward(original: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """``FusedMoE.forward``: the MoE site (and its g) for FlashInfer's entries while it runs."""
+    enc = getattr(layer, "w13_input_scale_quant", None)
+    g = None if not isinstance(enc, torch.Tensor) else (1.0 / enc.float()).reshape(-1)[:1]
+    outer = (SCOPE.name, SCOPE.g)
+    SCOPE.enter(f"layers.{int(layer.layer_id)}.mlp.input", g)
+    try:
+        return original(layer, *args, **kwargs)
+    finally:
+        SCOPE.name, SCOPE.g = outer
+
+
+def around_linear_apply(original: Any, method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+    """``ModelOptFp4LinearMethod.apply``: record a prequantized input; else mark the layer's site for
+    ``fp4_quantize``."""
+    prefix = str(getattr(layer, "prefix", "") or "")
+    name = site_name(prefix) if "layers." in prefix else None
+    g = _input_g(layer)
+    if name is not None and isinstance(x, tuple) and getattr(layer, "_accepts_prequantized_fp4", False):
+        try:
+            codes, sf = x
+            _capture(
+                name,
+                *record_rows(
+                    codes.reshape(-1, codes.shape[-1]), sf, layout="swizzled128x4", bits=_bits(), global_scale=g
+                ),
+            )
+        except Exception:
+            log.exception("tracestore: recording %s failed", name)
+        name = None
+    outer = getattr(_DENSE, "site", None)
+    _DENSE.site = None if name is None else (name, g)
+    try:
+        return original(method, layer, x, bias)
+    finally:
+        _DENSE.site = outer
+
+
+def _input_g(layer: Any) -> torch.Tensor | None:
+    enc = getattr(layer, "input_scale_inv", None)
+    return None if not isinstance(enc, torch.Tensor) else (1.0 / enc.float()).reshape(-1)[:1]
+
+
+def around_fp4_quantize(original: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``modelopt_quant.fp4_quantize``: record what it returns under the running linear's site."""
+    out = original(x, *args, **kwargs)
+    site = getattr(_DENSE, "site", None)
+    if site is not None:
+        name, g = site
+        try:
+            codes, sf = out[0], out[1]
+            _capture(
+                name,
+                *record_rows(
+                    codes.reshape(-1, codes.shape[-1]), sf, layout="swizzled128x4", bits=_bits(), global_scale=g
+                ),
+            )
+        except Exception:
+            log.exception("tracestore: recording %s failed", name)
+        _DENSE.site = None
+    return out

@@ -1,0 +1,254 @@
+"""SGLang 0.5.23: the contract (every hooked symbol, with its signature) and the row mapping driven by
+SGLang's own Req / ScheduleBatch / ForwardMode classes, recorded through a real sidecar."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import zlib
+from array import array
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.managers.schedule_batch",
+    reason="SGLang is not importable here: the engine venv (.ci/engines-venv) runs these",
+)
+pytestmark = pytest.mark.engines
+
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from tracestore.client.engines.capture import MOE_ENTRIES  # noqa: E402
+from tracestore.client.engines.recording import EngineRecorder  # noqa: E402
+from tracestore.client.engines.rows import RowMapper  # noqa: E402
+from tracestore.client.engines.setting import parse_setting  # noqa: E402
+from tracestore.client.engines.sglang import hooks  # noqa: E402
+from tracestore.server.testing import ServeProcess  # noqa: E402
+
+from tests.engines import _ast  # noqa: E402
+from tracestore import Store, StoreReader  # noqa: E402
+
+SITE = "layers.1.mlp.input"
+
+
+def params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+# -- contract -----------------------------------------------------------------------------------
+
+
+def test_version_and_plugin_group() -> None:
+    import sglang
+    import sglang.srt.plugins as plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from tracestore.client.engines.sglang import VALIDATED_VERSIONS
+
+    assert sglang.__version__ in VALIDATED_VERSIONS
+    assert plugins.GENERAL_PLUGINS_GROUP == "sglang.srt.plugins"
+    assert {t.name for t in HookType} == {"BEFORE", "AFTER", "AROUND", "REPLACE"}
+    assert params(HookRegistry.register) == ["target", "hook", "hook_type", "source"]
+    # a plugin that raises is logged and skipped: SGLang then runs without recording
+    fn = _ast.functions(_ast.source_tree("sglang.srt.plugins"), "load_plugins")[0]
+    assert any(
+        isinstance(n, ast.Try) and any(isinstance(c, ast.Call) and _ast.dotted(c.func) == "func" for c in ast.walk(n))
+        for n in ast.walk(fn)
+    )
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager", "sglang.srt.entrypoints.engine"],
+)
+def test_processes_that_load_plugins(module: str) -> None:
+    assert list(_ast.calls(_ast.source_tree(module), "load_plugins"))
+
+
+def test_hooked_methods() -> None:
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization import modelopt_quant
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert params(Scheduler.run_batch)[:2] == ["self", "batch"]
+    assert params(Scheduler.process_batch_result)[:3] == ["self", "batch", "result"]
+    assert "layer_id" in inspect.getsource(FusedMoE.__init__) and callable(FusedMoE.forward)
+    assert params(modelopt_quant.ModelOptFp4LinearMethod.apply) == ["self", "layer", "x", "bias"]
+    # a module global the method reads at call time; None where sgl-kernel's CUDA ops are absent (CPU)
+    assert hasattr(modelopt_quant, "fp4_quantize")
+    apply_tree = ast.parse(
+        inspect.getsource(modelopt_quant.ModelOptFp4LinearMethod.apply).strip().replace("\n    ", "\n")
+    )
+    assert list(_ast.calls(apply_tree, "fp4_quantize"))
+
+
+def test_flashinfer_moe_entries_are_imported_at_call_time() -> None:
+    tree = _ast.source_tree("sglang.srt.layers.moe.moe_runner.flashinfer_trtllm")
+    imports = _ast.from_imports(tree)
+    assert {
+        ("flashinfer.fused_moe", "trtllm_fp4_block_scale_moe"),
+        ("flashinfer.fused_moe", "trtllm_fp4_block_scale_routed_moe"),
+    } <= imports
+    assert ("flashinfer", "trtllm_fp4_block_scale_moe") in imports
+    module_level = {(n.module, a.name) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not {e for _, e in module_level} & set(MOE_ENTRIES)
+    kws = [_ast.keywords(c) for c in _ast.calls(tree, "trtllm_fp4_block_scale_moe")]
+    assert any({"hidden_states", "hidden_states_scale"} <= k for k in kws)
+    routed = [_ast.keywords(c) for c in _ast.calls(tree, "dict")]
+    assert any({"hidden_states", "hidden_states_scale", "per_token_scale"} <= k for k in routed)  # moe_kwargs
+
+
+def test_req_and_batch_fields() -> None:
+    r = Req("r", "", array("q", [1, 2, 3]), SamplingParams(max_new_tokens=4))
+    for name in (
+        "rid",
+        "origin_input_ids",
+        "output_ids",
+        "prefix_len",
+        "extend_end",
+        "full_untruncated_fill_ids",
+        "seqlen",
+        "finished_reason",
+    ):
+        assert hasattr(r, name), name
+    assert ScheduleBatch(reqs=[r], forward_mode=ForwardMode.DECODE).forward_mode.is_decode()
+    for m in ("is_extend", "is_decode", "is_idle", "is_target_verify"):
+        assert callable(getattr(ForwardMode.EXTEND, m))
+
+
+def test_hooks_register_and_apply_to_the_real_targets() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    eng = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=reg policy_version=0 sites=all"))
+    targets = hooks.register_hooks(eng.setting, eng)
+    try:
+        HookRegistry.apply_hooks()
+        assert set(targets) <= HookRegistry._patched
+    finally:
+        hooks.ENGINE, hooks.MAPPER = None, None
+
+
+def test_plugin_is_version_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang
+    from tracestore.client.engines import sglang as plugin
+
+    from tracestore.errors import ConfigError
+
+    monkeypatch.setenv("TRACESTORE_RECORD", "sidecar=127.0.0.1:1 run=r policy_version=0")
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    with pytest.raises(ConfigError, match=r"validated against sglang 0\.5\.23, but sglang 0\.5\.24 is installed"):
+        plugin.register()
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+def row_bytes(prefix: list[int]) -> tuple[bytes, bytes]:
+    c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes())
+    return c.to_bytes(4, "little"), bytes([(c >> 3) & 0x3F, (c >> 11) & 0x3F])
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        yield sp
+    finally:
+        sp.terminate()
+
+
+class Sched:
+    """SGLang's two hooked scheduler steps around a 'forward' that captures one row per token, fed
+    with SGLang's own Req and ScheduleBatch objects (the scheduler object itself is a stand-in)."""
+
+    def __init__(self, address: str, run: str) -> None:
+        text = f"sidecar={address} run={run} policy_version=0 writer=sg-{run}"
+        self.engine = EngineRecorder(parse_setting(text))
+        hooks.ENGINE, hooks.MAPPER = self.engine, RowMapper(block=1)
+        self.scheduler = SimpleNamespace(enable_overlap=False)
+
+    def forward(self, scheduler: object, batch: ScheduleBatch) -> str:
+        rc, rs = [], []
+        for req in batch.reqs:
+            full = list(req.origin_input_ids) + list(req.output_ids)
+            rng = [req.seqlen - 1] if batch.forward_mode.is_decode() else range(req.prefix_len, req.extend_end)
+            for p in rng:
+                c, s = row_bytes(full[: p + 1])
+                rc.append(c)
+                rs.append(s)
+        self.engine.capture(
+            SITE,
+            torch.tensor(np.frombuffer(b"".join(rc), np.uint8).reshape(-1, 4)),
+            torch.tensor(np.frombuffer(b"".join(rs), np.uint8).reshape(-1, 2)),
+            torch.ones(1),
+        )
+        return "result"
+
+    def run(self, mode: ForwardMode, reqs: list[Req]) -> None:
+        batch = ScheduleBatch(reqs=reqs, forward_mode=mode)
+        assert hooks.around_run_batch(self.forward, self.scheduler, batch) == "result"
+        hooks.after_process_batch_result(None, self.scheduler, batch, "result")
+
+    def close(self) -> None:
+        assert self.engine.close(30)
+        hooks.ENGINE, hooks.MAPPER = None, None
+
+
+def new_req(rid: str, ids: list[int]) -> Req:
+    r = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=64))
+    r.refresh_fill_ids()
+    return r
+
+
+def extend(r: Req, prefix_len: int, end: int) -> Req:
+    r.refresh_fill_ids()
+    r.prefix_len, r.extend_end = prefix_len, end
+    return r
+
+
+def test_sglang_chunked_prefill_decode_retract_and_abort(sidecar: ServeProcess) -> None:
+    s = Sched(sidecar.address, "sg")
+    a, b, c = new_req("a", [1, 2, 3, 4, 5, 6]), new_req("b", [7, 8, 9]), new_req("c", [4, 4])
+    s.run(ForwardMode.EXTEND, [extend(a, 0, 4), extend(b, 0, 3)])  # a's first chunk
+    b.output_ids.append(20)
+    s.run(ForwardMode.MIXED, [extend(a, 4, 6), extend(b, 3, 4)])  # a's last chunk mixed with b's decode
+    a.output_ids.append(30)
+    b.output_ids.append(21)
+    s.run(ForwardMode.DECODE, [b, a])
+    a.output_ids.append(31)
+    b.output_ids.append(22)
+    # b is retracted under KV pressure and re-prefilled with a 2-token prefix hit: only new rows stored
+    s.run(ForwardMode.EXTEND, [extend(b, 2, 6)])
+    b.output_ids.append(23)
+    s.run(ForwardMode.EXTEND, [extend(c, 0, 2)])
+    c.finished_reason = FINISH_ABORT()  # aborted after its prefill
+    s.run(ForwardMode.IDLE, [c])
+    a.finished_reason = FINISH_LENGTH(length=2)
+    b.finished_reason = FINISH_LENGTH(length=4)
+    s.run(ForwardMode.IDLE, [a, b])
+    stats = dict(s.engine.stats)
+    s.close()
+    e = hooks.ENDINGS
+    assert e["a"]["gap"] is None and e["b"]["gap"] is None and e["c"]["gap"] == "aborted"
+    assert json.loads(e["a"]["trace_ref"])["guided"] and not json.loads(e["c"]["trace_ref"])["guided"]
+    assert stats["rows"] == 4 + 3 + 2 + 1 + 2 + 1 + 2  # b's re-prefill stored only position 5
+    sidecar.terminate()
+    sidecar.start()
+    with StoreReader(Store(sidecar.storage), "sg") as reader:
+        for req in (a, b):
+            full = list(req.origin_input_ids) + list(req.output_ids)
+            n = e[req.rid]["n_tokens"]
+            assert n == len(full)
+            rows = reader.read([(e[req.rid]["trajectory"], 0, n)], on_missing="mask")[SITE]
+            for p in range(n - 1):
+                want = row_bytes(full[: p + 1])
+                assert rows.valid[p] and rows.codes[p].tobytes() == want[0] and rows.scales[p].tobytes() == want[1], (
+                    req.rid,
+                    p,
+                )
