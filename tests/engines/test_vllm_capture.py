@@ -267,3 +267,36 @@ def test_plugin_is_version_gated_and_idempotent(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(ConfigError, match=r"validated against vllm 0\.32\.0, but vllm 0\.33\.0 is installed"):
         plugin.register()
+
+
+@pytest.mark.parametrize("rows, backend, swizzled, layout", [
+    (5, "trtllm", True, "8x4"), (32, "flashinfer-trtllm", True, "8x4"), (33, "trtllm", True, "swizzled128x4"),
+    (7, "none", True, "swizzled128x4"), (7, "cutlass", False, "linear"),
+])  # fmt: skip
+def test_scaled_fp4_quant_records_each_layout(
+    engine: EngineRecorder, rows: int, backend: str, swizzled: bool, layout: str
+) -> None:
+    """vLLM's scaled_fp4_quant (a CUDA op) replaced by a fake on tracestore's reference that lays the
+    scales out as vLLM documents for these arguments; the wrapper must pick the same layout."""
+    from tracestore.layouts import swizzle_scales
+
+    assert hooks.sf_layout(rows, swizzled, backend) == layout
+    h = 48
+    x = torch.randn(rows, h).to(torch.bfloat16)
+    enc = torch.tensor([2688 / float(x.float().abs().max())])
+
+    def fake(inp, gs, is_sf_swizzled_layout=True, backend="none", padded_n=None):  # noqa: ANN001, ANN202
+        q = quantize(inp.float(), NVFP4, 1.0 / gs)
+        sf = {"8x4": swizzle_8x4, "swizzled128x4": swizzle_scales, "linear": lambda a: a}[layout](q.scales)
+        return pack_fp4(q.codes), sf.view(torch.float8_e4m3fn)
+
+    wrapped = hooks._wrap_scaled_fp4_quant(fake)
+    hooks._DENSE.name = "layers.0.mlp.down_proj.input"
+    try:
+        codes, sf = wrapped(x, enc, swizzled, backend)
+    finally:
+        hooks._DENSE.name = None
+    q = quantize(x.float(), NVFP4, 1.0 / enc)
+    got = engine._sites["layers.0.mlp.down_proj.input"]
+    assert torch.equal(got[0], pack_bits(q.codes, 1)) and torch.equal(got[1], q.scales)
+    assert torch.equal(codes, pack_fp4(q.codes))  # the engine gets the original's result unchanged

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -123,8 +124,14 @@ def _install_dense() -> list[str]:
         try:
             importlib.import_module(f"{NVFP4_KERNELS}.{m.name}")
         except Exception:  # a backend whose own imports fail here (GPU libraries) is never selected
-            continue
+            sys.modules.setdefault(f"{NVFP4_KERNELS}.{m.name}", None)  # type: ignore[arg-type]
     done = []
+    for mod in [importlib.import_module("vllm._custom_ops")] + [
+        sys.modules[f"{NVFP4_KERNELS}.{m.name}"] for m in pkgutil.iter_modules(pkg.__path__)
+    ]:
+        quant = None if mod is None else getattr(mod, "scaled_fp4_quant", None)
+        if callable(quant) and patch_attr(mod, "scaled_fp4_quant", _wrap_scaled_fp4_quant):
+            done.append(f"{mod.__name__}:scaled_fp4_quant")
     todo = list(base.__subclasses__())
     while todo:
         cls = todo.pop()
@@ -161,6 +168,49 @@ def _wrap_apply_weights(fn: Any) -> Any:
             _DENSE.name = outer
 
     return apply_weights
+
+
+def sf_layout(rows: int, is_sf_swizzled_layout: bool, backend: str) -> str:
+    """The scale layout ``vllm._custom_ops.scaled_fp4_quant`` returns: 8x4 for a ``trtllm`` backend
+    at m <= 32, else swizzled 128x4, or linear when not swizzled."""
+    if "trtllm" in backend and rows <= 32:
+        return "8x4"
+    return "swizzled128x4" if is_sf_swizzled_layout else "linear"
+
+
+def _wrap_scaled_fp4_quant(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def scaled_fp4_quant(
+        input: torch.Tensor,
+        input_global_scale: torch.Tensor,
+        is_sf_swizzled_layout: bool = True,
+        backend: str = "none",
+        padded_n: int | None = None,
+    ) -> Any:
+        out = fn(input, input_global_scale, is_sf_swizzled_layout, backend, padded_n)
+        name = getattr(_DENSE, "name", None)
+        if name is not None and ENGINE is not None:
+            try:
+                x = input.reshape(-1, input.shape[-1])
+                rows, n = x.shape
+                n_pad = n if padded_n is None else padded_n
+                codes, sf = out
+                layout = sf_layout(rows, is_sf_swizzled_layout, backend)
+                c, s, g = record_rows(
+                    codes.reshape(rows, n_pad // 2),
+                    sf,
+                    layout=layout,
+                    bits=_bits(),
+                    global_scale=(1.0 / input_global_scale.float()).reshape(-1)[:1],
+                )
+                width_bytes = n * _bits() // 8
+                _capture(name, c[:, :width_bytes].contiguous(), s[:, : n // 16].contiguous(), g)
+            except Exception:
+                log.exception("tracestore: recording %s failed", name)
+            _DENSE.name = None  # one quantization per consumer call
+        return out
+
+    return scaled_fp4_quant
 
 
 def record_ref_quant(
