@@ -42,7 +42,9 @@ def main() -> int:
             "kv_connector_extra_config": {"tracestore": setting},
         },
     )
-    outs = llm.generate(["The capital of France is", "FP4 rounding"], SamplingParams(n=2, max_tokens=16, temperature=1.0))
+    outs = llm.generate(
+        ["The capital of France is", "FP4 rounding"], SamplingParams(n=2, max_tokens=16, temperature=1.0)
+    )
     for out in outs:
         params = (out.kv_transfer_params or {}).get("tracestore", {})
         print(json.dumps({"request": out.request_id, **params}))
