@@ -2,7 +2,7 @@
 
 Every setting is a flag, a ``TRACESTORE_<FLAG>`` variable and a key of the ``[serve]`` table of a
 TOML config file (``--config``/``TRACESTORE_CONFIG``), in that order of precedence
-(:mod:`tracestore.cli`). At start the sidecar logs one line with every effective setting (credentials
+(:mod:`tracestore.settings`). At start the sidecar logs one line with every effective setting (credentials
 redacted) and where each came from, then checks its storage by writing and deleting a probe object
 (``--storage-check``: ``warn``, the default, serves anyway with an error logged; ``fail`` exits 3;
 ``off`` skips it). docs/operations.md, "Running it", says why ``warn`` is the default.
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from tracestore.cli import (
+from tracestore.settings import (
     JSON_OBJECT,
     OCTAL_MODE,
     SWITCH,

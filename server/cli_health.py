@@ -15,7 +15,7 @@ reason (storage refusing commits, a failing WAL, a dead or stalled flusher); ``t
 goes NOT_SERVING only for what a restart mends (a dead flusher): probes watch that one.
 
 Settings (``--target``, ``--service``, ``--timeout``): flag, else ``TRACESTORE_<FLAG>``, else the
-``[health]`` table of a ``--config`` file, through :mod:`tracestore.cli` (standard library only, and
+``[health]`` table of a ``--config`` file, through :mod:`tracestore.settings` (standard library only, and
 ``tomllib`` only when a config file is named). Only ``grpc`` and the health stubs are imported for
 the check, and only when it runs.
 """
@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-from tracestore.cli import Kind, Setting, add_settings, number, optional, text
+from tracestore.settings import Kind, Setting, add_settings, number, optional, text
 
 LIVENESS = "tracestore.v1.Liveness"  # the same name as server/service.py (a test keeps them equal)
 DEFAULT_PORT = 7433
@@ -109,8 +109,8 @@ def check(target: str, service: str = "", timeout: float = 3.0) -> tuple[int, st
 
 
 def run(ns: argparse.Namespace) -> int:
-    from tracestore.cli import resolve
     from tracestore.errors import ConfigError
+    from tracestore.settings import resolve
 
     try:
         resolve(ns)

@@ -5,8 +5,8 @@ and under ``TYPE_CHECKING``, relative ones resolved; ``importlib.import_module("
   ``tracestore/__main__.py``) imports neither ``tracestore.client`` nor ``tracestore.server``, nor
   the top floor. Only the top floor may import client and server.
 - ``tracestore.client`` and ``tracestore.server`` never import each other (they meet on the wire),
-  nor the top floor, but for the commands that live in ``server/`` (``SERVER_COMMANDS``), which
-  declare their options with the CLI's settings layer (``tracestore.cli``).
+  nor the top floor (``tracestore serve`` and ``tracestore health`` declare their options with the
+  settings layer of the core, ``tracestore.settings``).
 - ``tracestore.kernels`` builds on the core only: no client, server, top floor or storage.
 - ``tracestore/storage/`` is private: imported from itself, the core modules named in
   ``STORAGE_IN_CORE``, client, server, the top floor, ``bench/`` and ``tests/``.
@@ -43,9 +43,7 @@ SKIP_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 TOP = ("tracestore.cli", "tracestore.demo", "tracestore.__main__")
 CLIENT, SERVER, KERNELS, STORAGE = "tracestore.client", "tracestore.server", "tracestore.kernels", "tracestore.storage"
 
-# `tracestore serve` and `tracestore health`: commands kept beside the sidecar they run or probe.
 CLIENT_HALLS = ("record", "read", "hf")
-SERVER_COMMANDS = {"tracestore.server.cli", "tracestore.server.cli_health"}
 # Core modules that read or re-export storage: the package's public CHUNK_SCHEMA/chunks_to_table,
 # and a rank's plan read through a StoreReader (annotations).
 STORAGE_IN_CORE = {"tracestore", "tracestore.rank_plan", "tracestore.traceref"}
@@ -142,8 +140,7 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str, str]]:
                 out.add(("core imports client, server or the top floor", module, t))
             if under(module, CLIENT) and under(t, SERVER) or under(module, SERVER) and under(t, CLIENT):
                 out.add(("client and server import each other", module, t))
-            command = module in SERVER_COMMANDS and under(t, "tracestore.cli")
-            if under(module, CLIENT, SERVER) and under(t, *TOP) and not command:
+            if under(module, CLIENT, SERVER) and under(t, *TOP):
                 out.add(("client or server imports the top floor", module, t))
             if under(module, KERNELS) and under(t, CLIENT, SERVER, STORAGE, *TOP):
                 out.add(("kernels import past the core", module, t))
@@ -246,8 +243,6 @@ KNOWN_CYCLES: list[list[str]] = [
     ["tracestore.server.flusher", "tracestore.server.memory", "tracestore.server.sessions"],
 ]  # fmt: skip
 KNOWN_PRIVATE: set[tuple[str, str]] = {
-    ("tracestore.cli", "tracestore.cli.settings._DEFERRED"),  # the settings layer moves below the commands
-    ("tracestore.cli", "tracestore.cli.settings._REGISTERING"),
     ("tracestore.server.reads", "tracestore.server.ingest._decode"),
     ("tracestore.server.service", "tracestore.server.ingest._decode"),
 }
@@ -279,9 +274,9 @@ def test_layers_hold_but_for_the_known_exceptions():
     [
         ("tracestore.records", "tracestore.server.engine", "core imports"),
         ("tracestore.storage.fs", "tracestore.client", "core imports"),
-        ("tracestore.plan", "tracestore.cli.settings", "core imports"),
+        ("tracestore.plan", "tracestore.cli.inspect", "core imports"),
         ("tracestore.client.record.recorder", "tracestore.server.ingest", "each other"),
-        ("tracestore.server.engine", "tracestore.cli.settings", "imports the top floor"),
+        ("tracestore.server.cli", "tracestore.cli", "imports the top floor"),
         ("tracestore.server.cli", "tracestore.demo.run", "imports the top floor"),
         ("tracestore.client.read.reader", "tracestore.cli", "imports the top floor"),
         ("tracestore.kernels.record", "tracestore.storage.store", "kernels import"),
@@ -299,7 +294,7 @@ def test_allowed_imports_are_not_violations():
         "tracestore.demo.run": {"tracestore.server", "tracestore.client.record.recorder"},
         "tracestore.client.read.reader": {"tracestore.storage.reader", "tracestore.records", "tracestore.kernels"},
         "tracestore.server.service": {"tracestore.storage.store", "tracestore.wire"},
-        "tracestore.server.cli_health": {"tracestore.cli", "tracestore.cli.resolve"},
+        "tracestore.server.cli_health": {"tracestore.settings", "tracestore.settings.resolve"},
         "tracestore": {"tracestore.storage.arrow"},
         "bench.bench_storage": {"tracestore.storage.shard_write"},
         "tests.storage.test_x": {"tracestore.storage.fs"},

@@ -4,7 +4,7 @@ Each subcommand lives in its own module with ``register(subparsers)``, which add
 sets ``func`` (``Namespace -> int`` exit code): ``inspect``, ``check`` and ``selftest`` here,
 ``serve`` and ``health`` in ``tracestore.server``, ``demo`` in ``tracestore.demo``. Modules whose
 extra is not installed still register, and fail with a message naming the extra when run. Options
-are declared with the typed settings layer of :mod:`tracestore.cli.settings` (flag, environment,
+are declared with the typed settings layer of :mod:`tracestore.settings` (flag, environment,
 TOML config file, default). The CLI and the demo are the top floor: the only parts of the core
 package that may import ``tracestore.client`` and ``tracestore.server``.
 """
@@ -17,10 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from tracestore.errors import ConfigError
-
-from .settings import (
-    _DEFERRED,
-    _REGISTERING,
+from tracestore.settings import (
     CONFIG_ENV,
     ENV_PREFIX,
     JSON_OBJECT,
@@ -31,11 +28,14 @@ from .settings import (
     Setting,
     add_settings,
     choice,
+    clear_deferred,
+    deferred_errors,
     env_default,
     integer,
     load_config_file,
     number,
     optional,
+    registering,
     resolve,
     text,
 )
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tracestore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _DEFERRED.clear()
+    clear_deferred()
     for name in SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -71,11 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name is not None and name.startswith(exc.name):  # not built yet
                 continue
             raise
-        _REGISTERING.append(name)
-        try:
+        with registering(name):
             module.register(sub)
-        finally:
-            _REGISTERING.pop()
     return parser
 
 
@@ -85,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
-    deferred = _DEFERRED.get(getattr(ns.func, "__module__", ""), [])
+    deferred = deferred_errors(getattr(ns.func, "__module__", ""))
     try:
         if deferred:
             raise ConfigError(deferred[0])

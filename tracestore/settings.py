@@ -1,8 +1,6 @@
-"""The typed settings layer every ``tracestore`` subcommand declares its options with.
-
-Each subcommand lives in its own module with ``register(subparsers)``, which adds a parser and
-sets ``func`` (``Namespace -> int`` exit code). Modules whose extra is not installed still
-register, and fail with a message naming the extra when run.
+"""The typed settings layer: every ``tracestore`` subcommand, the sidecar's included, declares its
+options with it. It sits in the core, below the commands, so the sidecar's command (``server/``)
+uses it without importing the command line.
 
 Configuration. The settings of every subcommand (``serve``, ``inspect``, ``selftest``, ``check``,
 ``demo``, ``health``) are declared once each as a :class:`Setting` (flag, type, default, help) and
@@ -29,13 +27,14 @@ when that subcommand runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tracestore.errors import ConfigError
@@ -356,6 +355,27 @@ def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) ->
 
 _REGISTERING: list[str] = []
 _DEFERRED: dict[str, list[str]] = {}
+
+
+@contextlib.contextmanager
+def registering(owner: str) -> Iterator[None]:
+    """Within it, :func:`env_default` files a variable it cannot convert under ``owner`` (the
+    subcommand module being registered)."""
+    _REGISTERING.append(owner)
+    try:
+        yield
+    finally:
+        _REGISTERING.pop()
+
+
+def deferred_errors(owner: str) -> list[str]:
+    """What :func:`env_default` could not convert while ``owner`` registered."""
+    return list(_DEFERRED.get(owner, []))
+
+
+def clear_deferred() -> None:
+    """Forget the errors filed so far (a new parser is being built)."""
+    _DEFERRED.clear()
 
 
 def env_default(flag: str, default: Any) -> Any:
