@@ -1,0 +1,68 @@
+"""vLLM end to end on the CPU: a tiny random NVFP4 Qwen3-MoE (tests/engines/nvfp4_model.py) generates
+with ``LLM.generate`` and the tracestore plugin (loaded through its entry point) against a real
+``tracestore serve``; then a trainer's TRACE forward in transformers reproduces the engine's FP4
+codes on every recorded value of every recorded site (where plain RTN does not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: the engine venv (.ci/engines-venv) runs these")
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
+
+from tracestore.server.testing import ServeProcess  # noqa: E402
+
+from tests.engines.nvfp4_model import write_checkpoint  # noqa: E402
+from tests.engines.trace_forward import load_trainer_model, trace_forward  # noqa: E402
+from tracestore import Store, StoreReader  # noqa: E402
+
+HERE = Path(__file__).parent
+SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj", "o_proj")}
+
+
+def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path) -> None:
+    model_dir = write_checkpoint(tmp_path / "model")
+    sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        env = dict(os.environ)
+        env["TRACESTORE_RECORD"] = f"sidecar={sp.address} run=e2e policy_version=3 sites=all bits=4 writer=vllm-cpu-0"
+        out = tmp_path / "engine.json"
+        # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    finally:
+        sp.terminate()
+    result = json.loads(out.read_text())
+    assert result["flushed"], result
+    reqs = result["requests"]
+    assert len(reqs) == 3
+    # 14 prompt tokens in one prefill, then 11 decode steps of 3 rows
+    assert result["stats"]["rows"] == 14 + 11 * 3 and result["stats"]["seals"] == 3
+    model = load_trainer_model(model_dir)
+    with StoreReader(Store(sp.storage), "e2e") as reader:
+        for q in reqs:
+            t = q["tracestore"]
+            ref = json.loads(t["trace_ref"])
+            ids = q["prompt_ids"] + q["output_ids"]
+            assert t["gap"] is None and ref["guided"] and ref["n_tokens"] == len(ids) == t["n_tokens"]
+            assert ref["policy_version"] == 3 and ref["writer"] == "vllm-cpu-0"
+            rows = reader.read([(t["trajectory"], 0, len(ids))], token_ids={t["trajectory"]: ids}, require_sealed=True)
+            assert set(rows) == SITES
+            assert all(r.valid[:-1].all() and not r.valid[-1] for r in rows.values())
+            rtn = trace_forward(model, ids, rows, guided=False)
+            traced = trace_forward(model, ids, rows, guided=True)
+            for site in SITES:
+                trainer, engine = traced[site]
+                assert trainer.numel() == (len(ids) - 1) * 256
+                assert int((trainer != engine).sum()) == 0, site  # every value rounds as the engine did
+            assert sum(int((a != b).sum()) for a, b in rtn.values()) > 0  # without guidance they differ
