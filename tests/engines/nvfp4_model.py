@@ -1,7 +1,7 @@
 """Writes a tiny random Qwen3-MoE checkpoint in ModelOpt's NVFP4 format, with an offline tokenizer.
 
-``write_checkpoint(dir)``: 2 layers, hidden 256, 8 experts top-2 (bf16: the experts and the router
-are excluded from quantization), the attention projections NVFP4 — per weight ``weight`` uint8
+``write_checkpoint(dir, moe=False)``: 2 layers, hidden 256, 8 experts top-2, the router in bf16,
+the experts NVFP4 with ``moe=True`` (bf16 otherwise), the attention projections NVFP4 — per weight ``weight`` uint8
 ``[out, in/2]`` (element 2j in the low nibble), ``weight_scale`` float8_e4m3fn ``[out, in/16]``,
 ``weight_scale_2`` float32 (decode-side g, shared by the fused q/k/v shards) and ``input_scale``
 float32 (the activation's decode-side g) — quantized with tracestore's reference. The tokenizer is
@@ -24,6 +24,7 @@ CORPUS = [
     "rollout engines and trainers must agree on every code",
 ] * 20
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT = ("gate_proj", "up_proj", "down_proj")
 INPUT_G = 8.0 / 2688  # decode-side g of the attention inputs (activations under ~8 in magnitude)
 
 
@@ -40,7 +41,13 @@ def write_tokenizer(path: Path) -> int:
     return int(tok.get_vocab_size())
 
 
-def write_checkpoint(path: str | Path, seed: int = 0) -> Path:
+def _quantized(name: str, moe: bool) -> bool:
+    if any(f"self_attn.{p}.weight" in name for p in PROJ):
+        return True
+    return moe and ".mlp.experts." in name and any(f".{p}.weight" in name for p in EXPERT)
+
+
+def write_checkpoint(path: str | Path, seed: int = 0, moe: bool = False) -> Path:
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -66,14 +73,27 @@ def write_checkpoint(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if moe:  # transformers fuses the experts; ModelOpt checkpoints (and vLLM's loader) name each one
+        for key in [k for k in state if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            base, fused = key.rsplit(".", 1)
+            t = state.pop(key)
+            for e in range(t.shape[0]):
+                if fused == "gate_up_proj":  # [E, 2I, H]: gate rows first, then up
+                    half = t.shape[1] // 2
+                    state[f"{base}.{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                    state[f"{base}.{e}.up_proj.weight"] = t[e, half:].contiguous()
+                else:  # [E, H, I]
+                    state[f"{base}.{e}.down_proj.weight"] = t[e].contiguous()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if not any(f"self_attn.{p}.weight" in name for p in PROJ):
+        if not _quantized(name, moe):
             out[name] = t
             continue
         prefix = name.removesuffix(".weight")
-        layer = prefix.rsplit(".", 1)[0]
-        group = PROJ[:3] if prefix.rsplit(".", 1)[1] in PROJ[:3] else ("o_proj",)
+        layer, proj = prefix.rsplit(".", 1)
+        group = (
+            PROJ[:3] if proj in PROJ[:3] else ("gate_proj", "up_proj") if proj in ("gate_proj", "up_proj") else (proj,)
+        )
         g = max(float(state[f"{layer}.{p}.weight"].float().abs().max()) for p in group) / 2688
         q = quantize(t.float(), NVFP4, g)
         out[f"{prefix}.weight"] = pack_fp4(q.codes)
@@ -88,7 +108,7 @@ def write_checkpoint(path: str | Path, seed: int = 0) -> Path:
         "quant_method": "modelopt",
         "quant_algo": "NVFP4",
         "group_size": 16,
-        "ignore": ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.mlp.experts*"],
+        "ignore": ["lm_head", "model.layers.*.mlp.gate"] + ([] if moe else ["model.layers.*.mlp.experts*"]),
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

@@ -1,7 +1,9 @@
-"""vLLM end to end on the CPU: a tiny random NVFP4 Qwen3-MoE (tests/engines/nvfp4_model.py) generates
-with ``LLM.generate`` and the tracestore plugin (loaded through its entry point) against a real
-``tracestore serve``; then a trainer's TRACE forward in transformers reproduces the engine's FP4
-codes on every recorded value of every recorded site (where plain RTN does not)."""
+"""vLLM end to end on the CPU: a tiny random NVFP4 Qwen3-MoE (tests/engines/nvfp4_model.py: NVFP4
+attention projections and experts) generates with ``LLM.generate`` — vLLM's emulation kernels, the
+experts given a CPU path (tests/engines/vllm_e2e_engine.py) — and the tracestore plugin (loaded
+through its entry point) against a real ``tracestore serve``; then a trainer's TRACE forward in
+transformers reproduces the engine's FP4 codes on every recorded value of every recorded site, the
+MoE expert inputs (FC1) included, where plain RTN does not."""
 
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ from tests.engines.trace_forward import load_trainer_model, trace_forward  # noq
 from tracestore import Store, StoreReader  # noqa: E402
 
 HERE = Path(__file__).parent
-SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj", "o_proj")}
+SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj", "o_proj")} | {
+    f"layers.{i}.mlp.input" for i in (0, 1)
+}
 
 
 def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path) -> None:
-    model_dir = write_checkpoint(tmp_path / "model")
+    model_dir = write_checkpoint(tmp_path / "model", moe=True)
     sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
     sp.start()
     try:
@@ -36,7 +40,7 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
         out = tmp_path / "engine.json"
         # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
         proc = subprocess.run(
-            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out)],
+            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe"],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]

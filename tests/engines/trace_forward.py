@@ -3,7 +3,8 @@
 The trainer's weights are the checkpoint's (NVFP4 attention projections dequantized with
 tracestore's reference); every recorded dense site's input is rounded with
 :func:`tracestore.guided_round` toward the engine's record (forward pre-hooks on the consuming
-``nn.Linear``: q/k/v share the ``qkv_proj`` site). :func:`trace_forward` returns, per site, the
+``nn.Linear``: q/k/v share the ``qkv_proj`` site; the MoE site on the experts module, whose
+router reads the unrounded input as the engine's does). :func:`trace_forward` returns, per site, the
 values the trainer's FP4 rounding produced and the values the engine's codes decode to, so a test
 can count where they differ (with and without guidance).
 """
@@ -43,6 +44,17 @@ def load_trainer_model(path: str | Path) -> Any:
             state[name] = w.to(torch.bfloat16)
         else:
             state[name] = t
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in [k for k in state if ".mlp.experts." in k and k.endswith(".weight")]:
+        base, rest = key.split(".mlp.experts.", 1)
+        e, proj, _ = rest.split(".")
+        experts.setdefault(base, {}).setdefault(int(e), {})[proj] = state.pop(key)
+    for base, per in experts.items():  # back to transformers' fused expert tensors
+        n = len(per)
+        state[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in range(n)]
+        )
+        state[f"{base}.mlp.experts.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(n)])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise RuntimeError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
@@ -61,9 +73,13 @@ def trace_forward(
 
     def site_of(module_name: str) -> str | None:
         parts = module_name.split(".")
-        if "layers" not in parts or parts[-2] != "self_attn":
+        if "layers" not in parts or len(parts) < parts.index("layers") + 4:
             return None
         i = parts[parts.index("layers") + 1]
+        if parts[-2:] == ["mlp", "experts"]:  # the experts' input; the router reads the unrounded one
+            return f"layers.{i}.mlp.input"
+        if parts[-2] != "self_attn":
+            return None
         proj = parts[-1]
         if proj in ("q_proj", "k_proj", "v_proj"):
             return f"layers.{i}.self_attn.qkv_proj.input"

@@ -1,10 +1,12 @@
 """The engine half of the vLLM end-to-end test, run as its own process (vLLM keeps global state).
 
-``python vllm_e2e_engine.py MODEL_DIR OUT_JSON`` with ``TRACESTORE_RECORD`` set: registers vLLM's
-pure-torch NVFP4 linear kernel for the CPU (vLLM ships it, but lists no NVFP4 kernel for
-``PlatformEnum.CPU``), runs ``LLM.generate`` with the tracestore connector (the plugin itself loads
-through its ``vllm.general_plugins`` entry point), and writes every request's prompt ids, output
-ids and ``kv_transfer_params["tracestore"]`` to OUT_JSON.
+``python vllm_e2e_engine.py MODEL_DIR OUT_JSON [--moe]`` with ``TRACESTORE_RECORD`` set: registers
+vLLM's pure-torch NVFP4 linear kernel for the CPU (vLLM ships it, but lists no NVFP4 kernel for
+``PlatformEnum.CPU``), with ``--moe`` gives the NVFP4 emulation experts a CPU path
+(:func:`cpu_nvfp4_experts`) and selects them (``moe_backend="emulation"``), runs ``LLM.generate``
+with the tracestore connector (the plugin itself loads through its ``vllm.general_plugins`` entry
+point), and writes every request's prompt ids, output ids and ``kv_transfer_params["tracestore"]``
+to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -14,8 +16,54 @@ import os
 import sys
 
 
+def cpu_nvfp4_experts() -> None:
+    """Give vLLM's NVFP4 emulation experts a CPU path (their ``apply`` is a Triton kernel): expert
+    weights dequantized with tracestore's reference (``m * sf * g``, g = ``g1_alphas`` /
+    ``g2_alphas`` per expert, as vLLM's kernel applies them), activations quantize-dequantized by
+    vLLM's own ``moe_kernel_quantize_input(..., quantization_emulation=True)`` — a1 once on
+    ``[tokens, hidden]``, a2 on each expert's rows — then SiLU-and-mul, matmuls, routing weights."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+        Nvfp4QuantizationEmulationTritonExperts as Experts,
+    )
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    from tracestore import NVFP4
+    from tracestore.fp4 import dequantize_codes
+    from tracestore.packing import unpack_fp4
+
+    def deq(w: torch.Tensor, sf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return dequantize_codes(unpack_fp4(w), sf.view(torch.uint8), g.float().reshape(()), NVFP4)
+
+    def qdq(a: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return moe_kernel_quantize_input(
+            A=a, A_scale=scale, quant_dtype="nvfp4", per_act_token_quant=False, quantization_emulation=True
+        )[0]
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):  # fmt: skip
+        qc = self.quant_config
+        a1 = qdq(hidden_states, qc.a1_gscale).float()
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            rows, slots = (topk_ids == e).nonzero(as_tuple=True)
+            h = a1[rows] @ deq(w1[e], self.w1_scale_val[e], qc.g1_alphas[e]).T
+            half = h.shape[1] // 2
+            act = (torch.nn.functional.silu(h[:, :half]) * h[:, half:]).to(hidden_states.dtype)
+            y = qdq(act, qc.a2_gscale).float() @ deq(w2[e], self.w2_scale_val[e], qc.g2_alphas[e]).T
+            if not apply_router_weight_on_input:
+                y = y * topk_weights[rows, slots].float().unsqueeze(1)
+            out.index_add_(0, rows, y)
+        output.copy_(out.reshape(output.shape).to(output.dtype))
+
+    Experts.apply = apply
+    Experts._supports_current_device = staticmethod(lambda: True)  # its Triton parent allows CUDA / XPU only
+
+
 def main() -> int:
     model, out_path = sys.argv[1], sys.argv[2]
+    moe = "--moe" in sys.argv[3:]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.model_executor.kernels.linear import register_linear_kernel
@@ -23,6 +71,8 @@ def main() -> int:
     from vllm.platforms import PlatformEnum
 
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    if moe:
+        cpu_nvfp4_experts()
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -30,6 +80,7 @@ def main() -> int:
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=256,
+        **({"moe_backend": "emulation"} if moe else {}),
         kv_transfer_config={
             "kv_connector": "TraceStoreConnector",
             "kv_connector_module_path": "tracestore.client.engines.vllm.connector",
