@@ -27,11 +27,13 @@ else:
 
     _LAZY = {
         "RolloutRecorder": "tracestore.client.record.recorder",
+        "RecorderConfig": "tracestore.client.record.config",
         "SiteOutput": "tracestore.site_output",
         "SlabStage": "tracestore.client.record.slab",
         "Segments": "tracestore.client.record.slab",
         "StagingPool": "tracestore.client.record.staging",
         "GuidanceReader": "tracestore.client.read.reader",
+        "ReaderConfig": "tracestore.client.read.config",
         "GuidedFP4Hooks": "tracestore.client.hf.train_hooks",
         "HFSiteHooks": "tracestore.client.hf.hooks",
         "FP4SiteRecorder": "tracestore.client.hf.recorder",

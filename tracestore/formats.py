@@ -34,6 +34,9 @@ ScaleRule = Literal["floor", "rceil"]
 FormatName = Literal["nvfp4", "mxfp4"]
 
 
+GUIDED_RULES = ("bracket", "paper")  # the guided-rounding rules (docs/numerics.md; tracestore.guided)
+
+
 def sane_global_scale(g: float) -> float:
     """The decode-side NVFP4 g as the records store and the trainer uses it (docs/numerics.md §3):
     ``g`` rounded to float32, or 1.0 where that is not a positive finite number (0, -0, negative,

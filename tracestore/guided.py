@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from tracestore.errors import ConfigError, ShapeError
-from tracestore.formats import E2M1_MAGNITUDES, E2M1_MAX, NVFP4, FP4Format, check_bits, get_format
+from tracestore.formats import E2M1_MAGNITUDES, E2M1_MAX, GUIDED_RULES, NVFP4, FP4Format, check_bits, get_format
 from tracestore.fp4 import (
     check_float_tensor,
     check_uint8,
@@ -26,7 +26,7 @@ from tracestore.fp4 import (
 from tracestore.packing import unpack_bits
 
 Rule = Literal["bracket", "paper"]
-RULES = ("bracket", "paper")
+RULES = GUIDED_RULES
 
 
 class StraightThrough(torch.autograd.Function):

@@ -51,6 +51,7 @@ from tracestore.errors import ConfigError, GuidanceMismatch
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec, validate_id
 
+from .config import ReaderConfig
 from .row_sources import Query, RowSource, open_rows, segments
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,20 +82,22 @@ class GuidanceReader:
         token: str | None = None,
         on_mismatch: str = "error",
     ) -> None:
+        cfg = ReaderConfig(
+            None if versions is None or isinstance(versions, int) else tuple(versions),
+            None if sites is None else tuple(sites), columns, device, on_missing, prefetch, rule, storage_options,
+            timeout, process, channel_credentials, token, on_mismatch,
+        )  # fmt: skip
+        self.config = cfg
         validate_id("run", run)
-        if on_missing not in ("error", "mask"):
-            raise ConfigError(f"on_missing must be 'error' or 'mask', got {on_missing!r}")
-        if on_mismatch not in ("error", "mask"):
-            raise ConfigError(f"on_mismatch must be 'error' or 'mask', got {on_mismatch!r}")
         self.source = source
         self.run = run
-        self.versions = versions
-        self.sites = None if sites is None else [validate_id("site", s) for s in sites]
-        self.columns = columns
+        self.versions = cfg.versions
+        self.sites = None if cfg.sites is None else list(cfg.sites)
+        self.columns = cfg.columns
         self.device = device
         self.on_missing = on_missing
         self.rule = rule
-        self.timeout = timeout
+        self.timeout = cfg.timeout
         self._lock = threading.Lock()
         self._pending: dict[tuple[Any, ...], Future[Rows]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracestore-prefetch") if prefetch else None
@@ -102,7 +105,7 @@ class GuidanceReader:
         # trajectories whose records belong to other token ids: refused reads, masked trajectories
         self.stats = {"mismatch_refused": 0, "mismatch_masked": 0}
         query = Query(
-            run, versions, self.sites, columns, "mask" if on_missing == "mask" else "error",
+            run, self.versions, self.sites, self.columns, "mask" if on_missing == "mask" else "error",
             "mask" if on_mismatch == "mask" else "error",
         )  # fmt: skip
         self._rows: RowSource = open_rows(
@@ -114,6 +117,13 @@ class GuidanceReader:
             channel_credentials=channel_credentials,
             token=token,
         )
+
+    @classmethod
+    def from_config(cls, source: str, run: str, config: ReaderConfig) -> GuidanceReader:
+        """A reader with the settings of ``config`` (the keyword arguments' values as one value)."""
+        if not isinstance(config, ReaderConfig):
+            raise ConfigError(f"config must be a ReaderConfig, got {type(config).__name__}")
+        return cls(source, run, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
     @property
     def spec(self) -> RunSpec | None:

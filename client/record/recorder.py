@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -45,6 +46,7 @@ from tracestore.records import PrefixLink, RunSpec, validate_id, validate_versio
 from tracestore.site_output import SiteOutput, check_array, per_row_g
 
 from .chunks import ChunkBuilder
+from .config import RecorderConfig
 from .copier import StagingCopier
 from .items import Finish, Forward, Region, SlabForward, SlabPlan, Unguided
 from .outbox import Outbox
@@ -117,6 +119,11 @@ class RolloutRecorder:
         channel_credentials: Any = None,
         token: str | None = None,
     ) -> None:
+        cfg = RecorderConfig(
+            staging_bytes, batch_bytes, shared_memory, shm_dir, shm_group, give_up_s, reconnect_backoff_s,
+            reconnect_cap_s, epoch, connect, pin, linger_s, channel_credentials, token,
+        )  # fmt: skip
+        self.config = cfg
         if not isinstance(run_spec, RunSpec):
             raise ConfigError(f"run_spec must be a tracestore.records.RunSpec, got {type(run_spec).__name__}")
         validate_id("writer", writer)
@@ -136,14 +143,10 @@ class RolloutRecorder:
         # pool: with commit acks (no WAL) 32 MiB kept the sender idle between shard commits
         # (memory:// 384 MiB, shm: 0.26 -> 0.34 GB/s, TCP 0.22 -> 0.28 GB/s).
         self.inflight_bytes = max(8 * self.batch_bytes, staging_bytes // 2)
-        self.linger_s = float(linger_s)
-        self.give_up_s = float(give_up_s)
-        self.reconnect_backoff_s = float(reconnect_backoff_s)
-        self.reconnect_cap_s = float(reconnect_cap_s)
-        if not 0 < self.reconnect_backoff_s <= self.reconnect_cap_s:
-            raise ConfigError(
-                f"need 0 < reconnect_backoff_s <= reconnect_cap_s, got {reconnect_backoff_s}, {reconnect_cap_s}"
-            )
+        self.linger_s = cfg.linger_s
+        self.give_up_s = cfg.give_up_s
+        self.reconnect_backoff_s = cfg.reconnect_backoff_s
+        self.reconnect_cap_s = cfg.reconnect_cap_s
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
         if shared and shm_group is None and not os.environ.get(GROUP_ENV):
             shm_group = socket_group(address)
@@ -222,6 +225,16 @@ class RolloutRecorder:
         self._stage_lock = threading.Lock()  # held while a stage queues deferred copies
         if connect:
             self._session.start()
+
+    @classmethod
+    def from_config(
+        cls, address: str, run_spec: RunSpec, writer: str, config: RecorderConfig, policy_version: int = 0
+    ) -> RolloutRecorder:
+        """A recorder with the settings of ``config`` (the keyword arguments' values as one value)."""
+        if not isinstance(config, RecorderConfig):
+            raise ConfigError(f"config must be a RecorderConfig, got {type(config).__name__}")
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}  # (no deep copy)
+        return cls(address, run_spec, writer, policy_version, **fields)
 
     @property
     def _side_stream(self) -> Any:

@@ -7,6 +7,7 @@ per token. Also: the recorder never blocks or crashes when the sidecar is away.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -485,3 +486,58 @@ def test_degenerate_global_scales_are_stored_as_one(served: ServeProcess) -> Non
         assert rows.valid.all()
         assert rows.global_scale.tolist() == [1.0] * len(bad)
         assert rows.token_scales.tolist() == [0.375, 1.0, 1.0, 1.0, 1.0, 1.0], rows.token_scales
+
+
+def test_recorder_config_is_validated_and_builds_the_same_recorder(served: ServeProcess) -> None:
+    """RecorderConfig checks its values on construction (the keyword arguments go through it too)
+    and from_config builds a recorder with exactly those settings."""
+    from tracestore.client import RecorderConfig
+
+    from tracestore.errors import ConfigError
+
+    for bad in ({"staging_bytes": 0}, {"batch_bytes": -1}, {"give_up_s": float("nan")}, {"linger_s": -1},
+                {"reconnect_backoff_s": 20.0}, {"epoch": -3}, {"staging_bytes": True}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            RecorderConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            RolloutRecorder(served.address, SPEC, "cfg-bad", connect=False, **bad)  # type: ignore[arg-type]
+    cfg = RecorderConfig(staging_bytes=8 << 20, batch_bytes=256 << 10, linger_s=0.25, epoch=7, connect=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.linger_s = 1.0  # type: ignore[misc]
+    rec = RolloutRecorder.from_config(served.address, SPEC, "cfg-ok", cfg, policy_version=3)
+    try:
+        assert rec.config == cfg and rec.pool.capacity == 8 << 20 and rec.batch_bytes == 256 << 10
+        assert rec.linger_s == 0.25 and rec.epoch == 7 and rec.policy_version == 3
+    finally:
+        rec.close()
+
+
+def test_reader_config_is_validated_and_builds_the_same_reader(served: ServeProcess) -> None:
+    from tracestore.client import ReaderConfig
+
+    from tracestore.errors import ConfigError
+
+    for bad in ({"on_missing": "skip"}, {"on_mismatch": "ignore"}, {"rule": "nearest"}, {"timeout": 0},
+                {"process": -1}, {"sites": "layers.20.mlp.input"}, {"sites": ["../x"]}):  # fmt: skip
+        with pytest.raises((ConfigError, ValueError)):
+            ReaderConfig(**bad)  # type: ignore[arg-type]
+        with pytest.raises((ConfigError, ValueError)):
+            GuidanceReader(served.storage, SPEC.run, **bad)  # type: ignore[arg-type]
+    cfg = ReaderConfig(sites=["layers.20.mlp.input"], on_missing="mask", prefetch=False, versions=range(2))
+    assert cfg.sites == ("layers.20.mlp.input",) and cfg.versions == (0, 1)
+    rec = RolloutRecorder(served.address, SPEC, "cfg-reader")
+    rng = np.random.default_rng(2)
+    out = {}
+    for s in SPEC.sites:
+        rows = 2 * s.rows_per_token
+        codes = rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+        out[s.name] = SiteOutput(codes, rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8), 1.0)
+    assert rec.record_forward([("cfg-t", 0, 2)], out)
+    rec.finish("cfg-t", 3)
+    assert rec.flush(30)
+    rec.close()
+    with GuidanceReader.from_config(served.address, SPEC.run, cfg) as reader:
+        assert reader.config == cfg and reader.sites == ["layers.20.mlp.input"]
+        got = reader.read_host([("cfg-t", 0, 3)])  # token 2 was never recorded: masked, not an error
+        assert list(got) == ["layers.20.mlp.input"]
+        assert got["layers.20.mlp.input"].valid.tolist() == [True, True, False]
