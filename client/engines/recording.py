@@ -61,6 +61,7 @@ class EngineRecorder:
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
+        self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
         self.stats = {
             "forwards": 0,
             "rows": 0,
@@ -236,7 +237,9 @@ class EngineRecorder:
                 reason="" if gap is None else ("aborted" if gap == "aborted" else "refused"),
                 writer=self.setting.writer,
             ).to_json()
-        return {"trajectory": traj, "n_tokens": n, "gap": gap, "trace_ref": ref}
+        out = {"trajectory": traj, "n_tokens": n, "gap": gap, "trace_ref": ref}
+        self.ended.append(out)
+        return out
 
     def close(self, timeout: float = 30.0) -> bool:
         """Flush and close the recorder (True: everything acknowledged durable)."""

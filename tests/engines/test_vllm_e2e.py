@@ -30,6 +30,22 @@ SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj",
 }
 
 
+def _ids_by_trajectory(result: dict) -> dict[str, list[int]]:
+    """Each ended trajectory's token ids: a request's own, or child k's of an n > 1 request (vLLM
+    names child k of request r ``{k}_{r}-<suffix>``)."""
+    out = {}
+    for q in result["requests"]:
+        for k, output in enumerate(q["all_output_ids"]):
+            if len(q["all_output_ids"]) == 1:
+                traj = q["tracestore"]["trajectory"]
+            else:
+                traj = next(
+                    e["trajectory"] for e in result["ended"] if e["trajectory"].startswith(f"{k}_{q['request']}-")
+                )
+            out[traj] = q["prompt_ids"] + output
+    return out
+
+
 def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path) -> None:
     model_dir = write_checkpoint(tmp_path / "model", moe=True)
     sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
@@ -40,7 +56,7 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
         out = tmp_path / "engine.json"
         # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
         proc = subprocess.run(
-            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe"],
+            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--cases"],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -49,24 +65,29 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
     result = json.loads(out.read_text())
     assert result["flushed"], result
     reqs = result["requests"]
-    assert len(reqs) == 3
-    # 14 prompt tokens in one prefill, then 11 decode steps of 3 rows
-    assert result["stats"]["rows"] == 14 + 11 * 3 and result["stats"]["seals"] == 3
+    assert [q["num_cached_tokens"] for q in reqs] == [0, 0, 0, 64, 64]  # vLLM's own prefix-cache hits
+    stats = result["stats"]
+    # 3 prompts (14 tokens, one prefill) + 11 decode steps of 3; a 72-token prompt sampled twice (n = 2:
+    # child 1 hits child 0's cached 64 tokens, computes 8) + 3 decode steps of 2; a 67-token prompt
+    # hitting 64 cached tokens (3 computed) + 3 decode steps
+    assert stats["rows"] == (14 + 11 * 3) + (72 + 8 + 3 * 2) + (3 + 3)
+    assert stats["links"] == 2 and stats["seals"] == 6 and stats["gaps"] == 0
+    ids_of = _ids_by_trajectory(result)
+    assert len(ids_of) == 6
     model = load_trainer_model(model_dir)
     with StoreReader(Store(sp.storage), "e2e") as reader:
-        for q in reqs:
-            t = q["tracestore"]
-            ref = json.loads(t["trace_ref"])
-            ids = q["prompt_ids"] + q["output_ids"]
-            assert t["gap"] is None and ref["guided"] and ref["n_tokens"] == len(ids) == t["n_tokens"]
+        for ended in result["ended"]:
+            traj, ids = ended["trajectory"], ids_of[ended["trajectory"]]
+            ref = json.loads(ended["trace_ref"])
+            assert ended["gap"] is None and ref["guided"] and ref["n_tokens"] == len(ids) == ended["n_tokens"]
             assert ref["policy_version"] == 3 and ref["writer"] == "vllm-cpu-0"
-            rows = reader.read([(t["trajectory"], 0, len(ids))], token_ids={t["trajectory"]: ids}, require_sealed=True)
+            rows = reader.read([(traj, 0, len(ids))], token_ids={traj: ids}, require_sealed=True)
             assert set(rows) == SITES
-            assert all(r.valid[:-1].all() and not r.valid[-1] for r in rows.values())
+            assert all(r.valid[:-1].all() and not r.valid[-1] for r in rows.values()), traj
             rtn = trace_forward(model, ids, rows, guided=False)
             traced = trace_forward(model, ids, rows, guided=True)
             for site in SITES:
                 trainer, engine = traced[site]
                 assert trainer.numel() == (len(ids) - 1) * 256
-                assert int((trainer != engine).sum()) == 0, site  # every value rounds as the engine did
+                assert int((trainer != engine).sum()) == 0, (traj, site)  # every value rounds as the engine did
             assert sum(int((a != b).sum()) for a, b in rtn.values()) > 0  # without guidance they differ

@@ -81,6 +81,8 @@ def main() -> int:
         enforce_eager=True,
         max_model_len=256,
         **({"moe_backend": "emulation"} if moe else {}),
+        enable_prefix_caching=True,
+        block_size=32,  # (the CPU default, 128, is longer than these prompts; CPU attention needs a multiple of 32)
         kv_transfer_config={
             "kv_connector": "TraceStoreConnector",
             "kv_connector_module_path": "tracestore.client.engines.vllm.connector",
@@ -89,6 +91,13 @@ def main() -> int:
     )
     prompts = ["the quick brown fox jumps", "four bit floating point rounding", "rollout engines and trainers"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, seed=0, ignore_eos=True))
+    if "--cases" in sys.argv[3:]:  # the scheduler's own row cases: a GRPO group, then a prefix-cache hit
+        long = [(7 * i) % 97 + 3 for i in range(72)]
+        group = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+        outs += llm.generate([{"prompt_token_ids": long}], group)
+        outs += llm.generate(
+            [{"prompt_token_ids": long[:64] + [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
     rows = []
     for o in outs:
         rows.append(
@@ -96,6 +105,8 @@ def main() -> int:
                 "request": o.request_id,
                 "prompt_ids": list(o.prompt_token_ids or []),
                 "output_ids": list(o.outputs[0].token_ids),
+                "all_output_ids": [list(c.token_ids) for c in o.outputs],
+                "num_cached_tokens": o.num_cached_tokens,
                 "tracestore": (o.kv_transfer_params or {}).get("tracestore"),
             }
         )
@@ -104,7 +115,8 @@ def main() -> int:
     ok = hooks.ENGINE is not None and hooks.ENGINE.close(60)
     stats = None if hooks.ENGINE is None else hooks.ENGINE.stats
     with open(out_path, "w") as f:
-        json.dump({"requests": rows, "flushed": ok, "stats": stats}, f)
+        ended = None if hooks.ENGINE is None else hooks.ENGINE.ended
+        json.dump({"requests": rows, "flushed": ok, "stats": stats, "ended": ended}, f)
     return 0
 
 
