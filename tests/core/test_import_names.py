@@ -107,7 +107,7 @@ def test_transformers_builds_an_moe_model_from_the_repository_root() -> None:
 def test_pytest_of_an_moe_hooks_test_and_the_demo_cli_from_the_repository_root() -> None:
     _hub_kernels()
     pytest.importorskip("transformers")
-    test = "tests/client/test_hf_hooks.py::test_key_is_seen_after_the_rotary_embedding"
+    test = "tests/client/hf/test_hf_hooks.py::test_key_is_seen_after_the_rotary_embedding"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -210,5 +210,5 @@ def test_identity_hooks_keep_generate_and_see_every_moe_layer(model_type: str) -
     assert set(names) <= seen, f"{model_type}: sites never seen: {sorted(set(names) - seen)}"
 
 
-if __name__ == "__main__":  # discovery aid: python tests/client/test_hf_hooks_sweep.py
+if __name__ == "__main__":  # discovery aid: python tests/client/hf/test_hf_hooks_sweep.py
     print(json.dumps(CANDIDATES))

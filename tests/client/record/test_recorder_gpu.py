@@ -15,7 +15,7 @@ into the pinned staging pool and returns at once. Checked here:
 
 Run on a GPU machine (needs torch with CUDA plus the server extra; no s3fs/moto/zstandard)::
 
-    pip install -e '.[server]' pytest && python -m pytest -q -m gpu tests/client/test_recorder_gpu.py
+    pip install -e '.[server]' pytest && python -m pytest -q -m gpu tests/client/record/test_recorder_gpu.py
 """
 
 from __future__ import annotations
