@@ -135,6 +135,9 @@ class EngineRecorder:
         for name, (c, _, _) in sites.items():
             if c.shape[0] < n_fwd:  # (rows past them: padding the engine added)
                 raise ValidationError(f"site {name!r} captured {c.shape[0]} rows; the forward has {n_fwd} tokens")
+        # earlier drafts first: those this step's computed counts confirmed or rejected (a position
+        # may be drafted again in this very step, whose new row must not be dropped with the old one)
+        self._links_and_released(plan)
         at = plan.starts(order)
         for traj, pos, rid, off, tok in plan.held:  # draft rows: kept on the host until confirmed
             row = at[rid] + off
@@ -146,7 +149,6 @@ class EngineRecorder:
                 },
             )
             self.stats["held"] += 1
-        self._links_and_released(plan)
         if not plan.segments:
             return True
         idx = torch.from_numpy(plan.row_index(order))

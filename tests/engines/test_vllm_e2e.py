@@ -3,7 +3,8 @@ attention projections and experts) generates with ``LLM.generate`` — vLLM's em
 experts given a CPU path (tests/engines/vllm_e2e_engine.py) — and the tracestore plugin (loaded
 through its entry point) against a real ``tracestore serve``; then a trainer's TRACE forward in
 transformers reproduces the engine's FP4 codes on every recorded value of every recorded site, the
-MoE expert inputs (FC1) included, where plain RTN does not."""
+MoE expert inputs (FC1) included, where plain RTN does not. Run twice: plainly, and with vLLM's
+ngram speculative decoding (drafts held until accepted, rejected ones never stored)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _ids_by_trajectory(result: dict) -> dict[str, list[int]]:
     return out
 
 
-def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram-spec-decode"])
+def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path, spec: bool) -> None:
     model_dir = write_checkpoint(tmp_path / "model", moe=True)
     sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
     sp.start()
@@ -56,7 +58,8 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
         out = tmp_path / "engine.json"
         # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
         proc = subprocess.run(
-            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--cases"],
+            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--cases"]
+            + (["--spec"] if spec else []),
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -70,8 +73,13 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
     # 3 prompts (14 tokens, one prefill) + 11 decode steps of 3; a 72-token prompt sampled twice (n = 2:
     # child 1 hits child 0's cached 64 tokens, computes 8) + 3 decode steps of 2; a 67-token prompt
     # hitting 64 cached tokens (3 computed) + 3 decode steps
-    assert stats["rows"] == (14 + 11 * 3) + (72 + 8 + 3 * 2) + (3 + 3)
+    # every position once: the rows recorded at once plus the accepted drafts released later
+    assert stats["rows"] + stats["released"] == (14 + 11 * 3) + (72 + 8 + 3 * 2) + (3 + 3)
     assert stats["links"] == 2 and stats["seals"] == 6 and stats["gaps"] == 0
+    if spec:  # ngram drafts (greedy decoding of a random model repeats itself): some accepted, most not
+        assert stats["released"] > 0 and stats["dropped"] > 0 and stats["held"] >= stats["released"] + stats["dropped"]
+    else:
+        assert stats["held"] == 0
     ids_of = _ids_by_trajectory(result)
     assert len(ids_of) == 6
     model = load_trainer_model(model_dir)

@@ -283,3 +283,25 @@ def test_setting_is_required_and_checked(tmp_path: Path) -> None:
         mp.setenv("TRACESTORE_RECORD", "sidecar=x run=r")
         with pytest.raises(ConfigError, match="missing policy_version"):
             TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def test_a_position_drafted_again_after_a_rejection(sidecar: ServeProcess) -> None:
+    """Position 5 is drafted (12, rejected), then drafted again (21, accepted) in the step that drops
+    the first draft: the new row is kept, the old one never stored (found by vLLM's ngram run)."""
+    eng = Engine(sidecar.address, "rd", block=4)
+    eng.add("s", [4, 4, 4])
+    eng.step([("s", 0, 3)], [])
+    eng.sample("s", 10)
+    eng.step([], [("s", 3, 3)], spec={"s": [11, 12]})  # drafts at 4, 5: both rejected
+    eng.sample("s", 20)  # the bonus token at 4
+    eng.step([], [("s", 4, 3)], spec={"s": [21, 22]})  # drafts at 5, 6: 21 accepted, 22 rejected
+    eng.sample("s", 21, 30)
+    eng.step([], [("s", 6, 1)])
+    eng.sample("s", 31)
+    res = eng.finish("s")
+    stats = dict(eng.engine.stats)
+    eng.close()
+    assert res["gap"] is None
+    assert stats["held"] == 4 and stats["released"] == 1 and stats["dropped"] == 3
+    drain(sidecar)
+    assert check_stored(sidecar, "rd", eng, "s") == 7

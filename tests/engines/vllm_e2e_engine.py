@@ -81,6 +81,18 @@ def main() -> int:
         enforce_eager=True,
         max_model_len=256,
         **({"moe_backend": "emulation"} if moe else {}),
+        **(
+            {
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 3,
+                    "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 1,
+                }
+            }
+            if "--spec" in sys.argv[3:]
+            else {}
+        ),
         enable_prefix_caching=True,
         block_size=32,  # (the CPU default, 128, is longer than these prompts; CPU attention needs a multiple of 32)
         kv_transfer_config={
@@ -90,7 +102,10 @@ def main() -> int:
         },
     )
     prompts = ["the quick brown fox jumps", "four bit floating point rounding", "rollout engines and trainers"]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, seed=0, ignore_eos=True))
+    greedy = "--spec" in sys.argv[3:]  # a random model decoding greedily repeats itself: ngram drafts get accepted
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0 if greedy else 0.8, seed=0, ignore_eos=True)
+    )
     if "--cases" in sys.argv[3:]:  # the scheduler's own row cases: a GRPO group, then a prefix-cache hit
         long = [(7 * i) % 97 + 3 for i in range(72)]
         group = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
