@@ -305,3 +305,36 @@ def test_a_position_drafted_again_after_a_rejection(sidecar: ServeProcess) -> No
     assert stats["held"] == 4 and stats["released"] == 1 and stats["dropped"] == 3
     drain(sidecar)
     assert check_stored(sidecar, "rd", eng, "s") == 7
+
+
+def test_seal_travels_to_a_worker_in_another_process(sidecar: ServeProcess) -> None:
+    """Scheduler and worker in different processes (vLLM's multiprocess executor): request_finished
+    asks vLLM to keep the request's blocks (True), the ending rides on the next step's metadata, the
+    worker seals and reports it through get_finished; trace_ref is null on the output."""
+    eng = Engine(sidecar.address, "mp", block=4)
+    hooks.LOCAL_WORKER = False  # as in the scheduler's process
+    try:
+        eng.add("m", [6, 6, 6])
+        eng.step([("m", 0, 3)], [])
+        eng.sample("m", 9)
+        eng.step([], [("m", 3, 1)])
+        eng.sample("m", 8)
+        r = eng.reqs["m"]
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay, params = eng.sched.request_finished(r, [])
+        assert delay is True and params == {
+            "tracestore": {"trajectory": "m::a0", "n_tokens": 5, "gap": None, "trace_ref": None}
+        }
+        assert eng.engine.stats["seals"] == 0
+        assert eng.worker.get_finished({"m"}) == (None, None)  # not sealed yet: blocks stay held
+        meta = eng.sched.build_connector_meta(SchedulerOutput.make_empty())  # vLLM keeps stepping
+        eng.worker.bind_connector_metadata(meta)
+        assert eng.engine.stats["seals"] == 1
+        assert eng.worker.get_finished(set()) == ({"m"}, None)  # now vLLM frees them
+        assert eng.engine.ended[-1]["gap"] is None and json.loads(eng.engine.ended[-1]["trace_ref"])["guided"]
+    finally:
+        hooks.LOCAL_WORKER = True
+    eng.results["m"] = eng.engine.ended[-1]
+    eng.close()
+    drain(sidecar)
+    assert check_stored(sidecar, "mp", eng, "m") == 4

@@ -14,12 +14,15 @@ Scheduler side (one per engine core):
   :class:`~tracestore.client.engines.rows.RowMapper`, sent to the workers as the step's metadata;
 - ``request_finished`` ends the request in the mapper (aborted: a gap) and returns the dict vLLM
   puts on the request output as ``kv_transfer_params``: ``{"tracestore": {"trajectory",
-  "n_tokens", "gap", "trace_ref"}}``. Where the recorder lives in this process (one-process
-  engines) the seal is queued here at once; otherwise the ending rides on the next step's metadata
-  to the worker that recorded the rows.
+  "n_tokens", "gap", "trace_ref"}}``. Where the recording worker lives in this process (a
+  one-process engine, or vLLM's uniproc executor) the seal is queued here at once. Otherwise the
+  ending rides on the next step's metadata to the workers, which seal and then report the request
+  through ``get_finished``; until then vLLM keeps its blocks and keeps stepping (the path vLLM
+  has for asynchronous KV sends), and ``trace_ref`` is null (the sites are known to the workers).
 
 Worker side: ``bind_connector_metadata`` hands the plan to the forward's capture
-(:mod:`.hooks`); every other connector method is a no-op (no KV is loaded or saved).
+(:mod:`.hooks`) and seals the endings it carries; ``get_finished`` reports them; ``shutdown``
+flushes and closes the recorder; every other connector method is a no-op (no KV is loaded or saved).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class TraceStoreConnectorMetadata(KVConnectorMetadata):
     """One step's row plan, and the requests that ended since the last step (their seals)."""
 
     plan: StepPlan
-    endings: list[Ending] = dataclasses.field(default_factory=list)
+    endings: list[tuple[str, Ending]] = dataclasses.field(default_factory=list)  # (request id, ending)
 
 
 def _status_aborted(request: Any) -> bool:
@@ -74,7 +77,10 @@ class TraceStoreConnector(KVConnectorBase_V1):
         block = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 16) or 16)
         self.mapper = RowMapper(block=block)
         self._requests: dict[str, Any] = {}
-        self._endings: list[Ending] = []
+        self._endings: list[tuple[str, Ending]] = []
+        self._sealed: set[str] = set()  # worker: requests sealed since the last get_finished
+        if role == KVConnectorRole.WORKER:
+            hooks.LOCAL_WORKER = True
         if role == KVConnectorRole.WORKER and hooks.ENGINE is None:
             from tracestore.client.engines import vllm as plugin
 
@@ -132,17 +138,13 @@ class TraceStoreConnector(KVConnectorBase_V1):
         if not self.mapper.known(rid):
             return False, None
         ending = self.mapper.finish(rid, list(request.all_token_ids), aborted=_status_aborted(request))
-        if hooks.ENGINE is not None:  # the recorder is in this process: seal now
-            params = hooks.ENGINE.end_request(ending)
-        else:
-            self._endings.append(ending)
-            params = {
-                "trajectory": ending.trajectory,
-                "n_tokens": ending.n_tokens,
-                "gap": ending.gap,
-                "trace_ref": None,
-            }
-        return False, {"tracestore": params}
+        if hooks.LOCAL_WORKER and hooks.ENGINE is not None:  # the recording worker is this process: seal now
+            return False, {"tracestore": hooks.ENGINE.end_request(ending)}
+        # The worker seals it when the next step's metadata reaches it; until its get_finished says
+        # so, vLLM keeps the request's blocks and keeps stepping (as for an asynchronous KV send).
+        self._endings.append((rid, ending))
+        params = {"trajectory": ending.trajectory, "n_tokens": ending.n_tokens, "gap": ending.gap, "trace_ref": None}
+        return True, {"tracestore": params}
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -150,9 +152,21 @@ class TraceStoreConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, TraceStoreConnectorMetadata):
             hooks.PLAN.value = connector_metadata.plan
-            if hooks.ENGINE is not None:
-                for ending in connector_metadata.endings:
-                    hooks.ENGINE.end_request(ending)
+            for rid, ending in connector_metadata.endings:
+                if hooks.ENGINE is not None:
+                    try:
+                        hooks.ENGINE.end_request(ending)
+                    except Exception:
+                        log.exception("tracestore: sealing %s failed", ending.trajectory)
+                self._sealed.add(rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._sealed = self._sealed, set()
+        return (done or None), None
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER and hooks.ENGINE is not None:
+            hooks.ENGINE.close(30)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

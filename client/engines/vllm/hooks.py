@@ -51,6 +51,7 @@ NVFP4_KERNELS = "vllm.model_executor.kernels.linear.nvfp4"
 MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 ENGINE: EngineRecorder | None = None
+LOCAL_WORKER = False  # a worker-role connector exists in this process (it records; seal here)
 PLAN = threading.local()  # .value: the step plan the connector bound for the coming forward
 _MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE runner
 
