@@ -85,7 +85,7 @@ SETTINGS = (
     Setting("--flush-interval", SECONDS, 2.0, "seconds between flusher passes", metavar="SECONDS"),
     Setting("--backpressure-timeout", SECONDS, 5.0,
             "seconds a write waits for room in the memory budget before it is refused", metavar="SECONDS"),
-    Setting("--max-message-mib", MIB, 64, "largest gRPC message, MiB; at most half of --memory-budget-mib"),
+    Setting("--max-message-mib", MIB, 64, "largest gRPC message, MiB; at most a third of --memory-budget-mib"),
     Setting("--max-streams", integer(1), 256,
             "open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED"),
     Setting("--stream-window-kib", integer(64, 65536), None,
@@ -397,11 +397,14 @@ def config_from_args(ns: argparse.Namespace) -> Any:
 
 
 def tune_malloc() -> bool:
-    """Keep freed large blocks in the sidecar's heap (glibc ``mallopt``): every received message is a
+    """Keep freed blocks in the sidecar's heap (glibc ``mallopt``): every received message is a
     few-MiB ``bytes`` that gRPC builds by appending slices, and with glibc's defaults each one came
     from fresh ``mmap`` pages (page fault + zeroing per 4 KiB, then ``munmap``). Fixed thresholds
-    (mmap above 256 MiB only, trim above 1 GiB) reuse the same pages: sidecar CPU per 384 MiB over
-    TCP 1.04 -> 0.83 s, ingest 0.35 -> 0.44 GB/s (3 alternating runs).
+    (trim above 1 GiB; mmap above 32 MiB only) reuse the same pages: sidecar CPU per 384 MiB of
+    4 MiB messages over TCP 1.04 -> 0.83 s, ingest 0.35 -> 0.44 GB/s (3 alternating runs). Blocks
+    above 32 MiB (messages near ``--max-message-mib``, their copies) are mapped and unmapped: kept
+    in the heap, they left holes that the next ones did not fit, and the heap grew past what the
+    budget counts (57 MiB messages: a 215 MiB heap in one run, 272 MiB in another).
 
     One malloc arena (unless ``MALLOC_ARENA_MAX`` is set): each Write stream runs on threads of
     its own, and glibc gives new threads new arenas (up to 8 per core), each of which must grow to
@@ -410,18 +413,31 @@ def tune_malloc() -> bool:
     of a sidecar (its CPU 0.17-0.20 s per stream instead of 0.15 s); with one arena that stops
     from the third stream on. It also makes "the heap stays at its high-water mark, which the
     memory budget bounds" true of the process rather than of each arena. Python allocates under
-    the GIL anyway, and gRPC's small allocations go to glibc's per-thread caches. No-op off glibc."""
+    the GIL anyway, and gRPC's small allocations go to glibc's per-thread caches.
+
+    Arrow allocates from the same heap (pyarrow's default pool: the system allocator, not
+    mimalloc), so that the memory encoding a shard takes is the memory gRPC's copies of a message
+    freed, as the budget counts it; with an allocator of its own each kept its own high-water mark
+    (57 MiB messages with a WAL: peak RSS - idle 293-305 MiB with all of Arrow on mimalloc, 269-276
+    MiB with pyarrow's default pool on the heap; 4 and 3 runs, mimalloc emptied after each shard).
+    Encoding a 96 MiB shard or 20,000 one-token chunks took the same time with either (medians 136
+    vs 139 ms, 249 vs 274 ms; 15 interleaved runs). Parquet's page buffers still come from Arrow's
+    C++ default pool, chosen when pyarrow is imported (before this runs): the engine empties it
+    after every shard (``Engine.release_commit``). Returns whether the mallopt settings took (False
+    off glibc)."""
     import ctypes
     import ctypes.util
 
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
     name = ctypes.util.find_library("c")
     if not sys.platform.startswith("linux") or name is None:
         return False
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # <malloc.h>
-        # glibc builds that cap the mmap threshold at 32 MiB refuse 256 MiB: take the cap then
-        mmap_ok = libc.mallopt(m_mmap_threshold, 256 << 20) or libc.mallopt(m_mmap_threshold, 32 << 20)
+        mmap_ok = libc.mallopt(m_mmap_threshold, 32 << 20)
         if "MALLOC_ARENA_MAX" not in os.environ:
             libc.mallopt(m_arena_max, 1)
         return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, 1 << 30))

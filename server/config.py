@@ -30,6 +30,11 @@ MIN_STREAMS_PER_IDENTITY = 8
 # Writers' shared-memory staging pools the sidecar keeps open at once (server/shm.py); with tokens
 # one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
 SHM_POOLS = 64
+# gRPC hands a received message over as one bytes object joined from copies of its buffer's slices,
+# while its buffers still hold the message: three copies at once (one 57 MiB message: +171 MiB of
+# RSS), one message at a time (the server's polling thread joins them). The reading stream's
+# reservation covers gRPC's buffers; this many more of the largest message stay reserved for good.
+GRPC_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +53,9 @@ class ServerConfig:
     never take the threads a health probe needs. Only :attr:`reading_streams` streams wait for
     their next message at once (each has ``max_message_bytes`` of the memory budget reserved for
     it); the others wait with nothing read, their bytes held back at the client by HTTP/2 flow
-    control. One ``max_message_bytes`` more stays reserved for the whole run: gRPC copies each
-    received message out of its buffers once (one at a time, on its polling thread), so for a
-    moment that message takes twice its size. ``max_read_bytes``: the largest Read (plan rows x
+    control. Two ``max_message_bytes`` more stay reserved for the whole run: gRPC joins each
+    received message from copies of its buffer's slices (one at a time, on its polling thread), so
+    for a moment that message takes three times its size. ``max_read_bytes``: the largest Read (plan rows x
     row bytes of the sites read); a Read holds its size against the read budget, not the memory
     budget, while it runs (``read_budget_bytes``; None: a quarter of the memory budget,
     :attr:`read_budget`), and is cancelled once its caller has taken no response for
@@ -180,11 +185,11 @@ class ServerConfig:
                     f"stream_window_bytes ({w}) must be at most a quarter of memory_budget_bytes "
                     f"({self.memory_budget_bytes}): every open Write stream holds its window against the budget"
                 )
-        if 2 * self.max_message_bytes > self.memory_budget_bytes:
+        if 3 * self.max_message_bytes > self.memory_budget_bytes:
             raise ConfigError(
-                f"max_message_bytes ({self.max_message_bytes}) must be at most half of memory_budget_bytes "
-                f"({self.memory_budget_bytes}): the budget keeps room for one message being copied out of "
-                "gRPC's buffers besides the messages being read"
+                f"max_message_bytes ({self.max_message_bytes}) must be at most a third of memory_budget_bytes "
+                f"({self.memory_budget_bytes}): the budget keeps room for two copies of a message that gRPC "
+                "makes while it delivers it, besides the message being read"
             )
 
     @property
@@ -231,8 +236,10 @@ class ServerConfig:
     def reading_streams(self) -> int:
         """How many Write streams may wait for their next message at once: each reserves
         ``max_message_bytes`` of the budget before it reads, and together they take at most half of
-        it (the other half is the backlog's, which the flusher starts committing at half the budget)."""
-        return max(1, self.memory_budget_bytes // 2 // self.max_message_bytes)
+        what gRPC's copies leave (the other half is the backlog's, which the flusher starts
+        committing at half the budget)."""
+        room = self.memory_budget_bytes - GRPC_COPIES * self.max_message_bytes
+        return max(1, room // 2 // self.max_message_bytes)
 
     @property
     def read_budget(self) -> int:

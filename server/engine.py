@@ -33,14 +33,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pyarrow as pa
+
 from tracestore.errors import ConflictError, TraceStoreError
-from tracestore.records import RunSpec
+from tracestore.records import RecordChunk, RunSpec
 
 from .config import ServerConfig
 from .dedupe import DedupeIndex
 from .flusher import Batch, Flusher, Round, Waker
 from .journal import Journal
-from .memory import MemoryBudget, OverBudgetError, StagingHolds
+from .memory import MemoryBudget, OverBudgetError, StagingHolds, largest_chunk
 from .message import CLAIMS, DATA, STATE, Message, Owner, Plan, decode_claims, decode_entry, decode_state
 from .metrics import Metrics
 from .owners import table_path
@@ -49,6 +51,18 @@ from .sessions import Sessions, WriterState
 from .wal import Part, WriteAheadLog
 
 log = logging.getLogger("tracestore.server")
+
+
+def _arrow_own_pools() -> list[pa.MemoryPool]:
+    """Arrow's own allocators (one of them is the default of its C++ code), where built in."""
+    pools = []
+    for make in (pa.mimalloc_memory_pool, pa.jemalloc_memory_pool):
+        with contextlib.suppress(NotImplementedError):
+            pools.append(make())
+    return pools
+
+
+_ARROW_POOLS = _arrow_own_pools()
 
 # Why the sidecar reports itself unhealthy (health NOT_SERVING, Stat.degraded, a metric): a fixed set.
 DEGRADED_REASONS = ("wal_failed", "flusher_dead", "flusher_stalled", "storage_refusing")
@@ -78,7 +92,7 @@ class Engine:
         share = config.runs_per_identity if config.auth_tokens is not None else None
         self.run_slots = RunSlots(config.max_runs, share, self._busy_runs)
         self._dedupe = DedupeIndex(config.dedupe_versions, table_path(config))
-        self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now)
+        self.budget = MemoryBudget(config, metrics, self._room, press=self._commit_now, store=store)
         self.holds = StagingHolds(metrics, self.sessions.writers)
         self._in_flight: set[int] = set()  # id() of messages whose shard the flusher is writing now
         self._force = 0  # flush requests outstanding
@@ -91,10 +105,10 @@ class Engine:
         self.parse_wal_data: Callable[[bytes], Message] | None = None
         metrics.memory_budget.set(config.memory_budget_bytes)
         metrics.backlog_oldest_age.set_function(self.backlog_oldest_age)
-        # Encoding a shard briefly needs about twice its size again (Arrow columns + Parquet
-        # output): capping shards at a quarter of the budget keeps that transient inside
-        # budget + 64 MiB (measured in tests/server/test_memory_bound.py).
-        self.shard_bytes = max(1, min(config.shard_target_bytes, config.memory_budget_bytes // 4))
+        # A shard's encoding and upload take memory too: the budget counts them while the flusher
+        # commits (MemoryBudget.hold_commit) and cuts shards at a quarter of the budget (an eighth
+        # where shards are published from memory: tests/faults/test_rss_bounds.py measures it).
+        self.shard_bytes = self.budget.shard_bytes
 
     @property
     def writers(self) -> dict[tuple[str, str], WriterState]:
@@ -233,6 +247,35 @@ class Engine:
     def unreserve(self, nbytes: int) -> None:
         self.budget.unreserve(nbytes)
 
+    def expect(self, msg: Message | None, arrived: int = 0) -> None:
+        """Keep free the room that committing ``msg`` (parsed, on its way to :meth:`submit`) will
+        need, instead of that of a message of ``arrived`` bytes not parsed yet (see
+        :meth:`arrived`); ``msg`` None: that message will not be submitted."""
+        with self._room:
+            if msg is not None:
+                msg.largest_chunk = largest_chunk(msg)
+                self.budget.expect(msg.largest_chunk, msg.nbytes)
+                msg.room_counted = True
+            if arrived:
+                self.budget.unexpect(arrived, arrived)
+                self._room.notify_all()  # (the room kept free may be smaller now)
+
+    def forget(self, msg: Message) -> None:
+        """``msg`` will not join the backlog (refused, or a resend): the room kept free for its
+        commit (:meth:`expect`) is given back; nothing when it is queued or was never counted."""
+        if msg.room_counted and not msg.queued:
+            with self._room:
+                if msg.room_counted and not msg.queued:
+                    self.budget.forget(msg)
+                    self._room.notify_all()
+
+    def arrived(self, nbytes: int) -> None:
+        """A message of ``nbytes`` was received, not parsed yet: until :meth:`expect` says what its
+        commit needs, the room kept free for it is that of one chunk as large as the message, so
+        that no stream reserves what that commit may need meanwhile."""
+        with self._room:
+            self.budget.expect(nbytes, nbytes)
+
     def _commit_now(self) -> None:
         """The budget is full: ask the flusher to commit what is pending now (lock held)."""
         self._force = max(self._force, 1)
@@ -274,6 +317,7 @@ class Engine:
             if msg.reservation_held:
                 self.unreserve(msg.reservation_held)
                 msg.reservation_held = 0
+            self.forget(msg)
 
     def _admit(
         self,
@@ -307,7 +351,7 @@ class Engine:
                 if dup:
                     self.metrics.ingest_duplicates.inc()
                     return st, True
-                if self.budget.fits(msg.nbytes, own=held):
+                if self.budget.fits(msg.nbytes, own=held, msg=msg):
                     break
                 self.budget.wait(deadline, first=not waited, detail="nothing of this message was accepted")
                 waited = True
@@ -358,7 +402,8 @@ class Engine:
     def _enqueue(self, st: WriterState, msg: Message) -> None:
         st.pending.append(msg)
         st.pending_bytes += msg.nbytes
-        self.budget.in_use += msg.nbytes
+        self.budget.enqueue(msg)
+        msg.queued = True
         if self.journal is not None:
             self.journal.track(msg)
 
@@ -367,7 +412,8 @@ class Engine:
         st.pending = deque(m for m in st.pending if id(m) not in ids)
         for m in group:
             st.pending_bytes -= m.nbytes
-            self.budget.in_use -= m.nbytes
+            self.budget.dequeue(m)
+            m.queued = False
             if self.journal is not None:
                 self.journal.settle(m)
 
@@ -498,6 +544,21 @@ class Engine:
     def wait_planned(self, ticket: int, timeout: float) -> bool:
         assert self.journal is not None  # (only a WAL gives PLAN tickets)
         return self.journal.wal.wait_synced(ticket, timeout=timeout)
+
+    def hold_commit(self, chunks: Sequence[RecordChunk]) -> int:
+        """The room writing a shard of ``chunks`` takes, held in the budget (:meth:`MemoryBudget.hold_commit`)."""
+        need = self.budget.commit_need(max((c.nbytes for c in chunks), default=0), sum(c.nbytes for c in chunks))
+        return self.budget.hold_commit(need)
+
+    def release_commit(self, held: int) -> None:
+        """The shard write is over: what its encoding took is given back, to the system too."""
+        # Parquet's page buffers come from Arrow's C++ default pool (mimalloc here: chosen as pyarrow is
+        # imported, before server/cli.py's tune_malloc), which keeps what the encoder freed for its next
+        # use, uncounted once the hold is given back: 57 MiB messages, peak RSS - idle 297-326 MiB
+        # without this, 269-276 with it (3-5 runs each).
+        for pool in _ARROW_POOLS:
+            pool.release_unused()
+        self.budget.release_commit(held)
 
     def round_finished(self) -> None:
         with self._lock:  # (StagingHolds.make_room may copy out held messages of a failed shard meanwhile)

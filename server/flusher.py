@@ -99,6 +99,13 @@ class FlushSource(Protocol):
     def round_finished(self) -> None:
         """The round's commits are over (each committed or not); none is in flight."""
 
+    def hold_commit(self, chunks: Sequence[RecordChunk]) -> int:
+        """Count what writing a shard of ``chunks`` takes (encoding, publishing) in the memory
+        budget until :meth:`release_commit`; returns the bytes held. Never waits."""
+
+    def release_commit(self, held: int) -> None:
+        """The shard write that :meth:`hold_commit` counted is over."""
+
 
 class Flusher:
     """The flusher thread of one engine; ``store`` follows the tracestore.storage.store.Store contract."""
@@ -213,6 +220,21 @@ class Flusher:
                 return
             self._wake.wait(min(left, 0.25))
 
+    def _write(
+        self,
+        batch: Batch,
+        version: int,
+        chunks: list[RecordChunk],
+        seals: list[TrajectorySeal],
+        links: list[PrefixLink],
+    ) -> None:
+        """One shard to the store, its encoding and publishing counted in the memory budget meanwhile."""
+        held = self._source.hold_commit(chunks)
+        try:
+            self.store.write_shard(batch.run, version, batch.writer, batch.shard, chunks, seals=seals, links=links)
+        finally:
+            self._source.release_commit(held)
+
     def _commit(self, batch: Batch) -> bool:
         by_version: dict[int, tuple[list[RecordChunk], list[TrajectorySeal], list[PrefixLink]]] = {}
         for m in batch.messages:
@@ -225,7 +247,7 @@ class Flusher:
         t0 = time.monotonic()
         try:
             for version, (chunks, seals, links) in sorted(by_version.items()):
-                self.store.write_shard(batch.run, version, batch.writer, batch.shard, chunks, seals=seals, links=links)
+                self._write(batch, version, chunks, seals, links)
         except Exception as exc:  # storage down / slow: keep everything, retry later
             # The failure's traceback frames hold the encoded shard (and form reference cycles the
             # GC collects late): clear them now, or each retry adds a shard's worth of memory.

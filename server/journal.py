@@ -31,6 +31,7 @@ from tracestore.errors import StorageError, TraceStoreError
 
 from .config import ServerConfig
 from .flusher import Round
+from .memory import wal_buffer_bytes
 from .message import (
     CLAIMS,
     DATA,
@@ -80,6 +81,7 @@ class Journal:
             segment_bytes=config.wal_segment_bytes,
             on_synced=on_synced,
             segment_header=self._header,
+            buffer_bytes=wal_buffer_bytes(config),  # (counted against the memory budget)
         )
         self._owners = owners
         if owners is not None:

@@ -20,6 +20,7 @@ The engine (``engine.py``) moves bytes in and out of both with its lock held.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -40,6 +41,26 @@ STREAM_OVERHEAD_BYTES = 128 << 10
 # A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
 # writer's staging pool: the rest stays free for the writer's forwards in flight.
 SHM_HOLD_FRACTION = 0.5
+# Encoding a shard holds, in each of the (at most two) files written side by side, the Parquet
+# page that its largest chunk's codes go into and its compressed scales: measured 1.35x the chunk
+# (22 MiB for a 16 MiB chunk, 77 MiB for 57 MiB).
+ENCODE_COPIES = 3
+# Publishing a shard from memory (S3) holds the file and the upload's copy of it.
+PUBLISH_COPIES = 2
+# The write-ahead log's aligned buffers (two in use, one spare): a share of the budget each, within
+# 1..16 MiB; counted against the budget (WAL_BUFFERS of them) for as long as the engine runs.
+WAL_BUFFER_SHARE = 32
+WAL_BUFFERS = 3
+
+
+def largest_chunk(msg: Message) -> int:
+    """Bytes of ``msg``'s largest chunk (0 without chunks)."""
+    return max((c.nbytes for c in msg.chunks), default=0)
+
+
+def wal_buffer_bytes(config: ServerConfig) -> int:
+    """The size of each of the write-ahead log's aligned buffers under ``config``'s budget."""
+    return min(16 << 20, max(1 << 20, config.memory_budget_bytes // WAL_BUFFER_SHARE))
 
 
 class OverBudgetError(TraceStoreError, MemoryError):
@@ -50,26 +71,170 @@ class OverBudgetError(TraceStoreError, MemoryError):
         self.retry_after_s = retry_after_s
 
 
+class RunningMax:
+    """The largest of a changing multiset of sizes (a max-heap whose removed entries are dropped
+    lazily): O(log n) per change, O(1) amortized per look."""
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+        self._heap: list[int] = []  # sizes, negated
+
+    def add(self, n: int) -> None:
+        if n <= 0:
+            return
+        k = self._count.get(n, 0)
+        self._count[n] = k + 1
+        if k == 0:
+            heapq.heappush(self._heap, -n)
+
+    def remove(self, n: int) -> None:
+        if n <= 0:
+            return
+        k = self._count[n] - 1
+        if k:
+            self._count[n] = k
+        else:
+            del self._count[n]
+
+    @property
+    def value(self) -> int:
+        """The largest size present (0 when none)."""
+        while self._heap and -self._heap[0] not in self._count:
+            heapq.heappop(self._heap)
+        return -self._heap[0] if self._heap else 0
+
+
 class MemoryBudget:
     """``in_use``: bytes of admitted messages (the backlog); ``reserved``: bytes reserved for
-    memory about to be used. ``room`` is the engine's condition (on its lock), notified when
-    either shrinks; ``press()`` asks the flusher to commit now."""
+    memory about to be used, ``fixed`` of them for good (the write-ahead log's buffers, gRPC's
+    copies: :meth:`keep`). ``room`` is the engine's condition (on its lock), notified when either
+    shrinks; ``press()`` asks the flusher to commit now.
 
-    def __init__(self, config: ServerConfig, metrics: Metrics, room: threading.Condition, press: Callable[[], None]):
+    Committing a shard takes memory too (:meth:`commit_need`): its encoding, and where shards are
+    published from memory (S3) the file and its upload copy. Committing is what gives memory
+    back, so a commit must never wait for memory: the streams leave the room the next commit of
+    the backlog may need free (:meth:`kept_free`: the encoding of the backlog's largest chunk,
+    and the file and upload copy of a shard or of the backlog's largest message, whichever is
+    larger), a message is admitted only with the room its own commit needs, and the flusher
+    holds that room while it commits (:meth:`hold_commit`). Where shards are published from
+    memory they are cut at an eighth of the budget instead of a quarter (:attr:`shard_bytes`)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        metrics: Metrics,
+        room: threading.Condition,
+        press: Callable[[], None],
+        store: object = None,
+    ) -> None:
         self.limit = config.memory_budget_bytes
         self.stream_bytes = config.stream_window + STREAM_OVERHEAD_BYTES  # one open Write stream's
         self.in_use = 0
         self.reserved = 0
+        self.fixed = 0
         self._config = config
         self._metrics = metrics
         self._room = room
         self._press = press
+        # a local store writes the shard to its file as it encodes; any other publishes it from memory
+        self.publish_copies = 0 if getattr(getattr(store, "storage", None), "local", False) else PUBLISH_COPIES
+        share = 8 if self.publish_copies else 4
+        self.shard_bytes = max(1, min(config.shard_target_bytes, config.memory_budget_bytes // share))
+        self.headroom = self.publish_copies * self.shard_bytes  # kept free even with no backlog
+        self.commit_held = 0  # held by the commit in progress
+        self._chunks = RunningMax()  # the largest chunk of each message in the backlog
+        self._messages = RunningMax()  # the size of each message in the backlog
+        if config.wal_dir is not None:
+            self.keep(WAL_BUFFERS * wal_buffer_bytes(config))
 
-    def fits(self, nbytes: int, own: int = 0) -> bool:
-        """``nbytes`` more fit beside what is counted but ``own`` (the caller's own reservation),
-        or nothing else is counted (what is larger than the budget waits for no one)."""
+    def keep(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` for good (memory the sidecar holds however little it is sent; takes
+        the engine's lock)."""
+        with self._room:
+            self.reserved += nbytes
+            self.fixed += nbytes
+        return nbytes
+
+    def expect(self, largest: int, nbytes: int) -> None:
+        """A message of ``nbytes`` whose largest chunk is ``largest`` bytes is on its way into the
+        backlog: the room its commit needs is kept free from now on (:meth:`kept_free`; lock held)."""
+        self._chunks.add(largest)
+        self._messages.add(nbytes)
+
+    def unexpect(self, largest: int, nbytes: int) -> None:
+        """Undo :meth:`expect` (lock held)."""
+        self._chunks.remove(largest)
+        self._messages.remove(nbytes)
+
+    def enqueue(self, msg: Message) -> None:
+        """``msg`` joins the backlog (lock held); its commit's room is kept free until
+        :meth:`dequeue` (from now on, unless :meth:`expect` counted it already)."""
+        self.in_use += msg.nbytes
+        if not msg.room_counted:
+            msg.largest_chunk = largest_chunk(msg)
+            self.expect(msg.largest_chunk, msg.nbytes)
+            msg.room_counted = True
+
+    def dequeue(self, msg: Message) -> None:
+        """``msg`` leaves the backlog (lock held)."""
+        self.in_use -= msg.nbytes
+        self.forget(msg)
+
+    def forget(self, msg: Message) -> None:
+        """The room ``msg``'s commit needs is no longer kept free (lock held)."""
+        if msg.room_counted:
+            self.unexpect(msg.largest_chunk, msg.nbytes)
+            msg.room_counted = False
+
+    def commit_room(self, largest: int = 0, nbytes: int = 0) -> int:
+        """The room a commit of the backlog may need, were a message of ``nbytes`` with a largest
+        chunk of ``largest`` bytes in it too: a shard's commit takes at most
+        :meth:`commit_need` of its largest chunk and its bytes, and a shard holds at most
+        :attr:`shard_bytes` unless it is one message."""
+        chunk = max(largest, self._chunks.value)
+        shard = max(self.shard_bytes, nbytes, self._messages.value)
+        return self.commit_need(chunk, shard if self.publish_copies else 0)
+
+    def kept_free(self, largest: int = 0, nbytes: int = 0) -> int:
+        """What the streams leave free: :meth:`commit_room` but what the commit in progress
+        holds of it."""
+        return max(0, self.commit_room(largest, nbytes) - self.commit_held)
+
+    def fits(self, nbytes: int, own: int = 0, msg: Message | None = None) -> bool:
+        """``nbytes`` more fit beside what is counted but ``own`` (the caller's own reservation)
+        and what the streams leave free (with ``msg``, the message being admitted, in the
+        backlog). What cannot fit, by waiting, beside what is counted now goes ahead: anything
+        when nothing but the fixed reservations is counted (what is larger than the budget waits
+        for no one), and ``msg`` when the backlog is empty and nothing is being committed (then
+        only messages waiting like it hold the rest, and the commit of one of them is what makes
+        room; the budget is then exceeded by at most the room that commit takes)."""
         others = self.in_use + self.reserved - own
-        return others + nbytes <= self.limit or others == 0
+        free = self.kept_free() if msg is None else self.kept_free(largest_chunk(msg), msg.nbytes)
+        if others + nbytes + free <= self.limit or others <= self.fixed:
+            return True
+        return msg is not None and self.in_use == 0 and self.commit_held == 0
+
+    def commit_need(self, largest_chunk: int, nbytes: int) -> int:
+        """What committing a shard of ``nbytes`` of records takes while it is encoded and
+        published, its largest chunk ``largest_chunk`` bytes."""
+        return ENCODE_COPIES * largest_chunk + self.publish_copies * nbytes
+
+    def hold_commit(self, need: int) -> int:
+        """Count ``need`` bytes as held by a commit until :meth:`release_commit` (takes the
+        engine's lock). No waiting: the streams leave that room free (:meth:`kept_free`), and
+        were it short (a message larger than the budget allows, let in alone), only a commit
+        could make more. Returns the bytes held."""
+        with self._room:
+            self.reserved += need
+            self.commit_held += need
+            return need
+
+    def release_commit(self, nbytes: int) -> None:
+        """The commit is over (committed or not): give its hold back (takes the engine's lock)."""
+        with self._room:
+            self.reserved -= nbytes
+            self.commit_held -= nbytes
+            self._room.notify_all()
 
     def reserve(self, estimate: int, draining: Callable[[], bool], refuse: Callable[[], Exception]) -> int:
         """Reserve ``estimate`` bytes (at most the budget) for a message about to be read, waiting
@@ -93,7 +258,7 @@ class MemoryBudget:
         stream; LimitError at once when the budget cannot hold it beside what it holds now. Without
         this, 300 streams flooding a 64 MiB budget grew the sidecar by up to 144 MiB."""
         n = self.stream_bytes
-        if self.in_use + self.reserved + n > self.limit:
+        if self.in_use + self.reserved + n + self.kept_free() > self.limit:
             raise LimitError(
                 f"the memory budget ({self.limit} bytes) cannot hold another Write stream ({n} bytes: "
                 f"its HTTP/2 window, buffers and threads) beside the {self.in_use} bytes of records and "

@@ -68,6 +68,11 @@ class Message:
     ticket: int = 0  # WAL ticket of the DATA entry
     plan_ticket: int = 0  # WAL ticket of the PLAN entry that gave it ``shard_seq``
     reservation_held: int = 0  # budget its stream reserved for it, held until it is admitted
+    # bytes of its largest chunk, and whether the room its commit needs is kept free in the memory
+    # budget (MemoryBudget.expect: from when it is parsed until it leaves the backlog or is refused)
+    largest_chunk: int = 0
+    room_counted: bool = False
+    queued: bool = False  # in its writer's backlog (Engine._enqueue .. Engine._release)
 
     def own_shm(self) -> None:
         """Replace the payload views this message holds into a writer's shared-memory pool by

@@ -54,7 +54,7 @@ from .auth import (
     require_see,
     require_write,
 )
-from .config import HEALTH_THREADS, ServerConfig
+from .config import GRPC_COPIES, HEALTH_THREADS, ServerConfig
 from .engine import DEGRADED_REASONS, DrainingError, Engine, Waker
 from .ingest import parse_seal, seal_message, wal_parser
 from .memory import OverBudgetError
@@ -117,8 +117,8 @@ class TraceStoreService:
     whole life, so at most ``max_streams`` are admitted; Read and Seal, which can run long, take at
     most ``workers - HEALTH_THREADS`` threads together; what remains answers health checks and Stat.
     Memory: a Write stream reserves ``max_message_bytes`` of the engine's budget before it asks
-    for a message and keeps only the message's size once it has arrived (plus one
-    ``max_message_bytes`` reserved for good: gRPC's copy of the message it is delivering); a Read
+    for a message and keeps only the message's size once it has arrived (plus two
+    ``max_message_bytes`` reserved for good: gRPC's copies of the message it is delivering); a Read
     reserves its output in the read budget, not this one, until its stream ends (``reads.py``).
     """
 
@@ -133,10 +133,10 @@ class TraceStoreService:
         self.streams = StreamSlots(config.max_streams, share)
         self.long_calls = CallSlots(max(1, config.workers - HEALTH_THREADS))
         self.turns = ReadTurns(config.reading_streams, on_waiting=metrics.waiting_streams.set)
-        # gRPC copies each message it receives out of its buffers into a bytes object, one message at
-        # a time: for that moment the message takes twice its size. Room for the second copy of
-        # the largest message stays reserved as long as the service runs.
-        self.copy_room = engine.reserve(config.max_message_bytes)
+        # gRPC joins each message it receives from copies of its buffer's slices, one at a time: for
+        # that moment the message takes three times its size. Room for two copies of the largest
+        # message stays reserved as long as the service runs (its buffers: the stream's reservation).
+        self.copy_room = engine.budget.keep(GRPC_COPIES * config.max_message_bytes)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(

@@ -60,6 +60,7 @@ from .wal_file import (
     segment_path,
 )
 from .wal_mark import DurableMark, read_marks
+from .wal_stream import StreamedEntries
 
 log = logging.getLogger("tracestore.server")
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
@@ -85,7 +86,7 @@ def _write_jobs(jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]]) 
         os.ftruncate(fd, size)
 
 
-class WriteAheadLog:
+class WriteAheadLog(StreamedEntries):
     """Append-only, fsynced log in ``directory``.
 
     ``on_synced(ticket)`` is called from the sync thread after every fsync with the highest ticket
@@ -139,9 +140,14 @@ class WriteAheadLog:
         self._base = 0
         # buffers of rotated segments still to be written: (fd, (buffer, length, offset), size)
         self._jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]] = []
-        # buffers of rotated segments once written, for the next rotation: a fresh 16 MiB map per
+        # a buffer of a rotated segment once written, for the next rotation: a fresh 16 MiB map per
         # 64 MiB segment cost its page faults again on the ingest path (perf, shared-memory bench)
         self._spare: list[mmap.mmap] = []
+        # an entry larger than a buffer goes through the buffers in pieces (wal_stream.py): the sync
+        # thread takes the active buffer when asked, and says while it writes one it took
+        self._swap_wanted = False
+        self._writing = False
+        self._streaming = False
         self._head_ticket = 0  # ticket covering the active segment's header entries
         self._delete_pending = 0  # delete_before(index) deferred until that header is durable
         self._delete_after = 0  # ... and until this ticket (the caller's DONE entry) is durable
@@ -253,23 +259,21 @@ class WriteAheadLog:
     def rotate(self) -> int:
         """Start a new segment now (it opens with the caller's state snapshot); returns its index."""
         with self._lock:
+            self._wait_streamed()
             self._open_segment()
             self._cond.notify_all()
             return self.segments[-1].index
 
     def _copy_in(self, bufs: list[Buffer], total: int, checks: dict[int, int]) -> None:
         """With the lock held: copy one entry into the active buffer (waiting for the sync thread
-        to take the buffer away when it is full; growing both for an entry larger than them).
-        ``checks``: {index in bufs: CRC its copy must have} (``Checked.verify``); on a mismatch
-        nothing is appended (the fill mark stays; the sync thread zero-pads past it)."""
+        to take the buffer away when it is full; an entry larger than a buffer goes through both in
+        pieces: :meth:`_stream_in`). ``checks``: {index in bufs: CRC its copy must have}
+        (``Checked.verify``); on a mismatch nothing is appended (the fill mark stays; the sync
+        thread zero-pads past it)."""
+        if BLOCK + total > self._buffer_bytes:
+            self._stream_in(bufs, checks)
+            return
         while self._fill + total > len(self._bufs[self._active]):
-            if self._fill <= BLOCK and self._synced >= self._written:  # empty but too small: grow
-                size = -(-(self._fill + total) // BLOCK) * BLOCK
-                tail = self._bufs[self._active][: self._fill]
-                self._bufs = [mmap.mmap(-1, size) for _ in range(2)]
-                self._active = 0
-                self._bufs[0][: self._fill] = tail
-                continue
             if self._error is not None:
                 raise OSError(f"write-ahead log sync failed earlier: {self._error}")
             self._cond.notify_all()
@@ -324,6 +328,7 @@ class WriteAheadLog:
         """Append one entry (the concatenation of ``parts``); return ``(segment_index, ticket)``.
         Durable once ``on_synced(>= ticket)``. A :class:`Checked` part's CRC is trusted, not recomputed."""
         with self._lock:
+            self._wait_streamed()
             if self._error is not None:
                 raise StorageError(f"write-ahead log failed earlier: {self._error}")
             if self._closed:
@@ -352,11 +357,9 @@ class WriteAheadLog:
     def _sync_loop(self) -> None:
         while True:
             with self._lock:
-                while (self._error is not None or (self._written == self._synced and not self._jobs)) and not (
-                    self._closed
-                ):
+                while (self._error is not None or self._idle()) and not self._closed:
                     self._cond.wait()
-                if self._closed and (self._error is not None or (self._written == self._synced and not self._jobs)):
+                if self._closed and (self._error is not None or self._idle()):
                     return
                 target, fd = self._written, self._fd
                 pos = (self.segments[-1].index, self.segments[-1].size)
@@ -366,13 +369,14 @@ class WriteAheadLog:
                 retired, self._retired = self._retired, []
                 jobs, self._jobs = self._jobs, []
                 out = self._swap() if self.direct else None
+                self._swap_wanted, self._writing = False, out is not None
             # write + fsync outside the lock so appends continue meanwhile (group commit); only this
             # thread closes retired segment fds, and close() joins it before closing the active one.
             try:
                 _write_jobs(jobs)
                 if jobs:
                     with self._lock:
-                        self._spare = [out[0] for _, out, _ in jobs if out is not None][:2]
+                        self._spare = [out[0] for _, out, _ in jobs if out is not None][:1]
                 for old in retired:
                     os.fdatasync(old)
                     os.close(old)
@@ -384,7 +388,7 @@ class WriteAheadLog:
                     with contextlib.suppress(OSError):
                         os.close(old)
                 with self._lock:
-                    self._error = exc
+                    self._error, self._writing = exc, False
                     self._cond.notify_all()
                     log.error("write-ahead log in %s failed (%s); appends are refused until it recovers", self.dir, exc)
                     # Wait for recover() (or close): a failed fsync leaves the page cache's state
@@ -397,6 +401,8 @@ class WriteAheadLog:
             faults.point("wal.synced")
             record = self._mark.record(claims)
             with self._lock:
+                self._writing = False
+                self._cond.notify_all()  # (an entry streamed through the buffers may wait to rewind)
                 if self._error is not None:  # failed (an append) meanwhile: this sync may predate it
                     continue
                 self._synced = target
@@ -446,6 +452,10 @@ class WriteAheadLog:
     def error(self) -> BaseException | None:
         """The failure that stopped the log (None while it works)."""
         return self._error
+
+    def _idle(self) -> bool:
+        """With the lock held: nothing for the sync thread to write or sync."""
+        return self._written == self._synced and not self._jobs and not self._swap_wanted
 
     @property
     def synced_ticket(self) -> int:

@@ -43,7 +43,7 @@ from .shm import ShmPools
 # A Write stream that has waited this long for its next message while other streams were just
 # refused a slot, or wait for a turn to read (then sooner: ReadTurns.idle_limit), is ended (OK,
 # once all it sent is durable), so idle recorders cannot starve busy ones nor keep others out. A
-# recorder (client/session.py) loses nothing by it: with nothing unacknowledged it opens its next
+# recorder (client/record/session.py) loses nothing by it: with nothing unacknowledged it opens its next
 # stream after its reconnect pause.
 READ_TURN_IDLE_S = 2.0
 # While streams wait for a turn, holders idle this long pass their turns on, so that the turns go
@@ -301,7 +301,13 @@ class WriteStream:
                 keep = min(reserved, max(len(raw), 1))  # what the message holds from here on
                 if keep < reserved:
                     self.engine.unreserve(reserved - keep)
+                # Its commit's room is kept free before the next stream reserves (the consumer
+                # replaces this bound by the room the parsed message needs: Engine.expect).
+                self.engine.arrived(len(raw))
                 self.handoff.put((raw, keep))
+                # The consumer's now: a reference here kept the message alive, uncounted once its
+                # shard was committed, for as long as this thread waited for its next turn.
+                del raw
         except StopIteration:
             pass
         except grpc.RpcError:
@@ -337,10 +343,12 @@ class WriteStream:
                 if item is None:
                     break
                 raw, reserved = item
+                arrived = len(raw)  # the room kept free for it until it is parsed (Engine.arrived)
                 if self.error is not None:
                     self.engine.unreserve(reserved)
+                    self.engine.expect(None, arrived)
                     continue
-                seq = None
+                seq, msg = None, None
                 reserved_left = reserved  # until submit() takes the reservation over
                 copies[0] = 0  # reserved for copies of another user's pool (before_copy)
                 try:
@@ -348,6 +356,8 @@ class WriteStream:
                         raw, self.run_spec, shm, path="shm" if local else "grpc", declare=self.declare,
                         before_copy=before_copy if shm is not None else None,
                     )  # fmt: skip
+                    self.engine.expect(msg, arrived)
+                    arrived = 0
                     reserved += copies[0]  # the copies are the message's from here on
                     reserved_left, copies[0] = reserved, 0
                     seq = req.sequence
@@ -368,6 +378,10 @@ class WriteStream:
                     # malformed message shrank the budget of every stream for good)
                     if reserved_left + copies[0]:
                         self.engine.unreserve(reserved_left + copies[0])
+                    if arrived:
+                        self.engine.expect(None, arrived)
+                    if msg is not None:
+                        self.engine.forget(msg)
                     if seq is None and isinstance(exc, PermissionDeniedError):
                         # named, so that the writer drops that message rather than resend it
                         with contextlib.suppress(Exception):
@@ -382,6 +396,9 @@ class WriteStream:
                     self.state = st
                     self.engine.listen(st, self.waker)
                 self.epoch = msg.epoch
+                # Not kept alive while the next message is awaited: once its shard is committed the
+                # budget no longer counts it (57 MiB messages: a message per stream beyond the budget).
+                del item, raw, req, msg, wal_parts
                 self.waker.wake()
         finally:
             self.done = True

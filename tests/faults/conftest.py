@@ -1,7 +1,8 @@
 """The fault suite: ``tracestore serve`` as a subprocess on loopback under crashes, disk and storage
 faults and hostile input (marker ``faults``; ``python -m pytest -m faults``, ~3-4 min on 2 cores).
 Its results table (per scenario: trials, acknowledged record chunks, lost, duplicated, wedged, peak
-RSS - idle RSS of the sidecar) is printed at the end of the session, so CI's log shows it.
+RSS - idle RSS of the sidecar) is printed at the end of the session, so CI's log shows it, and
+beside it the memory-bound table of scenario 12 (idle and peak RSS against budget + 64 MiB).
 
 Knobs (environment): ``TRACESTORE_FUZZ_S`` (fuzz seconds, 20), ``TRACESTORE_FUZZ_SEED`` (replay a
 fuzz run; the seed is in the table), ``TRACESTORE_STATEFUL_EXAMPLES`` (250),
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from .harness import _CURRENT, RESULTS, format_table
+from .rss import RSS_ROWS, format_rss_table
 
 _T0: list[float] = []
 
@@ -61,6 +63,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     elapsed = time.monotonic() - _T0[0] if _T0 else 0.0
     terminalreporter.section("tracestore fault suite")
     terminalreporter.write_line(format_table(RESULTS, elapsed))
+    if RSS_ROWS:
+        terminalreporter.write_line("")
+        terminalreporter.write_line(format_rss_table(RSS_ROWS))
 
 
 @pytest.fixture(scope="session")

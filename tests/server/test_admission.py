@@ -98,11 +98,11 @@ def test_idle_streams_leave_threads_for_health_stat_and_writers(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_idle_turn_holders_yield_to_a_waiting_writer(tmp_path: Path) -> None:
-    """Only budget / 2 / max_message_bytes streams read at once (here 2). Two idle streams hold
-    both turns; a third stream with a message to send gets its turn once they have been idle for
-    their idle limit (at most READ_TURN_IDLE_S): they are ended with OK (all they sent is durable)
-    and the writer is acked."""
-    sc = _sidecar(tmp_path, memory_budget_bytes=16 << 20, max_message_bytes=4 << 20)
+    """Only (budget - gRPC's two copies) / 2 / max_message_bytes streams read at once (here 2). Two
+    idle streams hold both turns; a third stream with a message to send gets its turn once they have
+    been idle for their idle limit (at most READ_TURN_IDLE_S): they are ended with OK (all they sent
+    is durable) and the writer is acked."""
+    sc = _sidecar(tmp_path, memory_budget_bytes=28 << 20, max_message_bytes=4 << 20)
     assert sc.config.reading_streams == 2
     ch = grpc.insecure_channel(f"127.0.0.1:{sc.port}")
     holders = [

@@ -180,7 +180,7 @@ def test_budget_pushes_back_and_never_drops(tmp_path: Path) -> None:
     blocker.write_text("a file where the store needs a directory: every shard write fails")
     url = f"file://{tmp_path / 'data' / 'root'}"
     cfg = ServerConfig(storage=url, wal_dir=None, port=0, metrics_port=None, memory_budget_bytes=8192,
-                       max_message_bytes=4096, backpressure_timeout_s=0.3, flush_interval_s=0.01)  # fmt: skip
+                       max_message_bytes=2048, backpressure_timeout_s=0.3, flush_interval_s=0.01)  # fmt: skip
     store = Store(url, timeout=5, retries=0)
     eng = Engine(cfg, store, Metrics())
     eng.runs[SPEC.run] = SPEC  # storage is down, so the run is known from the writer's declaration
@@ -298,8 +298,8 @@ def test_a_message_waiting_for_room_keeps_its_streams_reservation(tmp_path: Path
     eng.start(wal_parser(eng.run_spec))
     try:
         seq = 0
-        size = parse_write(write_request(1, [make_chunk("t0", 0, 8)]).SerializeToString(), eng.run_spec, None)[1].nbytes
-        while eng.in_use + size <= cfg.memory_budget_bytes:  # fill the budget (storage is down)
+        probe = parse_write(write_request(1, [make_chunk("t0", 0, 8)]).SerializeToString(), eng.run_spec, None)[1]
+        while eng.budget.fits(probe.nbytes, msg=probe):  # fill the budget (storage is down)
             seq += 1
             _submit(eng, write_request(seq, [make_chunk(f"t{seq}", 0, 8)]))
         raw = write_request(seq + 1, [make_chunk("waiting", 0, 8)]).SerializeToString()
@@ -338,7 +338,8 @@ def test_open_streams_count_against_the_budget(memory_url: str) -> None:
         with pytest.raises(LimitError, match="cannot hold another Write stream"):
             for _ in range(1000):
                 held.append(eng.reserve_stream())
-        assert len(held) == (4 << 20) // eng.budget.stream_bytes
+        # (a memory:// store publishes from memory: streams leave a shard's file and upload copy free)
+        assert len(held) == ((4 << 20) - eng.budget.headroom) // eng.budget.stream_bytes
         eng.unreserve(held.pop())
         held.append(eng.reserve_stream())  # room again once one ends
         for h in held:
@@ -398,5 +399,59 @@ def test_records_past_a_seal_are_refused_and_those_before_it_never_read_as_valid
         with pytest.raises(MissingRecordsError, match=missing):
             reader.read(MicrobatchPlan([("t1", 0, 10)]), sites=[site])
         assert reader.read(MicrobatchPlan([("t3", 0, 3)]), sites=[site])[site].valid.all()
+    finally:
+        eng.close()
+
+
+def test_streams_leave_a_commit_its_room(tmp_path: Path) -> None:
+    """Committing is what gives memory back, so a commit never waits for memory: the streams'
+    reservations leave free what encoding the backlog's largest chunk takes (ENCODE_COPIES of it),
+    and a commit holds that room while it runs. Before, reservations and the backlog filled the
+    budget, and the encoding of a 57 MiB message's 12 MiB chunks (3 x 12 MiB, counted nowhere)
+    went on top of it."""
+    from tracestore.server.memory import ENCODE_COPIES
+
+    url = f"file://{tmp_path / 'data'}"
+    mib = 1 << 20
+    eng = _engine(url, None, memory_budget_bytes=4 * mib, max_message_bytes=mib, backpressure_timeout_s=30.0,
+                  flush_interval_s=60.0)  # fmt: skip
+    held = []
+    try:
+        chunk = make_chunk("big", 0, 49152)  # 576 KiB
+        _submit(eng, write_request(1, [chunk]))
+        assert eng.budget.kept_free() == ENCODE_COPIES * chunk.nbytes
+        with eng._lock:  # the streams' reservations: as many as leave the commit's room free
+            while eng.budget.fits(mib):
+                eng.budget.reserved += mib
+                held.append(mib)
+        assert len(held) == (4 * mib - eng.in_use - ENCODE_COPIES * chunk.nbytes) // mib == 1
+        t0 = time.monotonic()
+        assert eng.flush(timeout=10)  # the commit finds its room at once
+        assert time.monotonic() - t0 < 5
+        assert eng.in_use == 0 and eng.budget.kept_free() == 0 and eng.budget.commit_held == 0
+    finally:
+        for n in held:
+            eng.unreserve(n)
+        eng.close()
+
+
+def test_a_message_keeps_its_commits_room_from_arrival(memory_url: str, tmp_path: Path) -> None:
+    """A received message's commit room is kept free before it is parsed (as one chunk of its
+    size), then as what its largest chunk takes, and given back when it is refused: before, the
+    next stream could reserve that room between the message's arrival and its admission, and with
+    57 MiB messages two of them then waited for each other's room until the backpressure timeout."""
+    from tracestore.server.memory import ENCODE_COPIES
+
+    url = f"file://{tmp_path / 'data'}"
+    eng = _engine(url, None, memory_budget_bytes=8 << 20, max_message_bytes=1 << 20)
+    try:
+        raw = write_request(1, [make_chunk("a", 0, 4096), make_chunk("b", 0, 8192)]).SerializeToString()
+        eng.arrived(len(raw))
+        assert eng.budget.kept_free() == ENCODE_COPIES * len(raw)
+        _, msg, _ = parse_write(raw, eng.run_spec, None)
+        eng.expect(msg, len(raw))
+        assert eng.budget.kept_free() == ENCODE_COPIES * max(c.nbytes for c in msg.chunks)
+        eng.forget(msg)  # refused (or a resend): no commit of it to come
+        assert eng.budget.kept_free() == 0
     finally:
         eng.close()

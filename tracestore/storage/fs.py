@@ -395,7 +395,7 @@ class Storage:
                 self._count("bytes_written", len(data))
             return written
         try:
-            self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), bytes(data), mode="create")
+            self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), bytes(data), mode="create", **self._bounded())
         except FileExistsError:
             existing = self.cat(rel)
             if existing != bytes(data):
@@ -406,6 +406,13 @@ class Storage:
             return False
         self._count("bytes_written", len(data))
         return True
+
+    def _bounded(self) -> dict[str, Any]:
+        """For an async filesystem (s3fs): the call's own ``timeout``, so that fsspec cancels a request
+        that outlives it. Left running, a PUT that timed out (storage black-holed) kept its body and
+        its upload copy for as long as the filesystem retried it, while the next attempt uploaded
+        another copy: every retry held another shard."""
+        return {"timeout": self.timeout} if isinstance(self.fs, AsyncFileSystem) and not self.fs.asynchronous else {}
 
     def publish_stream(self, rel: str, produce: Callable[[ShardFile], T]) -> tuple[bool, T]:
         """Local disk only: ``produce(file)`` writes a file's bytes, published like :meth:`publish`.

@@ -23,6 +23,7 @@ repeated strings.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,6 +53,47 @@ COMPRESSION: dict[str, str] = {name: ("ZSTD" if name in ZSTD_COLUMNS else "NONE"
 ZSTD_LEVEL = 1
 DICTIONARY_COLUMNS = ["run", "trajectory", "site"]
 STATISTICS_COLUMNS = ["run", "policy_version", "trajectory", "site", "token_start", "n_tokens"]
+
+
+class BytesSink(io.RawIOBase):
+    """A sink for :func:`encode_shard` that collects the Parquet file in one ``bytes`` object, for a
+    store that publishes shards from memory (S3): room for ``size_hint`` bytes is allocated once,
+    the encoder's writes fill it in place, and :meth:`getvalue` hands the very buffer out. Encoded
+    into Arrow's growing buffer instead, a shard took its size about twice over while the buffer
+    doubled, and once more as the ``bytes`` that the upload needs."""
+
+    def __init__(self, size_hint: int = 0) -> None:
+        super().__init__()
+        self._buf = io.BytesIO()
+        if size_hint > 0:  # one allocation up front (a write past the end extends the buffer once)
+            self._buf.seek(size_hint - 1)
+            self._buf.write(b"\0")
+            self._buf.seek(0)
+        self.size = 0
+        self.crc32 = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self._buf.write(b)
+        self.crc32 = crc32(b, self.crc32)
+        self.size += n
+        return n
+
+    def finish(self) -> None:
+        """The file is complete: drop the room it did not use."""
+        self._buf.truncate(self.size)
+
+    def getvalue(self) -> bytes:
+        """The file's bytes (after :meth:`finish`), without a copy."""
+        return self._buf.getvalue()
+
+
+def shard_size_hint(chunks: Sequence[RecordChunk]) -> int:
+    """About the size of a shard file of ``chunks``: their payload stored as it is (codes are
+    not compressed; scales compress, so this errs high) plus the per-chunk columns and footer."""
+    return sum(c.nbytes for c in chunks) + 256 * len(chunks) + (64 << 10)
 
 
 def _dedupe_sorted(chunks: Sequence[RecordChunk]) -> list[RecordChunk]:

@@ -41,9 +41,11 @@ from tracestore.storage.manifest import Manifest
 from tracestore.storage.shard_write import (
     MIN_ROW_GROUP_BYTES,
     ROW_GROUP_BYTES,
+    BytesSink,
     ShardPart,
     check_shard_inputs,
     encode_shard,
+    shard_size_hint,
     split_shard,
 )
 
@@ -420,7 +422,11 @@ class Store(Catalog):
             # stream to disk while encoding (no in-memory copy of the shard; writeback overlaps encoding)
             written, (_, manifest) = self.storage.publish_stream(shard_path, encode)
             return written, manifest
-        data, manifest = encode()
+        # published from memory: encoded straight into the bytes the upload sends (shard_write.BytesSink)
+        sink = BytesSink(shard_size_hint(chunks)) if chunks else None
+        _, manifest = encode(sink)
+        data = None if sink is None else sink.getvalue()
+        del sink
         written = self.storage.publish(shard_path, data) if data is not None else False
         return written, manifest
 
