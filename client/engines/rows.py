@@ -284,8 +284,9 @@ class RowMapper:
         self, request_id: str, all_ids: Sequence[int] | np.ndarray | None = None, aborted: bool = False
     ) -> Ending:
         """End a request. ``all_ids``: its final token ids (prompt + output); held drafts whose ids
-        match them are released (accepted), the rest dropped. Returns its :class:`Ending`; its
-        registered prefixes stay linkable (their records are stored)."""
+        match them are released (accepted), the rest dropped — and a draft at the last position,
+        which every trajectory leaves unrecorded (readers never use it), is dropped too. Returns its
+        :class:`Ending`; its registered prefixes stay linkable (their records are stored)."""
         r = self._reqs.pop(request_id, None)
         if r is None:
             raise ValidationError(f"request {request_id!r} is not tracked")
@@ -298,7 +299,7 @@ class RowMapper:
             ok = 0
             while (
                 r.recorded + ok in r.held
-                and r.recorded + ok < n_tokens
+                and r.recorded + ok < n_tokens - 1
                 and r.held[r.recorded + ok] == final[r.recorded + ok]
             ):
                 ok += 1
