@@ -99,3 +99,35 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
                 assert trainer.numel() == (len(ids) - 1) * 256
                 assert int((trainer != engine).sum()) == 0, (traj, site)  # every value rounds as the engine did
             assert sum(int((a != b).sum()) for a, b in rtn.values()) > 0  # without guidance they differ
+
+
+def test_vllm_multiprocess_engine_seals_in_its_worker(tmp_path: Path) -> None:
+    """vLLM's default process layout (EngineCore, and the worker spawned from it): the worker records,
+    the endings reach it through the connector's metadata while vLLM keeps the finished requests'
+    blocks, it seals, and its recorder is flushed at shutdown. The request outputs carry the
+    trajectory and gap (trace_ref is null: the sites are the worker's)."""
+    model_dir = write_checkpoint(tmp_path / "model", moe=True)
+    sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        env = dict(os.environ)
+        env["TRACESTORE_RECORD"] = f"sidecar={sp.address} run=mp policy_version=0 sites=all bits=4"
+        out = tmp_path / "engine.json"
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--mp"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    finally:
+        sp.terminate()
+    reqs = json.loads(out.read_text())["requests"]
+    assert len(reqs) == 3 and all(q["tracestore"]["gap"] is None and q["tracestore"]["trace_ref"] is None for q in reqs)
+    model = load_trainer_model(model_dir)
+    with StoreReader(Store(sp.storage), "mp") as reader:
+        for q in reqs:
+            traj, ids = q["tracestore"]["trajectory"], q["prompt_ids"] + q["output_ids"]
+            assert q["tracestore"]["n_tokens"] == len(ids)
+            rows = reader.read([(traj, 0, len(ids))], token_ids={traj: ids}, require_sealed=True)
+            assert set(rows) == SITES and all(r.valid[:-1].all() for r in rows.values())
+            for site, (trainer, engine) in trace_forward(model, ids, rows, guided=True).items():
+                assert int((trainer != engine).sum()) == 0, (traj, site)

@@ -61,18 +61,50 @@ def cpu_nvfp4_experts() -> None:
     Experts._supports_current_device = staticmethod(lambda: True)  # its Triton parent allows CUDA / XPU only
 
 
-def main() -> int:
-    model, out_path = sys.argv[1], sys.argv[2]
-    moe = "--moe" in sys.argv[3:]
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+_cpu_done = False
+
+
+def cpu_nvfp4() -> None:
+    """vLLM's NVFP4 emulation on the CPU: the linear kernel registered for ``PlatformEnum.CPU`` and
+    the experts' CPU path (once per process; also a ``vllm.general_plugins`` entry point with --mp)."""
+    global _cpu_done
+    if _cpu_done:
+        return
+    _cpu_done = True
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.platforms import PlatformEnum
 
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    cpu_nvfp4_experts()
+
+
+def plugin_dir(root: str) -> str:
+    """A directory holding a test-only distribution whose ``vllm.general_plugins`` entry point is
+    :func:`cpu_nvfp4`, so that vLLM's spawned processes (which run no code of this script) get it
+    too; put it and this file's directory on PYTHONPATH."""
+    info = os.path.join(root, "tracestore_test_cpu_nvfp4-0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: tracestore-test-cpu-nvfp4\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\ntracestore_test_cpu_nvfp4 = vllm_e2e_engine:cpu_nvfp4\n")
+    return root
+
+
+def main() -> int:
+    model, out_path = sys.argv[1], sys.argv[2]
+    moe = "--moe" in sys.argv[3:]
+    if "--mp" in sys.argv[3:]:  # vLLM's default: EngineCore and the worker in processes of their own
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        here = os.path.dirname(os.path.abspath(__file__))
+        extra = [plugin_dir(os.path.join(os.path.dirname(out_path), "plugins")), here]
+        os.environ["PYTHONPATH"] = os.pathsep.join(extra + [p for p in [os.environ.get("PYTHONPATH", "")] if p])
+        sys.path[:0] = extra
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if moe:
-        cpu_nvfp4_experts()
+        cpu_nvfp4()
     from vllm import LLM, SamplingParams
 
     llm = LLM(
