@@ -35,7 +35,6 @@ from .codes import record_rows
 
 log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
-MOE_SUFFIXES = ("mlp.experts", "block_sparse_moe.experts", "mlp", "block_sparse_moe", "feed_forward.experts")
 
 
 def site_name(prefix: str, moe: bool = False) -> str:
