@@ -129,6 +129,11 @@ def test_hooks_register_and_apply_to_the_real_targets() -> None:
     try:
         HookRegistry.apply_hooks()
         assert set(targets) <= HookRegistry._patched
+        from sglang.srt.layers.linear import ReplicatedLinear
+
+        layer = ReplicatedLinear(16, 16, bias=False, prefix="model.layers.3.self_attn.o_proj")
+        assert getattr(layer, "prefix", None) is None  # SGLang keeps it only on some linears
+        assert layer._tracestore_prefix == "model.layers.3.self_attn.o_proj"
     finally:
         hooks.ENGINE, hooks.MAPPER = None, None
 

@@ -14,6 +14,7 @@ only the scheduler process runs the hooked code):
   decode-side g (1 / ``w13_input_scale_quant`` where the layer has it) for FlashInfer's entries,
   wrapped on first use (:func:`tracestore.client.engines.capture.install_flashinfer`). The FC2
   input is quantized inside the kernel: never recorded.
+- ``LinearBase.__init__`` (AFTER, ``sites=all``): keeps each linear's ``prefix`` for its site name.
 - ``ModelOptFp4LinearMethod.apply`` (AROUND, ``sites=all``): a prequantized ``(codes, scales)``
   input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
   record what it returns (scales swizzled 128×4, g = 1 / ``layer.input_scale_inv``).
@@ -41,6 +42,7 @@ log = logging.getLogger("tracestore.client.engines")
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
+LINEAR_BASE = "sglang.srt.layers.linear.LinearBase"
 
 ENGINE: EngineRecorder | None = None
 MAPPER: RowMapper | None = None
@@ -71,6 +73,7 @@ def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None)
         (f"{FUSED_MOE}.forward", around_moe_forward, HookType.AROUND),
     ]
     if setting.sites == "all":
+        targets.append((f"{LINEAR_BASE}.__init__", after_linear_init, HookType.AFTER))
         targets.append((f"{MODELOPT}.ModelOptFp4LinearMethod.apply", around_linear_apply, HookType.AROUND))
         import importlib
 
@@ -168,10 +171,29 @@ def around_moe_forward(original: Any, layer: Any, *args: Any, **kwargs: Any) -> 
         SCOPE.name, SCOPE.g = outer
 
 
+def after_linear_init(result: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
+    """``LinearBase.__init__``: keep the layer's ``prefix`` (most SGLang linears do not store it)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(_linear_base_init()).bind(layer, *args, **kwargs)
+        layer._tracestore_prefix = str(bound.arguments.get("prefix", "") or "")
+    except TypeError:
+        layer._tracestore_prefix = str(kwargs.get("prefix", "") or "")
+    return None
+
+
+def _linear_base_init() -> Any:
+    from sglang.srt.layers.linear import LinearBase
+
+    init = LinearBase.__init__
+    return getattr(init, "__wrapped__", init)
+
+
 def around_linear_apply(original: Any, method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     """``ModelOptFp4LinearMethod.apply``: record a prequantized input; else mark the layer's site for
     ``fp4_quantize``."""
-    prefix = str(getattr(layer, "prefix", "") or "")
+    prefix = str(getattr(layer, "prefix", "") or getattr(layer, "_tracestore_prefix", "") or "")
     name = site_name(prefix) if "layers." in prefix else None
     g = _input_g(layer)
     if name is not None and isinstance(x, tuple) and getattr(layer, "_accepts_prequantized_fp4", False):
