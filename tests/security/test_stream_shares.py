@@ -109,8 +109,10 @@ def test_one_identity_holds_at_most_its_share_of_streams(tmp_path: Path) -> None
 def test_unix_socket_callers_share_enough_for_one_engine(tmp_path: Path) -> None:
     """Every unix-socket caller without a token is one identity ('unix-socket'): the default share
     still admits a tensor-parallel engine's 8 recorder processes, one stream each, when
-    --max-streams is lowered to 16 (a plain quarter would be 4)."""
-    sc = start_sidecar(tmp_path, max_streams=16, unix_socket=str(tmp_path / "s.sock"))
+    --max-streams is lowered to 16 (a plain quarter would be 4). (Messages of at most 16 MiB, so
+    that all 8 also hold a read turn at once: with the default 64 MiB the budget gives 7, and an
+    idle eighth stream may be ended to pass its turn on, which is the read-turn rule, not this one.)"""
+    sc = start_sidecar(tmp_path, max_streams=16, unix_socket=str(tmp_path / "s.sock"), max_message_bytes=16 << 20)
     assert sc.service is not None
     ch = grpc.insecure_channel(f"unix://{tmp_path / 's.sock'}")
     streams: list[IdleWriteStream] = []
