@@ -73,6 +73,22 @@ class Batch:
     messages: list[Message]
 
 
+def clear_frames(exc: BaseException) -> None:
+    """Clear the frames of ``exc``'s traceback and of the exceptions it chains (``__cause__``,
+    ``__context__``). A storage client's exception, raised again from a ``concurrent.futures``
+    future, sits in a reference cycle (its traceback's frame holds the future, which holds it)
+    with the request it failed, the shard's bytes and the client's copy of them (aiohttp copies a
+    ``BytesIO`` body): with only the top exception's frames cleared, each failed commit against a
+    refusing S3 endpoint left another 8 MiB shard and its copy for the garbage collector
+    (64 MiB budget: peak RSS - idle up to 144-158 MiB against a bound of 128)."""
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+
+
 @dataclasses.dataclass(frozen=True)
 class Round:
     """What the flusher does next: commit ``batches`` once WAL ticket ``plan_ticket`` (0: none) is
@@ -251,7 +267,7 @@ class Flusher:
         except Exception as exc:  # storage down / slow: keep everything, retry later
             # The failure's traceback frames hold the encoded shard (and form reference cycles the
             # GC collects late): clear them now, or each retry adds a shard's worth of memory.
-            traceback.clear_frames(exc.__traceback__)
+            clear_frames(exc)
             self.metrics.storage_errors.labels("write_shard").inc()
             self.metrics.storage_retries.labels("write_shard").inc()
             self._refusing_since = self._refusing_since or time.monotonic()
