@@ -273,9 +273,13 @@ class WriteAheadLog(StreamedEntries):
         if BLOCK + total > self._buffer_bytes:
             self._stream_in(bufs, checks)
             return
-        while self._fill + total > len(self._bufs[self._active]):
+        # Wait for room, and while another thread streams an entry through the buffers (it lets
+        # the lock go at each hand-over: an entry copied then would land inside that one).
+        while self._streaming or self._fill + total > len(self._bufs[self._active]):
             if self._error is not None:
                 raise OSError(f"write-ahead log sync failed earlier: {self._error}")
+            if not self._streaming:  # taken even when all it holds is synced already
+                self._swap_wanted = True
             self._cond.notify_all()
             self._cond.wait(1.0)
         buf, at = self._bufs[self._active], self._fill
