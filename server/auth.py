@@ -49,7 +49,6 @@ import contextvars
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import re
@@ -65,6 +64,7 @@ import grpc
 from tracestore.errors import ConfigError, PermissionDeniedError
 from tracestore.peer import PREFIX as PEER_PREFIX
 
+from .config import is_loopback_host  # noqa: F401  (the service asks auth)
 from .peer_auth import PeerTokens
 
 log = logging.getLogger("tracestore.server.auth")
@@ -73,17 +73,6 @@ SERVICE_PREFIX = "/tracestore.v1.TraceStore/"
 _DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
 _NAME = re.compile(r"[A-Za-z0-9._@:+-]{1,64}")
 _DIGITS = re.compile(r"[0-9]+")
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether binding ``host`` listens on loopback only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    h = host.strip().strip("[]")
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False  # any other name may resolve to a routable address
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from typing import Any
 
 from tracestore.errors import ConfigError
@@ -35,6 +36,17 @@ SHM_POOLS = 64
 # RSS), one message at a time (the server's polling thread joins them). The reading stream's
 # reservation covers gRPC's buffers; this many more of the largest message stay reserved for good.
 GRPC_COPIES = 2
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding ``host`` listens on loopback only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to a routable address
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +303,6 @@ class ServerConfig:
                 "is recorded there, and without it a restart would forget, letting another identity fence that "
                 "writer or write its records"
             )
-        from .auth import is_loopback_host
-
         if not self.insecure and self.port is not None and not is_loopback_host(self.host):
             missing = [
                 what

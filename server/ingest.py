@@ -48,7 +48,6 @@ class VerifiedChunk(RecordChunk):
 
 _INT64_MAX = (1 << 63) - 1
 InlineChunk = tuple[pb.Chunk, list[memoryview | None], list[int | None]]
-_decode = decode_message  # (the name other sidecar modules use)
 
 
 def scan_write(data: bytes) -> tuple[pb.WriteRequest, list[InlineChunk], int | None]:
@@ -143,7 +142,7 @@ def check_run_spec(spec: pb.RunSpec) -> None:
 
 
 def parse_seal(data: bytes) -> pb.SealRequest:
-    req = _decode(pb.SealRequest, data, "Seal request")
+    req = decode_message(pb.SealRequest, data, "Seal request")
     assert isinstance(req, pb.SealRequest)
     return req
 

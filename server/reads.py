@@ -143,13 +143,13 @@ class Reads:
         from tracestore.records import validate_id
         from tracestore.storage.reader import StoreReader
 
-        from .ingest import _decode
+        from .ingest import decode_message
 
         if not self.calls.take(hold.identity):
             assert self.calls.share is not None
             raise refuse_read_call(self.calls.share, who.name)
         hold.counted = True
-        req = _decode(pb.ReadRequest, raw, "Read request")
+        req = decode_message(pb.ReadRequest, raw, "Read request")
         assert isinstance(req, pb.ReadRequest)
         require_read(who, req.run)
         validate_id("run", req.run)

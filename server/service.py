@@ -308,9 +308,9 @@ class TraceStoreService:
 
     def stat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            from .ingest import _decode
+            from .ingest import decode_message
 
-            req = _decode(pb.StatRequest, raw, "Stat request")
+            req = decode_message(pb.StatRequest, raw, "Stat request")
             assert isinstance(req, pb.StatRequest)
             who = self._caller()
             if req.run:

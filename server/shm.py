@@ -62,6 +62,7 @@ from pathlib import Path
 from tracestore.errors import LimitError, PermissionDeniedError, ValidationError
 
 from .config import SHM_POOLS, ServerConfig
+from .unix_socket import file_kind
 
 POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 MIN_POOL_BYTES = 4096
@@ -318,20 +319,4 @@ def _check_no_acl(name: str, where: Path, fd: int) -> None:
         )
 
 
-def file_kind(mode: int) -> str:
-    """An ``st_mode``'s file type in words, for error messages: "a directory", "a FIFO", ..."""
-    for test, what in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return what
-    return f"file type {stat.S_IFMT(mode):o}"
-
-
-__all__ = ["MIN_POOL_BYTES", "POOL_NAME", "ShmPools", "file_kind"]
+__all__ = ["MIN_POOL_BYTES", "POOL_NAME", "ShmPools"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable
 
 from tracestore.errors import ConfigError
@@ -26,8 +27,6 @@ def claim_unix_socket(path: str) -> None:
     directory or symlink there is never removed)."""
     import socket
     import stat
-
-    from .shm import file_kind
 
     try:
         st = os.lstat(path)
@@ -145,3 +144,19 @@ def remove_unix_socket(path: str, socket_id: tuple[int, int]) -> None:
         st = os.lstat(path)
         if (st.st_dev, st.st_ino) == socket_id:
             os.unlink(path)
+
+
+def file_kind(mode: int) -> str:
+    """An ``st_mode``'s file type in words, for error messages: "a directory", "a FIFO", ..."""
+    for test, what in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return what
+    return f"file type {stat.S_IFMT(mode):o}"
