@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import threading, time
@@ -57,3 +59,57 @@ def test_workers_of_a_dropped_storage_exit() -> None:
     while io_threads() - before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not io_threads() - before, f"workers left behind: {io_threads() - before}"
+
+
+class _Body:
+    """Stands for a request body (weakly referable)."""
+
+
+def _fail_in_a_cycle(body: _Body, wait: object = None) -> None:
+    """Fail as an async client's request does: the error sits in a reference cycle with the frame
+    that holds the body (its future holds it, the frame holds the future)."""
+    if wait is not None:
+        wait.wait(10)  # type: ignore[attr-defined]
+    held: list[object] = [body]
+    err = ConnectionRefusedError("connection refused")
+    held.append(err)
+    raise err
+
+
+def test_failed_and_abandoned_attempts_free_their_request_at_once() -> None:
+    """A retried attempt's failure, and the failure of an attempt abandoned at its timeout once it
+    ends, hold their request's body only until then, not until the garbage collector runs: a PUT
+    against a black-holed S3 endpoint kept a shard and aiohttp's copy of it per timed-out attempt
+    (the sidecar runs the collector rarely)."""
+    import gc
+    import threading
+    import weakref
+
+    from tracestore.errors import StorageError
+    from tracestore.storage.fs import Storage
+
+    st = Storage("memory://garbage", timeout=0.3, retries=1, backoff=0.01)
+    bodies: list[weakref.ref[_Body]] = []
+
+    def put(wait: object = None) -> None:
+        body = _Body()
+        bodies.append(weakref.ref(body))
+        _fail_in_a_cycle(body, wait)
+
+    gc.disable()
+    try:
+        with pytest.raises(StorageError, match="put refused"):
+            st.call("put refused", put)
+        assert len(bodies) == 2 and bodies[0]() is None  # the retried attempt's
+        bodies.clear()
+        release = threading.Event()
+        with pytest.raises(StorageError, match="timed out"):
+            st.call("put black-holed", put, release, retry=False)
+        release.set()
+        deadline = time.monotonic() + 5
+        while bodies[0]() is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bodies[0]() is None  # the abandoned attempt's, once it failed
+    finally:
+        gc.enable()
+        st.close()
