@@ -399,7 +399,7 @@ class Storage:
 
     # ------------------------------------------------------------------ writes
 
-    def publish(self, rel: str, data: bytes | memoryview) -> bool:
+    def publish(self, rel: str, data: bytes | bytearray | memoryview) -> bool:
         """Write ``data`` at ``rel`` create-only and atomically; True if written, False if already there.
 
         An existing object with identical bytes is a harmless repeat (False); different bytes raise
@@ -412,7 +412,8 @@ class Storage:
                 self._count("bytes_written", len(data))
             return written
         try:
-            self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), bytes(data), mode="create", **self._bounded())
+            body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # (a bytearray: shard_write.BytesSink)
+            self.call(f"write {rel}", self.fs.pipe_file, self.full(rel), body, mode="create", **self._bounded())
         except FileExistsError:
             existing = self.cat(rel)
             if existing != bytes(data):

@@ -57,7 +57,7 @@ def publish_local(path: str, fill: Callable[[int, str], T], crash_point: str | N
     return written, value
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view) :]

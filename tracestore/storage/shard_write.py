@@ -56,19 +56,18 @@ STATISTICS_COLUMNS = ["run", "policy_version", "trajectory", "site", "token_star
 
 
 class BytesSink(io.RawIOBase):
-    """A sink for :func:`encode_shard` that collects the Parquet file in one ``bytes`` object, for a
+    """A sink for :func:`encode_shard` that collects the Parquet file in one ``bytearray``, for a
     store that publishes shards from memory (S3): room for ``size_hint`` bytes is allocated once,
     the encoder's writes fill it in place, and :meth:`getvalue` hands the very buffer out. Encoded
     into Arrow's growing buffer instead, a shard took its size about twice over while the buffer
-    doubled, and once more as the ``bytes`` that the upload needs."""
+    doubled, and once more as the ``bytes`` that the upload needs. A ``bytearray`` body is sent as
+    it is: botocore wraps ``bytes`` in a ``BytesIO``, which aiohttp copies out again for every
+    attempt of the PUT (``getbuffer``), and a failed attempt's copy lived on until the garbage
+    collector freed the attempt."""
 
     def __init__(self, size_hint: int = 0) -> None:
         super().__init__()
-        self._buf = io.BytesIO()
-        if size_hint > 0:  # one allocation up front (a write past the end extends the buffer once)
-            self._buf.seek(size_hint - 1)
-            self._buf.write(b"\0")
-            self._buf.seek(0)
+        self._buf = bytearray(max(0, size_hint))  # (a write past the end extends it)
         self.size = 0
         self.crc32 = 0
 
@@ -76,18 +75,20 @@ class BytesSink(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        n = self._buf.write(b)
+        with memoryview(b) as view:
+            n = view.nbytes
+            self._buf[self.size : self.size + n] = view.cast("B") if view.ndim != 1 or view.format != "B" else view
         self.crc32 = crc32(b, self.crc32)
         self.size += n
         return n
 
     def finish(self) -> None:
         """The file is complete: drop the room it did not use."""
-        self._buf.truncate(self.size)
+        del self._buf[self.size :]
 
-    def getvalue(self) -> bytes:
+    def getvalue(self) -> bytearray:
         """The file's bytes (after :meth:`finish`), without a copy."""
-        return self._buf.getvalue()
+        return self._buf
 
 
 def shard_size_hint(chunks: Sequence[RecordChunk]) -> int:
