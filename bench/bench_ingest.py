@@ -825,8 +825,8 @@ def bench_auth(ns: Any) -> int:
     bearer tokens (and tokens alone), over the unix socket (shared memory) none vs uid: rules and
     bearer tokens."""
     import grpc
+    from tracestore.server.security.tls import write_test_pki
     from tracestore.server.testing import ServeProcess
-    from tracestore.server.tls import write_test_pki
 
     total = ns.mib << 20
     n_fwd = max(1, total // fwd_bytes())

@@ -7,7 +7,8 @@ Run on a GPU machine: ``python bench/bench_production.py`` (prints a table, appe
 1. ``host``: engine-thread time per decode step (256 sequences x 20 sites of width 2048, NVFP4
    b = 1) of ``RolloutRecorder.record_slab`` (one slab), of ``SlabStage.commit`` (the graph form's
    bookkeeping; by default its copies deferred to the stage's stager thread, and ``not deferred``:
-   all of it on the engine thread), each with its copies through the CUDA driver (the default, client/record/_cuda.py) and
+   all of it on the engine thread), each with its copies through the CUDA driver (the default,
+   client/record/_cuda.py) and
    through torch, with the segments as a list of tuples or as ``Segments`` (column form, built
    inside the timed call from the engine's positions array), with and without the sender thread
    beside it (``connect=False``: nothing drains the recorder), and, as the baseline, of

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+from tracestore.server.config import SHM_POOLS
+
 from tracestore.settings import (
     JSON_OBJECT,
     OCTAL_MODE,
@@ -34,8 +36,6 @@ from tracestore.settings import (
     resolve,
     text,
 )
-
-from .config import SHM_POOLS
 
 MiB = 1 << 20
 PORT = integer(0, 65535)
@@ -339,7 +339,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def config_from_args(ns: argparse.Namespace) -> Any:
     """The :class:`ServerConfig` of parsed ``serve`` arguments (settings resolved here if they were
     not yet: flag > variable > config file > default). Raises ConfigError on any bad value."""
-    from .config import ServerConfig
+    from tracestore.server.config import ServerConfig
 
     resolve(ns)
     port = ns.port
@@ -465,7 +465,7 @@ def run(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda _signum, _frame: pending_reload.set())
     tune_malloc()
     try:
-        from .service import Sidecar
+        from tracestore.server.rpc.service import Sidecar
     except ImportError as exc:
         print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
         return 2

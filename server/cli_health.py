@@ -10,7 +10,7 @@ variable ``tracestore serve`` reads), else ``127.0.0.1:$TRACESTORE_PORT`` (7433)
 plaintext: over the unix socket that is always right; a TCP port with TLS is not checked by this
 command (use the socket). Health needs no token (docs/protocol.md, health and reflection).
 
-Service names (server/service.py): ``""`` and ``tracestore.v1.TraceStore`` follow every degraded
+Service names (server/rpc/service.py): ``""`` and ``tracestore.v1.TraceStore`` follow every degraded
 reason (storage refusing commits, a failing WAL, a dead or stalled flusher); ``tracestore.v1.Liveness``
 goes NOT_SERVING only for what a restart mends (a dead flusher): probes watch that one.
 
@@ -28,7 +28,7 @@ import sys
 
 from tracestore.settings import Kind, Setting, add_settings, number, optional, text
 
-LIVENESS = "tracestore.v1.Liveness"  # the same name as server/service.py (a test keeps them equal)
+LIVENESS = "tracestore.v1.Liveness"  # the same name as server/rpc/service.py (a test keeps them equal)
 DEFAULT_PORT = 7433
 
 

@@ -28,7 +28,7 @@ MAX_STREAM_WINDOW = 64 << 20
 # The least default share of Write streams per identity (--max-streams-per-identity unset): one
 # tensor-parallel engine's recorder processes (up to 8), one stream each.
 MIN_STREAMS_PER_IDENTITY = 8
-# Writers' shared-memory staging pools the sidecar keeps open at once (server/shm.py); with tokens
+# Writers' shared-memory staging pools the sidecar keeps open at once (server/rpc/shm.py); with tokens
 # one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
 SHM_POOLS = 64
 # gRPC hands a received message over as one bytes object joined from copies of its buffer's slices,
@@ -285,7 +285,7 @@ class ServerConfig:
         return self.max_streams + 4 * self.workers
 
     def _check_security(self) -> None:
-        """Transport security and authentication (:mod:`tracestore.server.auth`). ``tls_cert`` +
+        """Transport security and authentication (:mod:`tracestore.server.security.auth`). ``tls_cert`` +
         ``tls_key``: TLS on the TCP port; with ``tls_client_ca`` clients must present a certificate
         that CA signed. ``auth_tokens``: the token file; without one every caller may do everything,
         so the sidecar then serves loopback and the unix socket only. ``unix_needs_token``: unix-socket

@@ -189,14 +189,14 @@ def write_request(
 
 
 def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec = SPEC, **config: Any) -> Any:
-    """An in-process :class:`~tracestore.server.engine.Engine` on storage ``url`` with ``spec``
+    """An in-process :class:`~tracestore.server.engine.core.Engine` on storage ``url`` with ``spec``
     declared, started (WAL replayed) with ``ServerConfig(**config)``; close it with ``close()``."""
-    from tracestore.storage.store import Store
+    from tracestore.server.config import ServerConfig
+    from tracestore.server.engine.core import Engine
+    from tracestore.server.metrics import Metrics
+    from tracestore.server.rpc.ingest import wal_parser
 
-    from .config import ServerConfig
-    from .engine import Engine
-    from .ingest import wal_parser
-    from .metrics import Metrics
+    from tracestore.storage.store import Store
 
     cfg = ServerConfig(storage=url, wal_dir=None if wal_dir is None else str(wal_dir), port=0, metrics_port=None,
                        **config)  # fmt: skip
@@ -209,7 +209,7 @@ def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec
 
 def submit_request(eng: Any, req: pb.WriteRequest) -> tuple[Any, bool]:
     """Parse ``req`` as the sidecar does and admit it to ``eng``: (writer state, duplicate)."""
-    from .ingest import parse_write
+    from tracestore.server.rpc.ingest import parse_write
 
     _, msg, parts = parse_write(req.SerializeToString(), eng.write_spec, None)
     return eng.submit(msg, parts)  # type: ignore[no-any-return]

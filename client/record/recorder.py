@@ -7,7 +7,7 @@ copies, numbers messages per writer ``(writer, epoch, sequence)``, streams them 
 (offsets into shared memory over a unix socket, inline bytes over TCP), and releases staging when
 the sidecar acknowledges the sequence as durable — or, over shared memory, once the sidecar also
 reports it released (``released_sequence``: a sidecar with a WAL may read on from staging until the
-shard is written instead of copying it out, see server/engine.py). On a lost connection it reconnects and resends
+shard is written instead of copying it out, see server/engine/core.py). On a lost connection it reconnects and resends
 the unacknowledged messages (the sidecar answers duplicates as success). When it cannot keep up —
 staging full, sidecar unreachable for ``give_up_s`` — it drops the affected trajectories, marks
 them unguided (they are never sealed, so a reader sees them as incomplete), counts them, and

@@ -4,7 +4,7 @@ On the same host the pool is a file in ``/dev/shm`` that the sidecar maps read-o
 carries only offsets (reserve -> copy -> commit -> release when durable). The file is 0600, or
 0640 in a group (``group=``, ``TRACESTORE_SHM_GROUP``) when the sidecar runs as another user of
 that group: the sidecar reads only pools that everyone its unix socket admits could read
-(server/shm.py). With a CUDA device the
+(server/rpc/shm.py). With a CUDA device the
 pool is registered once at start-up (``cudaHostRegister``) so copies into it are truly async; a
 failure to pin is reported then, not mid-rollout (docs/integration.md, RolloutRecorder). Fixed size,
 never grows: when it
@@ -254,7 +254,7 @@ class StagingPool:
 
 def socket_group(address: str) -> int | None:
     """The group of the sidecar's unix socket at ``address`` when the socket admits that group
-    and this process is in it (then the sidecar reads only pools of that group, server/shm.py)."""
+    and this process is in it (then the sidecar reads only pools of that group, server/rpc/shm.py)."""
     path = unix_socket_path(address)
     if path is None:
         return None

@@ -17,7 +17,7 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from tracestore.server.cli import SETTINGS, check_storage, redact_options, redact_url, settings_line
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 
 from tracestore.cli import build_parser, resolve
 

@@ -44,6 +44,10 @@ TOP = ("tracestore.cli", "tracestore.demo", "tracestore.__main__")
 CLIENT, SERVER, KERNELS, STORAGE = "tracestore.client", "tracestore.server", "tracestore.kernels", "tracestore.storage"
 
 CLIENT_HALLS = ("record", "read", "hf")
+# The sidecar's floors: a hall imports only halls on lower floors. config.py and metrics.py are
+# the ground every hall stands on; the commands (cli.py, cli_health.py, testing.py) are the roof.
+SERVER_FLOORS = {"config": 0, "metrics": 0, "security": 1, "wal": 1, "engine": 2, "rpc": 3,
+                 "cli": 4, "cli_health": 4, "testing": 4}  # fmt: skip
 # Core modules that read or re-export storage: the package's public CHUNK_SCHEMA/chunks_to_table,
 # and a rank's plan read through a StoreReader (annotations).
 STORAGE_IN_CORE = {"tracestore", "tracestore.rank_plan", "tracestore.traceref"}
@@ -151,6 +155,9 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str, str]]:
                 and (t == CLIENT or any(under(t, f"{CLIENT}.{h}") for h in CLIENT_HALLS if h != hall))
             ):
                 out.add(("client halls import each other", module, t))
+            low, high = server_room(module), server_room(t)
+            if low is not None and high is not None and low != high and SERVER_FLOORS[high] >= SERVER_FLOORS[low]:
+                out.add(("a sidecar hall imports its own floor or one above", module, t))
             if under(t, STORAGE) and not (
                 under(module, STORAGE, CLIENT, SERVER, *TOP, "bench", "tests") or module in STORAGE_IN_CORE
             ):
@@ -164,6 +171,14 @@ def client_hall(module: str) -> str | None:
         return None
     hall = module[len(CLIENT) + 1 :].split(".")[0]
     return hall if hall in (*CLIENT_HALLS, "engines") else None
+
+
+def server_room(module: str) -> str | None:
+    """The sidecar hall or top-level module ``module`` belongs to (``SERVER_FLOORS``), if any."""
+    if not under(module, SERVER) or module == SERVER:
+        return None
+    room = module[len(SERVER) + 1 :].split(".")[0]
+    return room if room in SERVER_FLOORS else None
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -243,7 +258,7 @@ KNOWN_PRIVATE: set[tuple[str, str]] = set()
 
 def test_the_scan_sees_the_packages_and_their_imports():
     # the scan reads what it should: the four packages' files, function-level and relative imports
-    assert {"tracestore.records", "tracestore.client.record.recorder", "tracestore.server.engine"} <= set(GRAPH)
+    assert {"tracestore.records", "tracestore.client.record.recorder", "tracestore.server.engine.core"} <= set(GRAPH)
     assert "tracestore.kernels._params" in GRAPH["tracestore.kernels._launch"]  # from ._params import ...
     assert "tracestore.cli.main" in GRAPH["tracestore.__main__"]
     assert "cupy" in GRAPH["tracestore.kernels._launch"]  # imported inside a function
@@ -265,10 +280,10 @@ def test_layers_hold_but_for_the_known_exceptions():
 @pytest.mark.parametrize(
     ("module", "target", "rule"),
     [
-        ("tracestore.records", "tracestore.server.engine", "core imports"),
+        ("tracestore.records", "tracestore.server.engine.core", "core imports"),
         ("tracestore.storage.fs", "tracestore.client", "core imports"),
         ("tracestore.plan", "tracestore.cli.inspect", "core imports"),
-        ("tracestore.client.record.recorder", "tracestore.server.ingest", "each other"),
+        ("tracestore.client.record.recorder", "tracestore.server.rpc.ingest", "each other"),
         ("tracestore.server.cli", "tracestore.cli", "imports the top floor"),
         ("tracestore.server.cli", "tracestore.demo.run", "imports the top floor"),
         ("tracestore.client.read.reader", "tracestore.cli", "imports the top floor"),
@@ -286,7 +301,7 @@ def test_allowed_imports_are_not_violations():
         "tracestore.cli.inspect": {"tracestore.server.cli", "tracestore.client", "tracestore.storage.store"},
         "tracestore.demo.run": {"tracestore.server", "tracestore.client.record.recorder"},
         "tracestore.client.read.reader": {"tracestore.storage.reader", "tracestore.records", "tracestore.kernels"},
-        "tracestore.server.service": {"tracestore.storage.store", "tracestore.wire"},
+        "tracestore.server.rpc.service": {"tracestore.storage.store", "tracestore.wire"},
         "tracestore.server.cli_health": {"tracestore.settings", "tracestore.settings.resolve"},
         "tracestore": {"tracestore.storage.arrow"},
         "bench.bench_storage": {"tracestore.storage.shard_write"},
@@ -384,3 +399,21 @@ def test_no_module_imports_another_modules_private_names():
 )
 def test_client_halls(module, target, ok):
     assert any(r == "client halls import each other" for r, _, _ in violations({module: {target}})) != ok
+
+
+@pytest.mark.parametrize(
+    ("module", "target", "ok"),
+    [
+        ("tracestore.server.engine.core", "tracestore.server.wal.log", True),
+        ("tracestore.server.rpc.service", "tracestore.server.engine.core", True),
+        ("tracestore.server.cli", "tracestore.server.rpc.service", True),
+        ("tracestore.server.security.auth", "tracestore.server.config", True),
+        ("tracestore.server.wal.log", "tracestore.server.engine.message", False),
+        ("tracestore.server.engine.core", "tracestore.server.rpc.ingest", False),
+        ("tracestore.server.security.auth", "tracestore.server.wal.log", False),
+        ("tracestore.server.config", "tracestore.server.security.auth", False),
+    ],
+)
+def test_server_floors(module, target, ok):
+    rule = "a sidecar hall imports its own floor or one above"
+    assert any(r == rule for r, _, _ in violations({module: {target}})) != ok

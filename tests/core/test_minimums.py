@@ -31,7 +31,7 @@ EXTRAS = ("client", "server", "s3")
 # Imports that belong to extras not installed here; a module needing one of them is skipped.
 OTHER_EXTRAS = {"torch", "transformers", "ray", "torchao", "cupy", "triton", "matplotlib", "tqdm"}
 MUST_IMPORT = ("tracestore", "tracestore.storage", "tracestore.client.record.recorder", "tracestore.client.read.reader",
-               "tracestore.server.service", "tracestore.cli")  # fmt: skip
+               "tracestore.server.rpc.service", "tracestore.cli")  # fmt: skip
 
 IMPORT_ALL = textwrap.dedent(
     """

@@ -92,8 +92,8 @@ def test_image_env_are_serve_flags(h):
 def test_image_defaults_start_and_keep_grpc_on_loopback(h, monkeypatch):
     """The image's ENV alone must start the sidecar (it refuses a non-loopback gRPC host without TLS
     and tokens): gRPC on loopback, the unix socket in its volume, metrics on every interface."""
-    from tracestore.server.auth import is_loopback_host
     from tracestore.server.cli import config_from_args
+    from tracestore.server.security.auth import is_loopback_host
 
     from tracestore.cli import build_parser
 
@@ -111,7 +111,7 @@ def test_image_defaults_start_and_keep_grpc_on_loopback(h, monkeypatch):
 
 
 def test_image_healthcheck_runs_tracestore_health(h):
-    from tracestore.server.service import LIVENESS
+    from tracestore.server.rpc.service import LIVENESS
 
     from tracestore.cli import build_parser, resolve
 

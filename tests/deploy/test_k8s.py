@@ -175,7 +175,7 @@ def test_probes_exec_tracestore_health_on_the_liveness_name_over_the_socket(docs
     """Kubelet gRPC probes dial the pod IP in plaintext, where no gRPC listens: every probe runs
     `tracestore health` over the unix socket, on the name a storage outage never turns NOT_SERVING."""
     from tracestore.server import cli_health
-    from tracestore.server.service import LIVENESS
+    from tracestore.server.rpc.service import LIVENESS
 
     sidecar, _ = containers(one(docs, "Deployment"))
     e = env(sidecar)
@@ -202,7 +202,7 @@ def test_probes_exec_tracestore_health_on_the_liveness_name_over_the_socket(docs
 def test_the_shipped_sidecar_config_starts_and_is_loopback_only(h, docs, monkeypatch):
     """What exited 2 at start: a non-loopback gRPC host without TLS and tokens. The shipped env
     (image ENV + container env) must build a ServerConfig, with gRPC on loopback and no --insecure."""
-    from tracestore.server.auth import is_loopback_host
+    from tracestore.server.security.auth import is_loopback_host
 
     sidecar, _ = containers(one(docs, "Deployment"))
     e = env(sidecar)

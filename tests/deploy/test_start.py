@@ -182,7 +182,7 @@ def test_serve_reads_sidecar_starts_with_tls_and_tokens(h, root: Path, tmp_path:
     pytest.importorskip("cryptography", reason="throwaway certificates need the cryptography package (dev extra)")
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from tracestore.server.tls import write_test_pki
+    from tracestore.server.security.tls import write_test_pki
 
     shutil.copytree(h.DEPLOY / "k8s", tmp_path / "k8s")
     kust = tmp_path / "k8s" / "overlays" / "vllm" / "kustomization.yaml"

@@ -404,9 +404,9 @@ class EngineOnDisk:
     eng: Any
 
     def _engine(self) -> Any:
-        from tracestore.server.engine import Engine
-        from tracestore.server.ingest import wal_parser
+        from tracestore.server.engine.core import Engine
         from tracestore.server.metrics import Metrics
+        from tracestore.server.rpc.ingest import wal_parser
 
         from tracestore.storage.store import Store
 
@@ -789,7 +789,7 @@ def verify(
 
 
 # ---------------------------------------------------------------------------------------------
-# the WAL's on-disk format, read-only (server/wal.py's docstring: <IIB> header + payload; zero
+# the WAL's on-disk format, read-only (server/wal/log.py's docstring: <IIB> header + payload; zero
 # padding after the last entry ends a segment)
 
 WAL_HEADER = struct.Struct("<IIB")

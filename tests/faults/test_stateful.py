@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from tracestore.server.config import ServerConfig
-from tracestore.server.ingest import parse_write
+from tracestore.server.rpc.ingest import parse_write
 
 from tracestore.storage.reader import StoreReader
 from tracestore.storage.store import Store

@@ -39,8 +39,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from tracestore.server.config import ServerConfig
-from tracestore.server.ingest import parse_write
-from tracestore.server.sessions import SequenceError
+from tracestore.server.engine.sessions import SequenceError
+from tracestore.server.rpc.ingest import parse_write
 
 from tracestore.errors import LimitError, PermissionDeniedError
 from tracestore.records import RunSpec

@@ -198,7 +198,7 @@ def test_torn_tail_is_repaired(how: str, template, tmp_path: Path) -> None:
 
 
 # -- DURABLE: what the sidecar had durably written ----------------------------------------------
-# (the format server/wal_mark.py writes: a title line, one "<segment file> <bytes>" line per
+# (the format server/wal/mark.py writes: a title line, one "<segment file> <bytes>" line per
 # segment, "crc32 <8 hex digits>" over the lines before it, newline padding)
 
 

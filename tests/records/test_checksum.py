@@ -73,7 +73,7 @@ def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
     """The sidecar verifies the writer's checksum once over the received bytes and hands that value
     on (the dedupe index, and the shard writer reads ``chunk.checksum``): never recomputed later.
     Shown by changing the received buffer afterwards: the chunk still reports the verified value."""
-    from tracestore.server.ingest import parse_write
+    from tracestore.server.rpc.ingest import parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
 
     c = make_chunk("t-once", 0, 2000)  # > 16 KiB: payload viewed in place, not copied
@@ -105,7 +105,7 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
     """scan_write reads each large payload once and combines the request's CRC (the WAL entry's)
     from the payload CRCs and the bytes between them: equal to a plain CRC of the whole request,
     for small (protobuf-parsed) and large chunks, token scales, and a payload field sent twice."""
-    from tracestore.server.ingest import scan_write
+    from tracestore.server.rpc.ingest import scan_write
     from tracestore.server.testing import make_chunk, write_request
 
     from tracestore.v1 import tracestore_pb2 as pb
@@ -137,9 +137,9 @@ def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: py
                                                                  tmp_path: Path) -> None:  # fmt: skip
     """Without ISA-L (FAST False: zlib's crc32, no C combine) the sidecar reads payloads again
     instead of combining CRCs: the same chunk checksums, and a byte-identical WAL segment."""
-    from tracestore.server import ingest as wire
-    from tracestore.server import wal as wal_mod
+    from tracestore.server.rpc import ingest as wire
     from tracestore.server.testing import SPEC, make_chunk, write_request
+    from tracestore.server.wal import log as wal_mod
 
     raw = write_request(2, [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 5)]).SerializeToString()
 
@@ -167,9 +167,9 @@ def test_shared_memory_payloads_are_checked_again_when_copied_into_the_wal(tmp_p
     """parse_write marks a message's shared-memory payloads Checked(verify=True) (another process's
     memory: the WAL checks its copy against the CRC taken at receipt), its own bytes not."""
     from tracestore.client.record.staging import StagingPool
-    from tracestore.server.ingest import ShmPools, parse_write
+    from tracestore.server.rpc.ingest import ShmPools, parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
-    from tracestore.server.wal import Checked
+    from tracestore.server.wal.log import Checked
 
     chunk = make_chunk("t-shm", 0, 300)
     pool = StagingPool(1 << 20, shared=True, shm_dir=str(tmp_path))

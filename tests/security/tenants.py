@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tracestore.records import RunSpec

@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.client.transport import is_sidecar_address, resolve_token
-from tracestore.server.auth import TokenFile, load_token_file
 from tracestore.server.cli import storage_options_from
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.security.auth import TokenFile, load_token_file
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
@@ -385,7 +385,7 @@ def test_a_token_file_every_user_can_read_loads_with_a_warning(
     for mode, warned in ((0o644, True), (0o640, False), (0o600, False)):
         p.chmod(mode)
         caplog.clear()
-        with caplog.at_level("WARNING", logger="tracestore.server.auth"):
+        with caplog.at_level("WARNING", logger="tracestore.server.security.auth"):
             load_token_file(p)
         assert ("readable by every user" in caplog.text) == warned, (oct(mode), caplog.text)
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.security.tls import write_test_pki
 from tracestore.server.testing import SPEC, ServeProcess
-from tracestore.server.tls import write_test_pki
 
 from tracestore.errors import ConfigError
 from tracestore.storage.store import Store

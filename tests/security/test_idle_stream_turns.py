@@ -1,6 +1,6 @@
 """Idle Write streams cannot keep a newcomer from writing (issue 42, item 2b).
 
-A Write stream reads its next message only with a turn (``server/write_stream.py``, ReadTurns): the
+A Write stream reads its next message only with a turn (``server/rpc/write_stream.py``, ReadTurns): the
 memory budget covers ``budget / 2 / max_message`` of them (8 with the defaults), and a stream holds
 its turn while it waits for a message that may never come. Before, a turn holder that sent nothing
 was ended only after READ_TURN_IDLE_S (2 s) while others waited, whatever the queue: streams that

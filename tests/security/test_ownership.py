@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tracestore.records import PrefixLink
@@ -108,8 +108,8 @@ def test_a_writer_claim_survives_the_segment_that_held_it(tmp_path: Path) -> Non
     sidecar runs, and replayed by a new sidecar."""
     import shutil
 
-    from tracestore.server.message import Owner, encode_entry
-    from tracestore.server.wal_file import HEADER
+    from tracestore.server.engine.message import Owner, encode_entry
+    from tracestore.server.wal.files import HEADER
 
     Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
     mallory = write_request(1, [make_chunk("t-m", 0, 256)], writer="w-mallory")
@@ -198,8 +198,8 @@ def test_a_trajectory_is_owned_in_every_version_and_the_dedupe_window_does_not_d
 
 
 def test_trajectory_owners_are_bounded_least_recently_written_first(monkeypatch: object) -> None:
-    from tracestore.server import dedupe
-    from tracestore.server.message import Message
+    from tracestore.server.engine import dedupe
+    from tracestore.server.engine.message import Message
 
     monkeypatch.setattr(dedupe, "MAX_OWNED_TRAJECTORIES", 3)  # type: ignore[attr-defined]
     index = dedupe.DedupeIndex(versions=4)

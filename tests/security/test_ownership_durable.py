@@ -134,7 +134,7 @@ def test_an_owner_the_sidecar_no_longer_keeps_in_memory_still_holds(
 ) -> None:
     """The sidecar keeps a bounded number of trajectory owners in memory (two here); mallory's
     newer trajectories push t-alice out of them, yet it stays alice's."""
-    from tracestore.server import dedupe
+    from tracestore.server.engine import dedupe
 
     monkeypatch.setattr(dedupe, "MAX_OWNED_TRAJECTORIES", 2)
     Store(f"file://{tmp_path / 'data'}").put_run(SPEC)
@@ -172,8 +172,8 @@ def test_a_damaged_owners_table_stops_the_start(tmp_path: Path) -> None:
 def test_a_new_trajectory_costs_no_table_query_and_a_forgotten_one_costs_one(tmp_path: Path) -> None:
     """The hot path's price: a trajectory the table does not hold is told apart in memory (its
     filter), one that memory forgot is one query, and the answer is kept."""
-    from tracestore.server.message import Message
-    from tracestore.server.owners import TrajectoryOwners
+    from tracestore.server.engine.message import Message
+    from tracestore.server.engine.owners import TrajectoryOwners
 
     def msg(*trajs: str) -> Message:
         chunks = [make_chunk(t, 0, 1) for t in trajs]

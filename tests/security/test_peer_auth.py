@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.client.transport import channel
-from tracestore.server.auth import TokenFile, parse_token_file
 from tracestore.server.config import ServerConfig
-from tracestore.server.peer_auth import PeerTokens
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.security.auth import TokenFile, parse_token_file
+from tracestore.server.security.peer_auth import PeerTokens
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tests.security.test_auth import code_of, stream, token_line

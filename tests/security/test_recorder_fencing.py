@@ -17,7 +17,7 @@ import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.client.record.recorder import WriterFencedError
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.errors import PermissionDeniedError

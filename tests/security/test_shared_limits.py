@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, write_request
 
 from tracestore.storage.store import Store

@@ -22,8 +22,8 @@ import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.client.record.staging import StagingPool
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
-from tracestore.server.shm import ShmPools
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.rpc.shm import ShmPools
 from tracestore.server.testing import SPEC
 
 from tracestore.errors import PermissionDeniedError, ValidationError

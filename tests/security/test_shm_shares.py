@@ -1,6 +1,6 @@
 """One identity cannot take every shared-memory pool slot from the others (issue 42, item 2d).
 
-The sidecar keeps at most 64 writers' staging pools open at once (``server/shm.py``), and a pool
+The sidecar keeps at most 64 writers' staging pools open at once (``server/rpc/shm.py``), and a pool
 stays open while its file exists. Before, those slots were shared by every caller: one identity
 allowed only ``write:evil-*`` named 64 pool files of its own, one per message, and every other
 identity's shared-memory write was refused for as long as the files stayed. Now, with tokens, one

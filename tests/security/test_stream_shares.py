@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.rpc.write_stream import READ_TURN_IDLE_S
 from tracestore.server.testing import SPEC, IdleWriteStream, make_chunk, write_request
-from tracestore.server.write_stream import READ_TURN_IDLE_S
 
 from .tenants import TOKENS, code, first_write, meta, spec, start_sidecar
 

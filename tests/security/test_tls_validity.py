@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("cryptography", reason="throwaway certificates need the cryptography package (dev extra)")
 
 from tracestore.server.config import ServerConfig  # noqa: E402
-from tracestore.server.service import Sidecar  # noqa: E402
-from tracestore.server.tls import write_test_pki  # noqa: E402
+from tracestore.server.rpc.service import Sidecar  # noqa: E402
+from tracestore.server.security.tls import write_test_pki  # noqa: E402
 
 from tracestore.errors import ConfigError  # noqa: E402
 
@@ -134,7 +134,7 @@ def test_validity_windows_read_both_time_forms_and_every_chain_certificate(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from cryptography import x509
-    from tracestore.server.tls import check_validity, validity_windows
+    from tracestore.server.security.tls import check_validity, validity_windows
 
     far = datetime.datetime(2051, 6, 1, 12, 30, 5, tzinfo=datetime.timezone.utc)  # GeneralizedTime from 2050 on
     a = pki(tmp_path, "far", (NOW - DAY, far))

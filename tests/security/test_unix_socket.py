@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from tracestore.client import GuidanceReader
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC
 
 from tracestore.errors import ConfigError
@@ -165,7 +165,7 @@ _SIDECAR = (
 import grp, socket, stat, tempfile, fsspec.implementations.local
 import tracestore.plan, tracestore.storage.reader, tracestore.storage.store, tracestore.records
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 """
     )
     + """
@@ -288,7 +288,7 @@ def test_a_sidecar_refused_at_the_wal_lock_leaves_no_socket_behind(tmp_path: Pat
     """Before: the second sidecar bound its unix socket (and peer endpoint) before it took the WAL
     lock, and its refusal left the socket file behind."""
     from tracestore.server.config import ServerConfig
-    from tracestore.server.service import Sidecar
+    from tracestore.server.rpc.service import Sidecar
 
     from tracestore.errors import ConfigError
 

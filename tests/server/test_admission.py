@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
+from tracestore.server.rpc.write_stream import READ_TURN_IDLE_S
 from tracestore.server.testing import SPEC, IdleWriteStream, make_chunk, write_request
-from tracestore.server.write_stream import READ_TURN_IDLE_S
 
 from tracestore.records import TrajectorySeal
 from tracestore.storage.store import Store

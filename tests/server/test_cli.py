@@ -122,7 +122,7 @@ def test_stream_window_flag_default_and_budget(monkeypatch: pytest.MonkeyPatch) 
     import threading
 
     from tracestore.server.config import ServerConfig
-    from tracestore.server.memory import STREAM_OVERHEAD_BYTES, MemoryBudget
+    from tracestore.server.engine.memory import STREAM_OVERHEAD_BYTES, MemoryBudget
     from tracestore.server.metrics import Metrics
 
     from tracestore.errors import ConfigError
@@ -200,7 +200,7 @@ def test_second_server_on_the_same_port_or_socket_is_refused(tmp_path: Path) -> 
     import socket
 
     from tracestore.server.config import ServerConfig
-    from tracestore.server.service import Sidecar
+    from tracestore.server.rpc.service import Sidecar
 
     from tracestore.errors import ConfigError
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tracestore.server import cli_health
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import LIVENESS, SERVICE, Sidecar
+from tracestore.server.rpc.service import LIVENESS, SERVICE, Sidecar
 from tracestore.server.testing import wait_for
 
 from tracestore.cli import main
@@ -133,7 +133,8 @@ def test_the_command_line_imports_grpc_not_the_server(sidecar: Sidecar, sock_dir
         "import json, sys\n"
         "from tracestore.cli import main\n"
         "rc = main(['health', '--service', sys.argv[1]])\n"
-        "heavy = ['tracestore.server.service', 'tracestore.server.engine', 'tracestore.storage.store', 'fsspec',\n"
+        "heavy = ['tracestore.server.rpc.service', 'tracestore.server.engine.core', 'tracestore.storage.store',\n"
+        "         'fsspec',\n"
         "         'prometheus_client', 'torch', 'grpc_reflection.v1alpha.reflection']\n"
         "print(json.dumps({'rc': rc, 'loaded': [m for m in heavy if m in sys.modules],\n"
         "                  'grpc': 'grpc' in sys.modules}))\n"

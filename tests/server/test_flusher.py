@@ -8,8 +8,8 @@ import time
 import weakref
 
 import numpy as np
-from tracestore.server.flusher import Batch, Flusher, Round
-from tracestore.server.message import Message
+from tracestore.server.engine.flusher import Batch, Flusher, Round
+from tracestore.server.engine.message import Message
 from tracestore.server.metrics import Metrics
 from tracestore.server.testing import SPEC, make_chunk
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
 from tracestore.plan import MicrobatchPlan

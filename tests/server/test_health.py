@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tracestore.server.config import ServerConfig
-from tracestore.server.engine import DEGRADED_REASONS
-from tracestore.server.service import HEALTH_PERIOD_S, LIVENESS, SERVICE, Sidecar
+from tracestore.server.engine.core import DEGRADED_REASONS
+from tracestore.server.rpc.service import HEALTH_PERIOD_S, LIVENESS, SERVICE, Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.storage.store import Store

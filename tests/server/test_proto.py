@@ -168,7 +168,7 @@ def test_spliced_payloads_round_trip(chunks: list[tuple[Any, list[bytes] | None]
     The sidecar's scan of it checksums exactly the bytes sent."""
     import zlib
 
-    from tracestore.server.ingest import scan_write
+    from tracestore.server.rpc.ingest import scan_write
 
     from tracestore.v1 import tracestore_pb2 as pb
     from tracestore.wire import decode_write, inline_chunk_parts

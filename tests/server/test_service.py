@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tracestore.client import RolloutRecorder, SiteOutput
 from tracestore.server.config import ServerConfig
-from tracestore.server.service import Sidecar
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, make_chunk, wait_for, write_request
 
 from tracestore.errors import LimitError, PermissionDeniedError, UnauthenticatedError
@@ -326,7 +326,7 @@ def test_unguided_reasons_are_a_fixed_label_set(channel: grpc.Channel, sidecar: 
 
 
 def test_status_codes_of_limits_and_auth() -> None:
-    from tracestore.server.service import status_of
+    from tracestore.server.rpc.service import status_of
 
     assert status_of(LimitError("max_writers")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_of(PermissionDeniedError("not yours")) == grpc.StatusCode.PERMISSION_DENIED

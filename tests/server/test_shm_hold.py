@@ -15,8 +15,8 @@ import numpy as np
 from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.client.record.staging import StagingPool
 from tracestore.server.config import ServerConfig
-from tracestore.server.memory import SHM_HOLD_FRACTION
-from tracestore.server.service import Sidecar
+from tracestore.server.engine.memory import SHM_HOLD_FRACTION
+from tracestore.server.rpc.service import Sidecar
 from tracestore.server.testing import SPEC, wait_for
 
 from tracestore.checksum import ChunkKey, chunk_checksum

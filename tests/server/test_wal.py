@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from tracestore.server.wal import HEADER, WriteAheadLog
+from tracestore.server.wal.log import HEADER, WriteAheadLog
 
 from tracestore.errors import CorruptionError
 
@@ -213,7 +213,7 @@ def test_checked_parts_are_combined_not_reread(tmp_path: Path) -> None:
     silently: the entry then fails its checksum on replay (refused in an older segment)."""
     import zlib
 
-    from tracestore.server.wal import Checked
+    from tracestore.server.wal.log import Checked
 
     a, b = os.urandom(300_000), os.urandom(70_000)
     wal = WriteAheadLog(tmp_path, segment_bytes=1 << 20)
@@ -242,7 +242,7 @@ def test_a_shared_memory_part_that_changed_is_refused_and_the_log_stays_whole(tm
     raises CorruptionError and appends nothing, so the log still replays (before and after it)."""
     import zlib
 
-    from tracestore.server.wal import Checked
+    from tracestore.server.wal.log import Checked
 
     a = bytearray(os.urandom(200_000))
     wal = WriteAheadLog(tmp_path, segment_bytes=1 << 20)
@@ -289,7 +289,7 @@ def test_the_log_is_the_sidecars_alone(tmp_path: Path) -> None:
 
 def test_a_lock_file_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
     """Before: a symlink (ELOOP) or an unwritable file in LOCK's place was a traceback at start."""
-    from tracestore.server.wal_file import lock_directory
+    from tracestore.server.wal.files import lock_directory
 
     from tracestore.errors import ConfigError
 

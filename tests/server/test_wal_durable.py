@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from tracestore.server.wal import HEADER, WriteAheadLog
-from tracestore.server.wal_mark import read_marks
+from tracestore.server.wal.log import HEADER, WriteAheadLog
+from tracestore.server.wal.mark import read_marks
 
 from tracestore.errors import CorruptionError
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tracestore.client import RolloutRecorder, SiteOutput
-from tracestore.server import wal as wal_mod
-from tracestore.server.engine import Engine
-from tracestore.server.ingest import parse_write
+from tracestore.server.engine.core import Engine
+from tracestore.server.rpc.ingest import parse_write
 from tracestore.server.testing import SPEC, ServeProcess, make_chunk, start_engine, submit_request, write_request
-from tracestore.server.wal import HEADER, WriteAheadLog
+from tracestore.server.wal import log as wal_mod
+from tracestore.server.wal.log import HEADER, WriteAheadLog
 
 from tracestore.errors import ConfigError, ConflictError, CorruptionError, LimitError, StorageError
 from tracestore.plan import MicrobatchPlan
@@ -443,7 +443,7 @@ def test_a_last_entry_zero_filled_from_a_sector_is_a_torn_tail(tmp_path: Path) -
 def test_wal_entries_keep_the_format_earlier_sidecars_wrote() -> None:
     """A restart replays segments a previous sidecar wrote: each entry kind encodes to the bytes it
     always did, and a STATE entry written before writer ownership existed (no owner) still reads."""
-    from tracestore.server import message as m
+    from tracestore.server.engine import message as m
 
     entries = [
         (m.PLAN, m.Plan("r", "w0", 7, [(1, 2), (1, 3)]), b'"shard": 7, "messages": [[1, 2], [1, 3]]}'),

@@ -1,4 +1,4 @@
-"""Entries larger than the write-ahead log's buffers (server/wal_stream.py): copied through the
+"""Entries larger than the write-ahead log's buffers (server/wal/stream.py): copied through the
 buffers, which keep their size; a shared-memory part that changed while it was copied rewinds the
 log, and a crash after that leaves a log that replays exactly the entries appended."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tracestore.server.wal import Checked, WriteAheadLog
+from tracestore.server.wal.log import Checked, WriteAheadLog
 
 from tracestore.errors import CorruptionError
 

@@ -85,7 +85,7 @@ def test_remove_stale_temp_files_grace(tmp_path):
 def test_sidecar_start_removes_stale_temp_files(tmp_path):
     pytest.importorskip("grpc")
     from tracestore.server.config import ServerConfig
-    from tracestore.server.service import Sidecar
+    from tracestore.server.rpc.service import Sidecar
 
     url = f"file://{tmp_path}/store"
     store = Store(url)

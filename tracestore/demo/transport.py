@@ -30,7 +30,7 @@ def service_available() -> str | None:
         import tracestore.client as client
         import tracestore.plan  # noqa: F401
         import tracestore.records  # noqa: F401
-        import tracestore.server.service  # noqa: F401
+        import tracestore.server.rpc.service  # noqa: F401
     except ImportError as exc:
         return f"{exc.name or exc} is not importable"
     except Exception as exc:  # e.g. generated gRPC code refusing an older grpcio at import

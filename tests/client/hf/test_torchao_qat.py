@@ -15,6 +15,13 @@ from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale  
 from torchao.prototype.qat import NVFP4FakeQuantizeConfig, NVFP4FakeQuantizedLinear  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 from torchao.quantization.qat import QATConfig  # noqa: E402
+from tracestore.client.hf.torchao_qat import (  # noqa: E402
+    TraceGuidance,
+    TraceNVFP4FakeQuantizedLinear,
+    TraceQATConfig,
+    default_site_of,
+    torchao_nvfp4_fake_quant,
+)
 
 from tracestore.demo.model import ModelSpec, build_model  # noqa: E402
 from tracestore.errors import ShapeError  # noqa: E402
@@ -23,13 +30,6 @@ from tracestore.fp4 import dequantize, quantize  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
 from tracestore.guided import guided_round  # noqa: E402
 from tracestore.packing import pack_bits  # noqa: E402
-from tracestore.client.hf.torchao_qat import (  # noqa: E402
-    TraceGuidance,
-    TraceNVFP4FakeQuantizedLinear,
-    TraceQATConfig,
-    default_site_of,
-    torchao_nvfp4_fake_quant,
-)
 
 SPEC = ModelSpec(arch="qwen2_moe", layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, expert_hidden=32,
                  vocab=128)  # fmt: skip

@@ -17,17 +17,17 @@ if not torch.cuda.is_available():
 
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale  # noqa: E402
 from torchao.prototype.qat import NVFP4FakeQuantizeConfig  # noqa: E402
+from tracestore.client.hf.torchao_qat import (  # noqa: E402
+    TraceGuidance,
+    TraceNVFP4FakeQuantizedLinear,
+    torchao_nvfp4_fake_quant,
+)
 
 from tracestore.formats import NVFP4  # noqa: E402
 from tracestore.fp4 import quantize  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
 from tracestore.guided import guided_round  # noqa: E402
 from tracestore.packing import pack_bits  # noqa: E402
-from tracestore.client.hf.torchao_qat import (  # noqa: E402
-    TraceGuidance,
-    TraceNVFP4FakeQuantizedLinear,
-    torchao_nvfp4_fake_quant,
-)
 
 SITE = "layers.0.mlp.input"
 

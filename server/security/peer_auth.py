@@ -6,7 +6,7 @@ mode. A client connects there; the kernel reports the connecting process's uid a
 (``SO_PEERCRED``, taken when it connected, so it cannot be forged); the sidecar answers one line, a
 token naming that uid and gid, valid :data:`TOKEN_TTL_S` seconds and signed (HMAC-SHA256) with a
 key that exists only in this sidecar's memory. The client sends it as its bearer token on its next
-gRPC call over the unix socket, and the interceptor (``server/auth.py``) checks the signature, the
+gRPC call over the unix socket, and the interceptor (``server/security/auth.py``) checks the signature, the
 expiry and that the call came over the unix socket, then looks the uid up in the token file's
 ``uid:<n>`` / ``user:<name>`` entries, else the gid in its ``gid:<n>`` / ``group:<name>`` entries.
 The client fetches a fresh token for every call (one local round trip: 32 us median, 98 us p99
@@ -31,11 +31,11 @@ import struct
 import threading
 import time
 
+from tracestore.server.security.unix_socket import bind_unix_socket, claim_unix_socket
+
 from tracestore.peer import PREFIX, TOKEN_TTL_S
 
-from .unix_socket import bind_unix_socket, claim_unix_socket
-
-log = logging.getLogger("tracestore.server.auth")
+log = logging.getLogger("tracestore.server.security.auth")
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 

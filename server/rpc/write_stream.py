@@ -25,20 +25,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from tracestore.server.config import ServerConfig
+from tracestore.server.engine.core import Engine
+from tracestore.server.engine.flusher import Waker
+from tracestore.server.engine.memory import OverBudgetError
+from tracestore.server.engine.sessions import WriterState
+from tracestore.server.metrics import Metrics, unguided_reason
+from tracestore.server.rpc.ingest import parse_write, scan_write
+from tracestore.server.rpc.shm import ShmPools
+from tracestore.server.security.auth import Identity, require_write
 
 from tracestore.errors import PermissionDeniedError, UnauthenticatedError
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_from_pb
-
-from .auth import Identity, require_write
-from .config import ServerConfig
-from .engine import Engine
-from .flusher import Waker
-from .ingest import parse_write, scan_write
-from .memory import OverBudgetError
-from .metrics import Metrics, unguided_reason
-from .sessions import WriterState
-from .shm import ShmPools
 
 # A Write stream that has waited this long for its next message while other streams were just
 # refused a slot, or wait for a turn to read (then sooner: ReadTurns.idle_limit), is ended (OK,

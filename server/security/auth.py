@@ -31,7 +31,7 @@ token file may also authorize unix-socket peers by their uid or gid::
     gid:2000 read:*                            # or group:<name>: the peer's primary group
 
 Such a peer proves its uid and gid with a peer token from ``<unix socket>.peer``
-(``server/peer_auth.py``: the kernel's SO_PEERCRED, signed by the sidecar, valid a minute, good
+(``server/security/peer_auth.py``: the kernel's SO_PEERCRED, signed by the sidecar, valid a minute, good
 only on the unix socket); the uid's entry wins over the gid's, and the identity is named by the
 entry's name, else ``uid:<n>``/``gid:<n>``. With any such entry in the file, a unix-socket call
 without a token is refused.
@@ -60,14 +60,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from tracestore.server.config import is_loopback_host  # noqa: F401  (the service asks auth)
+from tracestore.server.security.peer_auth import PeerTokens
 
 from tracestore.errors import ConfigError, PermissionDeniedError
 from tracestore.peer import PREFIX as PEER_PREFIX
 
-from .config import is_loopback_host  # noqa: F401  (the service asks auth)
-from .peer_auth import PeerTokens
-
-log = logging.getLogger("tracestore.server.auth")
+log = logging.getLogger("tracestore.server.security.auth")
 
 SERVICE_PREFIX = "/tracestore.v1.TraceStore/"
 _DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")

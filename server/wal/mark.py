@@ -33,10 +33,10 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from tracestore.server.wal.files import MARK, SEGMENT_RE, fsync_dir
+
 from tracestore.checksum import crc32
 from tracestore.errors import ConfigError
-
-from .wal_file import MARK, SEGMENT_RE, fsync_dir
 
 log = logging.getLogger("tracestore.server")
 TITLE = b"tracestore write-ahead log: bytes of each segment made durable (fdatasync returned)\n"

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from tracestore.server.engine.message import Message
+from tracestore.server.engine.sessions import WriterState
+
 from tracestore.errors import LimitError
 from tracestore.records import RunSpec
-
-from .message import Message
-from .sessions import WriterState
 
 
 class RunSlots:

@@ -28,10 +28,10 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 
-from tracestore.errors import CorruptionError, LimitError, PermissionDeniedError, TraceStoreError
+from tracestore.server.engine.flusher import Waker
+from tracestore.server.engine.message import Message, Session
 
-from .flusher import Waker
-from .message import Message, Session
+from tracestore.errors import CorruptionError, LimitError, PermissionDeniedError, TraceStoreError
 
 
 class SequenceError(TraceStoreError, ValueError):

@@ -25,12 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 
-from tracestore.errors import LimitError, TraceStoreError
+from tracestore.server.config import ServerConfig
+from tracestore.server.engine.message import Message
+from tracestore.server.engine.sessions import WriterState
+from tracestore.server.metrics import Metrics
 
-from .config import ServerConfig
-from .message import Message
-from .metrics import Metrics
-from .sessions import WriterState
+from tracestore.errors import LimitError, TraceStoreError
 
 # Memory one open Write stream costs the sidecar besides its messages and its HTTP/2 receive window
 # (ServerConfig.stream_window), counted against the budget with the window while the stream is open:

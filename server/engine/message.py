@@ -32,10 +32,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from tracestore.server.wal.log import Checked, Part
+
 from tracestore.errors import ValidationError
 from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
-
-from .wal import Checked, Part
 
 # WAL entry types
 DATA, STATE, PLAN, DONE, OWNER, CLAIMS = 1, 2, 3, 4, 5, 6

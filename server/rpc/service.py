@@ -25,6 +25,36 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tracestore.server.config import GRPC_COPIES, HEALTH_THREADS, ServerConfig
+from tracestore.server.engine.core import DEGRADED_REASONS, DrainingError, Engine, Waker
+from tracestore.server.engine.memory import OverBudgetError
+from tracestore.server.engine.message import pack_wal_data
+from tracestore.server.engine.sessions import SequenceError
+from tracestore.server.metrics import Metrics, storage_op
+from tracestore.server.rpc.ingest import parse_seal, seal_message, wal_parser
+from tracestore.server.rpc.reads import ReadHold, Reads
+from tracestore.server.rpc.reflection import enable_server_reflection
+from tracestore.server.rpc.shm import ShmPools
+from tracestore.server.rpc.slots import CallSlots, StreamSlots
+from tracestore.server.rpc.write_stream import ReadTurns, WriteStream
+from tracestore.server.security.auth import (
+    AuthInterceptor,
+    Identity,
+    TokenFile,
+    caller,
+    is_loopback_host,
+    recheck,
+    require_see,
+    require_write,
+)
+from tracestore.server.security.peer_auth import PeerEndpoint, PeerTokens
+from tracestore.server.security.tls import ServerTls
+from tracestore.server.security.unix_socket import (
+    bind_unix_socket,
+    claim_unix_socket,
+    remove_unix_socket,
+    socket_access,
+)
 
 from tracestore import __version__
 from tracestore.errors import (
@@ -43,32 +73,6 @@ from tracestore.errors import (
 from tracestore.peer import PEER_SUFFIX
 from tracestore.v1 import tracestore_pb2 as pb
 from tracestore.wire import run_spec_to_pb
-
-from .auth import (
-    AuthInterceptor,
-    Identity,
-    TokenFile,
-    caller,
-    is_loopback_host,
-    recheck,
-    require_see,
-    require_write,
-)
-from .config import GRPC_COPIES, HEALTH_THREADS, ServerConfig
-from .engine import DEGRADED_REASONS, DrainingError, Engine, Waker
-from .ingest import parse_seal, seal_message, wal_parser
-from .memory import OverBudgetError
-from .message import pack_wal_data
-from .metrics import Metrics, storage_op
-from .peer_auth import PeerEndpoint, PeerTokens
-from .reads import ReadHold, Reads
-from .reflection import enable_server_reflection
-from .sessions import SequenceError
-from .shm import ShmPools
-from .slots import CallSlots, StreamSlots
-from .tls import ServerTls
-from .unix_socket import bind_unix_socket, claim_unix_socket, remove_unix_socket, socket_access
-from .write_stream import ReadTurns, WriteStream
 
 log = logging.getLogger("tracestore.server")
 SERVICE = "tracestore.v1.TraceStore"
@@ -308,7 +312,7 @@ class TraceStoreService:
 
     def stat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            from .ingest import decode_message
+            from tracestore.server.rpc.ingest import decode_message
 
             req = decode_message(pb.StatRequest, raw, "Stat request")
             assert isinstance(req, pb.StatRequest)
@@ -424,7 +428,7 @@ class Sidecar:
         )
         server.add_generic_rpc_handlers((service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        # grpc.reflection.v1 and v1alpha (server/reflection.py)
+        # grpc.reflection.v1 and v1alpha (server/rpc/reflection.py)
         enable_server_reflection((pb.DESCRIPTOR.services_by_name["TraceStore"].full_name, health.SERVICE_NAME), server)
         if cfg.port is not None:  # None: the unix socket only
             try:
@@ -444,7 +448,7 @@ class Sidecar:
             self._socket_id = (st.st_dev, st.st_ino)
             if self._peer_tokens is not None:
                 self._peer_endpoint = PeerEndpoint(cfg.unix_socket + PEER_SUFFIX, self._peer_tokens, gid, mode)
-            # Pools must be readable by everyone the socket admits (server/shm.py): its group, or
+            # Pools must be readable by everyone the socket admits (server/rpc/shm.py): its group, or
             # only the sidecar's uid
             self.shm.group = st.st_gid if mode & 0o020 else None
         if cfg.metrics_port is not None:

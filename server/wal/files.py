@@ -3,7 +3,7 @@
 An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload;
 a segment is ``wal-<index>.log`` (12 digits), entries back to back, possibly followed by zero
 padding (direct mode cuts it on rotation and close, a crash may leave it). Nothing here holds a
-:class:`~tracestore.server.wal.WriteAheadLog`'s state: these are the checks replay runs on the files
+:class:`~tracestore.server.wal.log.WriteAheadLog`'s state: these are the checks replay runs on the files
 before the log opens, and the file-system helpers it shares with the appending side.
 
 A crash can leave a torn tail only at the very end of the newest segment: replay cuts a bad entry
@@ -12,7 +12,7 @@ is the end of a segment). A bad entry followed by intact ones, a bad entry in an
 missing segment between two present ones is corruption of acknowledged data: replay refuses
 (:class:`CorruptionError` naming the segment and byte offset) and never truncates. So is a segment
 whose intact entries end (the file ends, zero padding or a torn entry begins) before the bytes
-``DURABLE`` records as made durable by an fdatasync (:mod:`tracestore.server.wal_mark`), and a
+``DURABLE`` records as made durable by an fdatasync (:mod:`tracestore.server.wal.mark`), and a
 segment that record names past the newest one present: a crash never takes away synced bytes.
 """
 

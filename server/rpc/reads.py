@@ -31,15 +31,22 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import grpc
+from tracestore.server.config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
+from tracestore.server.engine.core import Engine
+from tracestore.server.metrics import Metrics
+from tracestore.server.rpc.read_limits import (
+    CommitGate,
+    ReadBudget,
+    ReadCalls,
+    StallWatch,
+    Watched,
+    read_call_share,
+    refuse_read_call,
+)
+from tracestore.server.security.auth import Identity, require_read
 
 from tracestore.errors import GuidanceMismatch, LimitError, StorageError, ValidationError
 from tracestore.v1 import tracestore_pb2 as pb
-
-from .auth import Identity, require_read
-from .config import HEALTH_THREADS, READ_SLICE_BYTES, ServerConfig
-from .engine import Engine
-from .metrics import Metrics
-from .read_limits import CommitGate, ReadBudget, ReadCalls, StallWatch, Watched, read_call_share, refuse_read_call
 
 log = logging.getLogger("tracestore.server")
 
@@ -139,11 +146,11 @@ class Reads:
         """The rows a Read request ``raw`` of caller ``who`` asks for, per site, and the
         trajectories masked because their records belong to other token ids (with the reason);
         ``hold``: what the call holds for them (:meth:`release` gives it back once the stream ends)."""
+        from tracestore.server.rpc.ingest import decode_message
+
         from tracestore.plan import MicrobatchPlan
         from tracestore.records import validate_id
         from tracestore.storage.reader import StoreReader
-
-        from .ingest import decode_message
 
         if not self.calls.take(hold.identity):
             assert self.calls.share is not None

@@ -34,21 +34,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
+from tracestore.server.config import ServerConfig
+from tracestore.server.engine.dedupe import DedupeIndex
+from tracestore.server.engine.flusher import Batch, Flusher, Round, Waker
+from tracestore.server.engine.journal import Journal
+from tracestore.server.engine.memory import MemoryBudget, OverBudgetError, StagingHolds, largest_chunk
+from tracestore.server.engine.message import (
+    CLAIMS,
+    DATA,
+    STATE,
+    Message,
+    Owner,
+    Plan,
+    decode_claims,
+    decode_entry,
+    decode_state,
+)
+from tracestore.server.engine.owners import table_path
+from tracestore.server.engine.runs import RunSlots
+from tracestore.server.engine.sessions import Sessions, WriterState
+from tracestore.server.metrics import Metrics
+from tracestore.server.wal.log import Part, WriteAheadLog
 
 from tracestore.errors import ConflictError, TraceStoreError
 from tracestore.records import RecordChunk, RunSpec
-
-from .config import ServerConfig
-from .dedupe import DedupeIndex
-from .flusher import Batch, Flusher, Round, Waker
-from .journal import Journal
-from .memory import MemoryBudget, OverBudgetError, StagingHolds, largest_chunk
-from .message import CLAIMS, DATA, STATE, Message, Owner, Plan, decode_claims, decode_entry, decode_state
-from .metrics import Metrics
-from .owners import table_path
-from .runs import RunSlots
-from .sessions import Sessions, WriterState
-from .wal import Part, WriteAheadLog
 
 log = logging.getLogger("tracestore.server")
 

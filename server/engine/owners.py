@@ -3,7 +3,7 @@ trajectory) in every policy version, for as long as the sidecar's WAL directory 
 
 An owner is looked up in memory first, then in the table:
 
-- **the cache**: the :data:`~tracestore.server.dedupe.MAX_OWNED_TRAJECTORIES` most recently
+- **the cache**: the :data:`~tracestore.server.engine.dedupe.MAX_OWNED_TRAJECTORIES` most recently
   written or looked-up trajectories with their owner or "no owner" (the table changes only through
   this object, so a cached "no owner" stays true until a claim here replaces it).
 - **unpersisted claims**: those not yet in the table, in memory until they are (never dropped).
@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tracestore.server.config import ServerConfig
+from tracestore.server.engine.message import Message
 
 from tracestore.errors import CorruptionError, PermissionDeniedError, StorageError
-
-from .config import ServerConfig
-from .message import Message
 
 log = logging.getLogger("tracestore.server")
 

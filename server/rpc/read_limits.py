@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tracestore.errors import LimitError
+from tracestore.server.engine.memory import OverBudgetError
 
-from .memory import OverBudgetError
+from tracestore.errors import LimitError
 
 # With tokens, one identity holds at most this share of the read budget while another identity
 # holds or waits for some of it, and at most this share of the Read/Seal threads.

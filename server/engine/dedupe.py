@@ -14,7 +14,7 @@ policy versions of each run and forgets older ones (they are no longer written).
 are kept apart from that window (a caller chooses the versions it writes, so four messages in new
 versions would otherwise have dropped every owner of the run): per (run, trajectory), whatever the
 version, in the sidecar's owners table, with the :data:`MAX_OWNED_TRAJECTORIES` most recently
-written or looked up in memory (:class:`~tracestore.server.owners.TrajectoryOwners`).
+written or looked up in memory (:class:`~tracestore.server.engine.owners.TrajectoryOwners`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tracestore.server.engine.message import Message
+from tracestore.server.engine.owners import TrajectoryOwners, trajectories
+
 from tracestore.errors import ConflictError, ValidationError
 from tracestore.records import RecordChunk
-
-from .message import Message
-from .owners import TrajectoryOwners, trajectories
 
 Span = tuple[int, int, int]  # token_start, token_end, chunk checksum
 # Trajectory owners kept in memory (least recently used forgotten first; with an owners table they

@@ -30,7 +30,7 @@ The trade-off of not knowing the peer: a member of the socket's group can name a
 pool and have its staged bytes stored under its own writer id. It gains nothing it could not read
 itself (the pool is group-readable, and the ``Read`` RPC serves every run it may read), so pools are
 not tied to the caller's uid even when the token file authorizes unix peers by uid
-(``server/peer_auth.py``): what the caller may write is checked by its identity's scopes, not by
+(``server/security/peer_auth.py``): what the caller may write is checked by its identity's scopes, not by
 whose pool the bytes came from.
 A pool carrying a POSIX ACL is refused: its group mode bits are then the ACL's mask, which says
 nothing about which group members may read it.
@@ -59,10 +59,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tracestore.errors import LimitError, PermissionDeniedError, ValidationError
+from tracestore.server.config import SHM_POOLS, ServerConfig
+from tracestore.server.security.unix_socket import file_kind
 
-from .config import SHM_POOLS, ServerConfig
-from .unix_socket import file_kind
+from tracestore.errors import LimitError, PermissionDeniedError, ValidationError
 
 POOL_NAME = re.compile(r"tracestore-[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 MIN_POOL_BYTES = 4096

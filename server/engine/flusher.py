@@ -31,11 +31,11 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tracestore.server.engine.message import Message
+from tracestore.server.metrics import Metrics
+
 from tracestore import faults
 from tracestore.records import PrefixLink, RecordChunk, TrajectorySeal
-
-from .message import Message
-from .metrics import Metrics
 
 log = logging.getLogger("tracestore.server")
 

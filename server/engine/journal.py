@@ -26,13 +26,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from tracestore import faults
-from tracestore.errors import StorageError, TraceStoreError
-
-from .config import ServerConfig
-from .flusher import Round
-from .memory import wal_buffer_bytes
-from .message import (
+from tracestore.server.config import ServerConfig
+from tracestore.server.engine.flusher import Round
+from tracestore.server.engine.memory import wal_buffer_bytes
+from tracestore.server.engine.message import (
     CLAIMS,
     DATA,
     DONE,
@@ -48,10 +45,13 @@ from .message import (
     encode_entry,
     encode_state,
 )
-from .metrics import Metrics
-from .owners import TrajectoryOwners
-from .sessions import Sessions, WriterState
-from .wal import Part, WriteAheadLog
+from tracestore.server.engine.owners import TrajectoryOwners
+from tracestore.server.engine.sessions import Sessions, WriterState
+from tracestore.server.metrics import Metrics
+from tracestore.server.wal.log import Part, WriteAheadLog
+
+from tracestore import faults
+from tracestore.errors import StorageError, TraceStoreError
 
 log = logging.getLogger("tracestore.server")
 

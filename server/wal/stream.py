@@ -29,16 +29,16 @@ import os
 import threading
 from collections.abc import Sequence
 
+from tracestore.server.wal.files import Buffer
+
 from tracestore.checksum import crc32, crc32_combine
 from tracestore.errors import CorruptionError
-
-from .wal_file import Buffer
 
 BLOCK = 4096  # O_DIRECT alignment (wal.BLOCK)
 
 
 class StreamedEntries:
-    """The part of :class:`~tracestore.server.wal.WriteAheadLog` that copies an entry larger than
+    """The part of :class:`~tracestore.server.wal.log.WriteAheadLog` that copies an entry larger than
     a buffer through its buffers (module docstring). The log's state it uses: the buffers
     (``_bufs``, ``_active``), the fill mark and the file offset of the active buffer's first byte
     (``_fill``, ``_base``), the condition the sync thread waits on, and two flags the sync thread

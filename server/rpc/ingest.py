@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tracestore.server.engine.message import Message, pack_wal_data, unpack_wal_data
+from tracestore.server.rpc.shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/rpc/shm.py
+from tracestore.server.wal.log import Buffer, Checked, Part
+
 from tracestore.checksum import (
     FAST,
     ChunkKey,
@@ -28,10 +32,6 @@ from tracestore.wire import (
     payload_sizes,
     seal_from_pb,
 )
-
-from .message import Message, pack_wal_data, unpack_wal_data
-from .shm import POOL_NAME, ShmPools  # noqa: F401 - re-exported: they lived here before server/shm.py
-from .wal import Buffer, Checked, Part
 
 
 class VerifiedChunk(RecordChunk):

@@ -16,9 +16,9 @@ import os
 import stat
 from collections.abc import Callable
 
-from tracestore.errors import ConfigError
+from tracestore.server.config import ServerConfig
 
-from .config import ServerConfig
+from tracestore.errors import ConfigError
 
 
 def claim_unix_socket(path: str) -> None:
@@ -66,7 +66,7 @@ def claim_unix_socket(path: str) -> None:
 def socket_access(cfg: ServerConfig) -> tuple[int | None, int]:
     """The unix socket's group (None: the sidecar's own) and mode, from ``socket_group`` and
     ``socket_mode``. Other users (the mode's last digit) are never admitted: they would reach
-    every run, and no shared-memory pool could be checked against them (server/shm.py)."""
+    every run, and no shared-memory pool could be checked against them (server/rpc/shm.py)."""
     gid = None
     if cfg.socket_group is not None:
         name = str(cfg.socket_group)

@@ -13,8 +13,8 @@ allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 n
 path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
 Replay repairs only a torn tail of the newest segment (zero padding after the last entry is the end
 of a segment) and refuses any other damage; the entry format, the segment files and the replay
-checks are in :mod:`tracestore.server.wal_file`. After each fdatasync the sync thread records in
-``DURABLE`` how far it made each segment durable (:mod:`tracestore.server.wal_mark`: one ``pwrite``,
+checks are in :mod:`tracestore.server.wal.files`. After each fdatasync the sync thread records in
+``DURABLE`` how far it made each segment durable (:mod:`tracestore.server.wal.mark`: one ``pwrite``,
 no extra fsync before the acknowledgement), so that replay refuses a segment cut below that.
 Segments are deleted oldest first once the caller says their entries are committed elsewhere *and*
 the entry saying so is durable (``delete_before(index, after=ticket)``).
@@ -40,11 +40,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from tracestore import faults
-from tracestore.checksum import FAST, crc32, crc32_address, crc32_combine
-from tracestore.errors import CorruptionError, StorageError
-
-from .wal_file import (
+from tracestore.server.wal.files import (
     HEADER,
     MAX_ENTRY,
     Buffer,
@@ -59,8 +55,12 @@ from .wal_file import (
     replay_segments,
     segment_path,
 )
-from .wal_mark import DurableMark, read_marks
-from .wal_stream import StreamedEntries
+from tracestore.server.wal.mark import DurableMark, read_marks
+from tracestore.server.wal.stream import StreamedEntries
+
+from tracestore import faults
+from tracestore.checksum import FAST, crc32, crc32_address, crc32_combine
+from tracestore.errors import CorruptionError, StorageError
 
 log = logging.getLogger("tracestore.server")
 BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B and 4 KiB sectors)
