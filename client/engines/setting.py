@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
+from collections.abc import Callable
 from typing import Literal
 
 from tracestore.errors import ConfigError
@@ -101,3 +103,27 @@ def check_engine_version(engine: str, installed: str, validated: tuple[str, ...]
             f"releases, so it records nothing rather than risk wrong rows. Install {engine}=={validated[-1]}, "
             f"or unset {ENV} to run without recording."
         )
+
+
+class PluginRegistration:
+    """An engine plugin's entry point, once: with the setting unset it does nothing; else it checks
+    the engine's version (:func:`check_engine_version`) and calls ``install(setting)`` the first
+    time only, however many of the engine's processes or imports call it."""
+
+    def __init__(self, engine: str, validated: tuple[str, ...]) -> None:
+        self.engine = engine
+        self.validated = validated
+        self._lock = threading.Lock()
+        self.installed = False
+
+    def register(self, version: Callable[[], str], install: Callable[[RecordSetting], None]) -> None:
+        """``version()``: the installed engine's version (imports the engine)."""
+        setting = setting_from_env()
+        if setting is None:
+            return
+        check_engine_version(self.engine, version(), self.validated)
+        with self._lock:
+            if self.installed:
+                return
+            install(setting)
+            self.installed = True

@@ -10,28 +10,23 @@ SGLang's ``HookRegistry`` once per process (:mod:`.hooks`).
 
 from __future__ import annotations
 
-import threading
+from tracestore.client.engines.setting import PluginRegistration, RecordSetting
 
 VALIDATED_VERSIONS: tuple[str, ...] = ("0.5.23",)
-_lock = threading.Lock()
-_installed = False
+_REGISTRATION = PluginRegistration("sglang", VALIDATED_VERSIONS)
 
 
 def register() -> None:
     """The entry point: check the setting and the version, then register the hooks (idempotent)."""
-    global _installed
-    from tracestore.client.engines.setting import check_engine_version, setting_from_env
 
-    setting = setting_from_env()
-    if setting is None:
-        return
-    import sglang
+    def version() -> str:
+        import sglang
 
-    check_engine_version("sglang", sglang.__version__, VALIDATED_VERSIONS)
-    with _lock:
-        if _installed:
-            return
+        return str(sglang.__version__)
+
+    def install(setting: RecordSetting) -> None:
         from . import hooks
 
         hooks.register_hooks(setting)
-        _installed = True
+
+    _REGISTRATION.register(version, install)

@@ -14,28 +14,23 @@ nothing).
 
 from __future__ import annotations
 
-import threading
+from tracestore.client.engines.setting import PluginRegistration, RecordSetting
 
 VALIDATED_VERSIONS: tuple[str, ...] = ("0.32.0",)
-_lock = threading.Lock()
-_installed = False
+_REGISTRATION = PluginRegistration("vllm", VALIDATED_VERSIONS)
 
 
 def register() -> None:
     """The entry point: check the setting and the version, then install the hooks (idempotent)."""
-    global _installed
-    from tracestore.client.engines.setting import check_engine_version, setting_from_env
 
-    setting = setting_from_env()
-    if setting is None:
-        return
-    import vllm
+    def version() -> str:
+        import vllm
 
-    check_engine_version("vllm", vllm.__version__, VALIDATED_VERSIONS)
-    with _lock:
-        if _installed:
-            return
+        return str(vllm.__version__)
+
+    def install(setting: RecordSetting) -> None:
         from . import hooks
 
         hooks.install(setting)
-        _installed = True
+
+    _REGISTRATION.register(version, install)
