@@ -115,7 +115,7 @@ class Engine:
         metrics.memory_budget.set(config.memory_budget_bytes)
         metrics.backlog_oldest_age.set_function(self.backlog_oldest_age)
         # A shard's encoding and upload take memory too: the budget counts them while the flusher
-        # commits (MemoryBudget.hold_commit) and cuts shards at a quarter of the budget (an eighth
+        # commits (MemoryBudget.hold_commit) and cuts shards at a quarter of the budget (a sixteenth
         # where shards are published from memory: tests/faults/test_rss_bounds.py measures it).
         self.shard_bytes = self.budget.shard_bytes
 
