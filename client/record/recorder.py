@@ -48,19 +48,15 @@ from tracestore.site_output import SiteOutput, check_array, per_row_g
 from .chunks import ChunkBuilder
 from .config import RecorderConfig
 from .copier import StagingCopier
-from .items import Finish, Forward, Region, SlabForward, SlabPlan, Unguided
+from .items import Finish, Forward, Region, SlabForward, Unguided
 from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
 from .slab import SegmentCheck, Segments, SlabStage
+from .slab_queue import LONG_SEGMENT, RecorderStageHost, SlabQueue
 from .staging import GROUP_ENV, StagingPool, socket_group
 from .traceref import SealLedger
 
 log = logging.getLogger("tracestore.client")
-
-# A forward whose sequences average at least this many tokens is not coalesced with later ones:
-# its chunks are long already (the decode bench found ~32-token chunks enough to keep per-chunk
-# work on both sides small).
-_LONG_SEGMENT = 32
 
 
 def join_record_branches() -> None:
@@ -220,7 +216,10 @@ class RolloutRecorder:
         )
         self._thread = self._session.thread
         self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
-        self._slab_plans: dict[int, tuple[Any, SlabPlan]] = {}
+        self._slabs = SlabQueue(
+            run_spec, self.pool, self._copier, self._outbox, self._unguided, self.stats, self._check_segments,
+            self._admit,
+        )  # fmt: skip
         self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
         self._stage_lock = threading.Lock()  # held while a stage queues deferred copies
         if connect:
@@ -321,7 +320,7 @@ class RolloutRecorder:
             sites.append((name, site, o, nc, ns, nt, g_off))
         region.event = self._copier.sites(copies)
         nbytes = sum(p[4] + p[5] + p[6] for p in plans)
-        long_segments = n_tok >= _LONG_SEGMENT * len(segs)
+        long_segments = n_tok >= LONG_SEGMENT * len(segs)
         self._queue.append(
             Forward(segs, version, sites, region, time.monotonic(), nbytes, long_segments, ids)
         )  # atomic
@@ -357,7 +356,7 @@ class RolloutRecorder:
         join_record_branches()
         slabs = tuple(slab) if isinstance(slab, (list, tuple)) else (slab,)
         ids = None if token_ids is None else as_token_ids(token_ids)
-        ok, _ = self._queue_slabs(segments, slabs, n_rows, policy_version, None, True, ids=ids)
+        ok, _ = self._slabs.queue(segments, slabs, n_rows, policy_version, None, True, ids=ids)
         return ok
 
     def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 4, deferred: bool = True) -> SlabStage:
@@ -368,7 +367,10 @@ class RolloutRecorder:
         has ``slots - 1`` steps to be queued and land before its slot is written again);
         ``deferred``: on a GPU, commits leave the copies to the stage's stager thread (see
         :class:`SlabStage`)."""
-        stage = SlabStage(_StageHost(self), slab, rows, slots, deferred)
+        host = RecorderStageHost(
+            self.writer, self.stats, self._copier, self._stage_lock, self._slabs, self._outbox, self._unguided
+        )
+        stage = SlabStage(host, slab, rows, slots, deferred)
         self._stages.append(stage)
         return stage
 
@@ -377,98 +379,6 @@ class RolloutRecorder:
         order: a seal, a link, another forward, a flush), and raise an error one of them met."""
         for stage in self._stages:
             stage.drain()
-
-    def _slab_plan(self, slab: Any) -> SlabPlan:
-        """``slab`` checked against the run once (cached by identity, the slab kept alive)."""
-        hit = self._slab_plans.get(id(slab))
-        if hit is not None and hit[0] is slab:
-            return hit[1]
-        layout = getattr(slab, "layout", None)
-        if layout is None or not hasattr(slab, "data") or not hasattr(slab, "row_bytes"):
-            raise ConfigError(f"slab must be a tracestore.kernels.RecordSlab, got {type(slab).__name__}")
-        fields = []
-        for f, sspec in zip(layout, slab.sites, strict=True):
-            site = self._sites.get(f.name)
-            if site is None:
-                raise ValidationError(f"run {self.run_spec.run} declares no site {f.name!r}: {list(self._sites)}")
-            if (f.code_bytes, f.scale_bytes, int(getattr(sspec, "rows_per_token", 1))) != (
-                site.code_bytes,
-                site.scale_bytes,
-                site.rows_per_token,
-            ) or str(getattr(sspec, "format", site.format)) != str(site.format):
-                raise ShapeError(
-                    f"slab site {f.name}: {f.code_bytes} code and {f.scale_bytes} scale bytes per row "
-                    f"({getattr(sspec, 'format', '?')}, rows_per_token {getattr(sspec, 'rows_per_token', 1)}), the run "
-                    f"declares {site.code_bytes} and {site.scale_bytes} ({site.format}, width {site.width}, "
-                    f"bits {site.bits}, rows_per_token {site.rows_per_token})"
-                )
-            fields.append((f.name, site, f))
-        per_row = sum(f.code_bytes + f.scale_bytes for f in layout)
-        plan = SlabPlan(tuple(fields), int(slab.row_bytes), int(slab.rows_per_token), per_row)
-        if len(self._slab_plans) > 64:
-            self._slab_plans.clear()
-        self._slab_plans[id(slab)] = (slab, plan)
-        return plan
-
-    def _queue_slabs(
-        self,
-        segments: Sequence[tuple[str, int, int]] | Segments,
-        slabs: tuple[Any, ...],
-        n_rows: int | Sequence[int] | None,
-        policy_version: int | None,
-        sources: list[Any] | None,
-        order: bool,
-        after: Any = None,
-        ids: Any = None,
-    ) -> tuple[bool, Any]:
-        """Stage ``slabs`` (or ``sources``: ring slots holding their rows) for one forward; returns
-        (queued, the CUDA event the copies complete on). ``order``: make the current stream wait
-        for the copies (the source is rewritten by the engine's next kernels); ``after``: the
-        event the copies wait for (a deferred :class:`SlabStage` commit), not the current stream."""
-        version = self.policy_version if policy_version is None else validate_version(policy_version)
-        segs = segments if isinstance(segments, (list, Segments)) else list(segments)
-        trajs, n_tok = self._check_segments(segs)
-        if ids is not None and ids.size != n_tok:
-            raise ShapeError(f"token_ids holds {ids.size} ids; the segments hold {n_tok} tokens (one id per token)")
-        want = [n_rows] * len(slabs) if n_rows is None or isinstance(n_rows, int) else list(n_rows)
-        if len(want) != len(slabs):
-            raise ShapeError(f"n_rows gives {len(want)} row counts for {len(slabs)} slabs")
-        staged: list[tuple[SlabPlan, int, int]] = []
-        total = nbytes = 0
-        for i, slab in enumerate(slabs):
-            plan = self._slab_plan(slab)
-            rows = n_tok * plan.rows_per_token
-            limit = slab.capacity if sources is None else sources[i].shape[0] // plan.row_bytes
-            if want[i] is not None and want[i] != rows:
-                raise ShapeError(
-                    f"slab of sites {plan.fields[0][0]}..{plan.fields[-1][0]}: the engine wrote {want[i]} rows but "
-                    f"the segments hold {n_tok} tokens x {plan.rows_per_token} rows per token = {rows}"
-                )
-            if rows > limit:
-                raise ShapeError(
-                    f"slab of sites {plan.fields[0][0]}..{plan.fields[-1][0]}: the segments hold {rows} rows, more "
-                    f"than the {limit} it stages"
-                )
-            staged.append((plan, total, rows))
-            total += plan.staged_bytes(rows)
-            nbytes += rows * plan.code_scale_bytes
-        if not self._admit(segs, trajs):
-            return False, None
-        off = self.pool.reserve(max(total, 1))
-        if off is None:
-            self.stats["refused_forwards"] += 1
-            self._unguided.mark(list(trajs), "staging_full")
-            return False, None
-        region = Region(off, total, refs=0)
-        srcs = [s.data for s in slabs] if sources is None else sources
-        ev = self._copier.slabs(staged, srcs, off, order, keep=sources is None, after=after)
-        region.event = ev
-        fwd = SlabForward(segs, version, [], region, time.monotonic(), nbytes, n_tok >= _LONG_SEGMENT * len(segs))
-        fwd.staged = [(plan, off + rel, rows) for plan, rel, rows in staged]
-        fwd.ids = ids
-        self._queue.append(fwd)  # atomic
-        self._outbox.in_bytes += nbytes
-        return True, ev
 
     def _admit(self, segs: Collection[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
         """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
@@ -604,42 +514,3 @@ class RolloutRecorder:
 
 
 __all__ = ["RolloutRecorder", "Segments", "SiteOutput", "SlabStage", "WriterFencedError"]
-
-
-class _StageHost:
-    """The recorder as its slab stages see it (:class:`~tracestore.client.record.slab.StageHost`)."""
-
-    def __init__(self, recorder: RolloutRecorder) -> None:
-        self._rec = recorder
-
-    @property
-    def writer(self) -> str:
-        return self._rec.writer
-
-    @property
-    def policy_version(self) -> int:
-        return self._rec.policy_version
-
-    @property
-    def stats(self) -> Any:
-        return self._rec.stats
-
-    @property
-    def copier(self) -> StagingCopier:
-        return self._rec._copier
-
-    @property
-    def issue_lock(self) -> threading.Lock:
-        return self._rec._stage_lock
-
-    def slab_plan(self, slab: Any) -> SlabPlan:
-        return self._rec._slab_plan(slab)
-
-    def queue_slabs(
-        self, segments: Any, slabs: tuple[Any, ...], policy_version: int | None, views: list[Any],
-        after: Any = None, ids: Any = None,
-    ) -> tuple[bool, Any]:  # fmt: skip
-        return self._rec._queue_slabs(segments, slabs, None, policy_version, views, False, after, ids)
-
-    def unguide(self, trajectories: list[str], reason: str) -> None:
-        self._rec._unguided.mark(trajectories, reason)
