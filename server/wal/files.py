@@ -35,7 +35,7 @@ HEADER = struct.Struct("<IIB")
 MAX_ENTRY = 1 << 31
 SECTOR = 512  # the device writes whole sectors: a torn write zero-fills from a sector boundary on
 SEGMENT_RE = re.compile(r"wal-(\d{12})\.log")
-MARK = "DURABLE"  # the record of bytes made durable per segment (wal_mark.py)
+MARK = "DURABLE"  # the record of bytes made durable per segment (mark.py)
 WAYS_OUT = (
     "Restore the segment from a backup, or move the WAL directory aside to start empty (losing the acknowledged "
     "records not yet committed to storage)"

@@ -1,23 +1,25 @@
 """The sidecar's write-ahead log: segment files of checksummed entries, group-committed with fsync.
 
 An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload.
-The CRC-32 is ISA-L's when installed (zlib-identical values, ~23 vs ~3 GB/s measured here, see
-tracestore.checksum); record chunks inside carry their own checksums, verified again on replay.
+The CRC-32 is :mod:`tracestore.checksum`'s (ISA-L when installed, zlib-identical values); record
+chunks inside carry their own checksums, verified again on replay.
+
 Where the file system takes ``O_DIRECT`` (ext4, xfs; not tmpfs), an append only copies the entry
-into an aligned in-memory buffer; one background thread writes everything appended so far to the
-device (``pwrite`` of whole 4 KiB blocks, the partial last block rewritten by the next write) and
-``fdatasync``s it, then reports the highest durable ticket, so many appends share one write and
-one flush (group commit, as in PostgreSQL's WAL and Kafka's log flush). Measured per 3.3 MB entry
-on the bench box: a buffered ``writev`` cost 2.3 ms of CPU on the appending thread (page-cache
-allocation; 0.7 ns/B), the copy into the buffer ~0.3 ms, the direct write ~0.1 ns/B off the ingest
-path. Elsewhere appends go to the page cache at once (``os.writev``) and the thread only fsyncs.
+into an aligned in-memory buffer, which keeps page-cache allocation off the appending thread. One
+background thread writes everything appended so far (``pwrite`` of whole 4 KiB blocks; the
+partial last block is rewritten by the next write), ``fdatasync``s it and reports the highest
+durable ticket: many appends share one write and one flush (group commit). Elsewhere appends go
+to the page cache at once (``os.writev``) and the thread only fsyncs.
+
 Replay repairs only a torn tail of the newest segment (zero padding after the last entry is the end
 of a segment) and refuses any other damage; the entry format, the segment files and the replay
-checks are in :mod:`tracestore.server.wal.files`. After each fdatasync the sync thread records in
-``DURABLE`` how far it made each segment durable (:mod:`tracestore.server.wal.mark`: one ``pwrite``,
-no extra fsync before the acknowledgement), so that replay refuses a segment cut below that.
-Segments are deleted oldest first once the caller says their entries are committed elsewhere *and*
-the entry saying so is durable (``delete_before(index, after=ticket)``).
+checks are in :mod:`tracestore.server.wal.files`.
+
+After each fdatasync the sync thread records in ``DURABLE`` how far each segment is durable
+(:mod:`tracestore.server.wal.mark`: one ``pwrite``, no extra fsync before the acknowledgement);
+replay refuses a segment cut below that. Segments are deleted oldest first once the caller says
+their entries are committed elsewhere *and* the entry saying so is durable
+(``delete_before(index, after=ticket)``).
 
 A failed write or fdatasync (ENOSPC, EIO) puts the log in a failed state: appends raise
 :class:`StorageError` and :attr:`WriteAheadLog.error` is set, so the owner can report itself
@@ -140,10 +142,10 @@ class WriteAheadLog(StreamedEntries):
         self._base = 0
         # buffers of rotated segments still to be written: (fd, (buffer, length, offset), size)
         self._jobs: list[tuple[int, tuple[mmap.mmap, int, int] | None, int]] = []
-        # a buffer of a rotated segment once written, for the next rotation: a fresh 16 MiB map per
-        # 64 MiB segment cost its page faults again on the ingest path (perf, shared-memory bench)
+        # a rotated segment's buffer once written, reused by the next rotation so that a fresh
+        # map's page faults stay off the ingest path
         self._spare: list[mmap.mmap] = []
-        # an entry larger than a buffer goes through the buffers in pieces (wal_stream.py): the sync
+        # an entry larger than a buffer goes through the buffers in pieces (wal/stream.py): the sync
         # thread takes the active buffer when asked, and says while it writes one it took
         self._swap_wanted = False
         self._writing = False
@@ -199,7 +201,7 @@ class WriteAheadLog(StreamedEntries):
     def _notify_loop(self) -> None:
         """Report synced tickets to ``on_synced`` from here, not from the sync thread: the callback
         takes the caller's lock, and the caller may hold that lock while an append waits for the
-        sync thread to free buffer space (a deadlock seen in bench_ingest's tmpfs WAL sidecar)."""
+        sync thread to free buffer space."""
         assert self._on_synced is not None
         while True:
             item = self._synced_q.get()

@@ -1,12 +1,11 @@
 """Entries larger than the write-ahead log's buffers, copied through them piece by piece.
 
 With ``O_DIRECT`` the log copies every entry into one of two aligned buffers that the sync thread
-writes in turn (``wal.py``). The buffers keep their size (a share of the memory budget, which counts
-them): grown to fit the largest entry, they would stay that large for the sidecar's lifetime (one
-57 MiB message: three 57 MiB buffers that no budget counts). :class:`StreamedEntries` copies an
-entry that does not fit into the active buffer, hands the full buffer to the sync thread (which
-writes it at its file offset and swaps in the other buffer, as for any full buffer), and goes on
-with the rest.
+writes in turn (:mod:`~tracestore.server.wal.log`). The buffers keep their size, a share of the
+memory budget that counts them; grown to fit the largest entry, they would stay that large for
+the sidecar's lifetime. :class:`StreamedEntries` copies an entry that does not fit into the
+active buffer, hands the full buffer to the sync thread (which writes it at its file offset and
+swaps in the other buffer, as for any full buffer), and goes on with the rest.
 
 A part whose copy must match the CRC it had at receipt (a shared-memory payload its writer could
 still change: ``Checked.verify``) is checked piece by piece as it is copied. When the whole part's
@@ -34,7 +33,7 @@ from tracestore.server.wal.files import Buffer
 from tracestore.checksum import crc32, crc32_combine
 from tracestore.errors import CorruptionError
 
-BLOCK = 4096  # O_DIRECT alignment (wal.BLOCK)
+BLOCK = 4096  # O_DIRECT alignment (log.BLOCK)
 
 
 class StreamedEntries:
