@@ -2,7 +2,7 @@
 
 The messages, their shard plans and the memory they hold belong to the engine; the flusher owns
 its thread, its retries and its health, and reaches the engine only through :class:`FlushSource`
-(it imports nothing from ``engine.py``). One round:
+(it imports nothing from ``core.py``). One round:
 
 1. :meth:`FlushSource.next_round` names the shards due now (:class:`Batch`: a writer's messages
    under one shard number, planned in the write-ahead log), or says to wait, back off or stop;
@@ -78,9 +78,8 @@ def clear_frames(exc: BaseException) -> None:
     ``__context__``). A storage client's exception, raised again from a ``concurrent.futures``
     future, sits in a reference cycle (its traceback's frame holds the future, which holds it)
     with the request it failed, the shard's bytes and the client's copy of them (aiohttp copies a
-    ``BytesIO`` body): with only the top exception's frames cleared, each failed commit against a
-    refusing S3 endpoint left another 8 MiB shard and its copy for the garbage collector
-    (64 MiB budget: peak RSS - idle up to 144-158 MiB against a bound of 128)."""
+    ``BytesIO`` body). Clearing only the top exception's frames would leave each failed commit's
+    shard and its copy to the garbage collector, outside the memory budget."""
     seen: set[int] = set()
     chained: BaseException | None = exc
     while chained is not None and id(chained) not in seen:

@@ -1,7 +1,7 @@
 """The engine's write-ahead log bookkeeping: what it appends, what waits for an fsync, which
 segments may go, and how it comes back from a failed log.
 
-The log itself (framing, fsync, segment files) is ``wal.py`` and its entry format ``message.py``;
+The log itself (framing, fsync, segment files) is ``wal/log.py`` and its entry format ``message.py``;
 :class:`Journal` keeps what the engine needs on top of it:
 
 - the messages whose DATA entry waits for its fsync (:meth:`Journal.synced` hands them back
@@ -16,7 +16,8 @@ with authentication on a CLAIMS entry, who owns each open trajectory (``dedupe.p
 authentication on, the trajectory owners table (``owners.py``) is written before any segment is
 deleted (:meth:`Journal.retire`, :meth:`Journal.truncate`): a trajectory's owner is always in the
 table or in a segment still on disk.
-Not thread-safe: the engine (``engine.py``) calls it with its lock held.
+
+Not thread-safe: the engine (``core.py``) calls it with its lock held.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ writes and replay rebuilds.
 
 A :class:`Message` is one numbered batch of chunks, seals and links from one writer, parsed and
 validated (``ingest.py`` makes them from Write and Seal requests). The write-ahead log holds six
-kinds of entries, each framed and checksummed by ``wal.py``:
+kinds of entries, each framed and checksummed by ``wal/log.py``:
 
 ========  ===============================================================================
 ``DATA``  a message: u32 request length, the raw request, then its shared-memory payloads

@@ -67,7 +67,7 @@ def table_path(config: ServerConfig) -> Path | None:
 class Presence:
     """A Bloom filter of the keys in the table: :meth:`maybe` leaves out only keys never added.
     Three probes and at least 16 bits a key while it holds at most ``capacity`` keys (a false
-    "maybe" for under 1% of absent keys; measured 0.5% at capacity); the writer thread builds it for
+    "maybe" for under 1% of absent keys); the writer thread builds it for
     twice the table's rows, so it takes 2 to 8 bytes per owned trajectory, at least 1 MiB. Probes
     come from ``hash()`` of the key, which is fixed for the life of the process only: the filter is
     built from the table at each start. One thread adds (the writer thread), any reads; a key is

@@ -3,13 +3,13 @@
 A run's entry is its spec, which is immutable and on storage: dropping one costs a read of
 run.json the next time it is needed, nothing else. Only writes take a slot (``max_runs``); reads,
 Stat and the WAL replay look specs up without one (``Engine.run_spec``; a run whose records the
-replay queues again is busy, and gets back the slot it had: :meth:`RunSlots.restore`). Before,
-every run a reader named took a slot for good, so a read:* identity could make the sidecar refuse
-every new run of every writer. A slot whose run has no records waiting to be committed is given to
-the next run that needs one; with authentication, one identity holds at most ``share`` slots (the
-runs it brought in), so runs kept busy by one team cannot take every slot either.
+replay queues again is busy, and gets back the slot it had: :meth:`RunSlots.restore`), so
+readers cannot make the sidecar refuse new runs. A slot whose run has no records waiting to be
+committed is given to the next run that needs one; with authentication, one identity holds at
+most ``share`` slots (the runs it brought in), so runs kept busy by one team cannot take every
+slot either.
 
-Not thread-safe: the engine (``engine.py``) calls it with its lock held.
+Not thread-safe: the engine (``core.py``) calls it with its lock held.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ every session from the others on a shared sidecar, an authenticated identity hol
 ``per_identity`` of them; and a session exists only once a message of it was admitted (a first
 message that is refused takes its new, empty session away again: :meth:`Sessions.discard`).
 
-Not thread-safe: the engine (``engine.py``) calls all of it with its lock held.
+Not thread-safe: the engine (``core.py``) calls all of it with its lock held.
 """
 
 from __future__ import annotations

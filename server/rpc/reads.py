@@ -15,9 +15,8 @@ back what the call holds (:meth:`Reads.release`) and turns errors into status co
 
 A reader holds the run's index and a pool of threads, so :class:`Reads` keeps those of the
 ``max_runs`` runs read most recently (one read by a call in progress is closed once that call is
-done). Before, it kept one for every run ever read: an identity allowed to read many runs grew the
-sidecar by a thread pool per run. Looking a run up for a read takes none of the engine's run slots
-(``Engine.run_spec``).
+done), so reading many runs does not grow the sidecar by a thread pool per run. Looking a run up
+for a read takes none of the engine's run slots (``Engine.run_spec``).
 """
 
 from __future__ import annotations
