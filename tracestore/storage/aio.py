@@ -7,13 +7,13 @@ reset before the body goes out (a load balancer or proxy in front of an S3 that 
 the connections it accepts), that task fails with a connection error, and so does the request
 itself: botocore raises it, s3fs and :class:`~tracestore.storage.fs.Storage` retry it, count it
 and report it. Nobody reads the body task's exception, though, so when the task is collected the
-loop logged "Task exception was never retrieved" at ERROR with a traceback, once per such request.
+loop would log "Task exception was never retrieved" at ERROR with a traceback, once per request.
 
 :func:`read_unread_body_errors` gives the loop an exception handler that takes exactly those
 reports (a finished ``write_bytes`` task of aiohttp whose exception is a connection error) and
 logs them at DEBUG on ``tracestore.storage``; it passes every other report on to the handler
 that was there before, or to the loop's default one, so any other unread exception is still
-logged as before.
+logged.
 """
 
 from __future__ import annotations

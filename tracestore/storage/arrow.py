@@ -49,9 +49,8 @@ BYTE_COLUMNS: tuple[str, ...] = ("codes", "scales", "token_scales")
 OPTIONAL_COLUMNS: tuple[str, ...] = ("ids_crc",)
 
 
-# Below this mean value size a column is copied into one buffer instead: a one-value Arrow array
-# per value costs ~15 us, a copy of a decode-sized value (~11 KB) well under one (8,000 chunks of
-# 30 tokens: shard encode 240-260 -> 207-218 ms; 512-token chunks: views ~3% faster).
+# Below this mean value size a column is copied into one buffer instead of viewed value by value.
+#: a one-value Arrow view costs ~15 us; copying a decode-sized value (~11 KB) well under one
 VIEW_MIN_BYTES = 64 << 10
 
 

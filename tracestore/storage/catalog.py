@@ -110,12 +110,11 @@ class Catalog:
         self._remember_manifest(path, m)
         return m
 
-    # Chunk entries the manifest cache holds at most (~350 bytes each parsed: ~90 MiB). Unbounded,
-    # a long-lived sidecar kept every manifest it ever published: +63 MiB per 80,000 chunks
-    # ingested, for as long as it ran. A StoreReader indexes each manifest once and keeps what it
-    # indexed itself, so the cache only spares re-reads (another reader of this store, the rebuild
-    # after retention); least recently used manifests go first.
-    _MAX_MANIFEST_ENTRIES = 1 << 18
+    # Chunk entries the manifest cache holds at most, so a long-lived sidecar does not keep every
+    # manifest it published. A StoreReader indexes each manifest once and keeps what it indexed
+    # itself, so the cache only spares re-reads (another reader of this store, the rebuild after
+    # retention); least recently used manifests go first.
+    _MAX_MANIFEST_ENTRIES = 1 << 18  # ~350 bytes each parsed: ~90 MiB
 
     def _remember_manifest(self, path: str, m: Manifest) -> None:
         """Cache the manifest at ``path`` (read, or just published by this store)."""

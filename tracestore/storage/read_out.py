@@ -173,12 +173,10 @@ def _copy_held(dst: np.ndarray, src: np.ndarray) -> None:
     :data:`HELD_COPY_BYTES` (memoryview assignment is a plain memcpy under the GIL).
 
     numpy releases the GIL for copies of more than a few hundred elements, and getting it back
-    waits for whichever thread holds it. Beside a thread that is busy in Python (a training loop
-    while the reader prefetches) every such release costs up to the switch interval (5 ms): a
-    198 MiB plan read (1056 chunks) took 3.1-3.2 s there instead of ~0.13 s alone, and 0.66-0.79 s
-    with these copies and the page and chunk CRCs keeping the GIL (2-core box). Alone, keeping it
-    costs ~25% (our own decode threads no longer overlap their copies), so only the background
-    prefetch reads this way (``StoreReader.read(hold_gil=True)``)."""
+    waits for whichever thread holds it: beside a thread that is busy in Python (a training loop
+    while the reader prefetches) every release costs up to the switch interval. Keeping the GIL
+    also stops the reader's own decode threads from overlapping their copies, so only the
+    background prefetch reads this way (``StoreReader.read(hold_gil=True)``)."""
     n = dst.nbytes
     if (
         0 < n <= HELD_COPY_BYTES
@@ -205,12 +203,10 @@ def site_outs(
     hold_gil: bool,
 ) -> dict[str, SiteOut]:
     """Each site's output rows for a read of ``n_tokens`` plan tokens: in ``out`` when given, else
-    in one new buffer. One allocation for every site's codes and scales, from Arrow's memory pool:
-    it keeps freed memory mapped and hands it to the next read, where a fresh numpy array is new
-    memory to fault in (192 MiB here: 18-440 ms with numpy, 16-38 ms from the pool; 40 separate
-    per-site arrays of a 30 MB read cost 20 ms against 4.5 ms for one). The per-row arrays (policy
-    version, global scale, valid) come from the same allocation: fresh numpy arrays of them cost
-    3 ms per 192 MiB read in the reading thread (page faults), before any shard is fetched."""
+    in one new buffer. One allocation for every site's codes and scales and the per-row arrays
+    (policy version, global scale, valid), from Arrow's memory pool: it keeps freed memory mapped
+    and hands it to the next read, where fresh numpy arrays are new memory to fault in, in the
+    reading thread, before any shard is fetched."""
     layout = read_layout(site_specs, col, n_tokens)
     if out is None:
         size, sections = output_sections(layout)

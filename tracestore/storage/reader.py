@@ -93,9 +93,8 @@ StalePolicy = Literal["drop", "flag"]
 def _open_ranged(storage: Storage, path: str) -> tuple[Any, bool]:
     """``path`` opened for a decoder's ranged reads, and whether several threads may read it at
     once. On local disk a memory map: the decoder reads pages in place (no copy into read
-    buffers; raw pyarrow with page checksums went from 25.8 to 23.7 ms per 30 MB here) from any
-    thread. Elsewhere a :class:`CountingFile` over an fsspec handle without read-ahead (pyarrow
-    asks for exact ranges), one reader at a time."""
+    buffers) from any thread. Elsewhere a :class:`CountingFile` over an fsspec handle without
+    read-ahead (pyarrow asks for exact ranges), one reader at a time."""
     if storage.local:
         return pa.memory_map(storage.full(path)), True
     return CountingFile(storage.fs.open(storage.full(path), "rb", cache_type="none")), False

@@ -81,21 +81,17 @@ class StoredChunk:
 # Columns a read decodes: the key columns and the stored checksum are not needed because every
 # chunk's checksum is recomputed over the manifest's key together with the stored bytes and
 # compared with the manifest's (a row holding another key or other bytes cannot match); skipping
-# them saves 8 column chunks per row group (the stored checksum alone: ~10 of ~160 ms CPU per
-# 192 MiB GuidanceReader read of sidecar shards). Full validation (:func:`verify_shard`) reads them all.
+# them saves 8 column chunks per row group. Full validation (:func:`verify_shard`) reads them all.
 DATA_COLUMNS = ["global_scale", "codes", "scales", "token_scales"]
 IDS_COLUMN = "ids_crc"  # read too where the shard has it (chunks that carry token identity)
 # Row groups decode in batches of about this size on the worker pool, each chunk verified and
-# placed as it lands. Small batches are still in the CPU cache when their chunks are hashed and
-# copied: on the 2-core bench box (shared with other work), 8 MiB batches against about one row
-# group each (1.5 MiB groups) took 22.7 / 25.6 ms of process CPU against 21.4 / 24.2 per 30 MB plan
-# read (two runs of 60, interleaved), and 138 against 118 ms per 180 MiB read of two shards.
+# placed as it lands; a small batch is still in the CPU cache when its chunks are hashed and copied.
+#: about one row group: 118 vs 138 ms CPU per 180 MiB read against 8 MiB batches (2-core box)
 READ_BATCH_BYTES = 2 << 20
 # Arrow's column threads as well: page decoding and page-CRC verification run in Arrow's C++
 # without the GIL, so a batch's columns decode in parallel while the batches' Python (chunk CRCs,
-# placing) takes turns on the GIL. Measured on the 2-core bench box, a 30 MB plan read (20 row
-# groups): decoding the data columns 21.0 ms on one thread, 10.8 ms with column threads; the
-# whole StoreReader.read 24.6 / 27.0 ms median without them, 22.2 / 24.7 ms with (two runs of 30).
+# placing) takes turns on the GIL.
+#: 30 MB read: data columns 10.8 ms with column threads, 21.0 ms without (2-core box)
 DECODE_THREADS = True
 
 
@@ -285,10 +281,8 @@ def _read_batch(
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 # Batches decode on at most this many extra threads (besides each shard's loading thread); the
 # encoder builds its row groups' Arrow tables on them too. The decode is GIL-bound (per-chunk
-# checks and placing hold it between Arrow's and ISA-L's releases): a 198 MiB plan read (2 shards)
-# on a 16-core host ran 1.40 / 1.78 / 1.76 / 1.63 / 1.46 GB/s with 1 / 2 / 3 / 4 / 8 workers
-# (medians of 5, measured when page checksums were still walked in Python); more threads only
-# queue on the GIL.
+# checks and placing hold it between Arrow's and ISA-L's releases): more threads only queue on it.
+#: 198 MiB read, 16 cores: 1.78 GB/s with 2 workers, 1.40 with 1, 1.46 with 8
 VERIFY_WORKERS = 2
 
 
