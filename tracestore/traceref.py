@@ -66,6 +66,7 @@ UNGUIDED_REASONS = (
     "refused",
     "stopped",
     "aborted",
+    "incomplete",  # positions the engine computed were never recorded (a gap other than an abort)
 )
 
 

@@ -46,6 +46,15 @@ def site_spec(name: str, width: int, bits: int) -> SiteSpec:
     return SiteSpec(name, "other", layer=int(m.group(1)), width=width, bits=bits)
 
 
+def unguided_reason(gap: str) -> str:
+    """The :class:`TraceRef` reason of an ending's ``gap``: ``aborted`` for an abort, ``refused`` when
+    the recorder refused the seal (``unguided``: staging full, sidecar gone), ``incomplete`` for every
+    gap in the rows themselves (``prefix_unrecorded``, ``unrecorded_positions``, ``nothing_recorded``)."""
+    if gap == "aborted":
+        return "aborted"
+    return "refused" if gap == "unguided" else "incomplete"
+
+
 class EngineRecorder:
     """Records one engine instance's forwards under ``setting`` (see the module docstring).
 
@@ -236,7 +245,7 @@ class EngineRecorder:
                 n_tokens=max(n, 1),
                 sites=site_digest(self.run_spec),
                 guided=gap is None,
-                reason="" if gap is None else ("aborted" if gap == "aborted" else "refused"),
+                reason="" if gap is None else unguided_reason(gap),
                 writer=self.setting.writer,
             ).to_json()
         out = {"trajectory": traj, "n_tokens": n, "gap": gap, "trace_ref": ref}

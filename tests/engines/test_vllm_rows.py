@@ -210,7 +210,8 @@ def test_prefix_hit_links_and_grpo_group_shares_the_prompt(sidecar: ServeProcess
     stats = dict(eng.engine.stats)
     eng.close()
     assert [res[r]["gap"] for r in ("g0", "g1", "h")] == [None, None, None]
-    assert res["x"]["gap"] == "prefix_unrecorded" and not json.loads(res["x"]["trace_ref"])["guided"]
+    xref = json.loads(res["x"]["trace_ref"])
+    assert res["x"]["gap"] == "prefix_unrecorded" and not xref["guided"] and xref["reason"] == "incomplete"
     assert stats["links"] == 2  # g1 -> g0 (the prompt), h -> g0 (8 tokens)
     assert stats["rows"] == 9 + 2 + 2  # g0's prompt once, the two decodes, h's own 2
     drain(sidecar)
