@@ -6,7 +6,7 @@ propagating block amax (PTX ``max.NaN``, where ``fmaxf`` would drop a NaN, §3),
 headers (bf16/fp16 conversions are PTX ``cvt``), so NVRTC needs no include path.
 
 Thread mapping: one thread per (row, scale block), or G consecutive blocks of a row per thread
-(``record_act``, ``guided_b1``: all loads issued first; G = 2 measured best for NVFP4 on the H200).
+(``record_act``, ``guided_b1``: all loads issued first; G is their launchers' ``BLOCKS_PER_THREAD``).
 A bf16 NVFP4 block is 32 bytes of input (two 16-byte loads) and ``2*b`` bytes of packed bits;
 consecutive threads touch consecutive blocks. These kernels are bound by instruction issue more
 than by the access pattern, so the per-element arithmetic avoids conversion instructions and

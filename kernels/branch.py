@@ -2,7 +2,7 @@
 
 A record kernel only reads its activations and writes its slab rows; nothing in the engine's
 forward waits for it. Launched on the engine's stream it still sits between two engine kernels
-(about 3 us each on an H200: 20 of them are 3% of a 2 ms decode step). :class:`RecordBranch` forks
+(a few microseconds each, a few percent of a decode step). :class:`RecordBranch` forks
 each record onto a side stream that first waits for the engine's stream (the activations are
 written), and joins the side stream back into the engine's stream once, before the slab is staged.
 Inside ``torch.cuda.graph`` capture the side stream joins the capture, so the graph gets a parallel

@@ -86,9 +86,9 @@ def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Te
 # scale blocks per thread in record_from_activations (1, 2 or 4; bench_kernels compares them)
 BLOCKS_PER_THREAD = 2
 # record_act's per-element formulation (bit flags of ``V`` in kernels/_source_record.py; bench_kernels
-# compares them, the GPU tests run every one): 0 = the original integer-pipe arithmetic, 5 = the
-# magic number by FMUL and the amax on packed 16-bit pairs (H200: 0.0927 -> 0.0802 ms).
-RECORD_VARIANT = 5
+# compares them, the GPU tests run every one): 0 = integer-pipe arithmetic, 5 = the magic number by
+# FMUL and the amax on packed 16-bit pairs.
+RECORD_VARIANT = 5  # H200: 0.0802 ms, against 0.0927 ms with 0
 RECORD_VARIANTS = (0, 5)
 
 
@@ -245,9 +245,7 @@ def record_from_activations(
     dt, fc = DTYPE_CODE[x.dtype], fmt_code(fmt)
     fp4 = rows.fp4
     # G consecutive scale blocks per thread (G = BLOCKS_PER_THREAD when it divides the row's block
-    # count, else 1). A variant with one 16-byte chunk per thread (fully coalesced, amax by shuffles)
-    # measured slower on the H200: 0.170 vs 0.122 ms at bf16 65536x2048 (instruction count, not the
-    # access pattern, bounds this kernel).
+    # count, else 1): instruction count, not the access pattern, bounds this kernel.
     nb = width // fmt.block
     group = blocks_per_thread(nb, BLOCKS_PER_THREAD)
     # two NVFP4 blocks' code bits (b = 1) as one 4-byte store and their scale bytes as one 2-byte store
@@ -339,7 +337,7 @@ def record_from_codes(
         return rows
     check_aligned(packed_fp4, "packed_fp4", fmt.block // 2)
     # two NVFP4 blocks per thread (16-byte loads) where rows have an even block count and the
-    # buffers allow it: 0.0415 -> see bench_kernels for the measured effect
+    # buffers allow it (bench_kernels measures both)
     pair = (
         fmt.block == 16
         and nb % 2 == 0

@@ -11,8 +11,8 @@ Everything but the payloads is a :class:`ChunkKey`. Two entry points compute the
 :func:`chunk_checksum_from_crcs` from the payloads' own CRC-32s without reading them again.
 :func:`record_checksum` applies the first to any object with a chunk's fields.
 
-``crc32`` is ISA-L's when ``isal`` is installed (zlib-identical values; ~23 GB/s against zlib's
-1.2-3.6 GB/s on the bench machine, the largest per-byte cost of ingest), else zlib's.
+``crc32`` is ISA-L's when ``isal`` is installed (zlib-identical values, several times faster: the
+largest per-byte cost of ingest), else zlib's.
 
 Example::
 
@@ -220,6 +220,7 @@ def _gil_held_crc() -> Callable[[int, int, int], int] | None:
 
 
 _HELD = _gil_held_crc()
+#: a 200 KB CRC holding the GIL: 6 us; releasing it beside busy threads: 0.73 ms
 HOLD_BYTES = (4 << 10, 1 << 20)  # below: isal keeps the GIL itself; above: long enough to give it up
 
 
@@ -236,8 +237,8 @@ def crc32_held(data: Any, value: int = 0) -> int:
 
     isal's crc32, like zlib's, releases the GIL above 5 KiB; on a thread that checksums many
     payloads in a row beside other busy threads (the sidecar's stream reader), each release costs
-    a hand-off and a wait to get the GIL back (a 200 KB CRC: 0.73 ms instead of 6 us). Not for a
-    thread that should yield to others, such as the recorder's sender beside the engine."""
+    a hand-off and a wait to get the GIL back. Not for a thread that should yield to others, such
+    as the recorder's sender beside the engine."""
     a = np.frombuffer(data, np.uint8)
     if a.size < HOLD_BYTES[0]:
         return int(crc32(data, value))

@@ -3,10 +3,9 @@
 ``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to a child process
 that owns a :class:`~tracestore.storage.reader.StoreReader`; ``process=N`` to N of them, each reading a
 slice of the plan's rows. A read in a thread of the trainer's own process shares the interpreter
-lock with the training loop: beside a thread that is busy in Python, a 198 MiB plan read ran at
-0.22 GB/s on 2 cores and 0.14 GB/s on 16 (bench_ingest), against ~1.3-1.8 GB/s alone, and one
-process's decode reaches a parallelism of only ~2 (the per-chunk checks and page walks hold the
-GIL). Children have their own interpreters, so they compete only for cores.
+lock with the training loop, which slows it several times over, and one process's decode reaches
+a parallelism of only ~2 (the per-chunk checks and page walks hold the GIL). Children have their
+own interpreters, so they compete only for cores.
 
 Nothing is copied back. The parent owns memfd blocks that it and the children map: a block's
 descriptor goes to a child once (``SCM_RIGHTS`` over its unix socketpair). For a read the parent
@@ -16,7 +15,7 @@ takes a block as large as the whole result, lays every site's arrays out in it
 write disjoint rows of one block, and the parent's arrays are views of it. A block serves a later
 read only once every array of the read that filled it is gone: they are all views of one base
 array, whose ``weakref.finalize`` queues the block for the next read to take back. Blocks are
-reused, not made anew per read, because fresh pages fault in at ~1.5 GB/s on the bench VM.
+reused, not made anew per read, because faulting in fresh pages costs as much as the read.
 
 A child starts as ``python -c`` with a small bootstrap, not through ``multiprocessing``, so the
 trainer's ``__main__`` is never imported again. It exits when its socket closes, which also

@@ -4,9 +4,9 @@ Quantize "rollout" activations, record the low bits, perturb them as a trainer w
 and compare TRACE rounding with plain RTN. Runs on the CPU reference (needs torch).
 
 The default (64 tokens x 2048) takes a few seconds; every one of the 12 rows (format x b x rule) is
-printed as soon as it is computed, numbered. ``--tokens 4096`` is the former full-size run (~85 s
-of CPU on 2 cores). Settings: flag, else ``TRACESTORE_<FLAG>``, else the ``[selftest]`` table of a
-``--config`` file.
+printed as soon as it is computed, numbered. ``--tokens 4096`` is the full-size run (about a
+minute and a half of CPU). Settings: flag, else ``TRACESTORE_<FLAG>``, else the ``[selftest]``
+table of a ``--config`` file.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Shard verification for ``tracestore inspect --validate``: every shard read in full, here or in worker processes.
+"""Shard verification for ``tracestore inspect --validate``: every shard read in full, here or in
+worker processes.
 
 Each shard's whole-file size and crc32 are checked against its manifest, then every page checksum,
 every key column and every chunk's byte lengths and checksum, on whole columns
 (:func:`tracestore.storage.shard_read.verify_shard`), never one Python object per chunk: a decode
-shard holds ~300,000 chunks. Shards are verified ``--jobs`` at a time (default: one per core): by
+shard holds ~300,000 chunks. Shards are verified ``--jobs`` at a time (default: one per core) by
 this process and ``jobs - 1`` worker processes, once a version holds :data:`PARALLEL_MIN_BYTES` of
-shards (a worker costs ~0.35 s of CPU to start: the time this process takes to verify ~200 MB);
-this process reads the manifests and checks completeness first, then verifies what the workers
-have not taken (:meth:`VerifyWorkers.help`). A large local shard is split between them by row groups
-(:data:`SPLIT_BYTES`). A worker is a :mod:`tracestore.worker` child running :func:`worker_main`.
+shards. This process reads the manifests and checks completeness first, then verifies what the
+workers have not taken (:meth:`VerifyWorkers.help`). A large local shard is split between them by
+row groups (:data:`SPLIT_BYTES`). A worker is a :mod:`tracestore.worker` child running
+:func:`worker_main`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from typing import Any
 from tracestore import worker
 from tracestore.errors import TraceStoreError
 
-PARALLEL_MIN_BYTES = 1 << 30
-"""Shards of a version are verified in worker processes too once they add up to this many bytes.
-Below it a worker's start costs about what it saves: on the 2-core box 490 MB of decode shards
-validated in 0.89 s in one process and in 0.96-1.38 s with one worker beside it."""
+PARALLEL_MIN_BYTES = 1 << 30  # 2-core box, 490 MB: 0.89 s alone, 0.96-1.38 s with a worker
+"""Shards of a version are verified in worker processes too once they add up to this many bytes;
+below it a worker's start costs about what it saves."""
 SPLIT_BYTES = 32 << 20  # a local shard is cut into units of at least this size, one per worker at most
 
 

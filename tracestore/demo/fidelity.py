@@ -107,7 +107,7 @@ def kv_tables(
 def expectations(
     modes: tuple[Mode, ...], rows: list[dict[str, Any]], logprob: dict[str, dict[str, float]]
 ) -> list[dict[str, Any]]:
-    """Issue 6's expectations, each with the measured value and whether it held."""
+    """The demo's expectations, each with the measured value and whether it held."""
     out: list[dict[str, Any]] = []
     for m in modes:
         if m.quant != "trace":

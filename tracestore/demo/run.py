@@ -46,9 +46,8 @@ class DemoConfig:
     scales: str = "static"  # NVFP4 decode-side g: calibrated static per site | per token | per forward
     steps: int = 3  # training steps per mode
     lr: float = 1e-4
-    # torch intra-op threads on the CPU. The demo's ops are tiny, so threads mostly synchronise: on the
-    # shared 2-core machine (load ~4.5) the default run took 86 s with 2 threads and 8.7 s with 1.
-    threads: int | None = 1
+    # torch intra-op threads on the CPU. The demo's ops are tiny, so threads mostly synchronise.
+    threads: int | None = 1  # 2-core box: 8.7 s with 1 thread, 86 s with 2
 
     def __post_init__(self) -> None:
         if self.trajectories < 1 or self.prompt < 1 or self.tokens < 2:
