@@ -53,7 +53,7 @@ def _compile(name_expr: str, device_index: int) -> Any:
 
     Not ``cupy.RawModule(code=...)``: CuPy appends ``-ftz=true`` after the caller's options, and a
     flushed subnormal (an E8M0 scale of 2^-127, a tiny activation) breaks bit-exactness with the
-    reference (seen on the H200: MX guided outputs -0.0 instead of -3.5e-38)."""
+    reference (MX guided outputs -0.0 instead of -3.5e-38)."""
     cupy = cupy_module()
     from cupy.cuda import function
     from cupy_backends.cuda.libs import nvrtc

@@ -1,5 +1,5 @@
 """Train–rollout fidelity per layer: MSE of the quantized site inputs, relative excess over BF16,
-adjacency of mismatched codes, log-probability differences; the checks of issue 6."""
+adjacency of mismatched codes, log-probability differences, and the demo's checks on them."""
 
 from __future__ import annotations
 

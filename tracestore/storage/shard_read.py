@@ -168,10 +168,7 @@ def read_chunks(
     # The calling thread and up to VERIFY_WORKERS pool threads take the batches in order, each the
     # next one nobody took, until none is left; each decodes, verifies and places its batches
     # itself. Placing is mostly numpy copies, which release the GIL, so it runs on every core
-    # instead of queuing behind the calling thread while the workers wait (placing in the calling
-    # thread only: bench_ingest --only read, 7 runs of 3 reps each, alternated, ratio to raw Parquet
-    # median 0.826 / mean 0.80; placing in the workers: 0.839 / 0.87, on a 2-core box whose runs
-    # vary 0.65-0.92 on their own).
+    # instead of queuing behind the calling thread while the workers wait.
     todo = iter(batches)
     lock = threading.Lock()
     stop = threading.Event()  # set when a batch failed, or the read is over
