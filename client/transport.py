@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tracestore.errors import ConfigError, require
+from tracestore.settings import TOKEN, read_env
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -75,7 +76,7 @@ def _loopback_host(host: str) -> bool:
 def resolve_token(address: str, channel_credentials: Any = None, token: str | None = None) -> str | None:
     """The bearer token to send to ``address``: ``token``, else ``$TRACESTORE_TOKEN``, else None.
     Raises ConfigError where it would cross the network in the clear (no TLS, not a local target)."""
-    token = token if token is not None else os.environ.get("TRACESTORE_TOKEN") or None
+    token = token if token is not None else read_env(TOKEN)
     if token is None:
         return None
     if not isinstance(token, str) or not token.strip() or any(c.isspace() for c in token.strip()):

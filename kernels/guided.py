@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 if __name__ != "tracestore.kernels.guided":  # see kernels/__init__.py: never define the ops twice
@@ -27,6 +26,7 @@ from tracestore.formats import FP4Format, get_format, packed_row_bytes
 from tracestore.fp4 import resolve_global_scale, sane_global_scales
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
+from tracestore.settings import GUIDED_TABLE, read_env
 
 from . import _launch as L
 from ._common import DTYPE_CODE, check_aligned, check_float, fmt_code, fmt_name
@@ -37,7 +37,7 @@ from .record import blocks_per_thread
 # b = 1 with rule "bracket" (the paper's configuration) runs ``guided_b1``: Newton quotient and a
 # two-add decision, no table. The general table kernel can be forced for it (TRACESTORE_GUIDED_TABLE=1;
 # the tests run both paths, the bench compares them).
-_TABLE_B1 = os.environ.get("TRACESTORE_GUIDED_TABLE", "0") == "1"
+_TABLE_B1: bool = read_env(GUIDED_TABLE)
 # scale blocks per thread in guided_b1 (1, 2 or 4; bench_kernels compares them). H200, bf16
 # 65536x2048: 1 -> 0.167 ms, 2 -> 0.152 ms (72 registers), 4 -> 0.269 ms (95 registers).
 BLOCKS_PER_THREAD = 2

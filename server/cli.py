@@ -24,6 +24,7 @@ from tracestore.server.config import SHM_POOLS
 
 from tracestore.settings import (
     JSON_OBJECT,
+    MALLOC_ARENA_MAX,
     OCTAL_MODE,
     SWITCH,
     Kind,
@@ -33,6 +34,7 @@ from tracestore.settings import (
     integer,
     number,
     optional,
+    read_env,
     resolve,
     text,
 )
@@ -54,9 +56,13 @@ SETTINGS = (
     Setting("--storage-check", choice("warn", "fail", "off"), "warn",
             "write and delete a probe object at start: warn = log an error and serve anyway, fail = exit 3, off"),
     Setting("--storage-retry-deadline", SECONDS, 30.0,
-            "seconds after a storage call's first attempt after which no retry starts (exported to this "
-            "process as TRACESTORE_STORAGE_RETRY_DEADLINE, which every tracestore Storage reads)",
-            metavar="SECONDS"),
+            "seconds after a storage call's first attempt after which no retry starts", metavar="SECONDS"),
+    Setting("--shard-files", choice("auto", "1", "2"), "auto",
+            "the most files one shard is written as (two are encoded side by side); auto: 2 with two or more "
+            "cores"),
+    Setting("--shard-split-mib", number(ge=0), 24.0,
+            "record payload from which a shard is written as two files (with --shard-files 2 or auto), MiB",
+            metavar="MIB"),
     Setting("--host", text("an address"), "127.0.0.1", "gRPC bind address"),
     Setting("--port", optional(PORT), 7433, "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only. "
             "Default 7433, but off beside --unix-socket without --auth-tokens (give --port to listen on TCP too)"),
@@ -388,6 +394,9 @@ def config_from_args(ns: argparse.Namespace) -> Any:
         wal_retry_s=ns.wal_retry,
         grace_s=ns.grace,
         storage_timeout_s=ns.storage_timeout,
+        storage_retry_deadline_s=ns.storage_retry_deadline,
+        shard_files=None if ns.shard_files == "auto" else int(ns.shard_files),
+        shard_split_min_bytes=int(ns.shard_split_mib * MiB),
         shm_dir=ns.shm_dir,
         max_shm_pool_bytes=ns.max_shm_pool_mib * MiB,
         socket_group=ns.socket_group,
@@ -438,7 +447,7 @@ def tune_malloc() -> bool:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # <malloc.h>
         mmap_ok = libc.mallopt(m_mmap_threshold, 32 << 20)
-        if "MALLOC_ARENA_MAX" not in os.environ:
+        if read_env(MALLOC_ARENA_MAX) is None:
             libc.mallopt(m_arena_max, 1)
         return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
     except (OSError, AttributeError):
@@ -470,7 +479,6 @@ def run(ns: argparse.Namespace) -> int:
         print(f"tracestore serve needs the server extra ({exc}): pip install 'tracestore[server]'", file=sys.stderr)
         return 2
     from tracestore.errors import TraceStoreError
-    from tracestore.storage.fs import RETRY_DEADLINE_ENV
 
     try:
         resolve(ns)
@@ -479,8 +487,6 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("tracestore.server")
-    # the Store the sidecar makes reads its retry deadline from here (tracestore.storage.fs.Storage)
-    os.environ[RETRY_DEADLINE_ENV] = repr(ns.storage_retry_deadline)
     try:
         cfg = config_from_args(ns)
     except TraceStoreError as exc:

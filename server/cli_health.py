@@ -26,7 +26,18 @@ import argparse
 import os
 import sys
 
-from tracestore.settings import Kind, Setting, add_settings, number, optional, text
+from tracestore.settings import (
+    GRPC_VERBOSITY,
+    SERVE_PORT,
+    SERVE_UNIX_SOCKET,
+    Kind,
+    Setting,
+    add_settings,
+    number,
+    optional,
+    read_env,
+    text,
+)
 
 LIVENESS = "tracestore.v1.Liveness"  # the same name as server/rpc/service.py (a test keeps them equal)
 DEFAULT_PORT = 7433
@@ -34,12 +45,10 @@ DEFAULT_PORT = 7433
 
 def default_target(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
     """``unix://<abs path>`` of ``TRACESTORE_UNIX_SOCKET`` when set, else ``127.0.0.1:<TRACESTORE_PORT or 7433>``."""
-    env = os.environ if environ is None else environ
-    sock = env.get("TRACESTORE_UNIX_SOCKET", "").strip()
-    if sock and sock.lower() not in ("none", "off"):
-        return "unix://" + os.path.abspath(sock)
-    port = env.get("TRACESTORE_PORT", "").strip() or str(DEFAULT_PORT)
-    return f"127.0.0.1:{port}"
+    sock = read_env(SERVE_UNIX_SOCKET, environ)
+    if sock:
+        return "unix://" + os.path.abspath(sock.strip())
+    return f"127.0.0.1:{read_env(SERVE_PORT, environ)}"
 
 
 def grpc_target(target: str) -> str:
@@ -118,8 +127,8 @@ def run(ns: argparse.Namespace) -> int:
         print(f"tracestore health: {exc}", file=sys.stderr)
         return 2
     target = ns.target or default_target()
-    if "grpc" not in sys.modules:  # grpc's C core would log the connection failure again, over several lines
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    if "grpc" not in sys.modules and read_env(GRPC_VERBOSITY) is None:
+        os.environ["GRPC_VERBOSITY"] = "NONE"  # grpc's C core would log the connection failure again
     try:
         rc, line = check(target, ns.service, ns.timeout)
     except ImportError as exc:

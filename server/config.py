@@ -7,6 +7,7 @@ import ipaddress
 from typing import Any
 
 from tracestore.errors import ConfigError
+from tracestore.storage.config import StorageConfig
 
 MiB = 1 << 20
 # Threads beyond the Write streams: Read and Seal together take at most workers - HEALTH_THREADS
@@ -82,6 +83,9 @@ class ServerConfig:
     one team cannot take every slot from the others.
     ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
     64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
+    ``storage_timeout_s``, ``storage_retry_deadline_s``, ``shard_files`` and
+    ``shard_split_min_bytes`` make the :class:`~tracestore.storage.config.StorageConfig` of the
+    sidecar's ``Store`` (:meth:`storage_config`).
     ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
     (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
     """
@@ -124,6 +128,9 @@ class ServerConfig:
     wal_retry_s: float = 1.0
     grace_s: float = 30.0
     storage_timeout_s: float = 60.0
+    storage_retry_deadline_s: float = 30.0
+    shard_files: int | None = None  # None: 2 on a machine with two or more cores, else 1
+    shard_split_min_bytes: int = 24 * MiB
     shm_dir: str = "/dev/shm"
     max_shm_pool_bytes: int = 64 * 1024 * MiB  # largest writer staging pool the sidecar opens
     # The unix socket's group (name or gid; its members may connect and their shm pools are read)
@@ -134,6 +141,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self._check_security()
+        self.storage_config()  # its own checks, named after its fields
         for name in (
             "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes",
             "max_shm_pool_bytes",
@@ -203,6 +211,15 @@ class ServerConfig:
                 f"({self.memory_budget_bytes}): the budget keeps room for two copies of a message that gRPC "
                 "makes while it delivers it, besides the message being read"
             )
+
+    def storage_config(self) -> StorageConfig:
+        """The :class:`StorageConfig` of the sidecar's ``Store``."""
+        return StorageConfig(
+            timeout_s=self.storage_timeout_s,
+            retry_deadline_s=self.storage_retry_deadline_s,
+            shard_files=self.shard_files,
+            split_min_bytes=self.shard_split_min_bytes,
+        )
 
     @property
     def writers_per_identity(self) -> int:

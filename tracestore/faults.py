@@ -26,6 +26,8 @@ import os
 import signal
 import threading
 
+from tracestore.settings import FAULT, read_env
+
 POINTS = (
     "commit.planned",
     "commit.plan_synced",
@@ -53,7 +55,7 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
     return name, count
 
 
-_TARGET = _parse(os.environ.get("TRACESTORE_FAULT"))
+_TARGET = _parse(read_env(FAULT))
 _hits = 0
 _lock = threading.Lock()
 

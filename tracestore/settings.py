@@ -399,3 +399,103 @@ def env_default(flag: str, default: Any) -> Any:
         owner = _REGISTERING[-1] if _REGISTERING else ""
         _DEFERRED.setdefault(owner, []).append(f"{name}={raw!r}: expected {kind.expected}")
         return default
+
+
+# ---------------------------------------------------------------------------- library variables
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """An environment variable the library reads outside a subcommand's settings (a recorder in a
+    rollout process, a kernel module, a crash point). ``kind`` converts the text; an unset or
+    empty variable gives ``default``."""
+
+    name: str
+    kind: Kind
+    default: Any
+    help: str
+    secret: bool = False
+
+
+ENVIRONMENT: dict[str, EnvVar] = {}
+"""Every variable :func:`read_env` reads, by name (``docs/operations.md`` lists them)."""
+
+
+def env_var(name: str, kind: Kind, default: Any, help: str, *, secret: bool = False) -> EnvVar:
+    """Declare a library variable (once per name)."""
+    if name in ENVIRONMENT:
+        raise ValueError(f"environment variable {name} is declared twice")
+    var = EnvVar(name, kind, default, help, secret)
+    ENVIRONMENT[name] = var
+    return var
+
+
+def read_env(var: EnvVar, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of ``var`` in ``environ`` (default: the process environment), converted by its
+    kind; ``var.default`` when unset or blank. A value that does not convert raises
+    :class:`ConfigError` naming the variable, the value and what is expected."""
+    if ENVIRONMENT.get(var.name) is not var:
+        raise KeyError(f"{var.name} is not a declared library variable (tracestore.settings.env_var)")
+    raw = (os.environ if environ is None else environ).get(var.name)
+    if raw is None or not raw.strip():
+        return var.default
+    try:
+        return var.kind(raw)
+    except (ValueError, TypeError) as exc:
+        detail = str(exc) if str(exc) and not var.secret and "invalid literal" not in str(exc) else ""
+        more = f" ({detail})" if detail else ""
+        shown = _shown(raw, var.secret)
+        raise ConfigError(f"{var.name}={shown}: expected {var.kind.expected}{more}") from None
+
+
+def _token(raw: Any) -> str:
+    if not isinstance(raw, str) or any(c.isspace() for c in raw.strip()):
+        raise ValueError
+    return raw.strip()
+
+
+TOKEN = env_var(
+    "TRACESTORE_TOKEN",
+    Kind("a bearer token without whitespace", _token),
+    None,
+    "the bearer token clients send when none is given",
+    secret=True,
+)
+SHM_GROUP = env_var(
+    "TRACESTORE_SHM_GROUP",
+    text("a group name or number"),
+    None,
+    "the group of a recorder's shared staging pools (a sidecar of another user in that group maps them)",
+)
+RECORDER_COPY = env_var(
+    "TRACESTORE_RECORDER_COPY",
+    choice("auto", "driver", "torch"),
+    "auto",
+    "how a recorder copies device rows to its staging: the CUDA driver where it loads (auto, driver) or torch",
+)
+GUIDED_TABLE = env_var(
+    "TRACESTORE_GUIDED_TABLE",
+    SWITCH,
+    False,
+    "run the general table kernel for b = 1 'bracket' guided rounding instead of guided_b1",
+)
+FAULT = env_var(
+    "TRACESTORE_FAULT",
+    text("<point>[:<n>]"),
+    None,
+    "a crash point for fault tests: the process SIGKILLs itself the n-th time it passes <point>",
+)
+RECORD = env_var(
+    "TRACESTORE_RECORD",
+    text("the engine plugins' recording setting"),
+    None,
+    "turns the vLLM / SGLang plugins on: sidecar address, run and policy version",
+)
+SERVE_UNIX_SOCKET = env_var(
+    "TRACESTORE_UNIX_SOCKET", optional(text("a socket path")), None, "the sidecar's unix socket (serve, health)"
+)
+SERVE_PORT = env_var("TRACESTORE_PORT", integer(1, 65535), 7433, "the sidecar's TCP port (serve, health)")
+MALLOC_ARENA_MAX = env_var(
+    "MALLOC_ARENA_MAX", integer(1), None, "glibc's arena limit; when unset the sidecar uses one arena"
+)
+GRPC_VERBOSITY = env_var("GRPC_VERBOSITY", text("a gRPC log level"), None, "gRPC core's log level")

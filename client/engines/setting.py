@@ -23,6 +23,7 @@ from typing import Literal
 from tracestore.errors import ConfigError
 from tracestore.formats import check_bits
 from tracestore.records import validate_id, validate_version
+from tracestore.settings import RECORD, read_env
 
 ENV = "TRACESTORE_RECORD"
 SiteChoice = Literal["moe", "all"]
@@ -88,8 +89,8 @@ def parse_setting(text: str) -> RecordSetting:
 
 def setting_from_env(environ: dict[str, str] | None = None) -> RecordSetting | None:
     """The setting from ``TRACESTORE_RECORD``; None when it is unset or blank (recording off)."""
-    text = (os.environ if environ is None else environ).get(ENV, "").strip()
-    return parse_setting(text) if text else None
+    text = read_env(RECORD, environ)
+    return parse_setting(text.strip()) if text else None
 
 
 def check_engine_version(engine: str, installed: str, validated: tuple[str, ...]) -> None:

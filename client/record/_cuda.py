@@ -30,10 +30,10 @@ Function signatures: CUDA Driver API reference, "Stream Management", "Event Mana
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 from tracestore.errors import TraceStoreError
+from tracestore.settings import RECORDER_COPY, read_env
 
 _CU_EVENT_DISABLE_TIMING = 0x2
 _CUDA_ERROR_NOT_READY = 600
@@ -158,7 +158,7 @@ def driver() -> Driver | None:
     """The process's :class:`Driver`, or None where the CUDA driver library cannot be used."""
     if not _DRIVER:
         d: Driver | None = None
-        if os.environ.get("TRACESTORE_RECORDER_COPY", "").strip().lower() != "torch":
+        if read_env(RECORDER_COPY) != "torch":
             try:
                 d = Driver(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
             except (OSError, AttributeError):

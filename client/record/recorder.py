@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from tracestore.client.transport import resolve_token
 from tracestore.errors import ConfigError, ShapeError, TraceStoreError, ValidationError
 from tracestore.identity import as_token_ids
 from tracestore.records import PrefixLink, RunSpec, validate_id, validate_version
+from tracestore.settings import SHM_GROUP, read_env
 from tracestore.site_output import SiteOutput, check_array, per_row_g
 
 from .chunks import ChunkBuilder
@@ -53,7 +53,7 @@ from .outbox import Outbox
 from .session import WriterFencedError, WriteSession
 from .slab import SegmentCheck, Segments, SlabStage
 from .slab_queue import LONG_SEGMENT, RecorderStageHost, SlabQueue
-from .staging import GROUP_ENV, StagingPool, socket_group
+from .staging import StagingPool, socket_group
 from .traceref import SealLedger
 
 log = logging.getLogger("tracestore.client")
@@ -144,7 +144,7 @@ class RolloutRecorder:
         self.reconnect_backoff_s = cfg.reconnect_backoff_s
         self.reconnect_cap_s = cfg.reconnect_cap_s
         shared = address.startswith("unix:") if shared_memory is None else bool(shared_memory)
-        if shared and shm_group is None and not os.environ.get(GROUP_ENV):
+        if shared and shm_group is None and read_env(SHM_GROUP) is None:
             shm_group = socket_group(address)
         self.pool = StagingPool(staging_bytes, shared=shared, shm_dir=shm_dir, group=shm_group)
         self._np = np.frombuffer(self.pool.mm, dtype=np.uint8)

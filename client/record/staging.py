@@ -29,6 +29,7 @@ from typing import Any
 from tracestore.client.transport import unix_socket_path
 
 from tracestore.errors import ConfigError
+from tracestore.settings import SHM_GROUP, read_env
 
 log = logging.getLogger("tracestore.client")
 
@@ -122,8 +123,8 @@ class StagingPool:
         self.path: Path | None = None
         self._owner_fd = -1
         self.stale_removed = 0  # pools of dead recorders removed from shm_dir when this one was made
-        if group is None and os.environ.get(GROUP_ENV):
-            group = os.environ[GROUP_ENV]
+        if group is None:
+            group = read_env(SHM_GROUP)
         self.group = None if group is None or not shared else resolve_group(group)
         if shared:
             self.stale_removed = sweep_stale_pools(shm_dir)

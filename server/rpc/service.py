@@ -404,7 +404,7 @@ class Sidecar:
             from tracestore.storage.store import Store
 
             self._store = Store(
-                cfg.storage, cfg.storage_options, timeout=cfg.storage_timeout_s, on_event=self._storage_event
+                cfg.storage, cfg.storage_options, config=cfg.storage_config(), on_event=self._storage_event
             )
             self._store.remove_stale_temp_files()  # left by writers killed mid-publish (local disk only)
         self.engine = Engine(cfg, self._store, self.metrics)

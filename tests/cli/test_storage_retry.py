@@ -1,6 +1,6 @@
 """Storage retries (tracestore.storage.fs.Storage.call, tenacity): exponential backoff with jitter, at most
-``retries`` retries, and no retry started after the total deadline (argument or
-TRACESTORE_STORAGE_RETRY_DEADLINE)."""
+``retries`` retries, and no retry started after the total deadline (the argument; the sidecar's
+from ``--storage-retry-deadline``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import time
 import pytest
 
 from tracestore.errors import ConfigError, StorageError
+from tracestore.cli import build_parser
+from tracestore.server.cli import config_from_args
+from tracestore.settings import resolve
+from tracestore.storage.config import StorageConfig
 from tracestore.storage.fs import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_ENV, Storage, backoff_wait
+from tracestore.storage.store import Store
 
 
 class _Flaky:
@@ -76,12 +81,20 @@ def test_permanent_errors_are_not_retried() -> None:
     assert len(calls) == 1 and st.stats["retries"] == 0
 
 
-def test_deadline_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(RETRY_DEADLINE_ENV, raising=False)
-    assert Storage("memory://d0").retry_deadline == DEFAULT_RETRY_DEADLINE_S
+def test_deadline_comes_from_the_sidecars_settings_not_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(RETRY_DEADLINE_ENV, "2.5")
-    assert Storage("memory://d1").retry_deadline == 2.5
-    assert Storage("memory://d2", retry_deadline=7).retry_deadline == 7.0  # the argument wins
+    # the storage package reads no environment: a Storage made without a deadline has the default
+    assert Storage("memory://d0").retry_deadline == DEFAULT_RETRY_DEADLINE_S
+    assert Storage("memory://d2", retry_deadline=7).retry_deadline == 7.0
+    # the sidecar's setting (flag > variable > file) travels in its StorageConfig to its Store
+    cfg = config_from_args(build_parser().parse_args(["serve"]))
+    assert cfg.storage_config().retry_deadline_s == 2.5
+    store = Store("memory://d3", config=cfg.storage_config())
+    assert store.storage.retry_deadline == 2.5
+    cfg = config_from_args(build_parser().parse_args(["serve", "--storage-retry-deadline", "4"]))
+    assert Store("memory://d4", config=cfg.storage_config()).storage.retry_deadline == 4.0
     monkeypatch.setenv(RETRY_DEADLINE_ENV, "soon")
-    with pytest.raises(ConfigError, match=f"{RETRY_DEADLINE_ENV}='soon': expected a number of seconds > 0"):
-        Storage("memory://d3")
+    with pytest.raises(ConfigError, match=f"{RETRY_DEADLINE_ENV}='soon': expected a number > 0"):
+        config_from_args(resolve(build_parser().parse_args(["serve"])))
+    with pytest.raises(ConfigError, match="StorageConfig.retry_deadline_s=0: expected a number of seconds > 0"):
+        StorageConfig(retry_deadline_s=0)

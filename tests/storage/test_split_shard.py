@@ -180,18 +180,31 @@ def test_default_policy_splits_only_large_shards_of_large_chunks(tmp_path, monke
 
 
 def test_settings_and_refusals(tmp_path, monkeypatch):
+    from tracestore.cli import build_parser
+    from tracestore.server.cli import config_from_args
+    from tracestore.settings import resolve
+
+    def serve_config():
+        return config_from_args(resolve(build_parser().parse_args(["serve"])))
+
     monkeypatch.setenv(SHARD_FILES_ENV, "1")
     monkeypatch.setenv(SPLIT_MIB_ENV, "0.5")
-    assert (default_shard_files(), default_split_min_bytes()) == (1, 1 << 19)
-    assert Store(f"file://{tmp_path}/a").shard_files == 1
+    # the library reads no variable; the sidecar's settings do, and hand them to its Store
+    assert (default_shard_files(), default_split_min_bytes()) == (
+        2 if (os.cpu_count() or 1) >= 2 else 1,
+        SPLIT_MIN_BYTES,
+    )
+    store = Store(f"file://{tmp_path}/a", config=serve_config().storage_config())
+    assert (store.shard_files, store.split_min_bytes) == (1, 1 << 19)
     for bad_files in ("3", "two"):
         monkeypatch.setenv(SHARD_FILES_ENV, bad_files)
-        with pytest.raises(ConfigError, match=SHARD_FILES_ENV):
-            default_shard_files()
+        with pytest.raises(ConfigError, match=f"{SHARD_FILES_ENV}='{bad_files}': expected one of auto, 1, 2"):
+            serve_config()
+    monkeypatch.setenv(SHARD_FILES_ENV, "auto")
     for bad_mib in ("-1", "inf", "x"):
         monkeypatch.setenv(SPLIT_MIB_ENV, bad_mib)
         with pytest.raises(ConfigError, match=SPLIT_MIB_ENV):
-            default_split_min_bytes()
+            serve_config()
     monkeypatch.delenv(SHARD_FILES_ENV)
     monkeypatch.delenv(SPLIT_MIB_ENV)
     with pytest.raises(ValidationError, match="shard_files"):

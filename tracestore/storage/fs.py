@@ -6,10 +6,10 @@ makes s3fs PUTs hang forever, so a hang surfaces here as
 :class:`~tracestore.errors.StorageError` instead. Transient failures (timeouts, connection
 errors, other ``OSError`` that is not "not found / exists / permission") are retried (tenacity)
 with exponential backoff and jitter, at most ``retries`` times and never starting a retry later
-than ``retry_deadline`` seconds after the first attempt began (default 30 s, or
-``TRACESTORE_STORAGE_RETRY_DEADLINE``); each retry and each final error is counted in
-:attr:`Storage.stats` and reported to ``on_event(kind, op, detail)`` so a server can feed its
-metrics without this module importing prometheus.
+than ``retry_deadline`` seconds after the first attempt began (default 30 s); each retry and
+each final error is counted in :attr:`Storage.stats` and reported to
+``on_event(kind, op, detail)`` so a server can feed its metrics without this module importing
+prometheus.
 
 Publishing is create-only on every backend (never a partial object, never a replaced one): S3
 and memory get one PUT of the whole bytes (``If-None-Match: *``); local disk gets a temp file in
@@ -27,8 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
-import math
-import os
 import queue
 import threading
 import time
@@ -42,37 +40,22 @@ import tenacity
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from tracestore.errors import ConfigError, ConflictError, NotFoundError, StorageError, TraceStoreError
+from tracestore.errors import ConflictError, NotFoundError, StorageError, TraceStoreError
 from tracestore.storage.aio import read_unread_body_errors
+from tracestore.storage.config import DEFAULT_RETRY_DEADLINE_S
 from tracestore.storage.local import ShardFile, publish_local, write_all
 
 T = TypeVar("T")
 EventHook = Callable[[str, str, str], None]
 """``on_event(kind, op, detail)``; kind is ``"retry"``, ``"timeout"`` or ``"error"``."""
 
-DEFAULT_RETRY_DEADLINE_S = 30.0
 RETRY_DEADLINE_ENV = "TRACESTORE_STORAGE_RETRY_DEADLINE"
-"""The variable that sets the retry deadline of every :class:`Storage` made without one."""
-
-
-def env_number(name: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
-    """The finite number in ``$name`` that ``ok`` accepts (``default`` when unset or empty);
-    anything else is a :class:`ConfigError` saying what was ``expected``."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and ok(value)):
-        raise ConfigError(f"{name}={raw!r}: expected {expected}")
-    return value
+"""The variable of ``tracestore serve --storage-retry-deadline`` (read by the settings layer)."""
 
 
 def default_retry_deadline() -> float:
-    """``TRACESTORE_STORAGE_RETRY_DEADLINE`` when set, else :data:`DEFAULT_RETRY_DEADLINE_S`."""
-    return env_number(RETRY_DEADLINE_ENV, DEFAULT_RETRY_DEADLINE_S, lambda v: v > 0, "a number of seconds > 0")
+    """The retry deadline of a :class:`Storage` made without one: :data:`DEFAULT_RETRY_DEADLINE_S`."""
+    return DEFAULT_RETRY_DEADLINE_S
 
 
 def backoff_wait(backoff: float, max_backoff: float) -> tenacity.wait.wait_base:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -36,11 +35,10 @@ from tracestore import faults as _faults
 from tracestore.errors import ConfigError, ConflictError, NotFoundError, ValidationError
 from tracestore.records import PrefixLink, RecordChunk, RunSpec, TrajectorySeal, validate_id, validate_version
 from tracestore.storage.catalog import STALE_TEMP_AGE_S, Catalog
-from tracestore.storage.fs import EventHook, Storage, env_number
+from tracestore.storage.config import SPLIT_MIN_BYTES, SPLIT_MIN_CHUNK_BYTES, StorageConfig
+from tracestore.storage.fs import EventHook, Storage
 from tracestore.storage.manifest import Manifest
 from tracestore.storage.shard_write import (
-    MIN_ROW_GROUP_BYTES,
-    ROW_GROUP_BYTES,
     BytesSink,
     ShardPart,
     check_shard_inputs,
@@ -71,32 +69,19 @@ PART_SEQ_STRIDE = 10**18
 numbers from here up, so the two ranges never meet (a sidecar's numbers, microseconds since 1970,
 reach 10**18 in the year 33658)."""
 SHARD_FILES_ENV = "TRACESTORE_SHARD_FILES"
+"""The variable of ``tracestore serve --shard-files`` (read by the settings layer, not here)."""
 SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
-SPLIT_MIN_BYTES = 24 << 20
-"""Default payload from which a write is split into two files written side by side (below it one
-file: two cost ~25% more CPU, which the sidecar's ingest pays)."""
-# 2 cores, one file / two: 30 MiB on memory:// 51.3 / 38.6 ms, local disk 135 / 94; 15 MiB: 31.3 / 29.2, 37.9 / 38.8
-SPLIT_MIN_CHUNK_BYTES = 32 << 10
-"""Only shards whose chunks hold this many bytes on average are split: the per-chunk work (checks,
-sort, index, manifest) holds the GIL, so a shard of small chunks gains nothing from a second
-encoder and loses the cost of cutting it in two (case ``split``, 60 MiB: 24 KiB chunks 1.00 local,
-1.05 memory://; 48 KiB chunks 1.02 / 1.29; a decode shard of one-token chunks, 0.4 KiB: 0.82 / 0.94)."""
+"""The variable of ``tracestore serve --shard-split-mib`` (read by the settings layer, not here)."""
 
 
 def default_shard_files() -> int:
-    """``TRACESTORE_SHARD_FILES`` (1 or 2) when set, else 2 on a machine with 2 or more cores, else 1."""
-    raw = os.environ.get(SHARD_FILES_ENV, "").strip()
-    if not raw:
-        return 2 if (os.cpu_count() or 1) >= 2 else 1
-    if raw not in ("1", "2"):
-        raise ConfigError(f"{SHARD_FILES_ENV}={raw!r}: expected 1 or 2 (the most files one shard is written as)")
-    return int(raw)
+    """The most files one shard is written as by default: 2 on a machine with 2 or more cores, else 1."""
+    return StorageConfig().files
 
 
 def default_split_min_bytes() -> int:
-    """``TRACESTORE_SHARD_SPLIT_MIB`` (MiB, >= 0) when set, else :data:`SPLIT_MIN_BYTES` (24 MiB)."""
-    mib = env_number(SPLIT_MIB_ENV, SPLIT_MIN_BYTES / (1 << 20), lambda v: v >= 0, "a number of MiB >= 0")
-    return int(mib * (1 << 20))
+    """The default payload from which a write is split in two: :data:`SPLIT_MIN_BYTES`."""
+    return SPLIT_MIN_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +108,13 @@ class ShardInfo:
 class Store(Catalog):
     """Record storage on an fsspec URL (``file://`` default, ``memory://``, ``s3://``...).
 
-    ``storage_options`` are passed to fsspec untouched; ``timeout`` bounds every storage call
-    (seconds); transient errors are retried ``retries`` times with jittered exponential backoff,
-    none starting after ``retry_deadline`` seconds (default: ``TRACESTORE_STORAGE_RETRY_DEADLINE``
-    or 30 s); ``on_event(kind, op,
-    detail)`` is called on each retry / timeout / error (for metrics). ``stats`` counts them.
-
-    ``shard_files`` (1 or 2), ``split_min_bytes``, ``split_min_chunk_bytes``: a
-    :meth:`write_shard` of at least ``split_min_bytes`` of record payload, in chunks of at least
-    ``split_min_chunk_bytes`` on average, is written as two shard files encoded side by side when
-    ``shard_files`` is 2 (defaults: :func:`default_shard_files`, :func:`default_split_min_bytes`,
-    :data:`SPLIT_MIN_CHUNK_BYTES`).
+    ``storage_options`` are passed to fsspec untouched. ``config`` (a
+    :class:`~tracestore.storage.config.StorageConfig`; default: its defaults) holds the timeouts,
+    retries and shard-splitting knobs; the keyword arguments ``timeout``, ``retries``,
+    ``retry_deadline``, ``shard_files``, ``split_min_bytes``, ``split_min_chunk_bytes``,
+    ``row_group_bytes`` and ``min_row_group_bytes`` replace single fields of it (an invalid one
+    raises :class:`~tracestore.errors.ValidationError`). ``on_event(kind, op, detail)`` is called on
+    each retry / timeout / error (for metrics); ``stats`` counts them.
 
     Listing, the manifest and footer caches, retention and the stale-temp sweep come from
     :class:`~tracestore.storage.catalog.Catalog`.
@@ -144,29 +125,42 @@ class Store(Catalog):
         url: str = "file://./tracestore-data",
         storage_options: dict[str, Any] | None = None,
         *,
-        timeout: float = 60.0,
-        retries: int = 3,
+        config: StorageConfig | None = None,
         on_event: EventHook | None = None,
-        row_group_bytes: int = ROW_GROUP_BYTES,
-        min_row_group_bytes: int = MIN_ROW_GROUP_BYTES,
+        timeout: float | None = None,
+        retries: int | None = None,
+        row_group_bytes: int | None = None,
+        min_row_group_bytes: int | None = None,
         retry_deadline: float | None = None,
         shard_files: int | None = None,
         split_min_bytes: int | None = None,
-        split_min_chunk_bytes: int = SPLIT_MIN_CHUNK_BYTES,
+        split_min_chunk_bytes: int | None = None,
     ) -> None:
+        given: dict[str, Any] = {
+            "timeout_s": timeout,
+            "retries": retries,
+            "row_group_bytes": row_group_bytes,
+            "min_row_group_bytes": min_row_group_bytes,
+            "retry_deadline_s": retry_deadline,
+            "shard_files": shard_files,
+            "split_min_bytes": split_min_bytes,
+            "split_min_chunk_bytes": split_min_chunk_bytes,
+        }
+        try:
+            cfg = dataclasses.replace(config or StorageConfig(), **{k: v for k, v in given.items() if v is not None})
+        except ConfigError as exc:
+            raise ValidationError(str(exc)) from None
+        self.config = cfg
         storage = Storage(
-            url, storage_options, timeout=timeout, retries=retries, on_event=on_event, retry_deadline=retry_deadline
-        )
+            url, storage_options, timeout=cfg.timeout_s, retries=cfg.retries, on_event=on_event,
+            retry_deadline=cfg.retry_deadline_s,
+        )  # fmt: skip
         super().__init__(storage, url)
-        self.row_group_bytes = int(row_group_bytes)
-        self.min_row_group_bytes = int(min_row_group_bytes)
-        self.shard_files = default_shard_files() if shard_files is None else int(shard_files)
-        if self.shard_files not in (1, 2):
-            raise ValidationError(f"shard_files must be 1 or 2, got {shard_files!r}")
-        self.split_min_bytes = default_split_min_bytes() if split_min_bytes is None else int(split_min_bytes)
-        if self.split_min_bytes < 0:
-            raise ValidationError(f"split_min_bytes must be >= 0, got {split_min_bytes!r}")
-        self.split_min_chunk_bytes = int(split_min_chunk_bytes)
+        self.row_group_bytes = cfg.row_group_bytes
+        self.min_row_group_bytes = cfg.min_row_group_bytes
+        self.shard_files = cfg.files
+        self.split_min_bytes = cfg.split_min_bytes
+        self.split_min_chunk_bytes = cfg.split_min_chunk_bytes
         self._runs: dict[str, RunSpec] = {}  # guarded by the catalog's lock
 
     def __repr__(self) -> str:
