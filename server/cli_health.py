@@ -15,9 +15,9 @@ reason (storage refusing commits, a failing WAL, a dead or stalled flusher); ``t
 goes NOT_SERVING only for what a restart mends (a dead flusher): probes watch that one.
 
 Settings (``--target``, ``--service``, ``--timeout``): flag, else ``TRACESTORE_<FLAG>``, else the
-``[health]`` table of a ``--config`` file, through :mod:`tracestore.settings` (standard library only, and
-``tomllib`` only when a config file is named). Only ``grpc`` and the health stubs are imported for
-the check, and only when it runs.
+``[health]`` table of a ``--config`` file, through :mod:`tracestore.settings` (standard library
+only, and ``tomllib`` only when a config file is named). Only ``grpc`` and the health stubs are
+imported for the check, and only when it runs.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ DEFAULT_PORT = 7433
 
 
 def default_target(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
-    """``unix://<abs path>`` of ``TRACESTORE_UNIX_SOCKET`` when set, else ``127.0.0.1:<TRACESTORE_PORT or 7433>``."""
+    """``unix://<abs path>`` of ``TRACESTORE_UNIX_SOCKET`` when set, else
+    ``127.0.0.1:<TRACESTORE_PORT or 7433>``."""
     sock = read_env(SERVE_UNIX_SOCKET, environ)
     if sock:
         return "unix://" + os.path.abspath(sock.strip())

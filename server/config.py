@@ -29,8 +29,8 @@ MAX_STREAM_WINDOW = 64 << 20
 # The least default share of Write streams per identity (--max-streams-per-identity unset): one
 # tensor-parallel engine's recorder processes (up to 8), one stream each.
 MIN_STREAMS_PER_IDENTITY = 8
-# Writers' shared-memory staging pools the sidecar keeps open at once (server/rpc/shm.py); with tokens
-# one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
+# Writers' shared-memory staging pools the sidecar keeps open at once (server/rpc/shm.py); with
+# tokens one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
 SHM_POOLS = 64
 # gRPC hands a received message over as one bytes object joined from copies of its buffer's slices,
 # while its buffers still hold the message: three copies at once (one 57 MiB message: +171 MiB of
@@ -63,31 +63,30 @@ class ServerConfig:
     Limits. ``max_streams``: open Write streams; one more is refused at once (RESOURCE_EXHAUSTED).
     ``workers``: gRPC threads for everything but Write streams (health, Stat, Seal, Read, streams
     refused over the cap): the server runs ``max_streams + workers`` threads, so idle recorders
-    never take the threads a health probe needs. Only :attr:`reading_streams` streams wait for
-    their next message at once (each has ``max_message_bytes`` of the memory budget reserved for
-    it); the others wait with nothing read, their bytes held back at the client by HTTP/2 flow
-    control. Two ``max_message_bytes`` more stay reserved for the whole run: gRPC joins each
-    received message from copies of its buffer's slices (one at a time, on its polling thread), so
-    for a moment that message takes three times its size. ``max_read_bytes``: the largest Read (plan rows x
-    row bytes of the sites read); a Read holds its size against the read budget, not the memory
-    budget, while it runs (``read_budget_bytes``; None: a quarter of the memory budget,
-    :attr:`read_budget`), and is cancelled once its caller has taken no response for
-    ``read_stall_s``. ``max_writers``: writer sessions one sidecar keeps (they are durable: fencing and ownership);
-    ``max_runs``: runs with records not committed yet (a committed run's entry is only its spec,
-    dropped when the slot is needed). With authentication, one identity holds at most
-    ``max_writers_per_identity`` sessions and ``max_runs_per_identity`` runs of those (None: a
-    quarter of the global limit, :attr:`writers_per_identity`, :attr:`runs_per_identity`), and
-    ``max_streams_per_identity`` open Write streams (None: a quarter of ``max_streams``, at least 8,
-    :attr:`streams_per_identity`), and ``max_shm_pools_per_identity`` of the :data:`SHM_POOLS`
-    shared-memory pools open at once (None: a quarter, :attr:`shm_pools_per_identity`), so that
-    one team cannot take every slot from the others.
-    ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None: gRPC's own,
-    64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
+    never take the threads a health probe needs. Only :attr:`reading_streams` streams wait for their
+    next message at once (each has ``max_message_bytes`` of the memory budget reserved for it); the
+    others wait with nothing read, their bytes held back at the client by HTTP/2 flow control. Two
+    ``max_message_bytes`` more stay reserved for the whole run: gRPC joins each received message
+    from copies of its buffer's slices (one at a time, on its polling thread), so for a moment that
+    message takes three times its size. ``max_read_bytes``: the largest Read (plan rows x row bytes
+    of the sites read); a Read holds its size against the read budget, not the memory budget, while
+    it runs (``read_budget_bytes``; None: a quarter of the memory budget, :attr:`read_budget`), and
+    is cancelled once its caller has taken no response for ``read_stall_s``. ``max_writers``: writer
+    sessions one sidecar keeps (they are durable: fencing and ownership); ``max_runs``: runs with
+    records not committed yet (a committed run's entry is only its spec, dropped when the slot is
+    needed). With authentication, one identity holds at most ``max_writers_per_identity`` sessions
+    and ``max_runs_per_identity`` runs of those (None: a quarter of the global limit,
+    :attr:`writers_per_identity`, :attr:`runs_per_identity`), and ``max_streams_per_identity`` open
+    Write streams (None: a quarter of ``max_streams``, at least 8, :attr:`streams_per_identity`),
+    and ``max_shm_pools_per_identity`` of the :data:`SHM_POOLS` shared-memory pools open at once
+    (None: a quarter, :attr:`shm_pools_per_identity`), so that one team cannot take every slot from
+    the others. ``stream_window_bytes``: the HTTP/2 receive window of each Write stream (None:
+    gRPC's own, 64 KiB); an open stream holds it against the memory budget (:attr:`stream_window`).
     ``storage_timeout_s``, ``storage_retry_deadline_s``, ``shard_files`` and
     ``shard_split_min_bytes`` make the :class:`~tracestore.storage.config.StorageConfig` of the
-    sidecar's ``Store`` (:meth:`storage_config`).
-    ``storage_unhealthy_s``: storage refusing every commit this long marks the sidecar degraded
-    (health NOT_SERVING). ``wal_retry_s``: pause between attempts to recover a failed write-ahead log.
+    sidecar's ``Store`` (:meth:`storage_config`). ``storage_unhealthy_s``: storage refusing every
+    commit this long marks the sidecar degraded (health NOT_SERVING). ``wal_retry_s``: pause between
+    attempts to recover a failed write-ahead log.
     """
 
     # repr=False: a storage URL may carry credentials (user:password@)
@@ -237,11 +236,11 @@ class ServerConfig:
 
     @property
     def streams_per_identity(self) -> int:
-        """Open Write streams one authenticated identity may hold: ``max_streams_per_identity``, else
-        a quarter of ``max_streams`` but at least :data:`MIN_STREAMS_PER_IDENTITY` (never more than
-        ``max_streams``): every recorder process holds a stream, and the unix socket's callers without
-        a token are all one identity, so a smaller default share would refuse one tensor-parallel
-        engine's recorders under a lowered ``--max-streams``."""
+        """Open Write streams one authenticated identity may hold: ``max_streams_per_identity``,
+        else a quarter of ``max_streams`` but at least :data:`MIN_STREAMS_PER_IDENTITY` (never more
+        than ``max_streams``): every recorder process holds a stream, and the unix socket's callers
+        without a token are all one identity, so a smaller default share would refuse one
+        tensor-parallel engine's recorders under a lowered ``--max-streams``."""
         v = self.max_streams_per_identity
         if v is not None:
             return v
@@ -272,8 +271,8 @@ class ServerConfig:
 
     @property
     def read_budget(self) -> int:
-        """Bytes all Reads in progress hold at once (their output and the slices being sent),
-        apart from the memory budget: ``read_budget_bytes``, else a quarter of ``memory_budget_bytes``."""
+        """Bytes all Reads in progress hold at once (their output and the slices being sent), apart
+        from the memory budget: ``read_budget_bytes``, else a quarter of ``memory_budget_bytes``."""
         v = self.read_budget_bytes
         return max(1024, self.memory_budget_bytes // 4) if v is None else v
 
@@ -302,12 +301,13 @@ class ServerConfig:
         return self.max_streams + 4 * self.workers
 
     def _check_security(self) -> None:
-        """Transport security and authentication (:mod:`tracestore.server.security.auth`). ``tls_cert`` +
-        ``tls_key``: TLS on the TCP port; with ``tls_client_ca`` clients must present a certificate
-        that CA signed. ``auth_tokens``: the token file; without one every caller may do everything,
-        so the sidecar then serves loopback and the unix socket only. ``unix_needs_token``: unix-socket
-        callers need tokens too (otherwise the socket file's permissions are the boundary). A host
-        other than loopback needs both TLS and tokens, or ``insecure=True`` to serve it anyway."""
+        """Transport security and authentication (:mod:`tracestore.server.security.auth`).
+        ``tls_cert`` + ``tls_key``: TLS on the TCP port; with ``tls_client_ca`` clients must present
+        a certificate that CA signed. ``auth_tokens``: the token file; without one every caller may
+        do everything, so the sidecar then serves loopback and the unix socket only.
+        ``unix_needs_token``: unix-socket callers need tokens too (otherwise the socket file's
+        permissions are the boundary). A host other than loopback needs both TLS and tokens, or
+        ``insecure=True`` to serve it anyway."""
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together (--tls-cert and --tls-key): give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -38,9 +38,9 @@ MAX_OWNED_TRAJECTORIES = 1 << 18
 
 
 class DedupeIndex:
-    """Chunks, seals, links and trajectory owners seen per (run, policy version, trajectory[, site]);
-    the owners' table is at ``owners_path`` (None: memory only). Not thread-safe: the engine calls
-    it with its lock held."""
+    """Chunks, seals, links and trajectory owners seen per (run, policy version, trajectory[,
+    site]); the owners' table is at ``owners_path`` (None: memory only). Not thread-safe: the engine
+    calls it with its lock held."""
 
     def __init__(self, versions: int, owners_path: Path | None = None) -> None:
         self.versions = versions
@@ -77,9 +77,9 @@ class DedupeIndex:
                 self._open.add((run, t))
 
     def restore_owners(self, msg: Message, identity: str | None) -> None:
-        """Replay of a DATA entry, committed or not: the trajectories ``msg`` writes are its writer's
-        owner's, ``identity`` (None: written with authentication off, nothing claimed), unless
-        someone owns them already."""
+        """Replay of a DATA entry, committed or not: the trajectories ``msg`` writes are its
+        writer's owner's, ``identity`` (None: written with authentication off, nothing claimed),
+        unless someone owns them already."""
         if identity is not None:
             self.owners.claim(trajectories(msg), identity)
 

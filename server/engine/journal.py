@@ -1,8 +1,8 @@
 """The engine's write-ahead log bookkeeping: what it appends, what waits for an fsync, which
 segments may go, and how it comes back from a failed log.
 
-The log itself (framing, fsync, segment files) is ``wal/log.py`` and its entry format ``message.py``;
-:class:`Journal` keeps what the engine needs on top of it:
+The log itself (framing, fsync, segment files) is ``wal/log.py`` and its entry format
+``message.py``; :class:`Journal` keeps what the engine needs on top of it:
 
 - the messages whose DATA entry waits for its fsync (:meth:`Journal.synced` hands them back
   once it returns: that is their acknowledgement);
@@ -111,9 +111,9 @@ class Journal:
         return self.wal.error is not None
 
     def replay(self, apply: Callable[[int, int, bytes], int]) -> int:
-        """Hand every intact entry, oldest first, to ``apply(segment, kind, payload)``; returns the sum
-        of what it returned. An entry it cannot decode stops the start naming its segment file and
-        byte offset (``WriteAheadLog.replay_into``)."""
+        """Hand every intact entry, oldest first, to ``apply(segment, kind, payload)``; returns the
+        sum of what it returned. An entry it cannot decode stops the start naming its segment file
+        and byte offset (``WriteAheadLog.replay_into``)."""
         kinds = {DATA: "DATA", STATE: "STATE", PLAN: "PLAN", DONE: "DONE", OWNER: "OWNER", CLAIMS: "CLAIMS"}
         return self.wal.replay_into(apply, kinds)
 
@@ -145,8 +145,8 @@ class Journal:
         return durable
 
     def plan(self, st: WriterState, shard: int, group: list[Message]) -> int:
-        """Log that ``group`` is shard ``shard`` of ``st``'s writer; returns the PLAN entry's ticket.
-        Raises StorageError (nothing logged) when the WAL refuses it."""
+        """Log that ``group`` is shard ``shard`` of ``st``'s writer; returns the PLAN entry's
+        ticket. Raises StorageError (nothing logged) when the WAL refuses it."""
         plan = Plan(st.run, st.writer, shard, [(m.epoch, m.seq) for m in group])
         _, ticket = self.wal.append(PLAN, [encode_entry(plan)])
         faults.point("commit.planned")
@@ -177,9 +177,9 @@ class Journal:
     def retire(self) -> None:
         """Delete WAL segments whose every message is committed — once the DONE entries saying so
         are durable (a crash before that replays the PLANs, and a PLAN whose messages were partly
-        deleted would rebuild a different shard under a committed shard's number: the sidecar
-        wedged on that conflict for good) — and, with trajectory owners, once every claim made so
-        far is in their table (the owners' writer thread deletes them then, off the engine's lock)."""
+        deleted would rebuild a different shard under a committed shard's number: the sidecar wedged
+        on that conflict for good) — and, with trajectory owners, once every claim made so far is in
+        their table (the owners' writer thread deletes them then, off the engine's lock)."""
         if self._done_backlog:
             return
         live = [s for s, n in self._outstanding.items() if n > 0]

@@ -75,11 +75,11 @@ class RunSlots:
         self._replayed.append((writer, message))
 
     def restore_replayed(self, queued: set[int], spec: Callable[[str], RunSpec]) -> None:
-        """After a replay: the runs whose replayed messages are still ``queued`` (``id()``s; not committed by
-        a later DONE) are busy and get their slots back, in log order, each held by the owner of the
-        first writer queued in it, so --max-runs(-per-identity) keeps bounding the busy runs and a
-        replayed run's writers keep their slot. No limit is checked: these were admitted before the
-        restart."""
+        """After a replay: the runs whose replayed messages are still ``queued`` (``id()``s; not
+        committed by a later DONE) are busy and get their slots back, in log order, each held by the
+        owner of the first writer queued in it, so --max-runs(-per-identity) keeps bounding the busy
+        runs and a replayed run's writers keep their slot. No limit is checked: these were admitted
+        before the restart."""
         for w, message in self._replayed:
             if id(message) in queued and w.run not in self.specs:
                 self.specs[w.run] = spec(w.run)

@@ -168,8 +168,8 @@ class Sessions:
 
     def admit(self, msg: Message, identity: str | None = None) -> tuple[WriterState, bool]:
         """The session ``msg`` belongs to and whether it was made now (the caller gives a new one
-        back with :meth:`discard` if the message is then refused); LimitError when a new one would be beyond
-        ``max_writers``, or beyond ``per_identity`` sessions held by ``identity``."""
+        back with :meth:`discard` if the message is then refused); LimitError when a new one would
+        be beyond ``max_writers``, or beyond ``per_identity`` sessions held by ``identity``."""
         st = self.writers.get((msg.run, msg.writer))
         if st is not None:
             return st, False

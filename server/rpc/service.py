@@ -448,8 +448,8 @@ class Sidecar:
             self._socket_id = (st.st_dev, st.st_ino)
             if self._peer_tokens is not None:
                 self._peer_endpoint = PeerEndpoint(cfg.unix_socket + PEER_SUFFIX, self._peer_tokens, gid, mode)
-            # Pools must be readable by everyone the socket admits (server/rpc/shm.py): its group, or
-            # only the sidecar's uid
+            # Pools must be readable by everyone the socket admits (server/rpc/shm.py): its group,
+            # or only the sidecar's uid
             self.shm.group = st.st_gid if mode & 0o020 else None
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server

@@ -31,8 +31,8 @@ token file may also authorize unix-socket peers by their uid or gid::
     gid:2000 read:*                            # or group:<name>: the peer's primary group
 
 Such a peer proves its uid and gid with a peer token from ``<unix socket>.peer``
-(``server/security/peer_auth.py``: the kernel's SO_PEERCRED, signed by the sidecar, valid a minute, good
-only on the unix socket); the uid's entry wins over the gid's, and the identity is named by the
+(``server/security/peer_auth.py``: the kernel's SO_PEERCRED, signed by the sidecar, valid a minute,
+good only on the unix socket); the uid's entry wins over the gid's, and the identity is named by the
 entry's name, else ``uid:<n>``/``gid:<n>``. With any such entry in the file, a unix-socket call
 without a token is refused.
 
@@ -103,8 +103,8 @@ UNIX_PEER = Identity("unix-socket", ("*",), ("*",), True)
 NOBODY = Identity("unauthenticated")
 
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("tracestore_caller", default=None)
-# The caller's identity as the token file says now (None: no longer accepted), for calls that outlive
-# a reload: an open Write stream asks it again and ends once its token is revoked.
+# The caller's identity as the token file says now (None: no longer accepted), for calls that
+# outlive a reload: an open Write stream asks it again and ends once its token is revoked.
 _RECHECK: contextvars.ContextVar[Callable[[], Identity | None] | None] = contextvars.ContextVar(
     "tracestore_recheck", default=None
 )

@@ -4,13 +4,13 @@ grpcio does not tell a handler who is at the other end of its unix socket (no SO
 sidecar serves a second, tiny socket beside it, ``<unix socket>.peer``, with the same group and
 mode. A client connects there; the kernel reports the connecting process's uid and gid
 (``SO_PEERCRED``, taken when it connected, so it cannot be forged); the sidecar answers one line, a
-token naming that uid and gid, valid :data:`TOKEN_TTL_S` seconds and signed (HMAC-SHA256) with a
-key that exists only in this sidecar's memory. The client sends it as its bearer token on its next
-gRPC call over the unix socket, and the interceptor (``server/security/auth.py``) checks the signature, the
-expiry and that the call came over the unix socket, then looks the uid up in the token file's
+token naming that uid and gid, valid :data:`TOKEN_TTL_S` seconds and signed (HMAC-SHA256) with a key
+that exists only in this sidecar's memory. The client sends it as its bearer token on its next gRPC
+call over the unix socket, and the interceptor (``server/security/auth.py``) checks the signature,
+the expiry and that the call came over the unix socket, then looks the uid up in the token file's
 ``uid:<n>`` / ``user:<name>`` entries, else the gid in its ``gid:<n>`` / ``group:<name>`` entries.
-The client fetches a fresh token for every call (one local round trip, tens of microseconds), so
-a token never outlives its use and a sidecar restart (a new key) costs only a call that raced it.
+The client fetches a fresh token for every call (one local round trip, tens of microseconds), so a
+token never outlives its use and a sidecar restart (a new key) costs only a call that raced it.
 
 The socket's group and mode decide who may connect at all; the uid and gid entries decide what
 each connecting user may do. Once the token file has any such entry, a unix-socket call without a

@@ -54,8 +54,8 @@ def encode(claims: Iterable[tuple[int, int]]) -> bytes:
 
 
 def read_marks(directory: Path) -> dict[int, int]:
-    """``{segment index: bytes durable}`` from ``directory/DURABLE``; empty when there is none or it is
-    empty (a log of an older sidecar, or none synced yet), and, with a warning, when it cannot be
+    """``{segment index: bytes durable}`` from ``directory/DURABLE``; empty when there is none or it
+    is empty (a log of an older sidecar, or none synced yet), and, with a warning, when it cannot be
     read or fails its CRC (a write a crash tore): replay then checks segments without it."""
     path = directory / MARK
     try:

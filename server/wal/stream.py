@@ -37,12 +37,12 @@ BLOCK = 4096  # O_DIRECT alignment (log.BLOCK)
 
 
 class StreamedEntries:
-    """The part of :class:`~tracestore.server.wal.log.WriteAheadLog` that copies an entry larger than
-    a buffer through its buffers (module docstring). The log's state it uses: the buffers
+    """The part of :class:`~tracestore.server.wal.log.WriteAheadLog` that copies an entry larger
+    than a buffer through its buffers (module docstring). The log's state it uses: the buffers
     (``_bufs``, ``_active``), the fill mark and the file offset of the active buffer's first byte
     (``_fill``, ``_base``), the condition the sync thread waits on, and two flags the sync thread
-    follows: ``_swap_wanted`` (take the active buffer now) and ``_writing`` (a buffer taken is
-    being written); ``_streaming`` keeps other appends out while an entry goes through."""
+    follows: ``_swap_wanted`` (take the active buffer now) and ``_writing`` (a buffer taken is being
+    written); ``_streaming`` keeps other appends out while an entry goes through."""
 
     _bufs: list[mmap.mmap]
     _fd: int
