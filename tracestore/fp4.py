@@ -72,8 +72,8 @@ def _f32(v: float | torch.Tensor) -> torch.Tensor:
 
 def sane_global_scales(g: torch.Tensor) -> torch.Tensor:
     """Decode-side NVFP4 g, elementwise, as records store and the trainer uses it (docs/numerics.md
-    §3): float32 ``g`` where it is a positive finite number, 1.0 where it is 0, -0, negative, ±inf or
-    NaN. Positive subnormals are kept bit for bit. Same shape and device as ``g``."""
+    §3): float32 ``g`` where it is a positive finite number, 1.0 where it is 0, -0, negative, ±inf
+    or NaN. Positive subnormals are kept bit for bit. Same shape and device as ``g``."""
     g = g.to(torch.float32)
     return torch.where((g > 0) & (g <= FLT_MAX), g, torch.ones_like(g))
 

@@ -3,8 +3,8 @@
 A sidecar that authorizes unix-socket peers by uid or gid (its token file lists ``uid:``/``gid:``
 entries) serves ``<unix socket>.peer`` beside its socket: a process that connects there gets one
 line back, a short-lived token naming the uid and gid the kernel reports for it, which it sends as
-its bearer token over the unix socket (the sidecar's side: ``server/security/peer_auth.py``; the client's
-channels do this for every call, ``client/transport.py``).
+its bearer token over the unix socket (the sidecar's side: ``server/security/peer_auth.py``; the
+client's channels do this for every call, ``client/transport.py``).
 """
 
 from __future__ import annotations

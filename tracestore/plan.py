@@ -108,8 +108,8 @@ class MicrobatchPlan:
         cu_seqlens: Sequence[int] | np.ndarray,
         offsets: Sequence[int] | None = None,
     ) -> MicrobatchPlan:
-        """Packed sequences (THD): sequence ``i`` occupies rows ``cu_seqlens[i]:cu_seqlens[i+1]`` and
-        holds the trajectory's tokens ``[offsets[i], offsets[i] + length)`` (offsets default 0).
+        """Packed sequences (THD): sequence ``i`` occupies rows ``cu_seqlens[i]:cu_seqlens[i+1]``
+        and holds the trajectory's tokens ``[offsets[i], offsets[i] + length)`` (offsets default 0).
 
         Rows after ``cu_seqlens[-1]`` are not part of the plan; a gap between sequences is an error.
         """
@@ -173,9 +173,9 @@ class MicrobatchPlan:
         """The rows that context-parallel rank ``cp_rank`` of ``cp_size`` holds of packed sequences.
 
         Each sequence is padded up to a multiple of ``2*cp_size`` (zig-zag) or ``cp_size`` and cut
-        into equal chunks; with ``zigzag=True`` (Megatron's load-balanced causal split) the rank gets
-        chunks ``r`` and ``2*cp_size-1-r``, otherwise chunk ``r``. Rows past a sequence's true length
-        are padding. Sequences are concatenated in order.
+        into equal chunks; with ``zigzag=True`` (Megatron's load-balanced causal split) the rank
+        gets chunks ``r`` and ``2*cp_size-1-r``, otherwise chunk ``r``. Rows past a sequence's true
+        length are padding. Sequences are concatenated in order.
         """
         if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
             raise ConfigError(f"cp_size must be an integer >= 1, got {cp_size!r}")

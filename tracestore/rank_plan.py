@@ -156,11 +156,11 @@ class TrainerLayout:
 
 @dataclasses.dataclass
 class RankRead:
-    """A rank's rows: ``rows[site]`` (:class:`~tracestore.storage.reader.SiteRows`, plan order), and what
-    fell back to RTN. ``rows_total`` counts non-padding rows over the sites read;
-    ``unguided_rows`` those without a record: unguided refs, masked missing records (``missing_rows``;
-    ``missing_refs``: guided refs whose trajectory has no seal on storage at all) and the final
-    positions of sealed trajectories (unrecorded by design, ``exempt_rows``)."""
+    """A rank's rows: ``rows[site]`` (:class:`~tracestore.storage.reader.SiteRows`, plan order), and
+    what fell back to RTN. ``rows_total`` counts non-padding rows over the sites read;
+    ``unguided_rows`` those without a record: unguided refs, masked missing records
+    (``missing_rows``; ``missing_refs``: guided refs whose trajectory has no seal on storage at all)
+    and the final positions of sealed trajectories (unrecorded by design, ``exempt_rows``)."""
 
     plan: RankPlan
     result: ReadResult
@@ -218,18 +218,18 @@ class RankPlan:
         return out
 
     def read(self, reader: StoreReader, *, check: bool = True, **kw: Any) -> RankRead:
-        """Read this rank's rows with ``reader`` (one :class:`~tracestore.storage.reader.StoreReader` per
-        rank). ``check``: first check the guided refs against their seals (token count, site set;
-        :func:`tracestore.traceref.check_refs`), so a forged or stale handle fails loudly
-        instead of misaligning. Rows whose record carries another policy version than its ref are
-        refused (ValidationError)."""
+        """Read this rank's rows with ``reader`` (one
+        :class:`~tracestore.storage.reader.StoreReader` per rank). ``check``: first check the guided
+        refs against their seals (token count, site set; :func:`tracestore.traceref.check_refs`), so
+        a forged or stale handle fails loudly instead of misaligning. Rows whose record carries
+        another policy version than its ref are refused (ValidationError)."""
         from tracestore.traceref import check_refs
 
         guided = [r for r in self.refs if r.guided]
         missing: list[str] = []
         if check:
-            # refreshes the refs' versions; a ref without a seal is missing, not misaligned: its rows
-            # are masked and counted with on_missing="rtn", refused with "error"
+            # refreshes the refs' versions; a ref without a seal is missing, not misaligned: its
+            # rows are masked and counted with on_missing="rtn", refused with "error"
             check_refs(guided, reader, missing="skip" if self.on_missing == "rtn" else "error")
             kw.setdefault("refresh", False)
             missing = [r.stored_id for r in guided if reader.seal(r.stored_id, {r.policy_version}) is None]

@@ -202,8 +202,8 @@ def check(
                 if not r.guided:
                     report["unguided"].append({"trajectory": r.stored_id, "reason": r.reason, "tokens": r.n_tokens})
                     continue
-                # all versions, newest winning as in a read of a step that mixes versions: a record of
-                # the trajectory in another version than its ref's shows up as wrong_version
+                # all versions, newest winning as in a read of a step that mixes versions: a record
+                # of the trajectory in another version than its ref's shows up as wrong_version
                 work.append((r.stored_id, 0, r.n_tokens, set(all_versions), r.policy_version))
         else:
             vs = set(all_versions if versions is None else versions)

@@ -1,5 +1,5 @@
-"""One version's manifests for ``tracestore inspect``: loaded as columns, what their chunks cover, and
-whether every sealed trajectory is complete.
+"""One version's manifests for ``tracestore inspect``: loaded as columns, what their chunks cover,
+and whether every sealed trajectory is complete.
 
 Completeness comes from the manifests alone (``--validate`` verifies the chunks themselves in
 :mod:`tracestore.cli.verify`): every sealed trajectory must have a record for every token of every

@@ -139,10 +139,10 @@ ARCHS: dict[str, Arch] = {
     "nemotron_h": Arch("n_routed_experts", "moe_intermediate_size", _nemotron_h),
     "jetmoe": Arch("num_local_experts", "intermediate_size", lambda spec: {"kv_channels": spec.head_dim}),
 }
-"""``--arch`` values: transformers MoE model types (llama4 and qwen3_5_moe build the text-only causal
-LM; qwen3_vl_moe the vision-language model, whose language model the hooks resolve to). Hybrids:
-jamba, granitemoehybrid, nemotron_h (Mamba), qwen3_next, qwen3_5_moe, minimax (linear attention),
-lfm2_moe (short convolutions); MLA: deepseek_v2, deepseek_v3."""
+"""``--arch`` values: transformers MoE model types (llama4 and qwen3_5_moe build the text-only
+causal LM; qwen3_vl_moe the vision-language model, whose language model the hooks resolve to).
+Hybrids: jamba, granitemoehybrid, nemotron_h (Mamba), qwen3_next, qwen3_5_moe, minimax (linear
+attention), lfm2_moe (short convolutions); MLA: deepseek_v2, deepseek_v3."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

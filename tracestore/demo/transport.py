@@ -61,8 +61,8 @@ def run_specs(modes: tuple[Mode, ...], sites: tuple[Any, ...], fmt: str) -> dict
 class ServiceTransport:
     """A context manager that runs ``tracestore serve`` and records/reads the demo's runs through it.
 
-    ``storage`` is a ``file://`` URL (default: ``<workdir>/store``); ``runs`` maps each TRACE mode to
-    its RunSpec. Use :meth:`on_forward` as the rollout's callback, then :meth:`finish`, then
+    ``storage`` is a ``file://`` URL (default: ``<workdir>/store``); ``runs`` maps each TRACE mode
+    to its RunSpec. Use :meth:`on_forward` as the rollout's callback, then :meth:`finish`, then
     :meth:`guidance` per mode.
     """
 
@@ -114,8 +114,8 @@ class ServiceTransport:
         return self
 
     def on_forward(self, start: int, end: int, slabs: Mapping[str, Any], rows: int, token_ids: Any = None) -> None:
-        """Record one rollout forward (``rows`` = batch x (end - start), batch-major) into every run;
-        ``token_ids`` [batch, end - start]: its input tokens, each chunk's token identity."""
+        """Record one rollout forward (``rows`` = batch x (end - start), batch-major) into every
+        run; ``token_ids`` [batch, end - start]: its input tokens, each chunk's token identity."""
         batch = rows // (end - start)
         segs = [(trajectory_id(i), start, end) for i in range(batch)]
         ids = None if token_ids is None else token_ids.reshape(-1)

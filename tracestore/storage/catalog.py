@@ -26,7 +26,8 @@ from tracestore.storage.manifest import Manifest, shard_name
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 _MANIFEST_FILE = re.compile(r"part-(\d+)\.manifest\.json")
-# the temp files our local publish writes next to its target (tracestore.storage.local): ".<name>.tmp-<uuid4 hex>"
+# the temp files our local publish writes next to its target (tracestore.storage.local):
+# ".<name>.tmp-<uuid4 hex>"
 _RUN_TEMP = re.compile(r"\.run\.json\.tmp-[0-9a-f]{32}")
 _SHARD_TEMP = re.compile(r"\.part-\d{8,}\.(?:parquet|manifest\.json)\.tmp-[0-9a-f]{32}")
 _NO_TEMP = re.compile(r"(?!)")  # version directories hold none

@@ -11,11 +11,12 @@ each final error is counted in :attr:`Storage.stats` and reported to
 ``on_event(kind, op, detail)`` so a server can feed its metrics without this module importing
 prometheus.
 
-Publishing is create-only on every backend (never a partial object, never a replaced one): S3
-and memory get one PUT of the whole bytes (``If-None-Match: *``); local disk gets a temp file in
-the target directory, fsync, a create-only ``link``, and an fsync of the directory
-(:func:`~tracestore.storage.local.publish_local`, the one local publish path). A shard on local disk is written straight
-into that temp file while it is encoded (:class:`~tracestore.storage.local.ShardFile`, :meth:`Storage.publish_stream`).
+Publishing is create-only on every backend (never a partial object, never a replaced one): S3 and
+memory get one PUT of the whole bytes (``If-None-Match: *``); local disk gets a temp file in the
+target directory, fsync, a create-only ``link``, and an fsync of the directory
+(:func:`~tracestore.storage.local.publish_local`, the one local publish path). A shard on local disk
+is written straight into that temp file while it is encoded
+(:class:`~tracestore.storage.local.ShardFile`, :meth:`Storage.publish_stream`).
 
 An async filesystem's event loop (fsspec's, shared by s3fs and the like) gets the handler of
 :func:`~tracestore.storage.aio.read_unread_body_errors`: a request body that a reset connection
@@ -54,7 +55,8 @@ RETRY_DEADLINE_ENV = "TRACESTORE_STORAGE_RETRY_DEADLINE"
 
 
 def default_retry_deadline() -> float:
-    """The retry deadline of a :class:`Storage` made without one: :data:`DEFAULT_RETRY_DEADLINE_S`."""
+    """The retry deadline of a :class:`Storage` made without one:
+    :data:`DEFAULT_RETRY_DEADLINE_S`."""
     return DEFAULT_RETRY_DEADLINE_S
 
 
@@ -149,11 +151,11 @@ class _PoolState:
 class DaemonPool:
     """A minimal executor whose workers are daemon threads.
 
-    A call stuck past its timeout (a black-holed S3 PUT never returns) is
-    abandoned by :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter
-    exit, so one such call kept a finished sidecar or test process alive for minutes or for ever.
-    Abandoning it at exit is safe: nothing is visible before its create-only publish. Workers
-    start on demand, up to ``workers``; they exit on :meth:`shutdown` or when the pool is collected."""
+    A call stuck past its timeout (a black-holed S3 PUT never returns) is abandoned by
+    :meth:`Storage.call`, but a ``ThreadPoolExecutor`` worker is joined at interpreter exit, so one
+    such call kept a finished sidecar or test process alive for minutes or for ever. Abandoning it
+    at exit is safe: nothing is visible before its create-only publish. Workers start on demand, up
+    to ``workers``; they exit on :meth:`shutdown` or when the pool is collected."""
 
     def __init__(self, workers: int, name: str) -> None:
         self._max = max(1, int(workers))
@@ -409,10 +411,10 @@ class Storage:
         return True
 
     def _bounded(self) -> dict[str, Any]:
-        """For an async filesystem (s3fs): the call's own ``timeout``, so that fsspec cancels a request
-        that outlives it. Left running, a PUT that timed out (storage black-holed) kept its body and
-        its upload copy for as long as the filesystem retried it, while the next attempt uploaded
-        another copy: every retry held another shard."""
+        """For an async filesystem (s3fs): the call's own ``timeout``, so that fsspec cancels a
+        request that outlives it. Left running, a PUT that timed out (storage black-holed) kept its
+        body and its upload copy for as long as the filesystem retried it, while the next attempt
+        uploaded another copy: every retry held another shard."""
         return {"timeout": self.timeout} if isinstance(self.fs, AsyncFileSystem) and not self.fs.asynchronous else {}
 
     def publish_stream(self, rel: str, produce: Callable[[ShardFile], T]) -> tuple[bool, T]:

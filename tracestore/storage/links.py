@@ -28,13 +28,13 @@ class LinkIndex:
     through links and to check every link followed against its source and against the linked
     trajectory's own records, seals and writer (the rules: :mod:`tracestore.storage.reader`).
 
-    ``add_manifest(path, m)`` indexes a manifest; :meth:`resolve` splits a trajectory's token
-    range into the pieces each owner trajectory holds. ``extent[(trajectory, version)]``: the
-    tokens a trajectory holds in a version (largest chunk end of any site, seal or own link);
+    ``add_manifest(path, m)`` indexes a manifest; :meth:`resolve` splits a trajectory's token range
+    into the pieces each owner trajectory holds. ``extent[(trajectory, version)]``: the tokens a
+    trajectory holds in a version (largest chunk end of any site, seal or own link);
     ``sealed[(trajectory, version)]``: its largest seal there. From manifests (not from bare
     :meth:`holds` calls) it also keeps, per trajectory and version, its lowest-starting own chunk
-    (``own``) and the writers of its own chunks and seals (``writers``: (writer, what) -> a manifest),
-    so that following a link costs a few dictionary lookups, never a look at rows.
+    (``own``) and the writers of its own chunks and seals (``writers``: (writer, what) -> a
+    manifest), so that following a link costs a few dictionary lookups, never a look at rows.
     """
 
     def __init__(self, run: str) -> None:

@@ -250,24 +250,23 @@ class StoreReader:
     ) -> ReadResult:
         """Read the records of ``plan`` (see the module docstring for the rules).
 
-        ``versions``: one version, several, or None for all of the run's versions. ``max_staleness``:
-        records of versions older than ``current_version - max_staleness`` (``current_version``
-        defaults to the newest version stored) are dropped (``stale="drop"``) or returned and
-        flagged in ``SiteRows.stale`` (``stale="flag"``). ``on_missing="error"`` raises
-        :class:`MissingRecordsError` naming trajectory, site and tokens; ``"mask"`` returns them
-        invalid. ``require_sealed`` demands a seal for every trajectory in the plan. ``hold_gil``:
-        short copies and CRCs keep the GIL, for a read in a background thread beside one that is
-        busy in Python (see :func:`~tracestore.storage.read_out._copy_held`); the default gives it
-        up and decodes faster alone.
-        ``out``: where each site's rows go (:class:`OutputArrays` of the shapes :meth:`layout`
-        gives, for every site read; default: one new buffer from Arrow's memory pool), e.g. rows of
-        a shared-memory block that another process maps (:mod:`tracestore.client.read.read_process`).
-        ``token_ids``: the trainer's token ids (a mapping trajectory -> ids from position 0, or one
-        array aligned with the plan's tokens when every segment starts at 0): every chunk that
-        carries its token identity is checked against them
-        (:mod:`tracestore.storage.identity_check`); on a difference ``on_mismatch="error"`` raises
-        :class:`~tracestore.errors.GuidanceMismatch` and ``"mask"`` returns that trajectory's rows
-        invalid, with the reason in ``stats.mismatched``.
+        ``versions``: one version, several, or None for all of the run's versions.
+        ``max_staleness``: records of versions older than ``current_version - max_staleness``
+        (``current_version`` defaults to the newest version stored) are dropped (``stale="drop"``)
+        or returned and flagged in ``SiteRows.stale`` (``stale="flag"``). ``on_missing="error"``
+        raises :class:`MissingRecordsError` naming trajectory, site and tokens; ``"mask"`` returns
+        them invalid. ``require_sealed`` demands a seal for every trajectory in the plan.
+        ``hold_gil``: short copies and CRCs keep the GIL, for a read in a background thread beside
+        one that is busy in Python (see :func:`~tracestore.storage.read_out._copy_held`); the
+        default gives it up and decodes faster alone. ``out``: where each site's rows go
+        (:class:`OutputArrays` of the shapes :meth:`layout` gives, for every site read; default: one
+        new buffer from Arrow's memory pool), e.g. rows of a shared-memory block that another
+        process maps (:mod:`tracestore.client.read.read_process`). ``token_ids``: the trainer's
+        token ids (a mapping trajectory -> ids from position 0, or one array aligned with the plan's
+        tokens when every segment starts at 0): every chunk that carries its token identity is
+        checked against them (:mod:`tracestore.storage.identity_check`); on a difference
+        ``on_mismatch="error"`` raises :class:`~tracestore.errors.GuidanceMismatch` and ``"mask"``
+        returns that trajectory's rows invalid, with the reason in ``stats.mismatched``.
         """
         if not isinstance(plan, MicrobatchPlan):
             plan = MicrobatchPlan(plan)

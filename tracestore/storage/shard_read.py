@@ -1,11 +1,12 @@
 """Reading a shard: verified decode of the row groups a read needs, and full verification.
 
-Every read verifies two layers. Parquet page checksums (written by :mod:`tracestore.storage.shard_write`)
-are verified by Arrow's decoder (``page_checksum_verification=True``, :func:`open_parquet`) on
-every backend, so a flipped byte inside a page, compressed or not, fails the decode. Every chunk's
-own checksum is then recomputed over the manifest's key and the decoded bytes and compared with
-the manifest's (:func:`read_chunks`), so a flipped byte, a truncated file or another shard's file
-in this place is a :class:`CorruptionError` naming the shard and the chunk.
+Every read verifies two layers. Parquet page checksums (written by
+:mod:`tracestore.storage.shard_write`) are verified by Arrow's decoder
+(``page_checksum_verification=True``, :func:`open_parquet`) on every backend, so a flipped byte
+inside a page, compressed or not, fails the decode. Every chunk's own checksum is then recomputed
+over the manifest's key and the decoded bytes and compared with the manifest's
+(:func:`read_chunks`), so a flipped byte, a truncated file or another shard's file in this place is
+a :class:`CorruptionError` naming the shard and the chunk.
 
 :func:`verify_shard` checks a whole shard at once (``tracestore inspect --validate``): every page,
 every key column and stored checksum against the manifest (as :class:`ManifestColumns`), every
@@ -120,8 +121,8 @@ def read_chunks(
     ``source`` several threads call it at once (it must be thread-safe). The chunk's arrays are
     views into the decoded batch: a caller that keeps a chunk keeps its batch's memory.
 
-    ``hold_gil``: the chunk CRCs of up to 1 MiB keep the GIL (for a read in a background
-    thread beside a thread that is busy in Python; see :func:`tracestore.storage.read_out._copy_held`).
+    ``hold_gil``: the chunk CRCs of up to 1 MiB keep the GIL (for a read in a background thread
+    beside a thread that is busy in Python; see :func:`tracestore.storage.read_out._copy_held`).
     """
     by_group: dict[int, list[ChunkEntry]] = {}
     for e in entries:
@@ -233,7 +234,8 @@ def _read_batch(
     on_chunk: Callable[[StoredChunk], None],
     hold_gil: bool = False,
 ) -> None:
-    """Decode some row groups, verify every wanted chunk and hand it on (see :func:`read_chunks`)."""
+    """Decode some row groups, verify every wanted chunk and hand it on (see
+    :func:`read_chunks`)."""
     try:
         with_ids = IDS_COLUMN in pf.schema_arrow.names
         columns = [*DATA_COLUMNS, IDS_COLUMN] if with_ids else DATA_COLUMNS
