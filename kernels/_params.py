@@ -89,8 +89,8 @@ def param_group(cls: type[G]) -> type[G]:
 
 
 def flat_fields(cls: type[_Fields]) -> tuple[tuple[str, str], ...]:
-    """(attribute path, annotation) of each kernel parameter a record holds, groups expanded, in order:
-    ``RecordKV`` gives ``("pool", "Tensor"), ..., ("out.codes_out", "Tensor"), ...``."""
+    """(attribute path, annotation) of each kernel parameter a record holds, groups expanded, in
+    order: ``RecordKV`` gives ``("pool", "Tensor"), ..., ("out.codes_out", "Tensor"), ...``."""
     out: list[tuple[str, str]] = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         group = GROUPS.get(f.type) if isinstance(f.type, str) else None

@@ -11,8 +11,9 @@ forwards get the same overlap.
 
 Joining is automatic for the recorder: ``stage_rows`` (``SlabStage.capture``),
 ``RolloutRecorder.record_slab`` and ``record_forward`` join every branch forked on the calling
-thread first (:func:`join_pending`). Anything else that reads the slab calls :meth:`RecordBranch.join`.
-A capture that forks and never joins fails at its end with CUDA's "unjoined" capture error.
+thread first (:func:`join_pending`). Anything else that reads the slab calls
+:meth:`RecordBranch.join`. A capture that forks and never joins fails at its end with CUDA's
+"unjoined" capture error.
 
 The inputs given to :meth:`RecordBranch.fork` are marked used by the side stream
 (``Tensor.record_stream``), so the caching allocator does not hand their memory to a later tensor

@@ -35,8 +35,8 @@ from ._params import GuidedB1, GuidedFwd, GuidedRows, RowDiv
 from .record import blocks_per_thread
 
 # b = 1 with rule "bracket" (the paper's configuration) runs ``guided_b1``: Newton quotient and a
-# two-add decision, no table. The general table kernel can be forced for it (TRACESTORE_GUIDED_TABLE=1;
-# the tests run both paths, the bench compares them).
+# two-add decision, no table. The general table kernel can be forced for it
+# (TRACESTORE_GUIDED_TABLE=1; the tests run both paths, the bench compares them).
 _TABLE_B1: bool = read_env(GUIDED_TABLE)
 # scale blocks per thread in guided_b1 (1, 2 or 4; bench_kernels compares them). H200, bf16
 # 65536x2048: 1 -> 0.167 ms, 2 -> 0.152 ms (72 registers), 4 -> 0.269 ms (95 registers).
@@ -204,14 +204,14 @@ def guided_fp4(
     """TRACE rounding of ``x`` [..., width] toward the rollout's records (docs/numerics.md §7, §8).
 
     ``guidance`` holds M record rows; x's row i uses guidance row ``rows[i]`` (int64[N], e.g. the
-    token permutation of an expert dispatch) or row i when ``rows`` is None (then M == N).
-    ``mask`` bool[N]: False rows (and ``guidance.valid`` False rows, and blocks whose scale byte is
-    NaN) fall back to RTN with the training side's own block scales and the record's g. Every g
-    (the record's and the fallback's) that is 0, negative or not finite is used as 1
-    (docs/numerics.md §3). Output has x's dtype and shape; backward is straight-through.
-    ``fallback_global_scale`` (float32, one element or one per guidance row, on x's device): the g
-    that rows without a record (``guidance.valid`` False) quantize with instead of the record's
-    (the reader gives such rows 1.0), e.g. the trainer's own RTN scale; rows with a record keep theirs.
+    token permutation of an expert dispatch) or row i when ``rows`` is None (then M == N). ``mask``
+    bool[N]: False rows (and ``guidance.valid`` False rows, and blocks whose scale byte is NaN) fall
+    back to RTN with the training side's own block scales and the record's g. Every g (the record's
+    and the fallback's) that is 0, negative or not finite is used as 1 (docs/numerics.md §3). Output
+    has x's dtype and shape; backward is straight-through. ``fallback_global_scale`` (float32, one
+    element or one per guidance row, on x's device): the g that rows without a record
+    (``guidance.valid`` False) quantize with instead of the record's (the reader gives such
+    rows 1.0), e.g. the trainer's own RTN scale; rows with a record keep theirs.
     """
     if not isinstance(guidance, Guidance):
         raise ConfigError(f"guidance must be a tracestore.guidance.Guidance, got {type(guidance).__name__}")

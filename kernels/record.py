@@ -85,9 +85,9 @@ def stage_rows(slab: RecordSlab, n_rows: int, ring: torch.Tensor, slot: torch.Te
 
 # scale blocks per thread in record_from_activations (1, 2 or 4; bench_kernels compares them)
 BLOCKS_PER_THREAD = 2
-# record_act's per-element formulation (bit flags of ``V`` in kernels/_source_record.py; bench_kernels
-# compares them, the GPU tests run every one): 0 = integer-pipe arithmetic, 5 = the magic number by
-# FMUL and the amax on packed 16-bit pairs.
+# record_act's per-element formulation (bit flags of ``V`` in kernels/_source_record.py;
+# bench_kernels compares them, the GPU tests run every one): 0 = integer-pipe arithmetic, 5 = the
+# magic number by FMUL and the amax on packed 16-bit pairs.
 RECORD_VARIANT = 5  # H200: 0.0802 ms, against 0.0927 ms with 0
 RECORD_VARIANTS = (0, 5)
 
@@ -297,10 +297,10 @@ def record_from_codes(
 
     ``packed_fp4`` uint8[N, width/2]; ``scales`` uint8[N, width/block] row-major, or for
     ``scale_layout="swizzled128x4"`` CUTLASS's swizzled buffer (any shape, R'·C' bytes,
-    docs/numerics.md §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device tensor
-    of one element or one per row, or a float); a g that is 0, negative or not finite is stored as
-    1.0, the g the trainer uses (docs/numerics.md §3). Writes rows ``[row_offset, row_offset+N)`` of
-    ``out`` and returns them.
+    docs/numerics.md §5). NVFP4 needs the engine's decode-side ``global_scale`` (float32 device
+    tensor of one element or one per row, or a float); a g that is 0, negative or not finite is
+    stored as 1.0, the g the trainer uses (docs/numerics.md §3). Writes rows ``[row_offset,
+    row_offset+N)`` of ``out`` and returns them.
     """
     width, fmt, bits = site_params(site)
     packed_fp4 = check_rows_2d(check_uint8(packed_fp4, "packed_fp4"), "packed_fp4", width // 2)

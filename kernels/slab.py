@@ -27,8 +27,8 @@ from ._common import check_uint8, site_params
 @dataclasses.dataclass(frozen=True)
 class RecordBuffer:
     """Caller-owned record rows of one site: ``codes`` uint8[cap, width*bits/8], ``scales``
-    uint8[cap, width/block] (row-major), ``global_scale`` float32[cap] (decode-side g per row;
-    1.0 for MX), optional ``fp4`` uint8[cap, width/2] (the packed FP4 codes an engine's GEMM eats)."""
+    uint8[cap, width/block] (row-major), ``global_scale`` float32[cap] (decode-side g per row; 1.0
+    for MX), optional ``fp4`` uint8[cap, width/2] (the packed FP4 codes an engine's GEMM eats)."""
 
     codes: torch.Tensor
     scales: torch.Tensor

@@ -7,6 +7,8 @@
   ``trtllm_fp4_block_scale_routed_moe``): when its ``hidden_states`` are packed FP4 codes
   (``uint8 [T, H/2]``) it records them with ``hidden_states_scale`` (E4M3, linear layout) and,
   on the per-token path, ``per_token_scale`` (float32 ``[T]``), then calls the entry unchanged.
+  With a :class:`~tracestore.client.engines.graph.GraphCapture` active, the same call goes through
+  its graph-safe op into the slab instead (compiled or CUDA-graph forwards).
 - :func:`patch_attr`: replaces a module attribute by a wrapper once (idempotent: a wrapped
   attribute carries ``__tracestore_wrapped__`` and is not wrapped again).
 - :func:`site_name`: an engine module prefix (``model.layers.3.mlp.experts``) -> the site name
@@ -32,6 +34,7 @@ import torch
 from tracestore.errors import ValidationError
 
 from .codes import record_rows
+from .graph import GraphCapture
 
 log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -88,8 +91,12 @@ def unpatch_attr(owner: Any, attr: str) -> bool:
     return True
 
 
-def wrap_moe_entry(fn: Callable[..., Any], capture: Capture, bits: Callable[[], int]) -> Callable[..., Any]:
-    """A FlashInfer fused-MoE entry that records its FC1 input under :data:`SCOPE`'s site first."""
+def wrap_moe_entry(
+    fn: Callable[..., Any], capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None
+) -> Callable[..., Any]:
+    """A FlashInfer fused-MoE entry that records its FC1 input under :data:`SCOPE`'s site first:
+    through ``graph``'s op while it is active (compiled or graph-captured forwards), else eagerly
+    through ``capture``."""
 
     @functools.wraps(fn)
     def entry(*args: Any, **kwargs: Any) -> Any:
@@ -98,6 +105,18 @@ def wrap_moe_entry(fn: Callable[..., Any], capture: Capture, bits: Callable[[], 
         if site is not None and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
             try:
                 pts = kwargs.get("per_token_scale")
+                if graph is not None and graph.active:
+                    g = SCOPE.g
+                    graph.record(
+                        site,
+                        x.reshape(-1, x.shape[-1]),
+                        kwargs["hidden_states_scale"],
+                        "linear",
+                        x.shape[-1] * 2,
+                        global_scale=None if pts is not None else _device_g(g, x.device),
+                        token_scale=None if pts is None else pts.reshape(-1),
+                    )
+                    return fn(*args, **kwargs)
                 codes, scales, g = record_rows(
                     x.reshape(-1, x.shape[-1]),
                     kwargs["hidden_states_scale"],
@@ -114,10 +133,20 @@ def wrap_moe_entry(fn: Callable[..., Any], capture: Capture, bits: Callable[[], 
     return entry
 
 
+def _device_g(g: torch.Tensor | float | None, device: torch.device) -> torch.Tensor | None:
+    """A decode-side g as a one-element float32 tensor on ``device`` (a float becomes a ``full``, no
+    host-to-device copy); None stays None."""
+    if g is None:
+        return None
+    if isinstance(g, torch.Tensor):
+        return g.reshape(-1)[:1].to(device=device, dtype=torch.float32)
+    return torch.full((1,), float(g), dtype=torch.float32, device=device)
+
+
 MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe")
 
 
-def install_flashinfer(capture: Capture, bits: Callable[[], int]) -> list[str]:
+def install_flashinfer(capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None) -> list[str]:
     """Wrap FlashInfer's fused-MoE FP4 entries on ``flashinfer.fused_moe`` and ``flashinfer`` (both
     engines import them from either, inside the calling function: the attribute is read at each call)
     where FlashInfer is importable (GPU builds). Returns what was patched; idempotent."""
@@ -130,6 +159,6 @@ def install_flashinfer(capture: Capture, bits: Callable[[], int]) -> list[str]:
         except ImportError:
             continue
         for entry in MOE_ENTRIES:
-            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, capture, bits)):
+            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, capture, bits, graph)):
                 done.append(f"{name}:{entry}")
     return done

@@ -70,6 +70,7 @@ class EngineRecorder:
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
+        self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
         self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
         self.stats = {
             "forwards": 0,
@@ -117,7 +118,10 @@ class EngineRecorder:
                 )
             return
         bits = self.setting.bits
-        specs = [site_spec(n, c.shape[1] * 8 // bits, bits) for n, (c, _, _) in sorted(self._sites.items())]
+        if self._graph_rows():
+            specs = list(self.graph.slab.sites)
+        else:
+            specs = [site_spec(n, c.shape[1] * 8 // bits, bits) for n, (c, _, _) in sorted(self._sites.items())]
         spec = RunSpec(self.setting.run, tuple(specs))
         self.recorder = self._make(spec)
         self.run_spec = spec
@@ -129,6 +133,9 @@ class EngineRecorder:
         n)`` pairs; default the plan's scheduled order). Returns the recorder's answer for the
         planned rows (True when there were none)."""
         sites, self._sites = self._sites, {}
+        graph = not sites and self._graph_rows()
+        if graph:  # a compiled or graph-replayed forward: every site's rows are in the slab
+            sites = self.graph.rows()
         if not sites:
             if plan.segments or plan.held:
                 raise ValidationError("the step plans rows but the forward captured no site")
@@ -160,6 +167,10 @@ class EngineRecorder:
             self.stats["held"] += 1
         if not plan.segments:
             return True
+        ids = np.asarray(plan.token_ids, dtype=np.int64)
+        if graph:
+            self.stats["rows"] += len(ids)
+            return bool(self.graph.commit(self.recorder, plan.segments, plan.row_index(order), ids))
         idx = torch.from_numpy(plan.row_index(order))
         outputs = {}
         from tracestore.client import SiteOutput
@@ -169,9 +180,11 @@ class EngineRecorder:
             gg = g if g.numel() == 1 else g.index_select(0, i)
             outputs[name] = SiteOutput(c.index_select(0, i), s.index_select(0, i), gg)
         self.stats["rows"] += int(idx.numel())
-        return bool(
-            self.recorder.record_forward(plan.segments, outputs, token_ids=np.asarray(plan.token_ids, dtype=np.int64))
-        )
+        return bool(self.recorder.record_forward(plan.segments, outputs, token_ids=ids))
+
+    def _graph_rows(self) -> bool:
+        """Whether forwards write their rows into an armed :class:`GraphCapture`'s slab."""
+        return bool(self.graph is not None and self.graph.active and self.graph.armed)
 
     @staticmethod
     def _g_row(g: torch.Tensor, row: int) -> torch.Tensor:

@@ -6,12 +6,12 @@ Nothing in the model is edited or monkeypatched. Where the hooks go comes from t
 - MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block, which may replace the
   block's input (fake quantization); in a decoder layer that holds its experts itself (Gemma 4), on
   the module the layout names (``Layout.moe_inline``: the experts, whose flattened token rows are
-  shown to the callback as ``[batch, tokens, hidden]``). A shared expert that sits beside the block and takes the same
-  input gets the same replacement (one site, one callback call), as in an FP4 engine that quantizes
-  the MoE layer's input once for routed and shared experts; shared experts inside the block consume
-  its hooked input anyway.
-- K/V entering the KV cache: a forward pre-hook on each attention module that writes the cache
-  hands the module, in place of its cache argument, a tap whose ``update(first, second, layer_idx)``
+  shown to the callback as ``[batch, tokens, hidden]``). A shared expert that sits beside the block
+  and takes the same input gets the same replacement (one site, one callback call), as in an FP4
+  engine that quantizes the MoE layer's input once for routed and shared experts; shared experts
+  inside the block consume its hooked input anyway.
+- K/V entering the KV cache: a forward pre-hook on each attention module that writes the cache hands
+  the module, in place of its cache argument, a tap whose ``update(first, second, layer_idx)``
   passes the new tensors through the callback and then on to the cache: the forward's own, or in a
   forward without one (a training forward, ``use_cache=False``) a scratch cache that lives for that
   forward, so the attention runs the code and values it runs in a prefill. So the hooks see exactly
@@ -165,16 +165,16 @@ def _rows(site: HookedSite, t: torch.Tensor) -> torch.Tensor:
 class HFSiteHooks:
     """Call ``fn(site, x)`` on every MoE-block input and on the K/V entering the KV cache.
 
-    One line for the decoder-only MoE models of transformers, multimodal wrappers included (the hooks
-    resolve to the language model): ``HFSiteHooks(model, fn)``, Gemma 4 (experts held by the decoder
-    layer itself) and LongCat-Flash (two attention modules per decoder layer) included; a layer that
-    holds its experts itself under a layout without ``moe_inline`` is refused with the reason.
-    ``layers`` limits the hooked decoder layers (default all);
-    ``kv=False`` hooks MoE inputs only, ``moe=False`` K/V only; ``layout`` overrides the registered
+    One line for the decoder-only MoE models of transformers, multimodal wrappers included (the
+    hooks resolve to the language model): ``HFSiteHooks(model, fn)``, Gemma 4 (experts held by the
+    decoder layer itself) and LongCat-Flash (two attention modules per decoder layer) included; a
+    layer that holds its experts itself under a layout without ``moe_inline`` is refused with the
+    reason. ``layers`` limits the hooked decoder layers (default all); ``kv=False`` hooks MoE inputs
+    only, ``moe=False`` K/V only; ``layout`` overrides the registered
     :class:`~tracestore.client.hf.layouts.Layout`. Use as a context manager or call :meth:`remove`.
-    A model compiled with ``torch.compile`` (or holding a compiled submodule) is refused: hook first,
-    then compile. A second hook set on a model that has one is refused unless ``stack=True`` (both
-    run, in attach order); ``owner`` names this set in those errors.
+    A model compiled with ``torch.compile`` (or holding a compiled submodule) is refused: hook
+    first, then compile. A second hook set on a model that has one is refused unless ``stack=True``
+    (both run, in attach order); ``owner`` names this set in those errors.
     """
 
     def __init__(
@@ -313,9 +313,9 @@ class HFSiteHooks:
         return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, self._order[s.name])))
 
     def new_cache(self) -> Any:
-        """A fresh KV cache for the model: a ``DynamicCache``, or the model's own cache class where it
-        has one (MiniMax). Any cache works: the hooks tap what the attention writes into whichever
-        cache its forward gets, so ``generate()`` needs none passed."""
+        """A fresh KV cache for the model: a ``DynamicCache``, or the model's own cache class where
+        it has one (MiniMax). Any cache works: the hooks tap what the attention writes into
+        whichever cache its forward gets, so ``generate()`` needs none passed."""
         from transformers.cache_utils import Cache, DynamicCache
 
         supports = getattr(self.model, "_supports_default_dynamic_cache", None)
@@ -398,8 +398,8 @@ class HFSiteHooks:
         return hook
 
     def _inline_pre_hook(self, site: HookedSite, what: str) -> Callable[..., Any]:
-        """Pre-hook on the module of a decoder layer that takes its MoE input with the tokens flattened
-        (``[batch*tokens, hidden]``): the callback sees ``[batch, tokens, hidden]``."""
+        """Pre-hook on the module of a decoder layer that takes its MoE input with the tokens
+        flattened (``[batch*tokens, hidden]``): the callback sees ``[batch, tokens, hidden]``."""
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x = args[0] if args else None

@@ -1,21 +1,21 @@
 """Where the quantization sites sit in a transformers decoder: a small registry of layouts.
 
-A :class:`Layout` says, for one ``config.model_type``, where :class:`~tracestore.client.hf.hooks.HFSiteHooks`
-finds what it hooks, as dotted attribute paths:
+A :class:`Layout` says, for one ``config.model_type``, where
+:class:`~tracestore.client.hf.hooks.HFSiteHooks` finds what it hooks, as dotted attribute paths:
 
 - ``layers``: the decoder-layer ``ModuleList``, relative to the text backbone. The backbone is found
   by walking down from the model through wrapper attributes (``language_model`` first, then
   ``model``, ``transformer``, ...) until that path exists, so ``Qwen3VLMoeForConditionalGeneration``
-  resolves to ``model.language_model`` and ``DbrxForCausalLM`` (``layers="blocks"``) to ``transformer``;
-  vision towers are never entered.
+  resolves to ``model.language_model`` and ``DbrxForCausalLM`` (``layers="blocks"``) to
+  ``transformer``; vision towers are never entered.
 - ``attention``: relative to a decoder layer, the attention module that writes the KV cache; a
   ``ModuleList`` there is several attention modules in one decoder layer (LongCat-Flash: two MLA
   sublayers, each with its own cache slot), whose sites take the prefixes ``attn``, ``attn1``,
-  ``attn2``, ... (see the site names below). A layer
-  whose type in the config is one of ``no_kv_types`` (``linear_attention``, ``mamba``, ``conv``...)
-  or whose mixer is one of the paths in ``no_kv`` has no K/V sites, just as a layer whose ``moe``
-  path holds a dense MLP has no MoE-input site. An attention module that runs without writing
-  K/V into its cache is an error naming the layer (its sites would never be seen).
+  ``attn2``, ... (see the site names below). A layer whose type in the config is one of
+  ``no_kv_types`` (``linear_attention``, ``mamba``, ``conv``...) or whose mixer is one of the paths
+  in ``no_kv`` has no K/V sites, just as a layer whose ``moe`` path holds a dense MLP has no
+  MoE-input site. An attention module that runs without writing K/V into its cache is an error
+  naming the layer (its sites would never be seen).
 - ``moe``: relative to a decoder layer, the sparse-MoE block (a module with ``experts`` or a
   ``router``; JetMoE's has a router and parallel-expert linears); ``None`` takes the shallowest
   submodule that owns ``experts``.
@@ -23,9 +23,9 @@ finds what it hooks, as dotted attribute paths:
   (Gemma 4: ``router`` and ``experts`` are children of the layer), the path of the module, relative
   to the decoder layer, whose first positional argument is the MoE input (tokens flattened,
   ``[batch*tokens, hidden]``; the site sees it as ``[batch, tokens, hidden]``). Gemma 4's is
-  ``experts``: its input is the residual after ``pre_feedforward_layernorm_2``, what the expert GEMMs
-  consume and an FP4 engine quantizes; its router reads the un-normalized residual, which the site
-  leaves as it is. A layer without that module is dense (no MoE-input site).
+  ``experts``: its input is the residual after ``pre_feedforward_layernorm_2``, what the expert
+  GEMMs consume and an FP4 engine quantizes; its router reads the un-normalized residual, which the
+  site leaves as it is. A layer without that module is dense (no MoE-input site).
 - ``kv_reused``: an attribute of the attention module that is true where the layer reuses another
   layer's K/V instead of writing its own (Gemma 4's ``is_kv_shared_layer``): no K/V sites there.
 - ``shared``: relative to a decoder layer, the shared expert, if any (``AUTO``: a child of the layer
@@ -34,19 +34,19 @@ finds what it hooks, as dotted attribute paths:
   (Granite-MoE-Shared's ``shared_mlp``) it gets the same values as the MoE-input site: FP4 engines
   quantize the MoE layer's input once and feed it to routed and shared experts alike, so the shared
   expert has no site of its own (a shared expert that receives another tensor is an error).
-- ``kv``: how the two tensors the attention passes to ``cache.update`` become sites (:data:`GQA`
-  or :data:`MLA`; ``None`` picks MLA when the attention module has ``kv_lora_rank``).
+- ``kv``: how the two tensors the attention passes to ``cache.update`` become sites (:data:`GQA` or
+  :data:`MLA`; ``None`` picks MLA when the attention module has ``kv_lora_rank``).
 
 Site names are ``layers.{i}.{suffix}``, ``i`` the decoder layer's index: ``mlp.input`` (kind
 ``moe_input``, width hidden_size, whether hooked at a MoE block or at ``moe_inline``); with
-:data:`GQA` ``attn.k`` / ``attn.v`` (post-RoPE key/value
-rows with the K/V heads flattened, width kv_heads x head_dim); with :data:`MLA` ``attn.kv_latent``
-(the compressed latent after ``kv_a_layernorm``, width kv_lora_rank, kind ``other``) and
-``attn.k_rope`` (the post-RoPE rotary key shared by all heads, width qk_rope_head_dim, kind ``key``):
-what an MLA engine caches and quantizes, and what a training forward computes at the same place.
-Where ``attention`` is a ``ModuleList``, attention module ``j`` of the layer names its sites with
-``attn{j}`` in place of ``attn`` for ``j >= 1`` (module 0 keeps ``attn``): LongCat-Flash's layer ``i``
-has ``layers.{i}.attn.kv_latent`` / ``layers.{i}.attn.k_rope`` (``self_attn[0]``) and
+:data:`GQA` ``attn.k`` / ``attn.v`` (post-RoPE key/value rows with the K/V heads flattened, width
+kv_heads x head_dim); with :data:`MLA` ``attn.kv_latent`` (the compressed latent after
+``kv_a_layernorm``, width kv_lora_rank, kind ``other``) and ``attn.k_rope`` (the post-RoPE rotary
+key shared by all heads, width qk_rope_head_dim, kind ``key``): what an MLA engine caches and
+quantizes, and what a training forward computes at the same place. Where ``attention`` is a
+``ModuleList``, attention module ``j`` of the layer names its sites with ``attn{j}`` in place of
+``attn`` for ``j >= 1`` (module 0 keeps ``attn``): LongCat-Flash's layer ``i`` has
+``layers.{i}.attn.kv_latent`` / ``layers.{i}.attn.k_rope`` (``self_attn[0]``) and
 ``layers.{i}.attn1.kv_latent`` / ``layers.{i}.attn1.k_rope`` (``self_attn[1]``), next to its one
 ``layers.{i}.mlp.input`` (the shortcut MoE block).
 
@@ -193,8 +193,8 @@ class Layout:
         return MLA if hasattr(attn, "kv_lora_rank") else GQA
 
     def kv_free(self, cfg: Any, index: int, layer: nn.Module) -> str | None:
-        """Why decoder layer ``index`` has no KV cache (its type in the config, or its attention-less
-        mixer at one of ``no_kv``), or None."""
+        """Why decoder layer ``index`` has no KV cache (its type in the config, or its
+        attention-less mixer at one of ``no_kv``), or None."""
         for attr in ("layer_types", "layers_block_type"):
             try:
                 types = getattr(cfg, attr, None)

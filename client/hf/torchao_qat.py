@@ -155,8 +155,8 @@ def torchao_nvfp4_fake_quant(x: torch.Tensor, config: NVFP4FakeQuantizeConfig) -
 
 def _guided_cuda(x2: torch.Tensor, g: Guidance, rule: str, own: torch.Tensor) -> torch.Tensor:
     """The activation path on a GPU: :func:`tracestore.kernels.guided_fp4` (the CUDA kernel, a
-    custom op with a straight-through backward) with the guidance on ``x2``'s device, TraceGuidance's
-    rule, and ``own`` (the trainer's per-tensor g) for rows without a record."""
+    custom op with a straight-through backward) with the guidance on ``x2``'s device,
+    TraceGuidance's rule, and ``own`` (the trainer's per-tensor g) for rows without a record."""
     from tracestore.kernels import guided_fp4
 
     if g.codes.device != x2.device:

@@ -20,13 +20,13 @@ class ReaderConfig:
     reader from one; the reader's keyword arguments build one the same way.
 
     ``versions``: the policy versions read (None: all); ``sites``: the sites read (None: all);
-    ``columns``: the column range ``(start, stop)`` read of every site, or a mapping of site
-    names to ranges (checked against each site's block width when read); ``device``: where rows land;
+    ``columns``: the column range ``(start, stop)`` read of every site, or a mapping of site names
+    to ranges (checked against each site's block width when read); ``device``: where rows land;
     ``on_missing`` / ``on_mismatch``: ``"error"`` (raise) or ``"mask"`` (the rows unguided) for
-    missing records and records of other tokens; ``prefetch``: read ahead on a thread; ``rule``:
-    the guided-rounding rule; ``storage_options``: fsspec's; ``timeout``: seconds per read;
-    ``process``: read in child processes (True: one, N: N); ``channel_credentials`` and
-    ``token``: how a sidecar channel authenticates."""
+    missing records and records of other tokens; ``prefetch``: read ahead on a thread; ``rule``: the
+    guided-rounding rule; ``storage_options``: fsspec's; ``timeout``: seconds per read; ``process``:
+    read in child processes (True: one, N: N); ``channel_credentials`` and ``token``: how a sidecar
+    channel authenticates."""
 
     versions: int | tuple[int, ...] | None = None
     sites: tuple[str, ...] | None = None

@@ -1,11 +1,11 @@
 """Plan reads in child processes, so decoding does not wait for a training loop's GIL.
 
-``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to a child process
-that owns a :class:`~tracestore.storage.reader.StoreReader`; ``process=N`` to N of them, each reading a
+``GuidanceReader(url, run, process=True)`` hands each read of a storage URL to a child process that
+owns a :class:`~tracestore.storage.reader.StoreReader`; ``process=N`` to N of them, each reading a
 slice of the plan's rows. A read in a thread of the trainer's own process shares the interpreter
-lock with the training loop, which slows it several times over, and one process's decode reaches
-a parallelism of only ~2 (the per-chunk checks and page walks hold the GIL). Children have their
-own interpreters, so they compete only for cores.
+lock with the training loop, which slows it several times over, and one process's decode reaches a
+parallelism of only ~2 (the per-chunk checks and page walks hold the GIL). Children have their own
+interpreters, so they compete only for cores.
 
 Nothing is copied back. The parent owns memfd blocks that it and the children map: a block's
 descriptor goes to a child once (``SCM_RIGHTS`` over its unix socketpair). For a read the parent

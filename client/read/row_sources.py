@@ -1,9 +1,10 @@
-"""Where a :class:`~tracestore.client.read.reader.GuidanceReader` gets its rows: one :class:`RowSource`,
-chosen once by :func:`open_rows` from the reader's ``source``.
+"""Where a :class:`~tracestore.client.read.reader.GuidanceReader` gets its rows: one
+:class:`RowSource`, chosen once by :func:`open_rows` from the reader's ``source``.
 
-- :class:`StoreRows`: a storage URL read in this process (:class:`~tracestore.storage.reader.StoreReader`);
-- :class:`ProcessRows`: a storage URL read by child processes into shared memory
-  (``process=True`` or ``N``, :mod:`tracestore.client.read.read_process`);
+- :class:`StoreRows`: a storage URL read in this process
+  (:class:`~tracestore.storage.reader.StoreReader`);
+- :class:`ProcessRows`: a storage URL read by child processes into shared memory (``process=True``
+  or ``N``, :mod:`tracestore.client.read.read_process`);
 - :class:`SidecarRows`: a sidecar address, the ``Read`` RPC.
 
 Every source answers a plan with ``{site: SiteRows}``
@@ -46,10 +47,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclasses.dataclass(frozen=True)
 class Query:
-    """What every read of one reader asks for besides the plan: ``versions`` (None: all),
-    ``sites`` (None: all), one ``columns`` range for every site (None: whole rows),
-    ``on_missing`` (``"error"`` or ``"mask"``) and ``on_mismatch`` (``"error"`` or ``"mask"``: records
-    of other token ids than the trainer's, when a read gives its token ids)."""
+    """What every read of one reader asks for besides the plan: ``versions`` (None: all), ``sites``
+    (None: all), one ``columns`` range for every site (None: whole rows), ``on_missing``
+    (``"error"`` or ``"mask"``) and ``on_mismatch`` (``"error"`` or ``"mask"``: records of other
+    token ids than the trainer's, when a read gives its token ids)."""
 
     run: str
     versions: int | Iterable[int] | None = None
@@ -99,9 +100,10 @@ class StoreRows:
 
 
 class ProcessRows:
-    """A storage URL read by child processes (:class:`~tracestore.client.read.read_process.ReadProcesses`):
-    the rows are numpy arrays over shared memory. ``reader`` (in this process) gives the run's
-    spec and each read's layout; it reads nothing itself."""
+    """A storage URL read by child processes
+    (:class:`~tracestore.client.read.read_process.ReadProcesses`): the rows are numpy arrays over
+    shared memory. ``reader`` (in this process) gives the run's spec and each read's layout; it
+    reads nothing itself."""
 
     def __init__(self, reader: StoreReader, procs: ReadProcesses, query: Query) -> None:
         self.reader, self.procs, self.query = reader, procs, query
