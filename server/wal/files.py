@@ -3,8 +3,8 @@
 An entry is ``<IIB`` (payload length, CRC-32 of type byte + payload, type) followed by the payload;
 a segment is ``wal-<index>.log`` (12 digits), entries back to back, possibly followed by zero
 padding (direct mode cuts it on rotation and close, a crash may leave it). Nothing here holds a
-:class:`~tracestore.server.wal.log.WriteAheadLog`'s state: these are the checks replay runs on the files
-before the log opens, and the file-system helpers it shares with the appending side.
+:class:`~tracestore.server.wal.log.WriteAheadLog`'s state: these are the checks replay runs on the
+files before the log opens, and the file-system helpers it shares with the appending side.
 
 A crash can leave a torn tail only at the very end of the newest segment: replay cuts a bad entry
 there only when no intact entry follows it anywhere in the file (zero padding after the last entry
@@ -93,8 +93,8 @@ def cut(path: Path, size: int) -> None:
 
 
 def lock_directory(directory: Path) -> int:
-    """Take an exclusive ``flock`` on ``directory/LOCK`` for the log's lifetime; a second log (a second
-    sidecar) on the same directory would delete or truncate the first one's live segments."""
+    """Take an exclusive ``flock`` on ``directory/LOCK`` for the log's lifetime; a second log (a
+    second sidecar) on the same directory would delete or truncate the first one's live segments."""
     import fcntl
 
     path = directory / "LOCK"
@@ -134,9 +134,9 @@ def entry_at(data: bytes | memoryview, pos: int) -> tuple[int, int] | None:
 
 def zeroed_from_a_sector(data: bytes, pos: int) -> bool:
     """Whether everything from some sector boundary after ``pos`` to the end is zero: what a write
-    cut short by a crash leaves of a complete-looking entry (the file's size covers blocks whose data
-    never reached the device, which read back as zeros). A complete entry with a wrong checksum and
-    no such zero tail is damage to bytes that were written, possibly acknowledged."""
+    cut short by a crash leaves of a complete-looking entry (the file's size covers blocks whose
+    data never reached the device, which read back as zeros). A complete entry with a wrong checksum
+    and no such zero tail is damage to bytes that were written, possibly acknowledged."""
     end = len(data.rstrip(b"\0"))
     boundary = -(-max(end, pos + 1) // SECTOR) * SECTOR
     return boundary < len(data)
@@ -271,8 +271,8 @@ def check_marks(directory: Path, segments: list[Segment], durable: dict[int, int
 def replay_segments(
     directory: Path, segments: list[Segment], durable: dict[int, int]
 ) -> Iterator[tuple[int, int, bytes, int]]:
-    """Yield ``(segment_index, type, payload, byte offset)`` for every intact entry of ``segments`` (those of
-    ``directory``), oldest first, after checking them all (:func:`check_marks`, and
+    """Yield ``(segment_index, type, payload, byte offset)`` for every intact entry of ``segments``
+    (those of ``directory``), oldest first, after checking them all (:func:`check_marks`, and
     :func:`scan_segment` against ``durable``: ``{segment index: bytes an fdatasync made durable}``)
     and cutting a torn tail of the newest one (its ``size`` is updated)."""
     # Check every segment first: a corrupt log must stop the start before the caller acts on
@@ -304,8 +304,8 @@ def apply_entries(
     apply: Callable[[int, int, bytes], int],
     names: Mapping[int, str],
 ) -> int:
-    """Hand each of ``entries`` (:func:`replay_segments`) to ``apply(segment_index, type, payload)``;
-    returns the sum of what it returned. An entry whose contents ``apply`` cannot decode
+    """Hand each of ``entries`` (:func:`replay_segments`) to ``apply(segment_index, type,
+    payload)``; returns the sum of what it returned. An entry whose contents ``apply`` cannot decode
     (:data:`UNDECODABLE`; its CRC-32 holds, so they were like this when written) is CorruptionError
     naming its segment file, byte offset and type (``names``) and the decoder's words, without
     advice meant for a network client ("resend"): the sidecar refuses to start."""

@@ -167,16 +167,17 @@ class WriteAheadLog(StreamedEntries):
         else — a bad entry followed by intact ones, damage in an older segment, a segment missing
         between two present ones, a segment whose entries end before what ``DURABLE`` records as
         synced or that it names past the newest — raises :class:`CorruptionError` naming the segment
-        and offset, before any entry of the log is yielded, and nothing is truncated: those bytes may
-        be acknowledged records.
+        and offset, before any entry of the log is yielded, and nothing is truncated: those bytes
+        may be acknowledged records.
         """
         for index, kind, payload, _ in self._entries():
             yield index, kind, payload
 
     def replay_into(self, apply: Callable[[int, int, bytes], int], names: Mapping[int, str]) -> int:
-        """:meth:`replay`, handing each entry to ``apply(segment_index, type, payload)``; returns the
-        sum of what it returned. An entry whose contents ``apply`` cannot decode is CorruptionError
-        naming the segment file, the byte offset and (``names``) the entry's type (:func:`apply_entries`)."""
+        """:meth:`replay`, handing each entry to ``apply(segment_index, type, payload)``; returns
+        the sum of what it returned. An entry whose contents ``apply`` cannot decode is
+        CorruptionError naming the segment file, the byte offset and (``names``) the entry's type
+        (:func:`apply_entries`)."""
         return apply_entries(self.dir, self._entries(), apply, names)
 
     def _entries(self) -> Iterator[tuple[int, int, bytes, int]]:
