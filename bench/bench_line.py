@@ -33,8 +33,12 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
   pools) from the stage's first half to its second, or stayed under half of the sidecar's budget
   and half of each pool (it saw-tooths with shard commits, so short stages read growth loosely). An engine that sees an
   unguided row ends the run for all (the later stages would only drop more).
-- Meanwhile the parent samples every 0.5 s: Stat (backlog, WAL bytes, shards), the sidecar's RSS
-  and CPU seconds (/proc).
+- ``--sidecars N``: N sidecar processes (engine i records to sidecar i mod N; 0: one per
+  engine), all on one storage. Meanwhile the parent samples every 0.5 s: each sidecar's Stat
+  (backlog, WAL bytes, shards), RSS with its anonymous and shared-memory parts apart (a sidecar
+  maps the recorders' staging pools it reads: their pages count in its RSS as RssShmem, not in
+  its memory budget) and CPU seconds (/proc); rows sum them over the sidecars, the ``_max`` RSS
+  figures are one sidecar's.
 - After the last stage each engine seals its live sequences and flushes (until durable); the
   sidecar stops (SIGTERM: shards committed); ``GuidanceReader`` reads the sampled steps' rows
   from storage and each site is compared bit for bit with ``tracestore.fp4.quantize`` (the CPU
@@ -104,11 +108,17 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_rss(pid: int) -> int:
+def proc_rss(pid: int) -> dict[str, int]:
+    """The process's resident bytes: ``rss`` (VmRSS) and its parts ``anon`` (RssAnon: its own
+    heap), ``shmem`` (RssShmem: mapped shared memory, e.g. the recorders' staging pools the sidecar
+    reads) and ``file`` (RssFile: mapped files and libraries)."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssShmem:": "shmem", "RssFile:": "file"}
+    got = dict.fromkeys(keys.values(), 0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    return 0
+        key = keys.get(line.split(maxsplit=1)[0]) if line else None
+        if key is not None:
+            got[key] = int(line.split()[1]) << 10
+    return got
 
 
 # ------------------------------------------------------------------------------ the engine's Python
@@ -331,7 +341,8 @@ def engine_process(a: dict[str, Any]) -> None:
     gpu = a["device"] == "cuda" or a["graph_on_cpu"]  # the graph path (on the CPU: eagerly)
     if a["device"] == "cuda":
         torch.cuda.set_device(0)
-    rec = RolloutRecorder(a["address"], spec, writer=f"engine-{i}", staging_bytes=a["staging_mib"] << 20)
+    address = a["addresses"][i % len(a["addresses"])]  # engine i's sidecar (one per engine, or shared)
+    rec = RolloutRecorder(address, spec, writer=f"engine-{i}", staging_bytes=a["staging_mib"] << 20)
     fwd: Any = (
         GpuForward(a["model"], spec, a["batch"], rec, 1000 + i, a["device"])
         if gpu
@@ -473,6 +484,7 @@ def engine_process(a: dict[str, Any]) -> None:
         "refused": refused, "flushed": flushed, "t_loop_end": t_loop, "t_flushed": t_flushed,
         "t_start2": t_start2, "payload_total": rec._outbox.in_bytes, "stats": stats,  # noqa: SLF001
         "unguided_ids": unguided, "unguided_all": sorted(lost | rec.unguided), "step_payload": payload,
+        "batch_sites": a["batch"] * len(spec.sites),
     }  # fmt: skip
     (work / f"result-{i}.json").write_text(json.dumps(result))
 
@@ -481,26 +493,38 @@ def engine_process(a: dict[str, Any]) -> None:
 
 
 class Sampler(threading.Thread):
-    """Every ``period`` s: the sidecar's Stat (backlog, WAL, shards) and its RSS and CPU seconds."""
+    """Every ``period`` s: each sidecar's Stat (backlog, WAL, shards), RSS (anonymous and shared
+    memory apart) and CPU seconds; a row sums them over the sidecars (``rss_max``, ``anon_max``,
+    ``shmem_max``: the largest one sidecar's)."""
 
-    def __init__(self, address: str, pid: int, work: Path, min_free: int, period: float = 0.5) -> None:
+    def __init__(self, sidecars: list[tuple[str, int]], work: Path, min_free: int, period: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.work, self.min_free = work, min_free
         from tracestore.client.transport import channel
 
         from tracestore.v1 import tracestore_pb2 as pb
 
-        self.pb, self.pid, self.period = pb, pid, period
-        self.stat = channel(address).unary_unary("/tracestore.v1.TraceStore/Stat")
+        self.pb, self.period = pb, period
+        self.sidecars = [(channel(a).unary_unary("/tracestore.v1.TraceStore/Stat"), pid) for a, pid in sidecars]
         self.rows: list[dict[str, Any]] = []
         self.halt = threading.Event()
 
     def sample(self) -> None:
         try:
-            st = self.pb.StatResponse.FromString(self.stat(self.pb.StatRequest().SerializeToString(), timeout=5))
-            self.rows.append({"t": time.time(), "backlog": st.backlog_bytes, "wal": st.wal_bytes,
-                              "shards": st.shards_committed, "budget": st.memory_budget_bytes,
-                              "rss": proc_rss(self.pid), "cpu_s": proc_cpu_s(self.pid)})  # fmt: skip
+            row: dict[str, Any] = {"t": time.time(), "cpu_s": 0.0}
+            row.update(dict.fromkeys(("backlog", "wal", "shards", "budget", "rss", "anon", "shmem"), 0))
+            row.update(dict.fromkeys(("rss_max", "anon_max", "shmem_max"), 0))
+            for stat, pid in self.sidecars:
+                st = self.pb.StatResponse.FromString(stat(self.pb.StatRequest().SerializeToString(), timeout=5))
+                mem = proc_rss(pid)
+                for key, value in (("backlog", st.backlog_bytes), ("wal", st.wal_bytes),
+                                   ("shards", st.shards_committed), ("budget", st.memory_budget_bytes),
+                                   ("rss", mem["rss"]), ("anon", mem["anon"]), ("shmem", mem["shmem"]),
+                                   ("cpu_s", proc_cpu_s(pid))):  # fmt: skip
+                    row[key] += value
+                for key in ("rss", "anon", "shmem"):
+                    row[key + "_max"] = max(row[key + "_max"], mem[key])
+            self.rows.append(row)
             vfs = os.statvfs(self.work)
             free = vfs.f_bavail * vfs.f_frsize
             stop = self.work / "stop"
@@ -588,11 +612,16 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     stage_s = ns.stage_s if len(stages) > 1 else ns.duration
     with tempfile.TemporaryDirectory(prefix="bench-line-", dir=ns.workdir) as tmp:
         work = Path(tmp)
-        sp = ServeProcess(work / "sidecar", unix_socket=True, flags=list(ns.serve_flag)).start()
-        assert sp.proc is not None
-        sampler = Sampler(sp.unix_address, sp.proc.pid, work, int(ns.min_free_gb * 2**30))
+        # one storage for all sidecars (each writer's shards go under its own prefix)
+        n_side = k if ns.sidecars == 0 else min(ns.sidecars, k)
+        storage = f"file://{work / 'data'}"
+        sps = [
+            ServeProcess(work / f"sidecar-{j}", storage=storage, unix_socket=True, flags=list(ns.serve_flag)).start()
+            for j in range(n_side)
+        ]
+        sampler = Sampler([(sp.unix_address, sp.proc.pid) for sp in sps if sp.proc], work, int(ns.min_free_gb * 2**30))
         args = {"work": str(work), "config": ns.config, "device": device, "model": ns.model, "batch": ns.batch,
-                "address": sp.unix_address, "staging_mib": staging_mib, "record": ns.record,
+                "addresses": [sp.unix_address for sp in sps], "staging_mib": staging_mib, "record": ns.record,
                 "sched_us": ns.sched_us, "len_min": ns.len_min, "len_max": ns.len_max,
                 "forward_ms": stages, "stage_s": stage_s, "overhead_s": ns.overhead_s, "block_s": ns.block_s,
                 "verify_steps": ns.verify_steps, "verify_rows": ns.verify_rows,
@@ -606,8 +635,9 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             if any(p.poll() not in (None, 0) for p in procs) or time.time() > deadline:
                 for p in procs:
                     p.kill()
-                sp.kill()
-                raise SystemExit(f"an engine process failed to start; sidecar log:\n{sp.log_tail()}")
+                for sp in sps:
+                    sp.kill()
+                raise SystemExit(f"an engine process failed to start; sidecar log:\n{sps[0].log_tail()}")
             time.sleep(0.05)
         sampler.start()
         t_go = time.time() + 0.5
@@ -618,13 +648,14 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         sampler.halt.set()
         results = [json.loads((work / f"result-{i}.json").read_text()) for i in range(k) if rcs[i] == 0]
         t_stop = time.time()
-        rc = sp.terminate(timeout=300)  # shards committed before it exits
+        rcs_side = [sp.terminate(timeout=300) for sp in sps]  # shards committed before each exits
+        rc = next((x for x in rcs_side if x), 0)
         t_stopped = time.time()
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # now with the sidecar's whole life
         cpu_total = ru.ru_utime + ru.ru_stime - ru_engines.ru_utime - ru_engines.ru_stime
         stopped = (work / "stop").read_text() if (work / "stop").exists() else None
         try:
-            ver = verify(sp.storage, spec, results) if results and ns.verify_steps else {}
+            ver = verify(storage, spec, results) if results and ns.verify_steps else {}
         except Exception as exc:  # noqa: BLE001 - reported as the verify row
             ver = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     if len(results) != k:
@@ -636,7 +667,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             "graph_on_cpu": ns.graph_on_cpu,
             "record_path": "slab_stage" if graph or ns.record == "stage" else "record_slab",
             "sched_us_target": ns.sched_us, "step_payload_bytes": payload, "staging_mib": staging_mib,
-            "serve_flags": " ".join(ns.serve_flag), "code_commit": ns.commit}  # fmt: skip
+            "serve_flags": " ".join(ns.serve_flag), "sidecars": n_side, "code_commit": ns.commit}  # fmt: skip
     # -- line: overhead and engine-thread time (median over engines)
     per = []
     for r in results:
@@ -685,7 +716,9 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                      "backlog_max_MiB": max(bl1 + bl2) / 2**20 if w else None,
                      "staging_mean_MiB": (sg1 + sg2) / 2 / 2**20, "backlog_growth_MiB": growth / 2**20,
                      "sidecar_cpu_cores": cpu / span if span == span and span > 0 else None,
-                     "sidecar_rss_max_MiB": max(x["rss"] for x in w) / 2**20 if w else None,
+                     "sidecar_rss_max_MiB": max(x["rss_max"] for x in w) / 2**20 if w else None,
+                     "sidecar_anon_max_MiB": max(x["anon_max"] for x in w) / 2**20 if w else None,
+                     "sidecar_shmem_max_MiB": max(x["shmem_max"] for x in w) / 2**20 if w else None,
                      "commit_p50_ms": statistics.median(s["commit_p50_ms"] for s in st),
                      "commit_p99_ms": max(s["commit_p99_ms"] for s in st),
                      "calls_p99_ms": max(s["calls_p99_ms"] for s in st),
@@ -706,13 +739,22 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                  "unguided": sum(r["stats"]["unguided"] for r in results),
                  "unguided_ids": [u for r in results for u in r["unguided_ids"]][:10], "stopped": stopped,
                  "sidecar_cpu_s_total": cpu_total, "sidecar_exit": rc, "sidecar_stop_s": t_stopped - t_stop,
-                 "sidecar_rss_max_MiB": max((x["rss"] for x in srows if "rss" in x), default=0) / 2**20,
+                 "sidecar_rss_max_MiB": max((x["rss_max"] for x in srows if "rss" in x), default=0) / 2**20,
+                 "sidecar_anon_max_MiB": max((x["anon_max"] for x in srows if "rss" in x), default=0) / 2**20,
+                 "sidecar_shmem_max_MiB": max((x["shmem_max"] for x in srows if "rss" in x), default=0) / 2**20,
+                 "sidecars_rss_sum_max_MiB": max((x["rss"] for x in srows if "rss" in x), default=0) / 2**20,
                  "stat_errors": sum(1 for x in srows if "error" in x),
+                 # (s, backlog MiB, RSS MiB, of it anonymous MiB, of it shared memory MiB, CPU s), summed over sidecars
                  "sidecar_samples": [(round(x["t"] - t_start2, 2), x["backlog"] >> 20, x["rss"] >> 20,
-                                      round(x["cpu_s"], 2)) for x in srows if "error" not in x]
+                                      x["anon"] >> 20, x["shmem"] >> 20, round(x["cpu_s"], 2))
+                                     for x in srows if "error" not in x]
                  [:: max(1, len(srows) // 40)],
                  "stager_behind": sum(r["stats"].get("stager_behind", 0) for r in results),
                  "resent": sum(r["stats"]["resent"] for r in results),
+                 "chunks": sum(r["stats"]["chunks"] for r in results),
+                 "messages": sum(r["stats"]["messages"] for r in results),
+                 "tokens_per_chunk": sum(r["payload_total"] // r["step_payload"] * r["batch_sites"]
+                                         for r in results) / max(1, sum(r["stats"]["chunks"] for r in results)),
                  "reconnects": sum(r["stats"]["reconnects"] for r in results)})  # fmt: skip
     if ver:
         rows.append(
@@ -740,6 +782,8 @@ def main() -> int:
     ap.add_argument("--len-min", type=int, default=256, help="sequence lengths (tokens), uniform")
     ap.add_argument("--len-max", type=int, default=2048)
     ap.add_argument("--staging-mib", type=int, default=256, help="each recorder's staging pool")
+    ap.add_argument("--sidecars", type=int, default=1,
+                    help="sidecar processes (engine i records to sidecar i mod N); 0: one per engine")  # fmt: skip
     ap.add_argument("--verify-steps", type=int, default=3, help="sampled steps per engine checked from storage")
     ap.add_argument("--verify-rows", type=int, default=32, help="sequences per sampled step")
     ap.add_argument("--flush-timeout", type=float, default=300.0)
@@ -794,9 +838,9 @@ def main() -> int:
               "overhead_pct", "sched_norec_ms", "commit_p50_ms", "commit_p99_ms", "calls_p99_ms"])  # fmt: skip
         print_table([r for r in got if r["kind"] == "stage"], ["procs", "stage", "forward_ms", "offered_GBps",
               "unguided", "backlog_max_MiB", "staging_mean_MiB", "backlog_growth_MiB", "sidecar_cpu_cores",
-              "sidecar_rss_max_MiB", "sustained"])  # fmt: skip
+              "sidecar_rss_max_MiB", "sidecar_anon_max_MiB", "sidecar_shmem_max_MiB", "sustained"])  # fmt: skip
         print_table([r for r in got if r["kind"] in ("run", "verify")], ["procs", "kind", "durable_GBps",
-              "flush_lag_s", "unguided", "sidecar_cpu_s_total", "site_rows_checked",
+              "flush_lag_s", "unguided", "sidecar_cpu_s_total", "tokens_per_chunk", "site_rows_checked",
               "site_rows_mismatched"])  # fmt: skip
         if not ns.no_save:  # after each run: a later run that is cut off loses only its own rows
             print(f"appended {len(got)} rows to {append_results('bench_line', got)}", flush=True)
