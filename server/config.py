@@ -33,9 +33,9 @@ MIN_STREAMS_PER_IDENTITY = 8
 # tokens one identity opens at most max_shm_pools_per_identity of them (unset: a quarter).
 SHM_POOLS = 64
 # gRPC hands a received message over as one bytes object joined from copies of its buffer's slices,
-# while its buffers still hold the message: three copies at once (one 57 MiB message: +171 MiB of
-# RSS), one message at a time (the server's polling thread joins them). The reading stream's
-# reservation covers gRPC's buffers; this many more of the largest message stay reserved for good.
+# while its buffers still hold the message: three copies at once, one message at a time (the
+# server's polling thread joins them). The reading stream's reservation covers gRPC's buffers;
+# this many more of the largest message stay reserved for good.
 GRPC_COPIES = 2
 
 
@@ -341,8 +341,8 @@ class ServerConfig:
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
-            # BDP probing let 100 slow streams grow the server by ~1.7 GiB (measured); we bound
-            # in-flight bytes with our own budget instead.
+            # Off: BDP probing grows slow streams' windows past the memory budget (100 streams:
+            # ~1.7 GiB); the budget bounds in-flight bytes instead.
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
             # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module comment).

@@ -25,14 +25,15 @@ __all__ = [
 
 DEFAULT_RETRY_DEADLINE_S = 30.0
 ROW_GROUP_BYTES = 16 << 20
-MIN_ROW_GROUP_BYTES = 1 << 20  # 4 MiB wrote ~4% faster but a half-sites read fetched 24 of 30 MB instead of 13
+# 4 MiB writes ~4% faster, but a read of half the sites then fetches 24 of 30 MB instead of 13
+MIN_ROW_GROUP_BYTES = 1 << 20
+# 2 cores, one file / two: 30 MiB 51.3 / 38.6 ms on memory://, 135 / 94 ms on disk; 15 MiB: even
 SPLIT_MIN_BYTES = 24 << 20
 """Record payload from which one write becomes two shard files encoded side by side."""
-# 2 cores, one file / two: 30 MiB on memory:// 51.3 / 38.6 ms, local disk 135 / 94; 15 MiB: 31.3 / 29.2, 37.9 / 38.8
+# a 60 MiB write split, speed-up: 24 KiB chunks 1.00-1.05x, 48 KiB 1.02-1.29x, 0.4 KiB 0.82-0.94x
 SPLIT_MIN_CHUNK_BYTES = 32 << 10
 """Only writes whose chunks average this many bytes are split: the per-chunk work holds the GIL,
 so a second encoder gains nothing on small chunks."""
-# split, 60 MiB: 24 KiB chunks 1.00 local / 1.05 memory://; 48 KiB 1.02 / 1.29; one-token 0.4 KiB 0.82 / 0.94
 
 
 @dataclasses.dataclass(frozen=True)

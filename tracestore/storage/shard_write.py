@@ -12,12 +12,9 @@ A large write is cut into two shards by :func:`split_shard` (whole trajectories,
 bytes), which :meth:`tracestore.storage.store.Store.write_shard` encodes side by side, one Parquet
 writer each (two cores: the writers release the GIL while they encode and compress).
 
-Column compression: code bits are stored uncompressed (packed low FP4 bits are incompressible:
-bench/bench_storage.py measured every codec at 1.00x on them); every other column is zstd level
-1: scales and token scales (real E4M3 scales: 0.65x) and the small per-chunk key and checksum
-columns too (:data:`ZSTD_COLUMNS`; leaving those uncompressed would save ~10 ms of a ~121 ms
-encoder thread per 120 MiB shard and grow it by ~4 KB). Dictionary encoding only for the
-repeated strings.
+Column compression: code bits are stored uncompressed (packed low FP4 bits are incompressible);
+every other column is zstd level 1: scales and token scales, and the small per-chunk key and
+checksum columns too (:data:`ZSTD_COLUMNS`). Dictionary encoding only for the repeated strings.
 """
 
 from __future__ import annotations
@@ -42,13 +39,10 @@ SHARD_META_KEY = b"tracestore.shard"
 
 
 # Column compression (see module docstring); dictionary only for the repeated strings.
-# bench_storage on real quantized tokens: codes 1.00x under every codec; E4M3 scales 0.646x with
-# zstd-1, 0.649x with zstd-3, 0.638x with zstd-9 (snappy/lz4 ~1.00x), and zstd-1 encodes fastest.
-# Key/metadata columns are zstd too; measured: leaving them uncompressed would save
-# ~10 ms of a ~121 ms encoder thread per 120 MiB shard and grow it by 4.3 KB (0.004%).
+#: bench_storage, real tokens: codes 1.00x under every codec, E4M3 scales 0.65x with zstd-1
 ZSTD_COLUMNS = tuple(name for name in CHUNK_SCHEMA.names if name != "codes")
 COMPRESSION: dict[str, str] = {name: ("ZSTD" if name in ZSTD_COLUMNS else "NONE") for name in CHUNK_SCHEMA.names}
-ZSTD_LEVEL = 1
+ZSTD_LEVEL = 1  # zstd-3 and zstd-9 save under 2% more of the scales and encode slower
 DICTIONARY_COLUMNS = ["run", "trajectory", "site"]
 STATISTICS_COLUMNS = ["run", "policy_version", "trajectory", "site", "token_start", "n_tokens"]
 
@@ -224,9 +218,9 @@ def encode_shard(
         sort_keys=True,
     ).encode()
     schema = CHUNK_SCHEMA.with_metadata({**(CHUNK_SCHEMA.metadata or {}), SHARD_META_KEY: shard_meta})
-    # The row groups' Arrow tables (zero-copy views of the chunks' arrays, ~12 ms of Python per
-    # 120 MB shard) and their chunk checksums are built on the worker pool while the Parquet
-    # writer, which releases the GIL, encodes the row groups that are ready.
+    # The row groups' Arrow tables (zero-copy views of the chunks' arrays) and their chunk
+    # checksums are built on the worker pool while the Parquet writer, which releases the GIL,
+    # encodes the row groups that are ready.
     futures = [worker_pool().submit(_group_table, ordered[a : a + n], schema) for a, n in groups]
     sizes = [n for _, n in groups]
     native = getattr(sink, "stream", None)
