@@ -49,7 +49,7 @@ FINDINGS: tuple[Finding, ...] = (
              "tests/security/test_auth.py::test_a_token_file_every_user_can_read_loads_with_a_warning")),
     Finding("a WAL cut below its fsynced bytes loses acked entries", "refused at start, naming segment and offset",
             ("tests/faults/test_wal_damage.py::test_acknowledged_tail_cut_by_damage_refuses_to_start",
-             "tests/server/test_wal_durable.py")),
+             "tests/server/wal/test_durable.py")),
     Finding("low: expired server certificate", "refused at start and on reload; warned before expiry",
             ("tests/security/test_tls_validity.py",)),
     Finding("low: CRC-valid undecodable WAL entry", "refused naming its segment and offset",

@@ -69,7 +69,7 @@ BLOCK = 4096  # O_DIRECT alignment of buffers, offsets and lengths (covers 512 B
 
 
 # The write path's own os calls (pwrite, fdatasync) stay in this module, beside the sync thread
-# that makes them (tests/server/test_wal_recovery.py fails them through this module's ``os``).
+# that makes them (tests/server/wal/test_recovery.py fails them through this module's ``os``).
 
 
 def _pwrite(fd: int, buf: mmap.mmap, n: int, offset: int) -> None:

@@ -33,7 +33,7 @@ from .harness import SPEC, EngineOnDisk, Rec, make_recs, read_back, row
 WRITERS = ("sm-a", "sm-b")
 DURABLE_S = 10.0
 # 250 examples: ~25 s on 2 cores. At 15, CI missed a lost acknowledged record (an older epoch's
-# message left queued by a flush) that 300-700 examples found; tests/server/test_engine.py now
+# message left queued by a flush) that 300-700 examples found; tests/server/engine/test_core.py now
 # pins that case, and nightly-sized runs (TRACESTORE_STATEFUL_EXAMPLES=4000) find nothing more.
 EXAMPLES = int(os.environ.get("TRACESTORE_STATEFUL_EXAMPLES", "250"))
 STATS: Counter[str] = Counter()
