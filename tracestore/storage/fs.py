@@ -82,8 +82,8 @@ def _drop_frames(exc: BaseException | None) -> None:
     """Clear the frames of a failed attempt's traceback and of the exceptions it chains. An async
     client's failure (raised again through a future, an event loop's task) sits in reference cycles
     with the request it failed: the body it was sending and the copy aiohttp makes of it, which
-    only the garbage collector would free. A PUT against a black-holed S3 endpoint left one shard
-    and its copy per timed-out attempt (64 MiB budget: peak RSS - idle up to 130 MiB)."""
+    only the garbage collector would free: a PUT against a black-holed S3 endpoint would leave one
+    shard and its copy per timed-out attempt outside the memory budget."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
