@@ -42,19 +42,19 @@ from tracestore.wire import run_spec_from_pb
 # A Write stream that has waited this long for its next message while other streams were just
 # refused a slot, or wait for a turn to read (then sooner: ReadTurns.idle_limit), is ended (OK,
 # once all it sent is durable), so idle recorders cannot starve busy ones nor keep others out. A
-# recorder (client/record/session.py) loses nothing by it: with nothing unacknowledged it opens its next
-# stream after its reconnect pause.
+# recorder (client/record/session.py) loses nothing by it: with nothing unacknowledged it opens its
+# next stream after its reconnect pause.
 READ_TURN_IDLE_S = 2.0
 # While streams wait for a turn, holders idle this long pass their turns on, so that the turns go
 # round every waiting stream within about TURN_WAIT_S however many wait (ReadTurns.idle_limit);
 # but never sooner than TURN_IDLE_MIN_S (time for a message its writer already sent to arrive).
 # The pace follows the longest queue of the last TURN_PEAK_S. A message that has begun to arrive
-# looks idle too (gRPC says nothing until all of it is in), so a stream that has sent messages before
-# keeps its turn longer by the time its largest one takes at TURN_ARRIVAL_BPS (4 MiB: +125 ms).
+# looks idle too (gRPC says nothing until all of it is in), so a stream that has sent messages
+# before keeps its turn longer by the time its largest one takes at TURN_ARRIVAL_BPS.
 TURN_WAIT_S = 1.0
 TURN_IDLE_MIN_S = 0.05
 TURN_PEAK_S = 2 * TURN_WAIT_S
-TURN_ARRIVAL_BPS = 32 << 20
+TURN_ARRIVAL_BPS = 32 << 20  # a 4 MiB message: 125 ms more
 # How often an open stream asks whether its caller's credential still holds (a SIGHUP reload may
 # revoke it): a revoked writer is refused within this, busy or idle.
 RECHECK_S = 0.25
@@ -120,10 +120,10 @@ class ReadTurns:
 
     def idle_limit(self) -> float:
         """Seconds a turn holder may wait for a message that does not come while others wait: a
-        share of :data:`TURN_WAIT_S` such that the streams waiting and those holding turns, ``turns``
-        at a time, all get a turn within it (never less than :data:`TURN_IDLE_MIN_S`). Counted
-        from the longest the queue was within the last :data:`TURN_PEAK_S`: a stream that joined
-        the end of a long queue must not wait longer as the queue ahead of it shortens."""
+        share of :data:`TURN_WAIT_S` such that the streams waiting and those holding turns,
+        ``turns`` at a time, all get a turn within it (never less than :data:`TURN_IDLE_MIN_S`).
+        Counted from the longest the queue was within the last :data:`TURN_PEAK_S`: a stream that
+        joined the end of a long queue must not wait longer as the queue ahead of it shortens."""
         waiting = len(self._queue)
         if time.monotonic() - self._peak_at <= TURN_PEAK_S:
             waiting = max(waiting, self._peak)
@@ -304,8 +304,8 @@ class WriteStream:
                 # replaces this bound by the room the parsed message needs: Engine.expect).
                 self.engine.arrived(len(raw))
                 self.handoff.put((raw, keep))
-                # The consumer's now: a reference here kept the message alive, uncounted once its
-                # shard was committed, for as long as this thread waited for its next turn.
+                # The consumer's now: a reference here would keep the message alive, uncounted once
+                # its shard is committed, while this thread waits for its next turn.
                 del raw
         except StopIteration:
             pass
@@ -322,8 +322,8 @@ class WriteStream:
         copies = [0]
 
         def before_copy(pool: str, count: Callable[[], int]) -> None:
-            # Another user's pool is copied while the message is parsed: room for the copies first
-            # (or small messages naming large regions made the sidecar copy past its budget).
+            # Another user's pool is copied while the message is parsed: room for the copies first,
+            # so small messages naming large regions cannot make the sidecar copy past its budget.
             if self.shm.copies(pool) and (nbytes := count()):
                 limit = self.engine.budget.limit
                 if nbytes > limit:
@@ -373,8 +373,8 @@ class WriteStream:
                     reserved_left = 0
                     st, _dup = self.engine.submit(msg, wal_parts, reserved, hold, self.identity)
                 except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                    # A message refused before submit gives its reservation back (else each
-                    # malformed message shrank the budget of every stream for good)
+                    # A message refused before submit gives its reservation back, so malformed
+                    # messages never shrink the budget
                     if reserved_left + copies[0]:
                         self.engine.unreserve(reserved_left + copies[0])
                     if arrived:
@@ -395,8 +395,8 @@ class WriteStream:
                     self.state = st
                     self.engine.listen(st, self.waker)
                 self.epoch = msg.epoch
-                # Not kept alive while the next message is awaited: once its shard is committed the
-                # budget no longer counts it (57 MiB messages: a message per stream beyond the budget).
+                # Not kept alive while the next message is awaited: once its shard is committed
+                # the budget no longer counts it.
                 del item, raw, req, msg, wal_parts
                 self.waker.wake()
         finally:
@@ -407,11 +407,9 @@ class WriteStream:
         """This stream's turn to read, or its slot, is wasted: it has waited for a message that has
         not come (its first one included), everything it took is processed, and other streams wait
         for a turn (it waited :meth:`_turn_limit`) or were just refused for want of a slot
-        (it waited READ_TURN_IDLE_S). Without the latter, a stream that never sent (not even its
-        first message) held its --max-streams slot for as long as it stayed open once no stream
-        waited for a turn: always when max_streams <= the turns. With a fixed wait for the former,
-        idle streams passed through the turns ``turns`` per READ_TURN_IDLE_S, and a writer queued
-        behind 255 of them waited 65 s for its first message to be read."""
+        (it waited READ_TURN_IDLE_S). So a stream that never sends cannot hold its --max-streams
+        slot while others are refused, and idle streams pass turns on at the pace of the queue
+        rather than one wait each."""
         since = self.reading_since
         if since is None or self.busy or not self.handoff.empty():
             return False
@@ -424,7 +422,7 @@ class WriteStream:
         """How long this stream may hold its turn without a message while others wait:
         :meth:`ReadTurns.idle_limit`, plus the time its largest message so far takes to arrive at
         TURN_ARRIVAL_BPS (a writer of large messages is not cut off while one arrives), at most
-        READ_TURN_IDLE_S. A stream earns the extra only with bytes it sent (a refused message ends it)."""
+        READ_TURN_IDLE_S. Only bytes it sent earn a stream the extra (a refused message ends it)."""
         return min(READ_TURN_IDLE_S, self.turns.idle_limit() + self.largest / TURN_ARRIVAL_BPS)
 
     def _poll_s(self) -> float:
