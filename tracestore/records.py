@@ -27,9 +27,14 @@ from tracestore.checksum import ChunkKey, crc32, crc32_combine, record_checksum 
 from tracestore.errors import ConfigError, DTypeError, NotFoundError, ShapeError, ValidationError
 from tracestore.formats import FP4Format, check_bits, get_format
 
-SiteKind = Literal["moe_input", "key", "value", "other"]
-SITE_KINDS: tuple[str, ...] = ("moe_input", "key", "value", "other")
+SiteKind = Literal["moe_input", "key", "value", "other", "routed_experts", "logprobs"]
+FP4_KINDS: tuple[str, ...] = ("moe_input", "key", "value", "other")
+ARTIFACT_KINDS: tuple[str, ...] = ("routed_experts", "logprobs")  # per-token rollout artifacts, not FP4 records
+SITE_KINDS: tuple[str, ...] = FP4_KINDS + ARTIFACT_KINDS
 FORMAT_NAMES: tuple[str, ...] = ("nvfp4", "mxfp4", "mxfp4-rceil")
+ID_FORMATS: dict[str, int] = {"uint8": 1, "uint16": 2}  # routed_experts: expert-id dtype -> bytes per id
+GATE_FORMATS: dict[str, int] = {"float32": 4, "bfloat16": 2}  # routed_experts: gate-weight dtype -> bytes
+MAX_EXPERTS = 1 << 16  # expert ids are uint16 at most
 
 _RUN_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
@@ -93,12 +98,21 @@ def _format_name(fmt: FP4Format | str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
-    """One quantization site of a run.
+    """One site of a run: an FP4 quantization site, or a per-token rollout artifact.
 
-    ``width`` values per row (a multiple of the format's block); ``bits`` = b low code bits kept;
-    ``rows_per_token`` > 1 for MoE inputs quantized once per routed expert (rows by routing slot).
-    A row holds ``code_bytes = width*bits//8`` packed code bytes and ``scale_bytes = width//block``
-    scale bytes.
+    FP4 sites (kinds ``moe_input``, ``key``, ``value``, ``other``): ``width`` values per row (a
+    multiple of the format's block); ``bits`` = b low code bits kept; ``rows_per_token`` > 1 for
+    MoE inputs quantized once per routed expert (rows by routing slot). A row holds
+    ``code_bytes = width*bits//8`` packed code bytes and ``scale_bytes = width//block`` scale bytes.
+
+    Artifact sites (kinds in :data:`ARTIFACT_KINDS`, one row per token, docs/data-model.md
+    "Artifacts"): ``routed_experts`` of one MoE layer (``width`` = top_k, ``n_experts`` logical
+    experts, ``format`` the id dtype ``"uint8"`` for n_experts <= 256 else ``"uint16"``, chosen when
+    left at its default; ``gate`` None, ``"float32"`` or ``"bfloat16"``): codes hold the top_k ids,
+    scales one flag byte (bit 0: the row is valid) and the gate weights. ``logprobs`` (``width`` 1,
+    ``format`` ``"float32"``): codes hold the float32 log-prob, scales the flag byte. ``bits`` is
+    the id or value width in bits (8, 16 or 32), derived; ``tracestore.artifacts`` encodes and
+    decodes the rows.
     """
 
     name: str
@@ -108,15 +122,24 @@ class SiteSpec:
     format: str = "nvfp4"
     bits: int = 1
     rows_per_token: int = 1
+    n_experts: int = 0
+    gate: str | None = None
 
     def __post_init__(self) -> None:
         validate_id("site", self.name)
         if self.kind not in SITE_KINDS:
             raise ConfigError(f"site {self.name}: kind must be one of {SITE_KINDS}, got {self.kind!r}")
         object.__setattr__(self, "layer", _int(f"site {self.name}: layer", self.layer, 0))
+        object.__setattr__(self, "rows_per_token", _int(f"site {self.name}: rows_per_token", self.rows_per_token, 1))
+        if self.kind in ARTIFACT_KINDS:
+            self._check_artifact()
+            return
+        if self.n_experts or self.gate is not None:
+            raise ConfigError(
+                f"site {self.name}: n_experts and gate belong to routed_experts sites, not to kind {self.kind!r}"
+            )
         object.__setattr__(self, "format", _format_name(self.format))
         object.__setattr__(self, "bits", check_bits(self.bits))
-        object.__setattr__(self, "rows_per_token", _int(f"site {self.name}: rows_per_token", self.rows_per_token, 1))
         width = _int(f"site {self.name}: width", self.width, 1)
         block = self.fmt.block
         if width % block:
@@ -125,9 +148,49 @@ class SiteSpec:
             )
         object.__setattr__(self, "width", width)
 
+    def _check_artifact(self) -> None:
+        where = f"site {self.name} ({self.kind})"
+        if self.rows_per_token != 1:
+            raise ConfigError(f"{where}: artifacts have one row per token; expected rows_per_token 1")
+        if self.kind == "logprobs":
+            if self.n_experts or self.gate is not None:
+                raise ConfigError(f"{where}: n_experts and gate belong to routed_experts sites")
+            fmt = "float32" if self.format == "nvfp4" else self.format
+            if fmt != "float32" or self.width != 1:
+                raise ConfigError(f"{where}: expected width 1 and format 'float32', got {self.width} and {fmt!r}")
+            self._set_bits(where, "float32", 32)
+            return
+        n = _int(f"{where}: n_experts", self.n_experts, 1)
+        if n > MAX_EXPERTS:
+            raise ConfigError(f"{where}: n_experts must be <= {MAX_EXPERTS} (uint16 ids), got {n}")
+        want = "uint8" if n <= 256 else "uint16"
+        fmt = want if self.format == "nvfp4" else self.format
+        if fmt != want:
+            raise ConfigError(f"{where}: {n} experts take format {want!r} ids (uint8 up to 256 experts), got {fmt!r}")
+        top_k = _int(f"{where}: width (top_k)", self.width, 1)
+        if top_k > n:
+            raise ConfigError(f"{where}: top_k (width) {top_k} exceeds n_experts {n}")
+        if self.gate is not None and self.gate not in GATE_FORMATS:
+            raise ConfigError(f"{where}: gate must be None or one of {sorted(GATE_FORMATS)}, got {self.gate!r}")
+        self._set_bits(where, fmt, 8 * ID_FORMATS[fmt])
+
+    def _set_bits(self, where: str, fmt: str, bits: int) -> None:
+        if self.bits not in (1, bits):  # 1: the dataclass default, meaning "derive"
+            raise ConfigError(f"{where}: {fmt} values are {bits} bits; expected bits {bits} (or left out), got {self.bits}")
+        object.__setattr__(self, "format", fmt)
+        object.__setattr__(self, "bits", bits)
+
+    @property
+    def is_artifact(self) -> bool:
+        """True for a per-token artifact site (:data:`ARTIFACT_KINDS`), False for an FP4 site."""
+        return self.kind in ARTIFACT_KINDS
+
     # Cached (the fields are frozen): the sidecar asks for them several times per received chunk.
     @functools.cached_property
     def fmt(self) -> FP4Format:
+        """The FP4 format; an artifact site has none (:class:`ConfigError`)."""
+        if self.kind in ARTIFACT_KINDS:
+            raise ConfigError(f"site {self.name} is a {self.kind} artifact, not an FP4 site: it has no FP4 format")
         return get_format(self.format)
 
     @functools.cached_property
@@ -136,10 +199,42 @@ class SiteSpec:
 
     @functools.cached_property
     def scale_bytes(self) -> int:
+        if self.kind == "routed_experts":
+            return 1 + self.width * (GATE_FORMATS[self.gate] if self.gate else 0)
+        if self.kind == "logprobs":
+            return 1
         return self.width // self.fmt.block
 
+    def byte_spans(self, columns: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The code and scale bytes of a row that hold values ``[a, b)``: ``((c0, c1), (s0, s1))``.
+        An artifact row is read whole: only ``(0, width)``."""
+        a, b = columns
+        if self.kind in ARTIFACT_KINDS:
+            if (a, b) != (0, self.width):
+                raise ConfigError(f"site {self.name} ({self.kind}) is read whole; expected columns (0, {self.width})")
+            return (0, self.code_bytes), (0, self.scale_bytes)
+        return (a * self.bits // 8, b * self.bits // 8), (a // self.fmt.block, b // self.fmt.block)
+
+    @property
+    def payload_layout(self) -> str:
+        """What one row's code and scale bytes hold, for error messages."""
+        if self.kind == "routed_experts":
+            gate = f" + {self.width} {self.gate} gate weights" if self.gate else ""
+            return f"routed_experts: codes = top_k {self.width} {self.format} expert ids, scales = 1 flag byte{gate}"
+        if self.kind == "logprobs":
+            return "logprobs: codes = 1 float32 log-prob, scales = 1 flag byte"
+        return (
+            f"{self.format} b={self.bits}: codes = {self.width} values x {self.bits} bits, scales = "
+            f"{self.width}/{self.fmt.block} scale bytes"
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.n_experts:  # FP4 sites keep the JSON (run.json, site digests) they always had
+            del d["n_experts"]
+        if self.gate is None:
+            del d["gate"]
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,10 +408,22 @@ class RecordChunk:
         return ChunkKey.of(self)
 
     def validate(self, site: SiteSpec) -> RecordChunk:
-        """Check this chunk against its site's declared layout; returns self."""
+        """Check this chunk against its site's declared layout; returns self. An artifact chunk's
+        values are checked too (:func:`check_artifact_rows`)."""
         if site.name != self.site:
             raise ValidationError(f"{self.key_str}: validated against site {site.name!r}")
         rows = self.n_tokens * site.rows_per_token
+        if site.is_artifact:
+            for what, arr, want in (("codes", self.codes, site.code_bytes), ("scales", self.scales, site.scale_bytes)):
+                if arr.shape != (rows, want):
+                    raise ShapeError(
+                        f"{self.key_str}: {what} must be uint8[{rows}, {want}] ({site.payload_layout}), "
+                        f"got {list(arr.shape)}"
+                    )
+            if self.global_scale != 1.0 or self.token_scales is not None:
+                raise ValidationError(f"{self.key_str}: a {site.kind} chunk has global_scale 1.0 and no token_scales")
+            check_artifact_rows(site, self.codes, self.scales, self.key_str)
+            return self
         if self.codes.shape != (rows, site.code_bytes):
             raise ShapeError(
                 f"{self.key_str}: codes must be uint8[{rows}, {site.code_bytes}] (n_tokens*rows_per_token, "
@@ -353,6 +460,37 @@ class RecordChunk:
         ):
             return False
         return bool(np.array_equal(self.codes, other.codes) and np.array_equal(self.scales, other.scales))
+
+
+def check_artifact_rows(site: SiteSpec, codes: np.ndarray, scales: np.ndarray, where: str) -> None:
+    """Check the values of artifact rows (uint8 ``codes`` [rows, code_bytes], ``scales`` [rows,
+    scale_bytes]): every flag byte is 0 or 1 (bit 0: valid); on valid rows the expert ids are
+    below ``n_experts`` and distinct within the row (``routed_experts``), the log-prob finite
+    (``logprobs``). Raises :class:`ValidationError` naming the first bad row."""
+    flags = scales[:, 0]
+    bad = np.flatnonzero(flags > 1)
+    if bad.size:
+        raise ValidationError(f"{where}: row {int(bad[0])} has flag byte {int(flags[bad[0]])}; expected 0 or 1 (valid)")
+    valid = flags == 1
+    if site.kind == "routed_experts":
+        ids = codes.view("<u2") if site.format == "uint16" else codes
+        over = np.flatnonzero(valid & (ids >= site.n_experts).any(axis=1))
+        if over.size:
+            raise ValidationError(
+                f"{where}: row {int(over[0])} names expert ids {ids[over[0]].tolist()}; expected ids below "
+                f"n_experts {site.n_experts}"
+            )
+        if site.width > 1:
+            s = np.sort(ids[valid], axis=1)
+            dup = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+            if dup.size:
+                row = int(np.flatnonzero(valid)[dup[0]])
+                raise ValidationError(f"{where}: row {row} names an expert twice: {ids[row].tolist()}; expected top_k distinct ids")
+    elif site.kind == "logprobs":
+        lp = codes.view("<f4")[:, 0]
+        bad = np.flatnonzero(valid & ~np.isfinite(lp))
+        if bad.size:
+            raise ValidationError(f"{where}: row {int(bad[0])} holds log-prob {lp[bad[0]]}; expected a finite value")
 
 
 def _site_tuple(run: str, sites: object) -> tuple[str, ...]:

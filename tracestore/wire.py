@@ -29,6 +29,8 @@ _KIND_TO_PB = {
     "key": pb.SITE_KIND_KEY,
     "value": pb.SITE_KIND_VALUE,
     "other": pb.SITE_KIND_OTHER,
+    "routed_experts": pb.SITE_KIND_ROUTED_EXPERTS,
+    "logprobs": pb.SITE_KIND_LOGPROBS,
 }
 _PB_TO_KIND = {v: k for k, v in _KIND_TO_PB.items()}
 
@@ -45,6 +47,8 @@ def run_spec_to_pb(spec: RunSpec) -> pb.RunSpec:
                 format=s.format,
                 bits=s.bits,
                 rows_per_token=s.rows_per_token,
+                n_experts=s.n_experts,
+                gate=s.gate or "",
             )
             for s in spec.sites
         ],
@@ -65,6 +69,8 @@ def run_spec_from_pb(msg: pb.RunSpec) -> RunSpec:
                 format=s.format or "nvfp4",
                 bits=s.bits or 1,
                 rows_per_token=s.rows_per_token or 1,
+                n_experts=s.n_experts,
+                gate=s.gate or None,
             )
         )
     return RunSpec(msg.run, tuple(sites))
@@ -116,7 +122,7 @@ def chunk_from_parts(
         raise ValidationError(
             f"trajectory {c.trajectory!r} site {c.site!r} tokens [{c.token_start}, {c.token_start + c.n_tokens}): "
             f"expected codes/scales/token_scales of {nc}/{ns}/{nt} bytes ({rows} rows of {site.code_bytes}/"
-            f"{site.scale_bytes}/4 bytes), got {got[0]}/{got[1]}/{got[2]}"
+            f"{site.scale_bytes}/4 bytes; {site.payload_layout}), got {got[0]}/{got[1]}/{got[2]}"
         )
     chunk = cls(
         run=run,

@@ -94,9 +94,13 @@ class GuidedFP4Hooks:
 
     def set_guidance(self, guidance: Mapping[str, Guidance] | None) -> GuidedFP4Hooks:
         """The records of the next microbatch, ``{site name: Guidance}`` (``GuidanceReader.read``),
-        kept until replaced (a checkpointed backward recomputes with them). Sites not hooked, or
+        kept until replaced (a checkpointed backward recomputes with them). Artifact entries of the
+        read (:class:`~tracestore.artifacts.Routing`, ``LogProbs``) are skipped. Sites not hooked, or
         guidance of another format or width, are refused here rather than mid-forward."""
-        guidance = dict(guidance or {})
+        from tracestore.artifacts import LogProbs, Routing
+
+        # a read's artifact rows (routing, log-probs) are for other hooks (RoutingReplayHooks)
+        guidance = {k: v for k, v in dict(guidance or {}).items() if not isinstance(v, (Routing, LogProbs))}
         widths = {s.name: s.width for s in self.hooks.sites}
         for name, g in guidance.items():
             if name not in widths or (self.only is not None and name not in self.only):

@@ -18,6 +18,12 @@ each gives ``{site: SiteRows}`` (:class:`tracestore.storage.rows.SiteRows`), whi
 :meth:`GuidanceReader.read_host` returns as they are and :meth:`GuidanceReader.read` turns into
 :class:`~tracestore.guidance.Guidance` of host tensors (pinned for CUDA), then moves to ``device``.
 
+Artifact sites (``routed_experts``, ``logprobs``; docs/data-model.md "Artifacts") come back from
+:meth:`GuidanceReader.read` as :class:`~tracestore.artifacts.Routing` and
+:class:`~tracestore.artifacts.LogProbs`, aligned to the same plan (packed/THD, padded, CP chunks;
+a PP stage's site subset picks its layers' routing) and checked by token identity as records
+are; :class:`~tracestore.client.hf.routing.RoutingReplayHooks` replays the routing.
+
 Token identity: give a read the microbatch's token ids (``token_ids=``: the packed ``input_ids``
 aligned with the plan, or a mapping trajectory -> ids from position 0) and every record that
 carries its token identity is checked against them (:mod:`tracestore.storage.identity_check`).
@@ -58,6 +64,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from tracestore.storage.rows import SiteRows
 
 PlanLike = MicrobatchPlan | Sequence[tuple[str | None, int, int]]
+
+
+def artifact_rows(r: SiteRows, t: Any) -> Any:
+    """An artifact site's read rows as :class:`~tracestore.artifacts.Routing` or
+    :class:`~tracestore.artifacts.LogProbs` of tensors (``t`` makes a tensor of an array): a row
+    is valid where the read found a record and its flag says valid."""
+    from tracestore.artifacts import LogProbs, Routing, decode_logprobs, decode_routing
+
+    present = np.asarray(r.valid, bool)
+    if r.site.kind == "routed_experts":
+        d = decode_routing(r.site, r.codes, r.scales, present)
+        return Routing(r.site, t(d.experts), t(d.valid), t(d.gate))
+    values, valid = decode_logprobs(r.site, r.codes, r.scales, present)
+    return LogProbs(r.site, t(values), t(valid))
 
 
 class GuidanceReader:
@@ -233,7 +253,9 @@ class GuidanceReader:
 
         with torch.cuda.device(cuda) if cuda is not None else contextlib.nullcontext():
             staged = {
-                name: Guidance(
+                name: artifact_rows(r, t)
+                if r.site.is_artifact
+                else Guidance(
                     codes=t(r.codes),
                     scales=t(r.scales),
                     global_scale=t(np.asarray(r.global_scale, np.float32)),  # (no copy: already float32)
@@ -285,6 +307,8 @@ def read_report(
             real[int(plan.offsets[i]) : int(plan.offsets[i + 1])] = False
     n = unguided = 0
     for r in rows.values():
+        if r.site.is_artifact:  # not FP4 records: nothing falls back to RTN there
+            continue
         mask = np.repeat(real, r.site.rows_per_token)
         n += int(mask.sum())
         unguided += int((mask & ~np.asarray(r.valid, dtype=bool)).sum())

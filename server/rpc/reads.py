@@ -78,14 +78,15 @@ def read_size(req: pb.ReadRequest, spec: Any, sites: list[str]) -> int:
     for name in sites:
         site = spec.site(name)
         width = site.width
-        if req.has_columns:
+        if req.has_columns and not site.is_artifact:  # (an artifact is read whole)
             if not 0 <= req.column_start < req.column_end <= site.width:
                 raise ValidationError(
                     f"site {name}: expected a column range within [0, {site.width}], got "
                     f"[{req.column_start}, {req.column_end})"
                 )
             width = req.column_end - req.column_start
-        row = width * site.bits // 8 + width // site.fmt.block + 8 + 4 + 4 + 1 + 1
+        (c0, c1), (s0, s1) = site.byte_spans((0, width))
+        row = (c1 - c0) + (s1 - s0) + 8 + 4 + 4 + 1 + 1
         nbytes += tokens * site.rows_per_token * row
     return nbytes
 

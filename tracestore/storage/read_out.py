@@ -104,8 +104,7 @@ class SiteOut:
         self.copy = _copy_held if hold_gil else _copy
         self.cols = cols
         self.n = n
-        self.cb = (cols[0] * site.bits // 8, cols[1] * site.bits // 8)
-        self.sb = (cols[0] // site.fmt.block, cols[1] // site.fmt.block)
+        self.cb, self.sb = site.byte_spans(cols)
         # codes/scales uninitialised: every row is written exactly once, by a record or by the zero fill
         self.codes = codes
         self.scales = scales

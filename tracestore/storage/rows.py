@@ -96,11 +96,11 @@ Layout = Sequence[tuple[SiteSpec, int, int, int]]  # per site: (site, n_rows, co
 def read_layout(
     sites: Sequence[SiteSpec], cols: Mapping[str, ColumnRange], n_tokens: int
 ) -> list[tuple[SiteSpec, int, int, int]]:
-    return [
-        (s, n_tokens * s.rows_per_token, (b - a) * s.bits // 8, (b - a) // s.fmt.block)
-        for s in sites
-        for a, b in (cols[s.name],)
-    ]
+    out = []
+    for s in sites:
+        (c0, c1), (s0, s1) = s.byte_spans(cols[s.name])
+        out.append((s, n_tokens * s.rows_per_token, c1 - c0, s1 - s0))
+    return out
 
 
 def output_sections(layout: Layout) -> tuple[int, list[tuple[int, int, int, int, int]]]:
@@ -140,19 +140,19 @@ def output_arrays(
 
 
 def column_range(site: SiteSpec, columns: object) -> ColumnRange:
+    """The values ``[a, b)`` of ``site`` a read returns: ``columns`` is None (all), a pair for every
+    FP4 site, or ``{site: pair}``. An artifact site is read whole; a pair for it in a mapping must
+    be its full width."""
     if columns is None:
         return (0, site.width)
     if isinstance(columns, Mapping):
-        return column_range(site, columns.get(site.name))
-    try:
-        pair: tuple[Any, ...] = tuple(columns)  # type: ignore[call-overload,arg-type]
-        if len(pair) != 2:
-            raise ValueError("not a pair")
-        a, b = int(pair[0]), int(pair[1])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"columns must be (start, end) in values or a {{site: (start, end)}} dict, got {columns!r}"
-        ) from exc
+        got = columns.get(site.name)
+        if site.is_artifact and got is not None:
+            site.byte_spans(_pair(got))  # refuses anything but the whole row
+        return column_range(site, got)
+    if site.is_artifact:
+        return (0, site.width)  # a pair for every site narrows the FP4 sites only
+    a, b = _pair(columns)
     block = site.fmt.block
     if not 0 <= a < b <= site.width or a % block or b % block or (a * site.bits) % 8 or (b * site.bits) % 8:
         raise ConfigError(
@@ -160,3 +160,15 @@ def column_range(site: SiteSpec, columns: object) -> ColumnRange:
             f"{site.format} block {block} (and to whole code bytes at b={site.bits})"
         )
     return (a, b)
+
+
+def _pair(columns: object) -> ColumnRange:
+    try:
+        pair: tuple[Any, ...] = tuple(columns)  # type: ignore[call-overload,arg-type]
+        if len(pair) != 2:
+            raise ValueError("not a pair")
+        return int(pair[0]), int(pair[1])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"columns must be (start, end) in values or a {{site: (start, end)}} dict, got {columns!r}"
+        ) from exc

@@ -14,6 +14,8 @@ class SiteKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SITE_KIND_KEY: _ClassVar[SiteKind]
     SITE_KIND_VALUE: _ClassVar[SiteKind]
     SITE_KIND_OTHER: _ClassVar[SiteKind]
+    SITE_KIND_ROUTED_EXPERTS: _ClassVar[SiteKind]
+    SITE_KIND_LOGPROBS: _ClassVar[SiteKind]
 
 class OnMissing(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +33,8 @@ SITE_KIND_MOE_INPUT: SiteKind
 SITE_KIND_KEY: SiteKind
 SITE_KIND_VALUE: SiteKind
 SITE_KIND_OTHER: SiteKind
+SITE_KIND_ROUTED_EXPERTS: SiteKind
+SITE_KIND_LOGPROBS: SiteKind
 ON_MISSING_UNSPECIFIED: OnMissing
 ON_MISSING_ERROR: OnMissing
 ON_MISSING_MASK: OnMissing
@@ -39,7 +43,7 @@ SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
 
 class Site(_message.Message):
-    __slots__ = ("name", "kind", "layer", "width", "format", "bits", "rows_per_token")
+    __slots__ = ("name", "kind", "layer", "width", "format", "bits", "rows_per_token", "n_experts", "gate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +51,8 @@ class Site(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
     ROWS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    N_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: SiteKind
     layer: int
@@ -54,7 +60,9 @@ class Site(_message.Message):
     format: str
     bits: int
     rows_per_token: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SiteKind, str]] = ..., layer: _Optional[int] = ..., width: _Optional[int] = ..., format: _Optional[str] = ..., bits: _Optional[int] = ..., rows_per_token: _Optional[int] = ...) -> None: ...
+    n_experts: int
+    gate: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SiteKind, str]] = ..., layer: _Optional[int] = ..., width: _Optional[int] = ..., format: _Optional[str] = ..., bits: _Optional[int] = ..., rows_per_token: _Optional[int] = ..., n_experts: _Optional[int] = ..., gate: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("run", "sites")
