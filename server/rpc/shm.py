@@ -26,14 +26,13 @@ and checked on the open descriptor (``fstat``, so it cannot be swapped after the
 regular file with a single link (a hard link of another file would carry that file's owner and
 mode), no world bits, no group write, no set-id bits, and a size in [4096, ``max_pool_bytes``].
 
-The trade-off of not knowing the peer: a member of the socket's group can name another member's
-pool and have its staged bytes stored under its own writer id. It gains nothing it could not read
-itself (the pool is group-readable, and the ``Read`` RPC serves every run it may read), so pools are
-not tied to the caller's uid even when the token file authorizes unix peers by uid
-(``server/security/peer_auth.py``): what the caller may write is checked by its identity's scopes, not by
-whose pool the bytes came from.
-A pool carrying a POSIX ACL is refused: its group mode bits are then the ACL's mask, which says
-nothing about which group members may read it.
+The trade-off of not knowing the peer: a member of the socket's group can name another member's pool
+and have its staged bytes stored under its own writer id. It gains nothing it could not read itself
+(the pool is group-readable, and the ``Read`` RPC serves every run it may read), so pools are not
+tied to the caller's uid even when the token file authorizes unix peers by uid
+(``server/security/peer_auth.py``): what the caller may write is checked by its identity's scopes,
+not by whose pool the bytes came from. A pool carrying a POSIX ACL is refused: its group mode bits
+are then the ACL's mask, which says nothing about which group members may read it.
 
 Truncation. A pool's owner can truncate it under a mapping; reading the mapping past the new end
 raises SIGBUS, which kills the sidecar (in C code: not an exception Python could catch). A pool
@@ -157,8 +156,8 @@ class ShmPools:
             )
 
     def view(self, name: str, offset: int, length: int, identity: str | None = None) -> memoryview:
-        """``length`` bytes at ``offset`` of pool ``name``, which is checked and opened on first use:
-        a pool opened for ``identity`` counts in its share (:meth:`viewer`)."""
+        """``length`` bytes at ``offset`` of pool ``name``, which is checked and opened on first
+        use: a pool opened for ``identity`` counts in its share (:meth:`viewer`)."""
         mm = self._maps.get(name)  # (three lookups per chunk: the name was checked when it was mapped)
         if mm is not None and offset >= 0 and length >= 0 and offset + length <= len(mm):
             return memoryview(mm)[offset : offset + length]
@@ -239,8 +238,8 @@ class ShmPools:
                 keep = True
                 return fd, st.st_size
             try:
-                # Populate the whole mapping now (once per recorder pool): faulting its pages in
-                # one by one on first use cost ~4.8 ms per 4 MiB message in the bench.
+                # Populate the whole mapping now (once per recorder pool), not page by page on
+                # the ingest path (a 4 MiB message: ~4.8 ms of faults)
                 return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
             except (OSError, ValueError) as exc:
                 raise ValidationError(f"shared-memory pool {name!r} cannot be mapped: {exc}") from exc
