@@ -12,10 +12,10 @@ regions: without a WAL until the shard is committed (that is the ack), with a WA
 is committed too when the writer set ``keeps_staging`` and its held regions stay under
 :data:`SHM_HOLD_FRACTION` of its pool (*held*); then the response's ``released_sequence`` trails
 ``durable_sequence`` and the WAL append is the only copy the sidecar makes of those bytes.
-Otherwise (an older writer, or the pool mostly held) the payload is copied out before the message
-can become durable, and released with it.
+Otherwise (a writer without ``keeps_staging``, or the pool mostly held) the payload is copied out
+before the message can become durable, and released with it.
 
-The engine (``engine.py``) moves bytes in and out of both with its lock held.
+The engine (``core.py``) moves bytes in and out of both with its lock held.
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ from tracestore.errors import LimitError, TraceStoreError
 
 # Memory one open Write stream costs the sidecar besides its messages and its HTTP/2 receive window
 # (ServerConfig.stream_window), counted against the budget with the window while the stream is open:
-# gRPC's buffers and the stream's three threads' stacks. Measured with gRPC's 64 KiB window: 300 idle
-# streams +19 MiB RSS (~64 KiB each); under a flood the windows fill and the threads run, so 192 KiB
-# per stream covered window and all.
+# gRPC's buffers and the stream's three threads' stacks.
+#: 300 idle streams: ~64 KiB each; flooding, 192 KiB each with gRPC's 64 KiB window
 STREAM_OVERHEAD_BYTES = 128 << 10
 # A WAL sidecar holds (reads without copying, until the shard is committed) at most this share of a
 # writer's staging pool: the rest stays free for the writer's forwards in flight.
 SHM_HOLD_FRACTION = 0.5
 # Encoding a shard holds, in each of the (at most two) files written side by side, the Parquet
-# page that its largest chunk's codes go into and its compressed scales: measured 1.35x the chunk
-# (22 MiB for a 16 MiB chunk, 77 MiB for 57 MiB).
-ENCODE_COPIES = 3
+# page that its largest chunk's codes go into and its compressed scales.
+ENCODE_COPIES = 3  # 1.35x the chunk per file: 22 MiB for a 16 MiB chunk
 # Publishing a shard from memory (S3) holds the file and the upload's copy of it.
 PUBLISH_COPIES = 2
 # The write-ahead log's aligned buffers (two in use, one spare): a share of the budget each, within
@@ -138,7 +136,8 @@ class MemoryBudget:
         self._press = press
         # a local store writes the shard to its file as it encodes; any other publishes it from memory
         self.publish_copies = 0 if getattr(getattr(store, "storage", None), "local", False) else PUBLISH_COPIES
-        # S3 outages at a 64 MiB budget, peak RSS - idle: an eighth 110-134 MiB, a sixteenth 92-99 (bound 128)
+        # a shard cut at a sixteenth of the budget when published from memory keeps an S3 outage
+        # under the bound (64 MiB budget: peak RSS 92-99 MiB over idle, bound 128)
         share = 16 if self.publish_copies else 4
         self.shard_bytes = max(1, min(config.shard_target_bytes, config.memory_budget_bytes // share))
         self.headroom = self.publish_copies * self.shard_bytes  # kept free even with no backlog
@@ -256,8 +255,7 @@ class MemoryBudget:
 
     def reserve_stream(self) -> int:
         """Reserve :attr:`stream_bytes` (its HTTP/2 window and its threads) for an open Write
-        stream; LimitError at once when the budget cannot hold it beside what it holds now. Without
-        this, 300 streams flooding a 64 MiB budget grew the sidecar by up to 144 MiB."""
+        stream; LimitError at once when the budget cannot hold it beside what it holds now."""
         n = self.stream_bytes
         if self.in_use + self.reserved + n + self.kept_free() > self.limit:
             raise LimitError(
@@ -307,8 +305,8 @@ class StagingHolds:
             self._metrics.shm_in_use.set(self.in_use)
 
     def hold(self, st: WriterState, msg: Message, pool: str, capacity: int, in_flight: Collection[int]) -> None:
-        """Admit ``msg``'s shared-memory payload into pool ``pool`` (``capacity`` bytes) as held past
-        durability, under :data:`SHM_HOLD_FRACTION` of the pool: the oldest held messages are
+        """Admit ``msg``'s shared-memory payload into pool ``pool`` (``capacity`` bytes) as held
+        past durability, under :data:`SHM_HOLD_FRACTION` of the pool: the oldest held messages are
         copied out first if need be (:meth:`make_room`), and ``msg`` itself only if that did not
         make room. ``in_flight``: ``id()`` of the messages whose shard is being written now."""
         limit = capacity * SHM_HOLD_FRACTION - msg.shm_bytes
