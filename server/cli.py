@@ -406,34 +406,25 @@ def config_from_args(ns: argparse.Namespace) -> Any:
 
 
 def tune_malloc() -> bool:
-    """Keep freed blocks in the sidecar's heap (glibc ``mallopt``): every received message is a
-    few-MiB ``bytes`` that gRPC builds by appending slices, and with glibc's defaults each one came
-    from fresh ``mmap`` pages (page fault + zeroing per 4 KiB, then ``munmap``). Fixed thresholds
-    (trim above 1 GiB; mmap above 32 MiB only) reuse the same pages: sidecar CPU per 384 MiB of
-    4 MiB messages over TCP 1.04 -> 0.83 s, ingest 0.35 -> 0.44 GB/s (3 alternating runs). Blocks
-    above 32 MiB (messages near ``--max-message-mib``, their copies) are mapped and unmapped: kept
-    in the heap, they left holes that the next ones did not fit, and the heap grew past what the
-    budget counts (57 MiB messages: a 215 MiB heap in one run, 272 MiB in another).
+    """Tune the sidecar's heap for few-MiB messages; returns whether the ``mallopt`` settings took
+    (False off glibc).
 
-    One malloc arena (unless ``MALLOC_ARENA_MAX`` is set): each Write stream runs on threads of
-    its own, and glibc gives new threads new arenas (up to 8 per core), each of which must grow to
-    its own high-water mark before it stops faulting in fresh pages. Over shared memory the copies
-    out of held staging faulted ~19k pages (76 MiB) per 192 MiB stream for the first five streams
-    of a sidecar (its CPU 0.17-0.20 s per stream instead of 0.15 s); with one arena that stops
-    from the third stream on. It also makes "the heap stays at its high-water mark, which the
-    memory budget bounds" true of the process rather than of each arena. Python allocates under
-    the GIL anyway, and gRPC's small allocations go to glibc's per-thread caches.
-
-    Arrow allocates from the same heap (pyarrow's default pool: the system allocator, not
-    mimalloc), so that the memory encoding a shard takes is the memory gRPC's copies of a message
-    freed, as the budget counts it; with an allocator of its own each kept its own high-water mark
-    (57 MiB messages with a WAL: peak RSS - idle 293-305 MiB with all of Arrow on mimalloc, 269-276
-    MiB with pyarrow's default pool on the heap; 4 and 3 runs, mimalloc emptied after each shard).
-    Encoding a 96 MiB shard or 20,000 one-token chunks took the same time with either (medians 136
-    vs 139 ms, 249 vs 274 ms; 15 interleaved runs). Parquet's page buffers still come from Arrow's
-    C++ default pool, chosen when pyarrow is imported (before this runs): the engine empties it
-    after every shard (``Engine.release_commit``). Returns whether the mallopt settings took (False
-    off glibc)."""
+    - Freed blocks stay in the heap (trim above 1 GiB, mmap above 32 MiB only): every received
+      message is a few-MiB ``bytes`` that gRPC builds by appending slices, and glibc's defaults
+      give each one fresh ``mmap`` pages (a fault and zeroing per 4 KiB). Blocks above 32 MiB
+      (messages near ``--max-message-mib``, their copies) are still mapped: kept in the heap they
+      leave holes the next ones do not fit, and the heap grows past what the budget counts.
+    - One malloc arena (unless ``MALLOC_ARENA_MAX`` is set): glibc gives new threads (each Write
+      stream has its own) new arenas, each growing to its own high-water mark. With one arena, "the
+      heap stays at its high-water mark, which the memory budget bounds" holds for the process.
+      Python allocates under the GIL anyway, and gRPC's small allocations go to glibc's per-thread
+      caches.
+    - Arrow allocates from the same heap (pyarrow's system pool, not mimalloc), so the memory that
+      encoding a shard takes is the memory gRPC's copies of a message freed, as the budget counts
+      it; encoding is as fast either way. Parquet's page buffers still come from Arrow's C++
+      default pool, chosen when pyarrow is imported: the engine empties it after every shard
+      (``Engine.release_commit``).
+    """
     import ctypes
     import ctypes.util
 
@@ -446,9 +437,10 @@ def tune_malloc() -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # <malloc.h>
+        # 384 MiB of 4 MiB messages over TCP: sidecar CPU 0.83 s, against 1.04 s with the defaults
         mmap_ok = libc.mallopt(m_mmap_threshold, 32 << 20)
         if read_env(MALLOC_ARENA_MAX) is None:
-            libc.mallopt(m_arena_max, 1)
+            libc.mallopt(m_arena_max, 1)  # copies out of held staging stop faulting from stream 3 on
         return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
     except (OSError, AttributeError):
         return False
@@ -456,15 +448,14 @@ def tune_malloc() -> bool:
 
 def tune_gc() -> None:
     """Collect cycles less often in the sidecar: every received chunk allocates a handful of
-    container objects (protobuf message, RecordChunk, arrays, index entries) and with CPython's
-    default thresholds (700, 10, 10) the collector ran every few messages and walked the whole,
-    growing dedupe index in its full collections (4.6% of sidecar samples over shared memory,
-    perf). The server's own data holds no reference cycles; ``gc.freeze`` keeps the objects made
-    at start-up out of every collection."""
+    container objects (protobuf message, RecordChunk, arrays, index entries), and with CPython's
+    default thresholds the collector runs every few messages and walks the whole, growing dedupe
+    index in its full collections. The server's own data holds no reference cycles; ``gc.freeze``
+    keeps the objects made at start-up out of every collection."""
     import gc
 
     gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    gc.set_threshold(50_000, 20, 100)  # the defaults (700, 10, 10): 4.6% of sidecar CPU samples
 
 
 def run(ns: argparse.Namespace) -> int:
