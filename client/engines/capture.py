@@ -106,26 +106,25 @@ def wrap_moe_entry(
             try:
                 pts = kwargs.get("per_token_scale")
                 if graph is not None and graph.active:
-                    g = SCOPE.g
                     graph.record(
                         site,
                         x.reshape(-1, x.shape[-1]),
                         kwargs["hidden_states_scale"],
                         "linear",
                         x.shape[-1] * 2,
-                        global_scale=None if pts is not None else _device_g(g, x.device),
+                        global_scale=None if pts is not None else _device_g(SCOPE.g, x.device),
                         token_scale=None if pts is None else pts.reshape(-1),
                     )
-                    return fn(*args, **kwargs)
-                codes, scales, g = record_rows(
-                    x.reshape(-1, x.shape[-1]),
-                    kwargs["hidden_states_scale"],
-                    layout="linear",
-                    bits=bits(),
-                    global_scale=None if pts is not None else SCOPE.g,
-                    token_scale=None if pts is None else pts.reshape(-1).to(torch.float32),
-                )
-                capture(site, codes, scales, g)
+                else:
+                    codes, scales, g = record_rows(
+                        x.reshape(-1, x.shape[-1]),
+                        kwargs["hidden_states_scale"],
+                        layout="linear",
+                        bits=bits(),
+                        global_scale=None if pts is not None else SCOPE.g,
+                        token_scale=None if pts is None else pts.reshape(-1).to(torch.float32),
+                    )
+                    capture(site, codes, scales, g)
             except Exception:  # never into the engine: the forward goes on unrecorded
                 log.exception("tracestore: recording the MoE input of %s failed", site)
         return fn(*args, **kwargs)

@@ -1,0 +1,267 @@
+"""Graph-safe capture: an engine's FP4 codes written into a static :class:`RecordSlab` by device ops.
+
+Under CUDA graphs a hook's Python runs once, while the graph is captured; a replay runs only the
+kernels the capture queued. :class:`GraphCapture` therefore records through one registered torch
+custom op, ``torch.ops.tracestore.engine_record``, whose body turns a site's codes and scales into
+record rows (:func:`tracestore.client.engines.codes.record_rows`: tensor ops on the codes' device)
+and copies them into rows ``[0, T)`` of that site's columns of the slab — no host read of device
+data, no allocation outside the ops themselves, nothing that depends on values. Captured once, a
+graph rewrites the slab's rows from its new inputs at every replay. The op declares that it
+mutates a one-element anchor tensor, so ``torch.compile`` keeps it (an op without outputs or
+mutations is removed as dead code) and treats it as opaque; its body runs where the compiled
+graph runs, captured or not.
+
+Life of a slab (:meth:`GraphCapture.arm`): before it is armed the op only notes each site's name
+and width (the engine's warm-up forward passes every layer once, outside any capture); ``arm``
+allocates the slab for the sites noted, at a capacity of the engine's largest forward. A site
+first seen after arming is not recorded (logged once). Capturing before arming records nothing.
+
+Rows are mapped after the forward, on the host, from the scheduler's plan
+(:class:`~tracestore.client.engines.rows.StepPlan`): :meth:`GraphCapture.commit` hands the
+recorder rows ``[0, n)`` of the slab when the plan takes exactly those, else first gathers the
+planned rows (``index_select`` on the device, the index copied from pinned host memory) into a
+second slab. Rows past the scheduled tokens — the padding an engine adds to reach a captured
+batch size — are written by the graph but never named by a plan, so never committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tracestore.kernels import RecordSlab
+
+from tracestore.errors import ShapeError, ValidationError
+from tracestore.formats import check_bits
+from tracestore.records import SiteSpec
+
+from .codes import record_rows
+
+log = logging.getLogger("tracestore.client.engines")
+
+OP = "tracestore::engine_record"
+ANCHOR = torch.zeros(1, dtype=torch.int32)  # what the op declares it mutates (never written)
+_ACTIVE: list[GraphCapture] = []  # the process's capture the op writes into (one engine a process)
+
+
+@torch.library.custom_op(OP, mutates_args=("anchor",))
+def engine_record(
+    anchor: torch.Tensor,
+    packed: torch.Tensor,
+    sf: torch.Tensor,
+    scale: torch.Tensor | None,
+    site: str,
+    layout: str,
+    width: int,
+    per_token: bool,
+) -> None:
+    """Write ``site``'s record rows of this forward into the active :class:`GraphCapture`'s slab.
+    ``packed`` uint8 ``[T, >= width/2]`` FP4 codes, ``sf`` their E4M3 scales in ``layout``,
+    ``scale`` the decode-side g (one value) or, with ``per_token``, one float32 g per token."""
+    if _ACTIVE:
+        _ACTIVE[0].write(packed, sf, scale, site, layout, width, per_token)
+
+
+@engine_record.register_fake
+def _engine_record_fake(
+    anchor: torch.Tensor,
+    packed: torch.Tensor,
+    sf: torch.Tensor,
+    scale: torch.Tensor | None,
+    site: str,
+    layout: str,
+    width: int,
+    per_token: bool,
+) -> None:
+    return None
+
+
+def _capturing() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class GraphCapture:
+    """One engine process's graph-safe capture (see the module docstring).
+
+    ``bits``: the low code bits recorded per value (the setting's ``bits``). ``active``: whether the
+    engine's hooks route through the op (the engine runs compiled or graph-replayed forwards);
+    while False, hooks use their eager path and this object is idle.
+    """
+
+    def __init__(self, bits: int = 1) -> None:
+        self.bits = check_bits(bits)
+        self.active = False
+        self.widths: dict[str, int] = {}  # sites noted before arming, name -> width
+        self.slab: RecordSlab | None = None
+        self.gathered: RecordSlab | None = None
+        self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0}
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._idx: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # pinned host, device, event
+
+    # -- the hooks' side ------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Make this the capture the op writes into (one per process; the last installed wins)."""
+        _ACTIVE[:] = [self]
+
+    def record(
+        self,
+        site: str,
+        packed: torch.Tensor,
+        sf: torch.Tensor,
+        layout: str,
+        width: int,
+        global_scale: torch.Tensor | None = None,
+        token_scale: torch.Tensor | None = None,
+    ) -> None:
+        """A hook's call: ``site``'s codes of this forward through the op (traceable, capturable).
+        ``global_scale`` a decode-side g as a one-element device tensor, or ``token_scale`` float32
+        ``[T]`` (one of them)."""
+        if (global_scale is None) == (token_scale is None):
+            raise ValidationError(f"site {site!r}: give exactly one of global_scale and token_scale")
+        scale = token_scale if token_scale is not None else global_scale
+        torch.ops.tracestore.engine_record(ANCHOR, packed, sf, scale, site, layout, int(width), token_scale is not None)
+
+    def write(
+        self,
+        packed: torch.Tensor,
+        sf: torch.Tensor,
+        scale: torch.Tensor | None,
+        site: str,
+        layout: str,
+        width: int,
+        per_token: bool,
+    ) -> None:
+        """The op's body: rows ``[0, min(T, capacity))`` of ``site`` in the slab, by device ops.
+        Before :meth:`arm` it notes the site instead (outside a capture)."""
+        slab = self.slab
+        if slab is None:
+            if _capturing():
+                self.stats["unarmed_capture"] += 1
+                self._warn(site, "a CUDA graph was captured before the capture was armed: it records nothing")
+            else:
+                with self._lock:
+                    self.widths.setdefault(site, int(width))
+            return
+        if site not in slab.buffers:
+            self.stats["late"] += 1
+            self._warn(site, "site first seen after the slab was allocated: not recorded")
+            return
+        rows = packed.reshape(-1, packed.shape[-1])
+        n = min(int(rows.shape[0]), slab.capacity)
+        if n < rows.shape[0]:
+            self.stats["clipped"] += 1
+        if n == 0:
+            return
+        half = width // 2
+        if rows.shape[1] < half:
+            raise ShapeError(f"site {site!r}: codes hold {rows.shape[1] * 2} values a row, width is {width}")
+        codes, scales, g = record_rows(
+            rows,
+            sf,
+            layout=layout,
+            bits=self.bits,
+            global_scale=None if per_token else scale,
+            token_scale=scale.reshape(-1).to(torch.float32) if per_token and scale is not None else None,
+        )
+        buf = slab[site]
+        nb = width // 16
+        buf.codes[:n].copy_(codes[:n, : buf.codes.shape[1]])
+        buf.scales[:n].copy_(scales[:n, :nb])
+        buf.global_scale[:n].copy_(g[:n] if g.numel() > 1 else g.expand(n))
+        self.stats["writes"] += 1
+
+    def _warn(self, site: str, why: str) -> None:
+        if site not in self._warned:
+            self._warned.add(site)
+            log.error("tracestore: %s: %s", site, why)
+
+    # -- arming -----------------------------------------------------------------------------------
+
+    @property
+    def armed(self) -> bool:
+        return self.slab is not None
+
+    def site_specs(self) -> tuple[SiteSpec, ...]:
+        """The noted sites as :class:`SiteSpec` (sorted by name), as the eager path declares them."""
+        from .recording import site_spec
+
+        return tuple(site_spec(n, w, self.bits) for n, w in sorted(self.widths.items()))
+
+    def arm(self, capacity: int, device: torch.device | str) -> bool:
+        """Allocate the slab (and the gather slab) for the sites noted so far, ``capacity`` rows
+        each: the largest forward the engine runs, padding included. Returns whether it is armed
+        (False: no site was noted; call again after a forward). Idempotent once armed."""
+        if self.slab is not None:
+            return True
+        if capacity < 1:
+            raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
+        specs = self.site_specs()
+        if not specs:
+            return False
+        self.gathered = RecordSlab.allocate(specs, capacity, device)
+        self.slab = RecordSlab.allocate(specs, capacity, device)
+        log.info("tracestore: graph capture armed: %d sites, %d rows, %s", len(specs), capacity, self.slab)
+        return True
+
+    def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each site's full-capacity ``(codes, scales, g)`` views of the slab (the last forward's rows)."""
+        if self.slab is None:
+            raise ValidationError("the graph capture is not armed")
+        return {n: (b.codes, b.scales, b.global_scale) for n, b in self.slab.buffers.items()}
+
+    # -- after a forward --------------------------------------------------------------------------
+
+    def commit(
+        self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any
+    ) -> bool:
+        """Hand the recorder the slab rows ``index`` (one per token of ``segments``, in order):
+        rows ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned rows
+        gathered into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
+        if self.slab is None or self.gathered is None:
+            raise ValidationError("the graph capture is not armed")
+        n = int(index.shape[0])
+        if n == 0:
+            return True
+        if n > self.slab.capacity or int(index.max()) >= self.slab.capacity or int(index.min()) < 0:
+            raise ShapeError(f"rows {index.min()}..{index.max()} planned; the slab holds {self.slab.capacity}")
+        slab = self.slab
+        if not np.array_equal(index, np.arange(n, dtype=index.dtype)):
+            torch.index_select(self.slab.data, 0, self._device_index(index), out=self.gathered.data[:n])
+            slab = self.gathered
+            self.stats["gathers"] += 1
+        return bool(recorder.record_slab(segments, slab, n_rows=n, token_ids=token_ids))
+
+    def _device_index(self, index: np.ndarray) -> torch.Tensor:
+        """``index`` as an int64 tensor on the slab's device; on a GPU through two pinned host
+        buffers used in turn (the copy from one had a whole step to land before it is rewritten)."""
+        assert self.slab is not None
+        dev = self.slab.device
+        src = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
+        if dev.type != "cuda":
+            return src.to(dev)
+        if not self._idx:
+            cap = self.slab.capacity
+            self._idx = [
+                (
+                    torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                    torch.empty(cap, dtype=torch.int64, device=dev),
+                    None,
+                )
+                for _ in range(2)
+            ]
+        host, out, event = self._idx[0]
+        if event is not None:
+            event.synchronize()  # the copy out of this buffer, queued two commits ago
+        n = src.shape[0]
+        host[:n].copy_(src)
+        out[:n].copy_(host[:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._idx = [self._idx[1], (host, out, ev)]
+        return out[:n]
