@@ -4,11 +4,10 @@ Why not torch for these. The recorder's engine-thread call queues one device-to-
 slab on a side stream plus two stream/event dependencies. Through torch that is about seven
 Python-level CUDA calls, and every one of them releases the GIL and takes it back: in a process
 whose recorder sender thread is running Python, each re-acquisition may wait for that thread
-(up to the interpreter's switch interval, 5 ms by default). Measured on an H200 with a real
-sidecar draining the recorder (bench/bench_production.py, 256 tokens x 20 sites): 0.38 ms median,
-34 ms p99 per call through torch. The same calls through ``ctypes.PyDLL`` (which keeps the GIL
-for the duration of the foreign call; each of these returns in microseconds, nothing here
-blocks) make the call one uninterrupted stretch of the engine thread.
+(up to the interpreter's switch interval, 5 ms by default). The same calls through
+``ctypes.PyDLL`` (which keeps the GIL for the duration of the foreign call; each of these returns
+in microseconds, nothing here blocks) make the call one uninterrupted stretch of the engine
+thread.
 
 Only the non-blocking calls hold the GIL: :meth:`DriverEvent.synchronize`, which waits for a copy
 to land (the sender thread), goes through a ``ctypes.CDLL`` handle of the same library, which
@@ -22,8 +21,8 @@ context, which torch made current on the engine thread with its first CUDA call.
 ROCm build of torch): the recorder then keeps its torch path. ``TRACESTORE_RECORDER_COPY=torch``
 forces that path (for comparison in benchmarks).
 
-Function signatures: CUDA Driver API reference, "Stream Management", "Event Management" and
-"Memory Management" (``cuMemcpyDtoHAsync_v2``, ``cuMemsetD32Async``, ``cuEventCreate``, ``cuEventRecord``,
+Function signatures: CUDA Driver API reference, "Stream Management", "Event Management" and "Memory
+Management" (``cuMemcpyDtoHAsync_v2``, ``cuMemsetD32Async``, ``cuEventCreate``, ``cuEventRecord``,
 ``cuStreamWaitEvent``, ``cuEventSynchronize``, ``cuEventQuery``, ``cuEventDestroy_v2``).
 """
 

@@ -56,8 +56,8 @@ class ChunkBuilder:
     def runs(self, pieces: list[Piece]) -> list[list[Piece]]:
         """Coalesce pieces of one (trajectory, site, version) with adjacent tokens and the same
         global scale into runs, one chunk each: decode steps record one token per sequence, and a
-        chunk per token costs ~75 us of sidecar CPU and a Parquet row (measured), so one chunk per
-        run is what makes decode-heavy rollouts affordable. Order of first appearance is kept."""
+        chunk per token costs sidecar CPU and a Parquet row, so one chunk per run is what makes
+        decode-heavy rollouts affordable. Order of first appearance is kept."""
         runs: list[list[Piece]] = []
         last: dict[tuple[str, str, int], list[Piece]] = {}
         for p in pieces:
@@ -77,9 +77,9 @@ class ChunkBuilder:
         self, pieces: list[Piece], extras: Sequence[TrajectorySeal | PrefixLink], shm: bool
     ) -> Iterator[Outgoing]:
         """Messages of ``pieces`` (coalesced into runs), each as soon as it is full; seals and links
-        ride in the last one (after the records they close). ``shm``: a piece that is a run by itself
-        travels as offsets into the shared staging pool (a coalesced run is not contiguous: inline).
-        The messages hold the pieces' staging until released."""
+        ride in the last one (after the records they close). ``shm``: a piece that is a run by
+        itself travels as offsets into the shared staging pool (a coalesced run is not contiguous:
+        inline). The messages hold the pieces' staging until released."""
         fill = _Fill(self, (self._pool.name or "") if shm else None)
         view = self._pool.view
         for run in self.runs(pieces):

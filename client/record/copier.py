@@ -5,9 +5,8 @@ From the CPU a copy is a memoryview assignment, done at once. From a GPU every c
 is queued on the side stream after the engine's current stream, behind one event, and the
 current stream then waits for that event (a device-side wait: the engine's next kernels rewrite
 what was copied). A slab goes through five CUDA driver calls that keep the GIL
-(:mod:`tracestore.client.record._cuda`: through torch each of seven calls released it and could wait the
-5 ms switch interval to get it back while the sender thread ran); where the driver cannot be
-used, through torch.
+(:mod:`tracestore.client.record._cuda`); where the driver cannot be used, through torch, whose
+calls release the GIL and may wait a switch interval to get it back.
 """
 
 from __future__ import annotations
@@ -87,7 +86,8 @@ class StagingCopier:
                     self.np[g_off : g_off + 4] = np.frombuffer(np.float32(g).tobytes(), np.uint8)
 
         # The engine's next forward rewrites its tensors on its stream: that is ordered after the
-        # copy (without it the next kernels raced this forward's rows; tests/client/record/test_recorder_gpu.py)
+        # copy (without it the next kernels raced this forward's rows;
+        # tests/client/record/test_recorder_gpu.py)
         keep = [x for srcs, _, _ in queued for x, _, _ in srcs if _is_cuda(x)]
         return self._on_side(queue, keep, order=True)
 

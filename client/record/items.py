@@ -1,8 +1,9 @@
 """The recorder's queue items and records of what it dropped: staging regions, pieces, forwards
 (per-site and slab), seals to resolve, the Write messages built from them (:class:`Outgoing`) and
 the trajectories left unguided (:class:`Unguided`). Plain state shared by the engine-facing API
-(:mod:`tracestore.client.record.recorder`), the sender's end of the queue (:mod:`tracestore.client.record.outbox`)
-and the chunk builder (:mod:`tracestore.client.record.chunks`)."""
+(:mod:`tracestore.client.record.recorder`), the sender's end of the queue
+(:mod:`tracestore.client.record.outbox`) and the chunk builder
+(:mod:`tracestore.client.record.chunks`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The sender's end of the recorder's queue (:class:`Outbox`): the engine thread appends items to
-:attr:`Outbox.queue`; the sender thread (:mod:`tracestore.client.record.session`) lays out slab rows,
-splits forwards into pieces or keeps decode steps whole, resolves seals in queue order and holds
-small forwards back to coalesce them, under the recorder's lock where a method says so."""
+:attr:`Outbox.queue`; the sender thread (:mod:`tracestore.client.record.session`) lays out slab
+rows, splits forwards into pieces or keeps decode steps whole, resolves seals in queue order and
+holds small forwards back to coalesce them, under the recorder's lock where a method says so."""
 
 from __future__ import annotations
 
@@ -85,10 +85,9 @@ class Outbox:
 
     def _lingering(self, closing: bool) -> bool:
         """Hold the queue back until it fills a window (or its oldest record is ``linger_s`` old) so
-        consecutive decode steps coalesce into chunks of many tokens. Holding only up to
-        ``batch_bytes`` sent every ~2 steps of a 256 x 20-site decode batch (~2 tokens per chunk:
-        per-chunk work on both sides made the sidecar fall behind at 25 ms steps). A forward that
-        does not coalesce (:meth:`coalesces`) goes at once."""
+        consecutive decode steps coalesce into chunks of many tokens (per-chunk work on both
+        sides is what a sidecar falls behind on). A forward that does not coalesce
+        (:meth:`coalesces`) goes at once."""
         queued = self.in_bytes - self._out_bytes
         if self.urgent or closing or queued >= self.window_bytes or not self.queue:
             return False
@@ -99,11 +98,10 @@ class Outbox:
         return time.monotonic() - born < self.linger_s
 
     def coalesces(self, fwd: Forward) -> bool:
-        """Whether ``fwd`` waits to be coalesced with later forwards (:meth:`ChunkBuilder.gather`): a
-        decode-like forward of at most ``batch_bytes``. One whose sequences are long (prefill) makes
-        long chunks by itself and goes as it is (over shared memory: descriptors, no gather copy).
-        Deciding by bytes alone made 6.3 MiB prefills with ``batch_bytes`` of 8 MiB linger for a 64
-        MiB window and travel gathered, inline: 0.3 vs 1.0 GB/s in bench_ingest."""
+        """Whether ``fwd`` waits to be coalesced with later forwards (:meth:`ChunkBuilder.gather`):
+        a decode-like forward of at most ``batch_bytes``. One whose sequences are long (prefill)
+        makes long chunks by itself and goes as it is (over shared memory: descriptors, no gather
+        copy), however few bytes it has."""
         return fwd.nbytes <= self.batch_bytes and not fwd.long_segments
 
     def take(

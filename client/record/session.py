@@ -383,8 +383,7 @@ class WriteSession:
                     continue
                 try:
                     # Each message goes to gRPC as soon as it is built, not once the whole window
-                    # is: building a 30 MiB window while the engine thread records its next
-                    # forwards took ~25 ms in bench_ingest's burst, and the sidecar idled meanwhile.
+                    # is, so the sidecar works while the rest of a window is built.
                     outs = itertools.chain(
                         builder.gather(fwds) if fwds else (), builder.build(pieces, extras, self._shm)
                     )

@@ -28,12 +28,12 @@ log = logging.getLogger("tracestore.client")
 
 
 class Segments:
-    """A forward's rows in column form, the cheap way to hand them to :meth:`RolloutRecorder.record_slab`
-    every decode step: ``trajectories`` (a tuple: keep the same object while the batch is unchanged
-    and its ids are checked once, not every step), ``starts`` and ``ends`` (integer arrays, token
-    ``[start, end)`` per trajectory, in the slab's row order). The list form
-    ``[(trajectory, start, end), ...]`` costs a Python pass over every segment on the engine
-    thread (measured in bench/bench_production.py); this one costs a few numpy reductions.
+    """A forward's rows in column form, the cheap way to hand them to
+    :meth:`RolloutRecorder.record_slab` every decode step: ``trajectories`` (a tuple: keep the same
+    object while the batch is unchanged and its ids are checked once, not every step), ``starts``
+    and ``ends`` (integer arrays, token ``[start, end)`` per trajectory, in the slab's row order).
+    The list form ``[(trajectory, start, end), ...]`` costs a Python pass over every segment on the
+    engine thread; this one costs a few numpy reductions.
 
     ``Segments.decode(trajectories, positions)``: one token per trajectory, ``[p, p + 1)``. It
     takes a snapshot of ``positions`` (an engine may advance that array in place at once) and
@@ -203,21 +203,21 @@ class SlabStage:
     engine thread, is the bookkeeping outside the graph. A replay without a commit is simply not
     recorded (the next replay writes the same slot). On the CPU the same calls copy at once.
 
-    On a GPU (with the CUDA driver binding, ``client/record/_cuda.py``) ``commit`` does only what must
-    happen before the next replay is queued: it records an event on the engine's current stream
-    (the step's rows are in slot k once it fires), selects the next slot (a one-element fill on
-    that stream) and orders the next replay after the staging copy that last read that slot (a
-    device-side wait, normally long satisfied). Everything else — checking the segments,
-    reserving pinned staging, queueing the copy of slot k on the recorder's side stream after the
-    commit's event, handing the forward to the sender — runs on the stage's stager thread,
-    woken by the commit. Should the stager fall ``slots - 1`` commits behind (its thread starved
-    of the GIL), the commit issues the pending copies itself before reusing a slot, so a slot is
-    never rewritten before its copy was queued and ordered. ``commit`` then returns True once the
-    step is accepted: a step refused later for lack of staging marks its trajectories unguided
-    (as ``record_slab``'s refusal does), and malformed segments are raised by the next
-    ``commit``, ``finish`` or ``flush`` (the error met, its message naming the step). Without
-    the driver binding (torch's copies) or with ``deferred=False``, ``commit`` does all of it
-    itself and returns whether the step was queued.
+    On a GPU (with the CUDA driver binding, ``client/record/_cuda.py``) ``commit`` does only what
+    must happen before the next replay is queued: it records an event on the engine's current stream
+    (the step's rows are in slot k once it fires), selects the next slot (a one-element fill on that
+    stream) and orders the next replay after the staging copy that last read that slot (a
+    device-side wait, normally long satisfied). Everything else — checking the segments, reserving
+    pinned staging, queueing the copy of slot k on the recorder's side stream after the commit's
+    event, handing the forward to the sender — runs on the stage's stager thread, woken by the
+    commit. Should the stager fall ``slots - 1`` commits behind (its thread starved of the GIL), the
+    commit issues the pending copies itself before reusing a slot, so a slot is never rewritten
+    before its copy was queued and ordered. ``commit`` then returns True once the step is accepted:
+    a step refused later for lack of staging marks its trajectories unguided (as ``record_slab``'s
+    refusal does), and malformed segments are raised by the next ``commit``, ``finish`` or ``flush``
+    (the error met, its message naming the step). Without the driver binding (torch's copies) or
+    with ``deferred=False``, ``commit`` does all of it itself and returns whether the step was
+    queued.
 
     Example::
 

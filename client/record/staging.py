@@ -155,8 +155,8 @@ class StagingPool:
             self._owner_fd = fd
         else:
             self.mm = mmap.mmap(-1, self.capacity)
-        # Touch every page now (start-up), not on the engine's first copies: first-touch page faults
-        # halved the staging copy rate (0.95 vs ~2+ GB/s measured on the bench machine).
+        # Touch every page now (start-up), not on the engine's first copies: first-touch page
+        # faults halve the staging copy rate.
         self.view = memoryview(self.mm)
         step = 1 << 20
         zeros = bytes(step)
@@ -254,8 +254,8 @@ class StagingPool:
 
 
 def socket_group(address: str) -> int | None:
-    """The group of the sidecar's unix socket at ``address`` when the socket admits that group
-    and this process is in it (then the sidecar reads only pools of that group, server/rpc/shm.py)."""
+    """The group of the sidecar's unix socket at ``address`` when the socket admits that group and
+    this process is in it (then the sidecar reads only pools of that group, server/rpc/shm.py)."""
     path = unix_socket_path(address)
     if path is None:
         return None
