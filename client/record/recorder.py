@@ -1,16 +1,16 @@
 """RolloutRecorder: the rollout engine's side of tracestore. Never blocks, never crashes the engine.
 
-Per forward, :meth:`RolloutRecorder.record_forward` copies each site's record rows (a GPU slab
-slice or CPU memory) into the staging pool — on a side CUDA stream, non-blocking, when the rows
-live on a GPU — and queues one descriptor per (segment, site). A background thread waits for the
-copies, numbers messages per writer ``(writer, epoch, sequence)``, streams them to the sidecar
-(offsets into shared memory over a unix socket, inline bytes over TCP), and releases staging when
-the sidecar acknowledges the sequence as durable — or, over shared memory, once the sidecar also
-reports it released (``released_sequence``: a sidecar with a WAL may read on from staging until the
-shard is written instead of copying it out, see server/engine/core.py). On a lost connection it reconnects and resends
-the unacknowledged messages (the sidecar answers duplicates as success). When it cannot keep up —
-staging full, sidecar unreachable for ``give_up_s`` — it drops the affected trajectories, marks
-them unguided (they are never sealed, so a reader sees them as incomplete), counts them, and
+Per forward, :meth:`RolloutRecorder.record_forward` copies each site's record rows (a GPU slab slice
+or CPU memory) into the staging pool — on a side CUDA stream, non-blocking, when the rows live on a
+GPU — and queues one descriptor per (segment, site). A background thread waits for the copies,
+numbers messages per writer ``(writer, epoch, sequence)``, streams them to the sidecar (offsets into
+shared memory over a unix socket, inline bytes over TCP), and releases staging when the sidecar
+acknowledges the sequence as durable — or, over shared memory, once the sidecar also reports it
+released (``released_sequence``: a sidecar with a WAL may read on from staging until the shard is
+written instead of copying it out, see server/engine/core.py). On a lost connection it reconnects
+and resends the unacknowledged messages (the sidecar answers duplicates as success). When it cannot
+keep up — staging full, sidecar unreachable for ``give_up_s`` — it drops the affected trajectories,
+marks them unguided (they are never sealed, so a reader sees them as incomplete), counts them, and
 carries on.
 
 This module is the engine-facing part: arguments, staging copies and the queue. The sender's
@@ -136,8 +136,8 @@ class RolloutRecorder:
         self.window_bytes = max(self.batch_bytes, min(16 * self.batch_bytes, staging_bytes // 4))
         # Unacknowledged bytes in flight before the sender waits for acks. They hold staging until
         # acknowledged (nothing else: messages are serialized as gRPC sends them), so half the
-        # pool: with commit acks (no WAL) 32 MiB kept the sender idle between shard commits
-        # (memory:// 384 MiB, shm: 0.26 -> 0.34 GB/s, TCP 0.22 -> 0.28 GB/s).
+        # pool, enough to keep the sender busy between shard commits when acks wait for them.
+        # no WAL, 384 MiB over shm: 0.34 GB/s, against 0.26 GB/s with 32 MiB in flight
         self.inflight_bytes = max(8 * self.batch_bytes, staging_bytes // 2)
         self.linger_s = cfg.linger_s
         self.give_up_s = cfg.give_up_s
@@ -273,9 +273,9 @@ class RolloutRecorder:
 
         Cost on the caller's thread does not grow with the sender's work: no lock the sender holds,
         no per-segment Python loop (checks run in C over the segment list), one staging
-        reservation, copies that keep the GIL (a copy that let it go waited up to the 5 ms switch
-        interval to get it back while the sender ran: 2-5 ms per decode step measured) and one
-        queue append. Splitting into chunks, coalescing and serialization run on the sender thread.
+        reservation, copies that keep the GIL (one that let it go could wait a switch interval to
+        get it back while the sender runs) and one queue append. Splitting into chunks, coalescing
+        and serialization run on the sender thread.
         """
         if self._stages:
             self._drain_stages()
@@ -335,20 +335,20 @@ class RolloutRecorder:
         policy_version: int | None = None,
         token_ids: Any = None,
     ) -> bool:
-        """Queue one forward recorded into a :class:`tracestore.kernels.RecordSlab` (or a few, one per
-        ``rows_per_token``): its rows ``[0, n_rows)`` for ``segments``, the forward's
-        ``(trajectory, token_start, token_end)`` rows in order (a list, or :class:`Segments`: the same
-        in column form, the cheap one per decode step). One copy per slab, whatever the
-        number of sites: from a GPU a non-blocking copy on the side stream into pinned staging, after
-        which the engine's current stream waits for it (the next forward rewrites the slab); the
-        per-site layout is made on the sender thread. ``n_rows`` (optional) is the rows the engine
-        wrote, checked against the segments' tokens × ``rows_per_token``. A site whose rows carry
-        different g values (per-token NVFP4 activation scales) is stored with them as token
-        scales (chunk g 1.0: the same dequantized values bit for bit); one g per site is stored as
-        the chunk's g. Returns False when refused (staging full, recorder stopped): its
-        trajectories are then unguided. Bad arguments raise (ValidationError for a site the run
-        does not declare, ShapeError naming the site or slab otherwise). ``token_ids``: as for
-        :meth:`record_forward` (each chunk's token identity).
+        """Queue one forward recorded into a :class:`tracestore.kernels.RecordSlab` (or a few, one
+        per ``rows_per_token``): its rows ``[0, n_rows)`` for ``segments``, the forward's
+        ``(trajectory, token_start, token_end)`` rows in order (a list, or :class:`Segments`: the
+        same in column form, the cheap one per decode step). One copy per slab, whatever the number
+        of sites: from a GPU a non-blocking copy on the side stream into pinned staging, after which
+        the engine's current stream waits for it (the next forward rewrites the slab); the per-site
+        layout is made on the sender thread. ``n_rows`` (optional) is the rows the engine wrote,
+        checked against the segments' tokens × ``rows_per_token``. A site whose rows carry different
+        g values (per-token NVFP4 activation scales) is stored with them as token scales (chunk
+        g 1.0: the same dequantized values bit for bit); one g per site is stored as the chunk's g.
+        Returns False when refused (staging full, recorder stopped): its trajectories are then
+        unguided. Bad arguments raise (ValidationError for a site the run does not declare,
+        ShapeError naming the site or slab otherwise). ``token_ids``: as for :meth:`record_forward`
+        (each chunk's token identity).
 
         Inside a CUDA graph, use :meth:`slab_stage`."""
         if self._stages:
@@ -361,11 +361,11 @@ class RolloutRecorder:
 
     def slab_stage(self, slab: Any, rows: int | None = None, slots: int = 4, deferred: bool = True) -> SlabStage:
         """The CUDA-graph form of :meth:`record_slab`: a :class:`SlabStage` whose ``capture()`` goes
-        inside the engine's captured graph (after the last record kernel) and whose ``commit(segments)``
-        the engine calls once after each replay. ``rows``: the slab rows the graph stages (default
-        its capacity, i.e. the graph's batch); ``slots``: device ring slots (a step's staging copy
-        has ``slots - 1`` steps to be queued and land before its slot is written again);
-        ``deferred``: on a GPU, commits leave the copies to the stage's stager thread (see
+        inside the engine's captured graph (after the last record kernel) and whose
+        ``commit(segments)`` the engine calls once after each replay. ``rows``: the slab rows the
+        graph stages (default its capacity, i.e. the graph's batch); ``slots``: device ring slots (a
+        step's staging copy has ``slots - 1`` steps to be queued and land before its slot is written
+        again); ``deferred``: on a GPU, commits leave the copies to the stage's stager thread (see
         :class:`SlabStage`)."""
         host = RecorderStageHost(
             self.writer, self.stats, self._copier, self._stage_lock, self._slabs, self._outbox, self._unguided
@@ -489,17 +489,17 @@ class RolloutRecorder:
 
     def attempt(self, trajectory: str, attempt: int | None = None) -> str:
         """The stored id to record ``attempt`` of ``trajectory`` under (``"<trajectory>::a<n>"``,
-        :func:`tracestore.client.record.traceref.attempt_id`); default: the next attempt this recorder has
-        not handed out. Attempts of one trajectory on one recorder must increase, so a retried or
-        aborted rollout never writes under an earlier attempt's id (across recorders, pass the
-        framework's own retry counter)."""
+        :func:`tracestore.client.record.traceref.attempt_id`); default: the next attempt this
+        recorder has not handed out. Attempts of one trajectory on one recorder must increase, so a
+        retried or aborted rollout never writes under an earlier attempt's id (across recorders,
+        pass the framework's own retry counter)."""
         return self._seals.attempt(trajectory, attempt)
 
     def refs(self, trajectories: Sequence[str], timeout: float = 60.0) -> list[Any]:
-        """One :class:`tracestore.client.record.traceref.TraceRef` per stored id of ``trajectories`` (each
-        finished with :meth:`finish`), in order. Waits up to ``timeout`` seconds for every seal to
-        be durable and for the sidecar to report the shard holding it committed to storage; a
-        trajectory that is unguided, or not durable or published by then, gets an unguided ref
+        """One :class:`tracestore.client.record.traceref.TraceRef` per stored id of ``trajectories``
+        (each finished with :meth:`finish`), in order. Waits up to ``timeout`` seconds for every
+        seal to be durable and for the sidecar to report the shard holding it committed to storage;
+        a trajectory that is unguided, or not durable or published by then, gets an unguided ref
         (``guided=False`` and its ``reason``). A guided ref therefore names records a trainer can
         read from storage."""
         from tracestore.client.transport import channel
