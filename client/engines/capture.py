@@ -41,8 +41,9 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
 
 def site_name(prefix: str, moe: bool = False) -> str:
-    """Site name for an engine module ``prefix``: MoE blocks and their experts -> ``layers.{i}.mlp.input``;
-    anything else -> ``layers.{i}.{rest}.input``. A prefix without ``layers.{i}.`` raises."""
+    """Site name for an engine module ``prefix``: MoE blocks and their experts ->
+    ``layers.{i}.mlp.input``; anything else -> ``layers.{i}.{rest}.input``. A prefix without
+    ``layers.{i}.`` raises."""
     m = _LAYER.search(prefix)
     if m is None:
         raise ValidationError(f"module {prefix!r} is not under layers.{{i}}.: no site name for it")
@@ -147,8 +148,8 @@ MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe"
 
 def install_flashinfer(capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None) -> list[str]:
     """Wrap FlashInfer's fused-MoE FP4 entries on ``flashinfer.fused_moe`` and ``flashinfer`` (both
-    engines import them from either, inside the calling function: the attribute is read at each call)
-    where FlashInfer is importable (GPU builds). Returns what was patched; idempotent."""
+    engines import them from either, inside the calling function: the attribute is read at each
+    call) where FlashInfer is importable (GPU builds). Returns what was patched; idempotent."""
     import importlib
 
     done = []

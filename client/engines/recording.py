@@ -1,6 +1,7 @@
 """One engine instance's recording: the forward's captured sites -> the recorder, by a step plan.
 
-:class:`EngineRecorder` sits between an engine plugin and :class:`tracestore.client.RolloutRecorder`:
+:class:`EngineRecorder` sits between an engine plugin and
+:class:`tracestore.client.RolloutRecorder`:
 
 - during a forward, the plugin's hooks call :meth:`EngineRecorder.capture` once per site with the
   record rows of every token of the forward (:func:`tracestore.client.engines.codes.record_rows`);
@@ -47,9 +48,10 @@ def site_spec(name: str, width: int, bits: int) -> SiteSpec:
 
 
 def unguided_reason(gap: str) -> str:
-    """The :class:`TraceRef` reason of an ending's ``gap``: ``aborted`` for an abort, ``refused`` when
-    the recorder refused the seal (``unguided``: staging full, sidecar gone), ``incomplete`` for every
-    gap in the rows themselves (``prefix_unrecorded``, ``unrecorded_positions``, ``nothing_recorded``)."""
+    """The :class:`TraceRef` reason of an ending's ``gap``: ``aborted`` for an abort, ``refused``
+    when the recorder refused the seal (``unguided``: staging full, sidecar gone), ``incomplete``
+    for every gap in the rows themselves (``prefix_unrecorded``, ``unrecorded_positions``,
+    ``nothing_recorded``)."""
     if gap == "aborted":
         return "aborted"
     return "refused" if gap == "unguided" else "incomplete"
@@ -58,8 +60,9 @@ def unguided_reason(gap: str) -> str:
 class EngineRecorder:
     """Records one engine instance's forwards under ``setting`` (see the module docstring).
 
-    ``make_recorder(run_spec)`` builds the :class:`RolloutRecorder` once the sites are known (default:
-    one connected to ``setting.sidecar`` with ``setting.writer`` and ``setting.policy_version``).
+    ``make_recorder(run_spec)`` builds the :class:`RolloutRecorder` once the sites are known
+    (default: one connected to ``setting.sidecar`` with ``setting.writer`` and
+    ``setting.policy_version``).
     """
 
     def __init__(self, setting: RecordSetting, make_recorder: Callable[[RunSpec], Any] | None = None) -> None:
@@ -95,8 +98,8 @@ class EngineRecorder:
 
     def capture(self, site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
         """This forward's record rows of ``site`` (one row per token of the forward, in its order):
-        ``codes uint8 [T, width·bits/8]``, ``scales uint8 [T, width/16]``, ``g float32 [1]`` or ``[T]``.
-        A site captured twice in one forward raises (two consumers under one name)."""
+        ``codes uint8 [T, width·bits/8]``, ``scales uint8 [T, width/16]``, ``g float32 [1]`` or
+        ``[T]``. A site captured twice in one forward raises (two consumers under one name)."""
         if site in self._sites:
             raise ValidationError(f"site {site!r} captured twice in one forward")
         if codes.shape[0] != scales.shape[0] or g.numel() not in (1, codes.shape[0]):

@@ -46,10 +46,10 @@ _BAD = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 def trajectory_id(request_id: str, prefix: str = "") -> str:
-    """A stored trajectory id for an engine request id: characters outside ``[A-Za-z0-9_.:-]`` become
-    ``-``, ``..`` becomes ``.-``, a leading non-alphanumeric gets ``r`` before it, at most 128
-    characters less room for an attempt suffix (longer ids keep their last 100 characters behind an
-    8-hex CRC, so distinct ids stay distinct); ``::`` (reserved for attempts) becomes ``:-``."""
+    """A stored trajectory id for an engine request id: characters outside ``[A-Za-z0-9_.:-]``
+    become ``-``, ``..`` becomes ``.-``, a leading non-alphanumeric gets ``r`` before it, at most
+    128 characters less room for an attempt suffix (longer ids keep their last 100 characters behind
+    an 8-hex CRC, so distinct ids stay distinct); ``::`` (reserved for attempts) becomes ``:-``."""
     t = _BAD.sub("-", f"{prefix}{request_id}").replace("..", ".-").replace("::", ":-")
     if not t or not t[0].isalnum():
         t = "r" + t
@@ -167,8 +167,8 @@ class RowMapper:
 
     def add(self, request_id: str, prompt_ids: Sequence[int] | np.ndarray, trajectory: str | None = None) -> str:
         """Start tracking a request with its prompt ids; returns its stored trajectory id (default:
-        :func:`tracestore.traceref.attempt_id` of :func:`trajectory_id`, the next attempt of that id,
-        so a request id reused after its first run ended records under a new attempt). Adding a
+        :func:`tracestore.traceref.attempt_id` of :func:`trajectory_id`, the next attempt of that
+        id, so a request id reused after its first run ended records under a new attempt). Adding a
         request that is still tracked is an error."""
         if request_id in self._reqs:
             raise ValidationError(f"request {request_id!r} is already tracked (finish it first)")

@@ -58,9 +58,9 @@ class RecordSetting:
 
 
 def parse_setting(text: str) -> RecordSetting:
-    """``"sidecar=ADDR run=RUN policy_version=N [writer=W] [bits=B] [sites=moe|all] [staging_mb=M]"``
-    -> :class:`RecordSetting`. Unknown keys, a pair without ``=``, a repeated key or a missing
-    required key raise :class:`~tracestore.errors.ConfigError` naming it."""
+    """``"sidecar=ADDR run=RUN policy_version=N [writer=W] [bits=B] [sites=moe|all]
+    [staging_mb=M]"`` -> :class:`RecordSetting`. Unknown keys, a pair without ``=``, a repeated key
+    or a missing required key raise :class:`~tracestore.errors.ConfigError` naming it."""
     values: dict[str, str] = {}
     for pair in text.split():
         key, eq, value = pair.partition("=")

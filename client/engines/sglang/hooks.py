@@ -191,8 +191,8 @@ def _linear_base_init() -> Any:
 
 
 def around_linear_apply(original: Any, method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
-    """``ModelOptFp4LinearMethod.apply``: record a prequantized input; else mark the layer's site for
-    ``fp4_quantize``."""
+    """``ModelOptFp4LinearMethod.apply``: record a prequantized input; else mark the layer's site
+    for ``fp4_quantize``."""
     prefix = str(getattr(layer, "prefix", "") or getattr(layer, "_tracestore_prefix", "") or "")
     name = site_name(prefix) if "layers." in prefix else None
     g = _input_g(layer)
