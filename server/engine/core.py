@@ -180,8 +180,14 @@ class Engine(CommitSide):
         self.parse_wal_data = parse_wal_data
         replayed = 0
         if self.config.wal_dir is not None:
-            self.journal = Journal(self.config, self.metrics, self.sessions, on_synced=self._on_synced,
-                                   claims=self._dedupe.open_claims, owners=self._dedupe.owners)  # fmt: skip
+            self.journal = Journal(
+                self.config,
+                self.metrics,
+                self.sessions,
+                on_synced=self._on_synced,
+                claims=self._dedupe.open_claims,
+                owners=self._dedupe.owners,
+            )
             replayed = self.journal.replay(self._replay_entry)
             # the runs with records queued again are busy: they get their slots back (runs.py)
             queued = {id(m) for w in self.writers.values() for m in w.pending}
@@ -303,12 +309,11 @@ class Engine(CommitSide):
         wrote it: another identity can neither fence that writer (new epochs, huge epochs) nor write
         the trajectory's records, seals or links, nor link a trajectory of its own to it
         (:class:`PermissionDeniedError`)."""
-        # The caller's reservation stays this message's room while it waits for admission (given
-        # back first, the message sat in memory uncounted while it waited), and becomes its share
-        # of ``in_use`` when it is admitted. A session made for this message goes again if the
-        # message is refused: before, a first message refused for a gap, a conflict or no room left
-        # its empty session for good (in every WAL snapshot, too), owned by no one and counted in no
-        # identity's share.
+        # The caller's reservation stays this message's room while it waits for admission (so the
+        # message is never in memory uncounted), and becomes its share of ``in_use`` when it is
+        # admitted. A session made for this message goes again if the message is refused, so a
+        # refused first message leaves no empty session behind (in WAL snapshots too, owned by no
+        # one).
         opened: list[WriterState] = []
         try:
             return self._admit(msg, wal_parts, reserved, hold, identity, opened)
