@@ -258,11 +258,11 @@ class Store(Catalog):
         ``split_min_bytes`` of payload in two or more trajectories, the shard is cut by trajectory
         (:func:`~tracestore.storage.shard_write.split_shard`) into shard ``seq`` and shard
         ``seq + PART_SEQ_STRIDE``, each a complete shard with its own manifest, encoded and
-        published side by side. Both Parquet files are durable before either manifest is
-        published, and the manifest of ``seq`` is published last: when it is there, everything is.
-        A crash before that leaves at most the other file's trajectories visible, which a repeat of
-        the call completes (the split is a function of the content, so the repeat is byte-identical).
-        A repeat that chooses the other layout (one file where an earlier attempt wrote two, or the
+        published side by side. Both Parquet files are durable before either manifest is published,
+        and the manifest of ``seq`` is published last: when it is there, everything is. A crash
+        before that leaves at most the other file's trajectories visible, which a repeat of the call
+        completes (the split is a function of the content, so the repeat is byte-identical). A
+        repeat that chooses the other layout (one file where an earlier attempt wrote two, or the
         reverse: another core count or setting after a restart) finds the first attempt's file in
         its way and completes that layout instead.
         """
@@ -416,7 +416,8 @@ class Store(Catalog):
             # stream to disk while encoding (no in-memory copy of the shard; writeback overlaps encoding)
             written, (_, manifest) = self.storage.publish_stream(shard_path, encode)
             return written, manifest
-        # published from memory: encoded straight into the bytes the upload sends (shard_write.BytesSink)
+        # published from memory: encoded straight into the bytes the upload sends
+        # (shard_write.BytesSink)
         sink = BytesSink(shard_size_hint(chunks)) if chunks else None
         _, manifest = encode(sink)
         data = None if sink is None else sink.getvalue()
