@@ -72,9 +72,8 @@ def validate_id(kind: str, value: object) -> str:
     return value
 
 
-# One past the largest token position a record, seal or link may name: 2^40 (~1.1e12) is far past any
-# context a model runs, and keeps sums over tokens, sites and rows exact in int64 and float64
-# (a position of 2^62 was accepted, and `inspect` then reported 6.2e23 site-tokens).
+# One past the largest token position a record, seal or link may name: 2^40 (~1.1e12) is far past
+# any context a model runs, and keeps sums over tokens, sites and rows exact in int64 and float64.
 MAX_TOKEN_END = 1 << 40
 
 
@@ -391,8 +390,7 @@ class RecordChunk:
 
     @functools.cached_property
     def nbytes(self) -> int:
-        # cached: a shard encode asks every chunk several times (row groups, entries, payload):
-        # 17 ms per 8,000-chunk decode shard when computed each time
+        # cached: a shard encode asks every chunk several times (row groups, entries, payload)
         ts = 0 if self.token_scales is None else self.token_scales.nbytes
         return int(self.codes.nbytes + self.scales.nbytes + ts)
 

@@ -164,7 +164,8 @@ def link_from_pb(run: str, s: pb.PrefixLink) -> PrefixLink:
 
 # -- the hand-spliced payload codec --------------------------------------------------------------
 
-# Field numbers of the spliced fields (see tracestore.proto): WriteRequest.chunks, Chunk.codes/scales/token_scales.
+# Field numbers of the spliced fields (see tracestore.proto): WriteRequest.chunks,
+# Chunk.codes/scales/token_scales.
 WRITE_CHUNKS = pb.WriteRequest.CHUNKS_FIELD_NUMBER
 PAYLOAD_FIELDS = (pb.Chunk.CODES_FIELD_NUMBER, pb.Chunk.SCALES_FIELD_NUMBER, pb.Chunk.TOKEN_SCALES_FIELD_NUMBER)
 _PAYLOAD_INDEX = {number: i for i, number in enumerate(PAYLOAD_FIELDS)}  # field number -> codes/scales/token_scales
@@ -186,8 +187,8 @@ def varint(n: int) -> bytes:
 
 
 def read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    """(value, position after it) of the varint at ``buf[pos:end]``; ValidationError when it is cut off
-    or longer than 64 bits."""
+    """(value, position after it) of the varint at ``buf[pos:end]``; ValidationError when it is cut
+    off or longer than 64 bits."""
     value, shift = 0, 0
     while True:
         if pos >= end or shift > 63:

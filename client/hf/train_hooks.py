@@ -95,8 +95,8 @@ class GuidedFP4Hooks:
     def set_guidance(self, guidance: Mapping[str, Guidance] | None) -> GuidedFP4Hooks:
         """The records of the next microbatch, ``{site name: Guidance}`` (``GuidanceReader.read``),
         kept until replaced (a checkpointed backward recomputes with them). Artifact entries of the
-        read (:class:`~tracestore.artifacts.Routing`, ``LogProbs``) are skipped. Sites not hooked, or
-        guidance of another format or width, are refused here rather than mid-forward."""
+        read (:class:`~tracestore.artifacts.Routing`, ``LogProbs``) are skipped. Sites not hooked,
+        or guidance of another format or width, are refused here rather than mid-forward."""
         from tracestore.artifacts import LogProbs, Routing
 
         # a read's artifact rows (routing, log-probs) are for other hooks (RoutingReplayHooks)

@@ -23,11 +23,12 @@ class SiteRows:
     """One site's records aligned to a plan: row ``i`` is the plan's ``i``-th row.
 
     ``codes`` uint8 ``[n_rows, code_bytes]`` and ``scales`` uint8 ``[n_rows, scale_bytes]`` (of the
-    column range), ``global_scale`` float32 ``[n_rows]`` (1.0 where invalid), ``token_scales`` float32
-    ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool ``[n_rows]``,
-    ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool ``[n_rows]`` (older
-    than ``max_staleness`` with ``stale="flag"``). ``n_rows = plan.n_tokens * site.rows_per_token``.
-    The arrays of all sites of one read (all but ``token_scales`` and ``stale``) are views into one buffer.
+    column range), ``global_scale`` float32 ``[n_rows]`` (1.0 where invalid), ``token_scales``
+    float32 ``[n_rows]`` or None when no record of the site carries them, ``valid`` bool
+    ``[n_rows]``, ``policy_version`` int64 ``[n_rows]`` (-1 where invalid), ``stale`` bool
+    ``[n_rows]`` (older than ``max_staleness`` with ``stale="flag"``).
+    ``n_rows = plan.n_tokens * site.rows_per_token``. The arrays of all sites of one read (all but
+    ``token_scales`` and ``stale``) are views into one buffer.
     """
 
     site: SiteSpec
