@@ -97,10 +97,11 @@ def file_stats(path: Path, rel: str | None = None) -> FileStats:
 
 
 def collect(roots: list[str], base: Path) -> list[FileStats]:
-    """Stats for every product ``*.py`` under ``roots`` (relative to ``base``)."""
+    """Stats for every product ``*.py`` under ``roots`` (directories or files, relative to ``base``)."""
     out = []
     for root in roots:
-        for path in sorted((base / root).rglob("*.py")):
+        top = base / root
+        for path in [top] if top.is_file() else sorted(top.rglob("*.py")):
             rel = path.relative_to(base).as_posix()
             if any(rel.startswith(part) or "/" + part in rel for part in SKIP_PARTS):
                 continue
