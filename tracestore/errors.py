@@ -40,7 +40,7 @@ class MissingRecordsError(TraceStoreError, LookupError):
 
 
 class GuidanceMismatch(TraceStoreError, ValueError):
-    """Stored records were made for other token ids than the trainer's (names trajectory, site, tokens)."""
+    """Records made for other token ids than the trainer's; names trajectory, site and tokens."""
 
 
 class CorruptionError(TraceStoreError, OSError):
@@ -56,11 +56,11 @@ class UnauthenticatedError(TraceStoreError, PermissionError):
 
 
 class PermissionDeniedError(TraceStoreError, PermissionError):
-    """The caller is authenticated but may not do this (another run's data, another identity's writer)."""
+    """The caller is authenticated but may not do this (another's run or writer)."""
 
 
 class LimitError(TraceStoreError, RuntimeError):
-    """A configured limit of the sidecar is reached (streams, writers, runs, read size); the message names it."""
+    """A sidecar limit is reached (streams, writers, runs, read size); the message names it."""
 
 
 class MissingExtraError(TraceStoreError, ImportError):
@@ -68,7 +68,7 @@ class MissingExtraError(TraceStoreError, ImportError):
 
 
 def require(module: str, extra: str) -> object:
-    """Import ``module`` or raise :class:`MissingExtraError` naming ``pip install tracestore[extra]``."""
+    """Import ``module``, else :class:`MissingExtraError` naming ``pip install tracestore[extra]``."""
     import importlib
 
     try:

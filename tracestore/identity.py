@@ -141,7 +141,7 @@ class TokenLedger:
         return None if seq is None else seq.at(end)
 
     def lose(self, trajectory: str) -> None:
-        """Positions of ``trajectory`` were recorded without ids: unidentified until it restarts at 0."""
+        """``trajectory`` was recorded without ids: unidentified until it restarts at 0."""
         if trajectory in self._seqs:
             self._seqs[trajectory] = None
 

@@ -58,7 +58,8 @@ def validate_version(value: object) -> int:
 def validate_id(kind: str, value: object) -> str:
     """Check a run / trajectory / site / writer id; return it or raise :class:`ValidationError`.
 
-    run: ``[a-z0-9][a-z0-9_.-]{0,63}``; trajectory, site, writer: ``[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}``.
+    run: ``[a-z0-9][a-z0-9_.-]{0,63}``;
+    trajectory, site, writer: ``[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}``.
     ``".."`` is refused anywhere in an id, so no id can name a parent directory.
     """
     if not isinstance(value, str):
@@ -538,7 +539,7 @@ class TrajectorySeal:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixLink:
-    """``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (shared prompt, prefix-cache hit)."""
+    """``trajectory``'s tokens ``[0, n_tokens)`` are ``source``'s (a shared prompt, a cache hit)."""
 
     run: str
     policy_version: int

@@ -96,7 +96,7 @@ def chunk_to_pb(chunk: RecordChunk, *, checksum: bool = True) -> pb.Chunk:
 
 
 def payload_sizes(site: SiteSpec, n_tokens: int, has_token_scales: bool) -> tuple[int, int, int, int]:
-    """(rows, codes bytes, scales bytes, token_scales bytes) of a chunk of ``n_tokens`` at ``site``."""
+    """(rows, codes, scales, token_scales bytes) of a chunk of ``n_tokens`` at ``site``."""
     rows = n_tokens * site.rows_per_token
     return rows, rows * site.code_bytes, rows * site.scale_bytes, rows * 4 if has_token_scales else 0
 
@@ -110,7 +110,7 @@ def chunk_from_parts(
     token_scales: bytes | memoryview | None,
     cls: type[RecordChunk] = RecordChunk,
 ) -> RecordChunk:
-    """Build and validate a RecordChunk (or subclass ``cls``) from wire fields and payload buffers (not copied)."""
+    """A validated RecordChunk (or ``cls``) from wire fields and payload buffers (not copied)."""
     if c.n_tokens < 1 or c.token_start < 0 or c.policy_version < 0:
         raise ValidationError(
             f"trajectory {c.trajectory!r} site {c.site!r}: expected token_start >= 0, n_tokens >= 1 and "
@@ -267,7 +267,7 @@ def decode_message(cls: Any, data: bytes, what: str) -> Any:
 
 
 def fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """Yield (field number, wire type, start of field, start of value, end of value) over [pos, end)."""
+    """Yield (field number, wire type, field start, value start, value end) over [pos, end)."""
     while pos < end:
         start = pos
         tag = buf[pos]

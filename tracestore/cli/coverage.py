@@ -124,7 +124,7 @@ class VersionRecords:
         return _Coverage(intervals, overlapping, ends_of)
 
     def links(self) -> Any:
-        """A :class:`~tracestore.storage.reader.LinkIndex` of this version (links, seals, chunk extents)."""
+        """A :class:`~tracestore.storage.reader.LinkIndex` of this version (links, seals, extents)."""
         from tracestore.storage.reader import LinkIndex
 
         index = LinkIndex(self.run)

@@ -131,7 +131,7 @@ def chunks_to_table(
 
 
 def schema_version_of(schema: pa.Schema) -> int:
-    """The tracestore schema version stored in ``schema``'s metadata (CorruptionError when absent)."""
+    """The schema version in ``schema``'s metadata (CorruptionError when absent)."""
     meta = schema.metadata or {}
     raw = meta.get(SCHEMA_VERSION_KEY)
     if raw is None:
@@ -215,7 +215,7 @@ def chunk_from_parts(
     verify: bool,
     where: str,
 ) -> RecordChunk:
-    """Rebuild one chunk from its stored columns; checks byte lengths and (optionally) the checksum."""
+    """One chunk from its stored columns; checks byte lengths and (optionally) the checksum."""
     desc = (
         f"{where} (trajectory {key['trajectory']} site {key['site']} v{key['policy_version']} "
         f"tokens [{key['token_start']}, {key['token_start'] + key['n_tokens']}))"

@@ -137,7 +137,7 @@ class Catalog:
             return self._footers.get((m.shard or "", m.shard_bytes, m.shard_crc32))
 
     def keep_footer(self, m: Manifest, footer: Any) -> None:
-        """Remember the footer of ``m``'s shard for later readers (bounded; oldest dropped first)."""
+        """Keep the footer of ``m``'s shard for later readers (bounded; oldest dropped first)."""
         with self._lock:
             self._footers[(m.shard or "", m.shard_bytes, m.shard_crc32)] = footer
             while len(self._footers) > self._MAX_FOOTERS:
@@ -158,7 +158,7 @@ class Catalog:
     # ------------------------------------------------------------------ maintenance
 
     def remove_stale_temp_files(self, older_than_s: float | None = None) -> list[str]:
-        """Delete temp files that crashed local writers left behind; returns their root-relative paths.
+        """Delete temp files that crashed local writers left; returns their root-relative paths.
 
         Local disk only (S3 and memory publish with one call and never leave any). A writer killed
         between writing its temp file and the create-only link leaves ``.<name>.tmp-<uuid4 hex>``
@@ -221,7 +221,7 @@ class Catalog:
     # ------------------------------------------------------------------ retention
 
     def delete_versions_older_than(self, run: str, keep: int) -> list[int]:
-        """Retention: delete every policy version ``< keep`` of ``run``; returns the deleted versions.
+        """Retention: delete every policy version ``< keep`` of ``run``; returns those deleted.
 
         Manifests go first (the data stops being visible), then the shards and directories.
         """

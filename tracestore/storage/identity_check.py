@@ -93,7 +93,7 @@ class IdentityCheck:
                 self._seen.append((entry, ids_crc))
 
     def finish(self, rows: dict[str, SiteRows], stats: ReadStats) -> None:
-        """Count, then raise :class:`GuidanceMismatch` or mask the mismatching trajectories' rows."""
+        """Count, then raise :class:`GuidanceMismatch` or mask the mismatching trajectories."""
         bad: dict[str, list[tuple[ChunkEntry, int, int]]] = {}
         good_ends: dict[str, list[int]] = {}
         for e, got in self._seen:

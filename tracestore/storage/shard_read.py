@@ -46,7 +46,7 @@ from tracestore.storage.manifest import ChunkEntry, Manifest, ManifestColumns
 
 
 def open_parquet(f: Any, where: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
-    """ParquetFile over a file handle with page-checksum verification; CorruptionError if unreadable.
+    """ParquetFile over a file handle, verifying page checksums; CorruptionError if unreadable.
 
     A memory map is read in place (no read-ahead buffers); any other file is pre-buffered (a
     few large ranged reads, not one per column chunk).

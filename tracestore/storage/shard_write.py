@@ -114,7 +114,7 @@ def check_shard_inputs(
     seals: Sequence[TrajectorySeal] = (),
     links: Sequence[PrefixLink] = (),
 ) -> list[RecordChunk]:
-    """Check that everything belongs to (run, version); return the chunks sorted and de-duplicated."""
+    """Check that everything belongs to (run, version); the chunks sorted and de-duplicated."""
     for c in chunks:
         if c.run != run or c.policy_version != policy_version:
             raise ValidationError(f"{c.key_str}: does not belong to shard run {run} v{policy_version}")
@@ -134,7 +134,7 @@ def split_shard(
     links: Sequence[PrefixLink] = (),
     parts: int = 2,
 ) -> list[ShardPart]:
-    """Cut one shard's content into up to ``parts`` shards of about equal bytes, whole trajectories each.
+    """Cut one shard's content into up to ``parts`` shards of about equal bytes, whole trajectories.
 
     ``ordered``: the chunks as :func:`check_shard_inputs` returns them (sorted, de-duplicated). A
     trajectory's chunks, seals and links stay together, and so does a link's source with the
