@@ -65,14 +65,25 @@ def _service(raw: object) -> str:
 
 
 SETTINGS = (
-    Setting("--target", optional(text("unix:///path/to.sock, a socket path or host:port")), None,
-            "unix:///path/to.sock (or the path) or host:port",
-            show="unix://$TRACESTORE_UNIX_SOCKET, else 127.0.0.1:$TRACESTORE_PORT", metavar="TARGET"),
-    Setting("--service", Kind("a health service name ('' for the overall status)", _service), "",
-            f"health name: '' (every degraded reason), tracestore.v1.TraceStore (the same), {LIVENESS} "
-            "(NOT_SERVING only for what a restart mends: what probes watch)", show="'' (overall)", metavar="NAME"),
+    Setting(
+        "--target",
+        optional(text("unix:///path/to.sock, a socket path or host:port")),
+        None,
+        "unix:///path/to.sock (or the path) or host:port",
+        show="unix://$TRACESTORE_UNIX_SOCKET, else 127.0.0.1:$TRACESTORE_PORT",
+        metavar="TARGET",
+    ),
+    Setting(
+        "--service",
+        Kind("a health service name ('' for the overall status)", _service),
+        "",
+        f"health name: '' (every degraded reason), tracestore.v1.TraceStore (the same), {LIVENESS} "
+        "(NOT_SERVING only for what a restart mends: what probes watch)",
+        show="'' (overall)",
+        metavar="NAME",
+    ),
     Setting("--timeout", number(gt=0), 3.0, "seconds for the whole check, connecting included", metavar="SECONDS"),
-)  # fmt: skip
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

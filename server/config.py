@@ -142,16 +142,22 @@ class ServerConfig:
         self._check_security()
         self.storage_config()  # its own checks, named after its fields
         for name in (
-            "wal_segment_bytes", "memory_budget_bytes", "shard_target_bytes", "max_message_bytes", "max_read_bytes",
+            "wal_segment_bytes",
+            "memory_budget_bytes",
+            "shard_target_bytes",
+            "max_message_bytes",
+            "max_read_bytes",
             "max_shm_pool_bytes",
-        ):  # fmt: skip
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1024:
                 raise ConfigError(f"{name} must be an integer >= 1024 bytes, got {v!r}")
         v = self.read_budget_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1024):
-            raise ConfigError(f"read_budget_bytes must be an integer >= 1024 bytes (or unset: a quarter of "
-                              f"memory_budget_bytes), got {v!r}")  # fmt: skip
+            raise ConfigError(
+                f"read_budget_bytes must be an integer >= 1024 bytes (or unset: a quarter of "
+                f"memory_budget_bytes), got {v!r}"
+            )
         if self.port is None:
             if not self.unix_socket:
                 raise ConfigError("port off (--port off) leaves no listener: give --unix-socket PATH, or a --port")
@@ -160,9 +166,14 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be 0..65535 or None, got {self.metrics_port}")
         for name in (
-            "flush_interval_s", "backpressure_timeout_s", "grace_s", "storage_timeout_s", "storage_unhealthy_s",
-            "wal_retry_s", "read_stall_s",
-        ):  # fmt: skip
+            "flush_interval_s",
+            "backpressure_timeout_s",
+            "grace_s",
+            "storage_timeout_s",
+            "storage_unhealthy_s",
+            "wal_retry_s",
+            "read_stall_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.dedupe_versions < 1:
@@ -172,9 +183,10 @@ class ServerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {v!r}")
         for name, whole in (
-            ("max_writers_per_identity", "max_writers"), ("max_runs_per_identity", "max_runs"),
+            ("max_writers_per_identity", "max_writers"),
+            ("max_runs_per_identity", "max_runs"),
             ("max_streams_per_identity", "max_streams"),
-        ):  # fmt: skip
+        ):
             v, limit = getattr(self, name), getattr(self, whole)
             if v is None:
                 continue

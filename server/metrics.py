@@ -18,10 +18,19 @@ _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 # counted as "other": 20,000 messages with made-up reasons once made 40,000 series.
 UNGUIDED_REASONS = frozenset(
     {
-        "staging_full", "sidecar_unreachable", "invalid_argument", "already_exists", "data_loss", "not_found",
-        "permission_denied", "unauthenticated", "resource_exhausted", "failed_precondition", "other",
+        "staging_full",
+        "sidecar_unreachable",
+        "invalid_argument",
+        "already_exists",
+        "data_loss",
+        "not_found",
+        "permission_denied",
+        "unauthenticated",
+        "resource_exhausted",
+        "failed_precondition",
+        "other",
     }
-)  # fmt: skip
+)
 # Storage operations as tracestore.storage.fs names them (the first word of its op strings).
 STORAGE_OPS = frozenset({"read", "exists", "size", "list", "open", "write", "delete", "write_shard", "other"})
 
@@ -108,8 +117,9 @@ class Metrics:
             p + "read_latency_seconds", "One Read RPC, first byte to last", buckets=_LATENCY, registry=r
         )
         self.read_budget = Gauge(p + "read_budget_bytes", "Configured read budget (--read-budget-mib)", registry=r)
-        self.read_in_use = Gauge(p + "read_in_use_bytes", "Bytes Reads in progress hold against the read budget",
-                                 registry=r)  # fmt: skip
+        self.read_in_use = Gauge(
+            p + "read_in_use_bytes", "Bytes Reads in progress hold against the read budget", registry=r
+        )
         self.reads_stalled = Counter(
             p + "reads_stalled", "Reads cancelled: the caller took no response for --read-stall-timeout", registry=r
         )

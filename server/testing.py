@@ -65,9 +65,19 @@ class ServeProcess:
         ready = self.workdir / "ready.json"
         ready.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "tracestore.cli", "serve", "--storage", self.storage,
-            "--wal-dir", self.wal_dir, "--ready-file", str(ready), "--log-level", "WARNING",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tracestore.cli",
+            "serve",
+            "--storage",
+            self.storage,
+            "--wal-dir",
+            self.wal_dir,
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ]
         # Keep the port across restarts so reconnecting clients find it again.
         cmd += ["--port", str(self.port)]
         if "--metrics-port" not in self.flags:
@@ -160,11 +170,16 @@ def make_chunk(
     rng = np.random.default_rng([seed, start, n, sum(map(ord, traj + site))])
     rows = n * s.rows_per_token
     return RecordChunk(
-        spec.run, version, traj, site, start, n,
+        spec.run,
+        version,
+        traj,
+        site,
+        start,
+        n,
         codes=rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8),
         scales=rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8),
         global_scale=0.25 if s.fmt.has_global_scale else 1.0,
-    )  # fmt: skip
+    )
 
 
 def write_request(
@@ -179,10 +194,14 @@ def write_request(
     spec: RunSpec = SPEC,
 ) -> pb.WriteRequest:
     req = pb.WriteRequest(
-        run=spec.run, writer=writer, epoch=epoch, sequence=seq,
+        run=spec.run,
+        writer=writer,
+        epoch=epoch,
+        sequence=seq,
         chunks=[chunk_to_pb(c) for c in chunks],
-        seals=[seal_to_pb(s) for s in seals], links=[link_to_pb(x) for x in links],
-    )  # fmt: skip
+        seals=[seal_to_pb(s) for s in seals],
+        links=[link_to_pb(x) for x in links],
+    )
     if declare:
         req.run_spec.CopyFrom(run_spec_to_pb(spec))
     return req
@@ -198,8 +217,9 @@ def start_engine(url: str, wal_dir: str | os.PathLike[str] | None, spec: RunSpec
 
     from tracestore.storage.store import Store
 
-    cfg = ServerConfig(storage=url, wal_dir=None if wal_dir is None else str(wal_dir), port=0, metrics_port=None,
-                       **config)  # fmt: skip
+    cfg = ServerConfig(
+        storage=url, wal_dir=None if wal_dir is None else str(wal_dir), port=0, metrics_port=None, **config
+    )
     store = Store(url)
     store.put_run(spec)
     eng = Engine(cfg, store, Metrics())
@@ -220,8 +240,9 @@ class IdleWriteStream:
     :meth:`close`, with call ``metadata``; a thread collects its answers (``responses``) and how it
     ended (``error``, ``ended``)."""
 
-    def __init__(self, ch: Any, first: bytes | None = None, metadata: Sequence[tuple[str, str]] = (),
-                 timeout: float = 120.0) -> None:  # fmt: skip
+    def __init__(
+        self, ch: Any, first: bytes | None = None, metadata: Sequence[tuple[str, str]] = (), timeout: float = 120.0
+    ) -> None:
         import threading
 
         self.release = threading.Event()

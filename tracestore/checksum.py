@@ -123,16 +123,30 @@ class ChunkKey:
         ``RecordChunk``, or a received one not validated yet)."""
         n_rows, code_bytes = chunk.codes.shape
         return cls(
-            chunk.run, chunk.policy_version, chunk.trajectory, chunk.site, chunk.token_start, chunk.n_tokens,
-            n_rows, code_bytes, chunk.scales.shape[1], chunk.global_scale, getattr(chunk, "ids_crc", None),
-        )  # fmt: skip
+            chunk.run,
+            chunk.policy_version,
+            chunk.trajectory,
+            chunk.site,
+            chunk.token_start,
+            chunk.n_tokens,
+            n_rows,
+            code_bytes,
+            chunk.scales.shape[1],
+            chunk.global_scale,
+            getattr(chunk, "ids_crc", None),
+        )
 
     def head(self) -> bytes:
         """The encoding's bytes before the payloads."""
         return key_prefix(self.run, self.trajectory, self.site) + HEAD.pack(
-            self.policy_version, self.token_start, self.n_tokens, self.n_rows, self.code_bytes, self.scale_bytes,
+            self.policy_version,
+            self.token_start,
+            self.n_tokens,
+            self.n_rows,
+            self.code_bytes,
+            self.scale_bytes,
             np.float32(self.global_scale),
-        )  # fmt: skip
+        )
 
 
 def key_prefix(run: str, trajectory: str, site: str) -> bytes:

@@ -250,13 +250,21 @@ def add_settings(parser: argparse.ArgumentParser, section: str, settings: Iterab
         env = f"; env {s.env_name}" if s.env else ""
         help_text = f"{s.help} (default: {s.shown_default()}{env})"
         if s.switch:
-            parser.add_argument(s.flag, dest=s.dest, default=None, action=argparse.BooleanOptionalAction,
-                                help=help_text)  # fmt: skip
+            parser.add_argument(
+                s.flag, dest=s.dest, default=None, action=argparse.BooleanOptionalAction, help=help_text
+            )
         else:
             parser.add_argument(s.flag, dest=s.dest, default=None, metavar=_metavar(s), help=help_text)
         for old in s.deprecated:
-            parser.add_argument(old, dest=s.dest, default=None, action=_Deprecated, new=s.flag,
-                                metavar=_metavar(s), help=f"deprecated spelling of {s.flag} (no variable)")  # fmt: skip
+            parser.add_argument(
+                old,
+                dest=s.dest,
+                default=None,
+                action=_Deprecated,
+                new=s.flag,
+                metavar=_metavar(s),
+                help=f"deprecated spelling of {s.flag} (no variable)",
+            )
     parser.add_argument(
         "--config",
         default=None,

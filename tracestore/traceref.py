@@ -286,9 +286,12 @@ def check_refs(
             continue
         if seal.n_tokens != r.n_tokens:
             problems.append(
-                (ValidationError, f"{where} says {r.n_tokens} tokens, its seal on storage says {seal.n_tokens}: "
-                                  "a forged or stale handle")
-            )  # fmt: skip
+                (
+                    ValidationError,
+                    f"{where} says {r.n_tokens} tokens, its seal on storage says {seal.n_tokens}: "
+                    "a forged or stale handle",
+                )
+            )
         key = frozenset(seal.sites)
         d = digests.get(key)
         if d is None:
@@ -299,9 +302,11 @@ def check_refs(
                 continue
         if d != r.sites:
             problems.append(
-                (ValidationError, f"{where}: site digest {r.sites} differs from its seal's {d} "
-                                  f"({len(seal.sites)} sites)")
-            )  # fmt: skip
+                (
+                    ValidationError,
+                    f"{where}: site digest {r.sites} differs from its seal's {d} ({len(seal.sites)} sites)",
+                )
+            )
     if strict and problems:
         cls, msg = problems[0]
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""

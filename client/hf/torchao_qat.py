@@ -77,8 +77,9 @@ class TraceGuidance:
     ``rule``: TRACE's rounding rule ("bracket" or "paper").
     """
 
-    def __init__(self, model: torch.nn.Module, site_of: Callable[[str], str | None] = default_site_of,
-                 rule: str = "bracket") -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, site_of: Callable[[str], str | None] = default_site_of, rule: str = "bracket"
+    ) -> None:
         self._model = weakref.ref(model)
         self.site_of = site_of
         self.rule = rule
@@ -200,9 +201,17 @@ class TraceNVFP4FakeQuantizedLinear(NVFP4FakeQuantizedLinear):
                 xq = _guided_cuda(x2, g, self.guidance.rule, own)
             else:
                 xq = guided_round(
-                    x2, g.codes, g.scales, g.global_scale, g.bits, NVFP4, self.guidance.rule,  # type: ignore[arg-type]
-                    token_scales=g.token_scales, valid=g.valid, fallback_global_scale=own,
-                )  # fmt: skip
+                    x2,
+                    g.codes,
+                    g.scales,
+                    g.global_scale,
+                    g.bits,
+                    NVFP4,
+                    self.guidance.rule,  # type: ignore[arg-type]
+                    token_scales=g.token_scales,
+                    valid=g.valid,
+                    fallback_global_scale=own,
+                )
         wq = torchao_nvfp4_fake_quant(self.weight, self.weight_config)
         return F.linear(xq, wq, self.bias).reshape(*lead, -1)
 
@@ -212,8 +221,15 @@ class TraceNVFP4FakeQuantizedLinear(NVFP4FakeQuantizedLinear):
         NVFP4 configs); the weight and bias are shared, not copied."""
         act = getattr(mod, "activation_config", None) or NVFP4FakeQuantizeConfig()
         wcfg = getattr(mod, "weight_config", None) or NVFP4FakeQuantizeConfig()
-        new = cls(mod.in_features, mod.out_features, mod.bias is not None, activation_config=act,
-                  weight_config=wcfg, device=mod.weight.device, dtype=mod.weight.dtype)  # fmt: skip
+        new = cls(
+            mod.in_features,
+            mod.out_features,
+            mod.bias is not None,
+            activation_config=act,
+            weight_config=wcfg,
+            device=mod.weight.device,
+            dtype=mod.weight.dtype,
+        )
         if mod.weight.device != torch.device("meta"):
             new.weight = mod.weight
             new.bias = mod.bias

@@ -104,9 +104,19 @@ class GuidanceReader:
     ) -> None:
         cfg = ReaderConfig(
             None if versions is None or isinstance(versions, int) else tuple(versions),
-            None if sites is None else tuple(sites), columns, device, on_missing, prefetch, rule, storage_options,
-            timeout, process, channel_credentials, token, on_mismatch,
-        )  # fmt: skip
+            None if sites is None else tuple(sites),
+            columns,
+            device,
+            on_missing,
+            prefetch,
+            rule,
+            storage_options,
+            timeout,
+            process,
+            channel_credentials,
+            token,
+            on_mismatch,
+        )
         self.config = cfg
         validate_id("run", run)
         self.source = source
@@ -125,9 +135,13 @@ class GuidanceReader:
         # trajectories whose records belong to other token ids: refused reads, masked trajectories
         self.stats = {"mismatch_refused": 0, "mismatch_masked": 0}
         query = Query(
-            run, self.versions, self.sites, self.columns, "mask" if on_missing == "mask" else "error",
+            run,
+            self.versions,
+            self.sites,
+            self.columns,
+            "mask" if on_missing == "mask" else "error",
             "mask" if on_mismatch == "mask" else "error",
-        )  # fmt: skip
+        )
         self._rows: RowSource = open_rows(
             source,
             query,

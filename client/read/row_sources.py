@@ -62,9 +62,12 @@ class Query:
     def read_args(self) -> dict[str, Any]:
         """The keyword arguments of ``StoreReader.read`` for this query."""
         return {
-            "versions": self.versions, "sites": self.sites, "columns": self.columns, "on_missing": self.on_missing,
+            "versions": self.versions,
+            "sites": self.sites,
+            "columns": self.columns,
+            "on_missing": self.on_missing,
             "on_mismatch": self.on_mismatch,
-        }  # fmt: skip
+        }
 
 
 # A read's rows per site, and the trajectories masked for other token ids (trajectory -> why)

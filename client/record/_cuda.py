@@ -67,8 +67,16 @@ class Driver:
         self._sync.argtypes = [vp]
         self._name = held.cuGetErrorName
         self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        for f in (self._memcpy, self._memset, self._record, self._wait, self._query, self._create, self._destroy,
-                  self._sync):  # fmt: skip
+        for f in (
+            self._memcpy,
+            self._memset,
+            self._record,
+            self._wait,
+            self._query,
+            self._create,
+            self._destroy,
+            self._sync,
+        ):
             f.restype = ctypes.c_int
         self._name.restype = ctypes.c_int
         self._events: list[int] = []  # pooled event handles

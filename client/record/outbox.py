@@ -247,8 +247,23 @@ class Outbox:
             for t, a, n in segs:
                 r = n * rpt
                 if t not in unguided:
-                    add(Piece(t, name, version, a, n, region, off + row * cb, off + nc + row * sb,
-                              ts0 + row * 4 if nt else -1, g_off, r * per, queued, g))  # fmt: skip
+                    add(
+                        Piece(
+                            t,
+                            name,
+                            version,
+                            a,
+                            n,
+                            region,
+                            off + row * cb,
+                            off + nc + row * sb,
+                            ts0 + row * 4 if nt else -1,
+                            g_off,
+                            r * per,
+                            queued,
+                            g,
+                        )
+                    )
                 row += r
         region.refs = len(pieces)
         if not pieces:

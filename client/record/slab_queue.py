@@ -199,9 +199,14 @@ class RecorderStageHost:
         return self._slabs.plan(slab)
 
     def queue_slabs(
-        self, segments: Any, slabs: tuple[Any, ...], policy_version: int | None, views: list[Any],
-        after: Any = None, ids: Any = None,
-    ) -> tuple[bool, Any]:  # fmt: skip
+        self,
+        segments: Any,
+        slabs: tuple[Any, ...],
+        policy_version: int | None,
+        views: list[Any],
+        after: Any = None,
+        ids: Any = None,
+    ) -> tuple[bool, Any]:
         return self._slabs.queue(segments, slabs, None, policy_version, views, False, after, ids)
 
     def unguide(self, trajectories: list[str], reason: str) -> None:

@@ -147,17 +147,35 @@ def make_refs(recorder: RefSource, trajectories: Sequence[str], timeout: float =
             sites = all_sites if set(seal.sites) == set(spec.site_names) else site_digest(spec, seal.sites)
             ok = t in published
             out.append(
-                TraceRef(spec.run, seal.policy_version, base, n, seal.n_tokens, sites, ok,
-                         "" if ok else "unpublished", recorder.writer)
-            )  # fmt: skip
+                TraceRef(
+                    spec.run,
+                    seal.policy_version,
+                    base,
+                    n,
+                    seal.n_tokens,
+                    sites,
+                    ok,
+                    "" if ok else "unpublished",
+                    recorder.writer,
+                )
+            )
             if ok:
                 recorder.seals.forget(t)
         else:
             version, n_tokens, reason = info
             out.append(
-                TraceRef(spec.run, version, base, n, n_tokens, all_sites, False,
-                         _reason(reason) if kind == "unguided" else "not_durable", recorder.writer)
-            )  # fmt: skip
+                TraceRef(
+                    spec.run,
+                    version,
+                    base,
+                    n,
+                    n_tokens,
+                    all_sites,
+                    False,
+                    _reason(reason) if kind == "unguided" else "not_durable",
+                    recorder.writer,
+                )
+            )
     return out
 
 

@@ -156,8 +156,11 @@ class Flusher:
         if self._busy_since is not None:
             log.warning("a shard write is still in progress at shutdown; the write-ahead log keeps its records")
         else:
-            log.warning("the shard flusher did not stop within the %.1f s left of the grace period; the write-ahead "
-                        "log keeps what is not committed", timeout)  # fmt: skip
+            log.warning(
+                "the shard flusher did not stop within the %.1f s left of the grace period; the write-ahead "
+                "log keeps what is not committed",
+                timeout,
+            )
         return False
 
     def is_alive(self) -> bool:

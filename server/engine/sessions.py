@@ -115,9 +115,14 @@ class WriterState:
     def stat(self) -> dict[str, object]:
         """This session as ``Stat`` shows it."""
         return dict(
-            run=self.run, writer=self.writer, epoch=self.epoch, received_sequence=self.received_seq,
-            durable_sequence=self.durable_seq, committed_sequence=self.committed_seq, owner=self.owner,
-        )  # fmt: skip
+            run=self.run,
+            writer=self.writer,
+            epoch=self.epoch,
+            received_sequence=self.received_seq,
+            durable_sequence=self.durable_seq,
+            committed_sequence=self.committed_seq,
+            owner=self.owner,
+        )
 
     def progress(self) -> tuple[int, int, int, int]:
         """(epoch, durable_seq, received_seq, released_seq): ``released_seq`` is the highest

@@ -117,10 +117,12 @@ class Reads:
         shares = config.auth_tokens is not None
         metrics.read_budget.set(config.read_budget)
         self.budget = ReadBudget(
-            config.read_budget, config.read_budget // 2 if shares else None,
+            config.read_budget,
+            config.read_budget // 2 if shares else None,
             # a stalled Read frees what it holds within read_stall_s: a Read waits out one of them
-            config.backpressure_timeout_s + config.read_stall_s, metrics.read_in_use.set,
-        )  # fmt: skip
+            config.backpressure_timeout_s + config.read_stall_s,
+            metrics.read_in_use.set,
+        )
         self.calls = ReadCalls(read_call_share(max(1, config.workers - HEALTH_THREADS), shares))
         self.watch = StallWatch(config.read_stall_s, self._stalled)
         self.commits = CommitGate(
@@ -130,8 +132,9 @@ class Reads:
     def _stalled(self) -> None:
         self.metrics.reads_stalled.inc()
         self.metrics.requests.labels("Read", "CANCELLED").inc()
-        log.info("cancelled a Read whose caller took no response for %g s (--read-stall-timeout)",
-                 self.config.read_stall_s)  # fmt: skip
+        log.info(
+            "cancelled a Read whose caller took no response for %g s (--read-stall-timeout)", self.config.read_stall_s
+        )
 
     def release(self, hold: ReadHold) -> None:
         """Give back what a Read call holds (once its stream has ended)."""
@@ -183,9 +186,14 @@ class Reads:
         with self._reader(req.run, StoreReader) as reader:
             try:
                 result = reader.read(
-                    plan, versions=list(req.versions) or None, sites=sites, columns=columns, on_missing=on_missing,
-                    token_ids=token_ids, on_mismatch="mask" if req.mask_mismatch else "error",
-                )  # fmt: skip
+                    plan,
+                    versions=list(req.versions) or None,
+                    sites=sites,
+                    columns=columns,
+                    on_missing=on_missing,
+                    token_ids=token_ids,
+                    on_mismatch="mask" if req.mask_mismatch else "error",
+                )
             except GuidanceMismatch:
                 self.metrics.guidance_mismatches.labels("refused").inc()
                 raise

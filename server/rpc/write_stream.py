@@ -229,9 +229,11 @@ class WriteStream:
                     if epoch == self.epoch and (epoch, durable, released) != sent and durable > 0:
                         sent = (epoch, durable, released)
                         yield pb.WriteResponse(
-                            epoch=epoch, durable_sequence=durable, received_sequence=received,
+                            epoch=epoch,
+                            durable_sequence=durable,
+                            received_sequence=received,
                             released_sequence=released,
-                        ).SerializeToString()  # fmt: skip
+                        ).SerializeToString()
                     if (done or self.draining() or self.idle_while_others_wait()) and (
                         err is None and durable >= received
                     ):
@@ -352,9 +354,13 @@ class WriteStream:
                 copies[0] = 0  # reserved for copies of another user's pool (before_copy)
                 try:
                     req, msg, wal_parts = parse_write(
-                        raw, self.run_spec, shm, path="shm" if local else "grpc", declare=self.declare,
+                        raw,
+                        self.run_spec,
+                        shm,
+                        path="shm" if local else "grpc",
+                        declare=self.declare,
                         before_copy=before_copy if shm is not None else None,
-                    )  # fmt: skip
+                    )
                     self.engine.expect(msg, arrived)
                     arrived = 0
                     reserved += copies[0]  # the copies are the message's from here on

@@ -170,8 +170,10 @@ def _peer_rule(fields: list[str], where: str) -> tuple[tuple[str, int], Identity
     (("uid" or "gid", number), identity)."""
     kind, _, value = fields[0].partition(":")
     if len(fields) not in (2, 3) or not value:
-        raise ConfigError(f"{where}: expected '{kind}:<{'name' if kind in ('user', 'group') else 'number'}> "
-                          "<scope>[,<scope>...] [name]'")  # fmt: skip
+        raise ConfigError(
+            f"{where}: expected '{kind}:<{'name' if kind in ('user', 'group') else 'number'}> "
+            "<scope>[,<scope>...] [name]'"
+        )
     if kind in ("uid", "gid"):
         if not _DIGITS.fullmatch(value):  # (not str.isdigit: it takes '²', which int() refuses)
             raise ConfigError(f"{where}: {kind}:{value!r} is not a number (user:<name> and group:<name> take names)")
@@ -218,8 +220,9 @@ def parse_token_file(
             f"for the next reload; expected at most 0640 (chmod go-w {p})"
         )
     if mode & 0o004:
-        log.warning("token file %s is readable by every user (mode %04o): expected at most 0640 (chmod o-r %s)",
-                    p, mode, p)  # fmt: skip
+        log.warning(
+            "token file %s is readable by every user (mode %04o): expected at most 0640 (chmod o-r %s)", p, mode, p
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

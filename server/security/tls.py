@@ -172,11 +172,19 @@ def check_validity(path: str, pem: bytes, now: datetime.datetime | None = None) 
                 raise ConfigError(f"{what}: clients refuse it; renew it")
             log.warning("%s; clients that need it refuse the chain", what)
         elif now < not_before:
-            log.warning("%s is not valid before %s (notBefore, in %s): clients refuse it until then "
-                        "(is the clock right?)", which, _utc(not_before), _days(not_before - now))  # fmt: skip
+            log.warning(
+                "%s is not valid before %s (notBefore, in %s): clients refuse it until then (is the clock right?)",
+                which,
+                _utc(not_before),
+                _days(not_before - now),
+            )
         elif not_after - now <= WARN_BEFORE_EXPIRY:
-            log.warning("%s expires at %s (notAfter, in %s): renew it and send SIGHUP to load the new one",
-                        which, _utc(not_after), _days(not_after - now))  # fmt: skip
+            log.warning(
+                "%s expires at %s (notAfter, in %s): renew it and send SIGHUP to load the new one",
+                which,
+                _utc(not_after),
+                _days(not_after - now),
+            )
 
 
 # -- certificates for tests and benches ------------------------------------------------------------
@@ -242,13 +250,20 @@ def write_test_pki(
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     paths = {"ca": out / f"{prefix}ca.pem"}  # the CA's key is not kept: nothing else is signed with it
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     sans: list[x509.GeneralName] = []

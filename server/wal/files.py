@@ -211,8 +211,12 @@ def scan_segment(seg: Segment, data: bytes, *, last: bool, durable: int = 0) -> 
                 raise lost_tail(seg, pos, durable, f"a {bad} there, the last bytes of the file")
             log.warning(
                 "write-ahead log %s: cut a torn tail of %d bytes at byte %d (%s; a write the crash interrupted, "
-                "never acknowledged)", seg.path, len(data) - pos, pos, bad,
-            )  # fmt: skip
+                "never acknowledged)",
+                seg.path,
+                len(data) - pos,
+                pos,
+                bad,
+            )
             return pos
         where = (
             "an older segment"

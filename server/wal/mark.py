@@ -81,8 +81,10 @@ def read_marks(directory: Path) -> dict[int, int]:
     except ValueError as exc:
         log.warning(
             "write-ahead log: %s is not a valid record of durable bytes (%s: a write a crash tore?); replay "
-            "checks the segments without it", path, exc,
-        )  # fmt: skip
+            "checks the segments without it",
+            path,
+            exc,
+        )
         return {}
     return marks
 
@@ -149,8 +151,11 @@ class DurableMark:
         if not self._failing:
             log.warning(
                 "write-ahead log: cannot %s %s (%s); replay's check for lost acknowledged entries uses the last "
-                "record that reached the disk", what, self.path, exc,
-            )  # fmt: skip
+                "record that reached the disk",
+                what,
+                self.path,
+                exc,
+            )
         self._failing = True
 
     def _sync(self) -> None:

@@ -67,24 +67,61 @@ def _site(raw: Any) -> str:
 
 
 SETTINGS = (
-    Setting("--refs", optional(text("a JSON-lines file of TraceRefs, or '-'")), None,
-            "JSON-lines file of TraceRefs ('-': standard input); this or --plan", show="none", metavar="FILE"),
-    Setting("--plan", optional(text("a JSON plan file")), None,
-            'JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
-            "(null trajectory: padding); this or --refs", show="none", metavar="FILE"),
-    Setting("--tokens", optional(text("a JSON-lines file of token ids")), None,
-            'JSON-lines file of {"trajectory": id, "token_ids": [...]}: check each record\'s token identity',
-            show="none", metavar="FILE"),
-    Setting("--run", optional(text("a run id")), None, "the run (required with --plan)",
-            show="the refs' run", metavar="RUN"),
-    Setting("--versions", optional(_csv("comma-separated policy versions (integers >= 0)", _version)), None,
-            "comma-separated policy versions a --plan reads", show="all", metavar="V,..."),
-    Setting("--sites", optional(_csv("comma-separated site names", _site)), None, "comma-separated sites to check",
-            show="all of the run's", metavar="SITE,..."),
+    Setting(
+        "--refs",
+        optional(text("a JSON-lines file of TraceRefs, or '-'")),
+        None,
+        "JSON-lines file of TraceRefs ('-': standard input); this or --plan",
+        show="none",
+        metavar="FILE",
+    ),
+    Setting(
+        "--plan",
+        optional(text("a JSON plan file")),
+        None,
+        'JSON file of a plan: [[trajectory, token_start, token_end], ...] or {"segments": [...]} '
+        "(null trajectory: padding); this or --refs",
+        show="none",
+        metavar="FILE",
+    ),
+    Setting(
+        "--tokens",
+        optional(text("a JSON-lines file of token ids")),
+        None,
+        'JSON-lines file of {"trajectory": id, "token_ids": [...]}: check each record\'s token identity',
+        show="none",
+        metavar="FILE",
+    ),
+    Setting(
+        "--run", optional(text("a run id")), None, "the run (required with --plan)", show="the refs' run", metavar="RUN"
+    ),
+    Setting(
+        "--versions",
+        optional(_csv("comma-separated policy versions (integers >= 0)", _version)),
+        None,
+        "comma-separated policy versions a --plan reads",
+        show="all",
+        metavar="V,...",
+    ),
+    Setting(
+        "--sites",
+        optional(_csv("comma-separated site names", _site)),
+        None,
+        "comma-separated sites to check",
+        show="all of the run's",
+        metavar="SITE,...",
+    ),
     Setting("--json", SWITCH, False, "print one JSON object instead of the table", switch=True),
-    Setting("--storage-options", JSON_OBJECT, None, "JSON object passed to fsspec untouched",
-            secret=True, show="none", metavar="JSON"),
-)  # fmt: skip
+    Setting(
+        "--storage-options",
+        JSON_OBJECT,
+        None,
+        "JSON object passed to fsspec untouched",
+        secret=True,
+        show="none",
+        metavar="JSON",
+    ),
+)
 
 _RANK = {"flag": 3, "env": 2, "file": 1, "default": 0}
 
@@ -232,9 +269,13 @@ def check(
                 via = sum(hi - lo for owner, lo, hi in pieces if owner != stored)
                 ids = None if tokens is None or stored not in tokens else {stored: tokens[stored]}
                 res = reader.read(
-                    [(stored, a, b)], versions=present, sites=site_names, on_missing="mask", token_ids=ids,
+                    [(stored, a, b)],
+                    versions=present,
+                    sites=site_names,
+                    on_missing="mask",
+                    token_ids=ids,
                     on_mismatch="mask",
-                )  # fmt: skip
+                )
             except TraceStoreError as exc:
                 report["problems"].append(f"{stored} tokens [{a}, {b}): {type(exc).__name__}: {exc}")
                 entry["error"] = f"{type(exc).__name__}: {exc}"
@@ -243,8 +284,10 @@ def check(
             st = res.stats
             if tokens is not None:
                 entry["identity"] = {
-                    "verified": st.ids_verified, "absent": st.ids_absent, "unverifiable": st.ids_unverifiable
-                }  # fmt: skip
+                    "verified": st.ids_verified,
+                    "absent": st.ids_absent,
+                    "unverifiable": st.ids_unverifiable,
+                }
                 if stored not in tokens:
                     report["problems"].append(f"{stored}: no token ids in the --tokens file")
             misaligned = st.misaligned.get(stored, {})

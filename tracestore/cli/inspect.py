@@ -41,18 +41,34 @@ NOTHING = 3
 
 SETTINGS = (
     Setting("--run", optional(text("a run id")), None, "only this run", metavar="RUN"),
-    Setting("--policy-version", optional(integer(0)), None, "only this policy version", metavar="N",
-            deprecated=("--version",)),
+    Setting(
+        "--policy-version",
+        optional(integer(0)),
+        None,
+        "only this policy version",
+        metavar="N",
+        deprecated=("--version",),
+    ),
     Setting("--trajectory", optional(text("a trajectory id")), None, "show one trajectory's coverage", metavar="ID"),
     Setting("--validate", SWITCH, False, "verify all checksums and seals; exit 1 on any problem", switch=True),
     Setting("--json", SWITCH, False, "print one JSON object instead of the summary", switch=True),
-    Setting("--jobs", integer(0), 0,
-            "shards verified at once, by this process and jobs-1 worker processes (0: one per core)"),
-    Setting("--storage-options", JSON_OBJECT, None,
-            'JSON object passed to fsspec untouched, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
-            secret=True, show="none", metavar="JSON"),
+    Setting(
+        "--jobs",
+        integer(0),
+        0,
+        "shards verified at once, by this process and jobs-1 worker processes (0: one per core)",
+    ),
+    Setting(
+        "--storage-options",
+        JSON_OBJECT,
+        None,
+        'JSON object passed to fsspec untouched, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+        secret=True,
+        show="none",
+        metavar="JSON",
+    ),
     Setting("--timeout", number(gt=0), 60.0, "seconds per storage call", metavar="SECONDS"),
-)  # fmt: skip
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -177,9 +193,18 @@ def run(ns: argparse.Namespace) -> int:
             report["runs"].append(entry)
             print(f"run {run_id}: {len(spec.sites)} sites, versions {versions}", file=out)
             for s in spec.sites:
-                entry["sites"].append({"name": s.name, "kind": s.kind, "layer": s.layer, "width": s.width,
-                                       "format": s.format, "bits": s.bits, "rows_per_token": s.rows_per_token,
-                                       "row_bytes": s.code_bytes + s.scale_bytes})  # fmt: skip
+                entry["sites"].append(
+                    {
+                        "name": s.name,
+                        "kind": s.kind,
+                        "layer": s.layer,
+                        "width": s.width,
+                        "format": s.format,
+                        "bits": s.bits,
+                        "rows_per_token": s.rows_per_token,
+                        "row_bytes": s.code_bytes + s.scale_bytes,
+                    }
+                )
                 print(
                     f"  site {s.name}: {s.kind} layer {s.layer} width {s.width} {s.format} b={s.bits} "
                     f"rows/token {s.rows_per_token} ({s.code_bytes + s.scale_bytes} B/row)",
@@ -291,11 +316,14 @@ def _print_version(d: dict[str, Any], out: TextIO) -> None:
         link = t["link"]
         print(
             f"  trajectory {t['id']} (v{d['version']}): "
-            + (f"sealed at {t['sealed_tokens']} tokens, sites {t['sealed_sites']}" if t["sealed_tokens"] is not None
-               else "not sealed")
+            + (
+                f"sealed at {t['sealed_tokens']} tokens, sites {t['sealed_sites']}"
+                if t["sealed_tokens"] is not None
+                else "not sealed"
+            )
             + (f"; tokens [0, {link['tokens']}) linked to {link['source']}" if link else ""),
             file=out,
-        )  # fmt: skip
+        )
         for site, rs in t["coverage"].items():
             print(f"    {site}: {_fmt_ranges([(a, b) for a, b in rs])}", file=out)
         if not t["present"]:

@@ -27,11 +27,15 @@ def _width(raw: object) -> int:
 
 SETTINGS = (
     Setting("--tokens", integer(1), 64, "rows of random activations (4096: the former full-size run, ~85 s)"),
-    Setting("--width", Kind("a multiple of 32, at least 32", _width, "N"), 2048,
-            "values per row (a multiple of the 32-value MXFP4 block)"),
+    Setting(
+        "--width",
+        Kind("a multiple of 32, at least 32", _width, "N"),
+        2048,
+        "values per row (a multiple of the 32-value MXFP4 block)",
+    ),
     Setting("--noise", number(ge=0), 1e-3, "relative train-vs-rollout perturbation", metavar="X"),
     Setting("--seed", integer(0), 0, "random seed"),
-)  # fmt: skip
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,8 +71,10 @@ def run(ns: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(ns.seed)
     x_roll = torch.randn(ns.tokens, ns.width, generator=gen)
     x_train = x_roll * (1 + ns.noise * torch.randn(x_roll.shape, generator=gen))
-    print(f"{'case':>5} {'format':8} {'b':>2} {'rule':8} {'identity':>9} {'RTN mismatch':>13} {'TRACE mismatch':>15}",
-          flush=True)  # fmt: skip
+    print(
+        f"{'case':>5} {'format':8} {'b':>2} {'rule':8} {'identity':>9} {'RTN mismatch':>13} {'TRACE mismatch':>15}",
+        flush=True,
+    )
     failures = 0
     case = 0
     for fmt in (NVFP4, MXFP4):

@@ -116,8 +116,9 @@ class VerifyWorkers:
     def __init__(self, n: int) -> None:
         self.queue: queue.SimpleQueue[tuple[concurrent.futures.Future[list[str]], _Unit] | None]
         self.queue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._serve, name=f"tracestore-validate-{i}", daemon=True)
-                        for i in range(n)]  # fmt: skip
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"tracestore-validate-{i}", daemon=True) for i in range(n)
+        ]
         for t in self.threads:
             t.start()  # each starts its worker now, while the caller goes on loading manifests
 
@@ -224,8 +225,9 @@ class Verifier:
         cuts = [round(i * n / parts) for i in range(parts + 1)]
         units = []
         for a, b in zip(cuts, cuts[1:], strict=False):
-            units.append(_Unit(self.store.url, st.storage_options, st.timeout, local, m.groups(a, b), where, a == 0,
-                               self.sites))  # fmt: skip
+            units.append(
+                _Unit(self.store.url, st.storage_options, st.timeout, local, m.groups(a, b), where, a == 0, self.sites)
+            )
         return units
 
     def submit(self, m: Any) -> None:

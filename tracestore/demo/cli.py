@@ -32,8 +32,13 @@ ARCHS = (
 )
 
 SETTINGS = (
-    Setting("--arch", text("a transformers MoE model type"), "qwen3_moe", f"transformers MoE model type: {ARCHS}",
-            metavar="TYPE"),
+    Setting(
+        "--arch",
+        text("a transformers MoE model type"),
+        "qwen3_moe",
+        f"transformers MoE model type: {ARCHS}",
+        metavar="TYPE",
+    ),
     Setting("--layers", count(1), 8, "decoder layers"),
     Setting("--hidden", count(1), 512, "hidden size"),
     Setting("--heads", count(1), 8, "attention heads"),
@@ -47,24 +52,49 @@ SETTINGS = (
     Setting("--bits", integer(1, 4), 1, "b of the compact/all-layers modes"),
     Setting("--rule", choice("bracket", "paper"), "bracket", "guided rounding rule"),
     Setting("--format", choice("nvfp4", "mxfp4"), "nvfp4", "FP4 format"),
-    Setting("--scales", choice("static", "token", "forward"), "static",
-            "NVFP4 decode-side g: static = calibrated per site, token = per-token, forward = per-forward dynamic amax"),
+    Setting(
+        "--scales",
+        choice("static", "token", "forward"),
+        "static",
+        "NVFP4 decode-side g: static = calibrated per site, token = per-token, forward = per-forward dynamic amax",
+    ),
     Setting("--steps", count(1), 3, "training steps per mode"),
     Setting("--lr", number(ge=0), 1e-4, "AdamW learning rate"),
-    Setting("--storage", optional(text("a file:// URL")), None, "file:// URL for the records",
-            show="OUT/service/store", metavar="URL"),
-    Setting("--transport", choice("auto", "service", "memory"), "auto",
-            "service: through RolloutRecorder/serve/GuidanceReader; memory: records held in memory; "
-            "auto: service when installed"),
-    Setting("--device", optional(text("a torch device such as cpu, cuda or cuda:1")), None, "cpu or cuda",
-            show="cuda when available", metavar="DEVICE"),
+    Setting(
+        "--storage",
+        optional(text("a file:// URL")),
+        None,
+        "file:// URL for the records",
+        show="OUT/service/store",
+        metavar="URL",
+    ),
+    Setting(
+        "--transport",
+        choice("auto", "service", "memory"),
+        "auto",
+        "service: through RolloutRecorder/serve/GuidanceReader; memory: records held in memory; "
+        "auto: service when installed",
+    ),
+    Setting(
+        "--device",
+        optional(text("a torch device such as cpu, cuda or cuda:1")),
+        None,
+        "cpu or cuda",
+        show="cuda when available",
+        metavar="DEVICE",
+    ),
     Setting("--dtype", choice("bf16", "fp32"), "bf16", "model dtype"),
     Setting("--seed", integer(0), 0, "random seed"),
     Setting("--threads", integer(0), 1, "torch CPU threads (the ops are small; 0 keeps torch's default)"),
     Setting("--out", text("a directory"), "tracestore-demo", "output directory", metavar="DIR"),
-    Setting("--progress", SWITCH, True, "progress bars on standard error when it is a terminal (--no-progress: none)",
-            switch=True),
-)  # fmt: skip
+    Setting(
+        "--progress",
+        SWITCH,
+        True,
+        "progress bars on standard error when it is a terminal (--no-progress: none)",
+        switch=True,
+    ),
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -120,10 +150,22 @@ def run(ns: argparse.Namespace) -> int:
     try:
         cfg = DemoConfig(
             model=ModelSpec(ns.arch, ns.layers, ns.hidden, ns.heads, ns.kv_heads, ns.experts, ns.top_k, vocab=ns.vocab),
-            trajectories=ns.trajectories, prompt=ns.prompt, tokens=ns.tokens, bits=ns.bits, rule=ns.rule,
-            device=device, dtype=ns.dtype, seed=ns.seed, storage=ns.storage, transport=ns.transport,
-            format=ns.format, scales=ns.scales, steps=ns.steps, lr=ns.lr, threads=ns.threads or None,
-        )  # fmt: skip
+            trajectories=ns.trajectories,
+            prompt=ns.prompt,
+            tokens=ns.tokens,
+            bits=ns.bits,
+            rule=ns.rule,
+            device=device,
+            dtype=ns.dtype,
+            seed=ns.seed,
+            storage=ns.storage,
+            transport=ns.transport,
+            format=ns.format,
+            scales=ns.scales,
+            steps=ns.steps,
+            lr=ns.lr,
+            threads=ns.threads or None,
+        )
         out = pathlib.Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         results = run_demo(cfg, out=out, progress=_progress(ns.progress and sys.stderr.isatty()))

@@ -63,13 +63,23 @@ def _linear_attention(spec: ModelSpec) -> dict[str, Any]:
 
 def _jamba(spec: ModelSpec) -> dict[str, Any]:
     # Mamba and attention layers alternate (attention at odd layers); every layer is MoE
-    return {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1, "expert_layer_offset": 0,
-            "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2}  # fmt: skip
+    return {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    }
 
 
 def _gpt_oss(spec: ModelSpec) -> dict[str, Any]:
-    return {"layer_types": ["sliding_attention", "full_attention"] * (spec.layers // 2) + ["sliding_attention"] * (
-        spec.layers % 2), "sliding_window": 128}  # fmt: skip
+    return {
+        "layer_types": ["sliding_attention", "full_attention"] * (spec.layers // 2)
+        + ["sliding_attention"] * (spec.layers % 2),
+        "sliding_window": 128,
+    }
 
 
 def _llama4(spec: ModelSpec) -> dict[str, Any]:
@@ -87,18 +97,31 @@ def _minimax(spec: ModelSpec) -> dict[str, Any]:
 
 def _granite_hybrid(spec: ModelSpec) -> dict[str, Any]:
     # Mamba-2 and attention layers alternate; every layer is MoE with a shared MLP beside the block
-    return {"layer_types": _alternate(spec, "linear_attention", "attention"), "mamba_n_heads": spec.heads,
-            "shared_intermediate_size": spec.expert_hidden, "mamba_d_head": spec.head_dim, "mamba_expand": 1,
-            "mamba_d_state": 8, "mamba_chunk_size": 8}  # fmt: skip
+    return {
+        "layer_types": _alternate(spec, "linear_attention", "attention"),
+        "mamba_n_heads": spec.heads,
+        "shared_intermediate_size": spec.expert_hidden,
+        "mamba_d_head": spec.head_dim,
+        "mamba_expand": 1,
+        "mamba_d_state": 8,
+        "mamba_chunk_size": 8,
+    }
 
 
 def _nemotron_h(spec: ModelSpec) -> dict[str, Any]:
     # one mixer per layer: attention, MoE, Mamba-2, MoE, ... A first layer without a KV cache (MoE)
     # breaks transformers 5.25's generate() (its prefill asks cache layer 0 for its length)
     pattern = ("full_attention", "moe", "linear_attention", "moe")
-    return {"layers_block_type": [pattern[i % 4] for i in range(spec.layers)], "n_shared_experts": 1,
-            "moe_shared_expert_intermediate_size": spec.expert_hidden, "mamba_num_heads": spec.heads,
-            "mamba_head_dim": spec.head_dim, "n_groups": 1, "ssm_state_size": 8, "chunk_size": 8}  # fmt: skip
+    return {
+        "layers_block_type": [pattern[i % 4] for i in range(spec.layers)],
+        "n_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": spec.expert_hidden,
+        "mamba_num_heads": spec.heads,
+        "mamba_head_dim": spec.head_dim,
+        "n_groups": 1,
+        "ssm_state_size": 8,
+        "chunk_size": 8,
+    }
 
 
 def _dbrx(spec: ModelSpec) -> dict[str, Any]:
@@ -224,9 +247,17 @@ def build_config(spec: ModelSpec) -> Any:
     if not arch.multimodal:
         return transformers.AutoConfig.for_model(model_type, **_text_kwargs(spec))  # type: ignore[attr-defined]
     # a tiny vision tower; the demo feeds text only
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-              "out_hidden_size": spec.hidden, "spatial_merge_size": 2, "temporal_patch_size": 1,
-              "deepstack_visual_indexes": [0]}  # fmt: skip
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 4,
+        "out_hidden_size": spec.hidden,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 1,
+        "deepstack_visual_indexes": [0],
+    }
     special = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
     return transformers.AutoConfig.for_model(  # type: ignore[attr-defined]
         model_type, text_config=_text_kwargs(spec), vision_config=vision, **special

@@ -90,11 +90,25 @@ class ServiceTransport:
         ready.unlink(missing_ok=True)
         self.log = open(self.workdir / "serve.log", "wb")  # noqa: SIM115 - closed in __exit__
         cmd = [
-            sys.executable, "-m", "tracestore.cli", "serve",
-            "--storage", self.storage, "--port", "0", "--metrics-port", "off",
-            "--wal-dir", "off", "--flush-interval", "0.2",
-            "--ready-file", str(ready), "--grace", "10",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tracestore.cli",
+            "serve",
+            "--storage",
+            self.storage,
+            "--port",
+            "0",
+            "--metrics-port",
+            "off",
+            "--wal-dir",
+            "off",
+            "--flush-interval",
+            "0.2",
+            "--ready-file",
+            str(ready),
+            "--grace",
+            "10",
+        ]
         # --wal-dir off: an ack then means "the shard is committed to storage", so the trainer's
         # direct storage reads right after flush() see every record (a WAL ack may precede the shard).
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRACESTORE_")}

@@ -63,8 +63,11 @@ def read_unread_body_errors(loop: asyncio.AbstractEventLoop) -> None:
 
         def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
             if is_unread_body_error(context):
-                log.debug("storage client: a request body was not sent (%r); the request itself failed with it "
-                          "and was retried or reported", context.get("exception"))  # fmt: skip
+                log.debug(
+                    "storage client: a request body was not sent (%r); the request itself failed with it "
+                    "and was retried or reported",
+                    context.get("exception"),
+                )
             elif previous is not None:
                 previous(loop, context)
             else:

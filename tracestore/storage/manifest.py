@@ -104,9 +104,18 @@ class Manifest:
         ]
         chunks = tuple(ChunkEntry(*vals) for vals in zip(*cols, strict=True))
         return cls(
-            c.run, c.policy_version, c.writer, c.seq, c.shard, c.shard_bytes, c.shard_crc32, c.row_groups,
-            chunks, c.seals, c.links,
-        )  # fmt: skip
+            c.run,
+            c.policy_version,
+            c.writer,
+            c.seq,
+            c.shard,
+            c.shard_bytes,
+            c.shard_crc32,
+            c.row_groups,
+            chunks,
+            c.seals,
+            c.links,
+        )
 
     @property
     def trajectories(self) -> set[str]:

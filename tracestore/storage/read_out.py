@@ -210,5 +210,4 @@ def site_outs(
     if out is None:
         size, sections = output_sections(layout)
         out = output_arrays(_pool_bytes(size), layout, sections)
-    return {s.name: SiteOut(s, col[s.name], *checked_out(s, n, cb, sb, out), hold_gil)
-            for s, n, cb, sb in layout}  # fmt: skip
+    return {s.name: SiteOut(s, col[s.name], *checked_out(s, n, cb, sb, out), hold_gil) for s, n, cb, sb in layout}

@@ -152,9 +152,13 @@ class Store(Catalog):
             raise ValidationError(str(exc)) from None
         self.config = cfg
         storage = Storage(
-            url, storage_options, timeout=cfg.timeout_s, retries=cfg.retries, on_event=on_event,
+            url,
+            storage_options,
+            timeout=cfg.timeout_s,
+            retries=cfg.retries,
+            on_event=on_event,
             retry_deadline=cfg.retry_deadline_s,
-        )  # fmt: skip
+        )
         super().__init__(storage, url)
         self.row_group_bytes = cfg.row_group_bytes
         self.min_row_group_bytes = cfg.min_row_group_bytes
