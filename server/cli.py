@@ -46,250 +46,104 @@ MIB = Kind("an integer >= 1 (MiB)", integer(1).parse, "MIB")
 PATH = optional(text("a path"))
 
 SETTINGS = (
-    Setting(
-        "--storage",
-        text("an fsspec URL such as file://./data or s3://bucket/prefix"),
-        "file://./tracestore-data",
-        "fsspec URL of the store",
-        metavar="URL",
-    ),
-    Setting(
-        "--storage-options",
-        JSON_OBJECT,
-        None,
-        "JSON object passed to fsspec (credentials: prefer the variable or --storage-options-file; a flag is "
-        "visible to every local user in /proc/PID/cmdline)",
-        secret=True,
-        show="none",
-        metavar="JSON",
-    ),
-    Setting(
-        "--storage-options-file",
-        PATH,
-        None,
-        "file holding the JSON object passed to fsspec (for credentials; keep it mode 0600)",
-        metavar="FILE",
-    ),
-    Setting(
-        "--storage-check",
-        choice("warn", "fail", "off"),
-        "warn",
-        "write and delete a probe object at start: warn = log an error and serve anyway, fail = exit 3, off",
-    ),
-    Setting(
-        "--storage-retry-deadline",
-        SECONDS,
-        30.0,
-        "seconds after a storage call's first attempt after which no retry starts",
-        metavar="SECONDS",
-    ),
-    Setting(
-        "--shard-files",
-        choice("auto", "1", "2"),
-        "auto",
-        "the most files one shard is written as (two are encoded side by side); auto: 2 with two or more cores",
-    ),
-    Setting(
-        "--shard-split-mib",
-        number(ge=0),
-        24.0,
-        "record payload from which a shard is written as two files (with --shard-files 2 or auto), MiB",
-        metavar="MIB",
-    ),
+    Setting("--storage", text("an fsspec URL such as file://./data or s3://bucket/prefix"),
+            "file://./tracestore-data", "fsspec URL of the store", metavar="URL"),
+    Setting("--storage-options", JSON_OBJECT, None,
+            "JSON object passed to fsspec (credentials: prefer the variable or --storage-options-file; a flag is "
+            "visible to every local user in /proc/PID/cmdline)", secret=True, show="none", metavar="JSON"),
+    Setting("--storage-options-file", PATH, None,
+            "file holding the JSON object passed to fsspec (for credentials; keep it mode 0600)", metavar="FILE"),
+    Setting("--storage-check", choice("warn", "fail", "off"), "warn",
+            "write and delete a probe object at start: warn = log an error and serve anyway, fail = exit 3, off"),
+    Setting("--storage-retry-deadline", SECONDS, 30.0,
+            "seconds after a storage call's first attempt after which no retry starts", metavar="SECONDS"),
+    Setting("--shard-files", choice("auto", "1", "2"), "auto",
+            "the most files one shard is written as (two are encoded side by side); auto: 2 with two or more "
+            "cores"),
+    Setting("--shard-split-mib", number(ge=0), 24.0,
+            "record payload from which a shard is written as two files (with --shard-files 2 or auto), MiB",
+            metavar="MIB"),
     Setting("--host", text("an address"), "127.0.0.1", "gRPC bind address"),
-    Setting(
-        "--port",
-        optional(PORT),
-        7433,
-        "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only. "
-        "Default 7433, but off beside --unix-socket without --auth-tokens (give --port to listen on TCP too)",
-    ),
+    Setting("--port", optional(PORT), 7433, "gRPC TCP port (0: ephemeral); 'off': no TCP, the --unix-socket only. "
+            "Default 7433, but off beside --unix-socket without --auth-tokens (give --port to listen on TCP too)"),
     Setting("--unix-socket", PATH, None, "also listen on this unix socket", metavar="PATH"),
     Setting("--tls-cert", PATH, None, "PEM certificate chain: TLS on TCP", metavar="FILE"),
     Setting("--tls-key", PATH, None, "PEM private key of --tls-cert", metavar="FILE"),
-    Setting(
-        "--tls-client-ca",
-        PATH,
-        None,
-        "PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS)",
-        metavar="FILE",
-    ),
-    Setting(
-        "--auth-tokens",
-        PATH,
-        None,
-        "token file, one 'sha256:<hex digest> <scope>[,<scope>...] [name]' per line (scopes write:<run glob>, "
-        "read:<run glob>, admin); without it the sidecar serves loopback and the unix socket only",
-        metavar="FILE",
-    ),
-    Setting(
-        "--unix-needs-token",
-        SWITCH,
-        False,
-        "unix-socket callers need a token too (otherwise the socket file's permissions are the boundary)",
-        switch=True,
-    ),
-    Setting(
-        "--insecure",
-        SWITCH,
-        False,
-        "serve a non-loopback --host without TLS and tokens (e.g. behind a network policy)",
-        switch=True,
-    ),
+    Setting("--tls-client-ca", PATH, None,
+            "PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS)", metavar="FILE"),
+    Setting("--auth-tokens", PATH, None,
+            "token file, one 'sha256:<hex digest> <scope>[,<scope>...] [name]' per line (scopes write:<run glob>, "
+            "read:<run glob>, admin); without it the sidecar serves loopback and the unix socket only",
+            metavar="FILE"),
+    Setting("--unix-needs-token", SWITCH, False,
+            "unix-socket callers need a token too (otherwise the socket file's permissions are the boundary)",
+            switch=True),
+    Setting("--insecure", SWITCH, False,
+            "serve a non-loopback --host without TLS and tokens (e.g. behind a network policy)", switch=True),
     Setting("--metrics-host", text("an address"), "127.0.0.1", "Prometheus metrics bind address"),
     Setting("--metrics-port", optional(PORT), 9433, "Prometheus metrics port; 'off' disables the endpoint"),
-    Setting(
-        "--wal-dir",
-        PATH,
-        "./tracestore-wal",
-        "write-ahead log directory; 'off' acknowledges only committed shards",
-        metavar="DIR",
-    ),
+    Setting("--wal-dir", PATH, "./tracestore-wal",
+            "write-ahead log directory; 'off' acknowledges only committed shards", metavar="DIR"),
     Setting("--wal-segment-mib", MIB, 64, "size of one write-ahead log segment file, MiB"),
-    Setting(
-        "--memory-budget-mib", MIB, 1024, "bytes received and not yet committed, at most (backpressure beyond), MiB"
-    ),
+    Setting("--memory-budget-mib", MIB, 1024,
+            "bytes received and not yet committed, at most (backpressure beyond), MiB"),
     Setting("--shard-target-mib", MIB, 128, "a writer's records are committed as a shard about this big, MiB"),
     Setting("--flush-interval", SECONDS, 2.0, "seconds between flusher passes", metavar="SECONDS"),
-    Setting(
-        "--backpressure-timeout",
-        SECONDS,
-        5.0,
-        "seconds a write waits for room in the memory budget before it is refused",
-        metavar="SECONDS",
-    ),
+    Setting("--backpressure-timeout", SECONDS, 5.0,
+            "seconds a write waits for room in the memory budget before it is refused", metavar="SECONDS"),
     Setting("--max-message-mib", MIB, 64, "largest gRPC message, MiB; at most a third of --memory-budget-mib"),
-    Setting(
-        "--max-streams",
-        integer(1),
-        256,
-        "open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED",
-    ),
-    Setting(
-        "--stream-window-kib",
-        integer(64, 65536),
-        None,
-        "HTTP/2 receive window of each Write stream, KiB (default: gRPC's 64); 4096 lifts one recorder's TLS "
-        "ingest but, under a flood of streams, is memory outside the budget (docs/protocol.md)",
-    ),
+    Setting("--max-streams", integer(1), 256,
+            "open Write streams at most; one more is refused at once with RESOURCE_EXHAUSTED"),
+    Setting("--stream-window-kib", integer(64, 65536), None,
+            "HTTP/2 receive window of each Write stream, KiB (default: gRPC's 64); 4096 lifts one recorder's TLS "
+            "ingest but, under a flood of streams, is memory outside the budget (docs/protocol.md)"),
     Setting("--workers", integer(8), 64, "gRPC threads besides one per Write stream (health, Stat, Seal, Read)"),
-    Setting(
-        "--max-read-mib",
-        MIB,
-        256,
-        "largest Read (plan rows x row bytes of the sites read), never more than the read budget holds, MiB",
-    ),
-    Setting(
-        "--read-budget-mib",
-        MIB,
-        None,
-        "bytes all Reads in progress hold at once (outputs being sent), apart from --memory-budget-mib, MiB",
-        show="a quarter of --memory-budget-mib",
-    ),
-    Setting(
-        "--read-stall-timeout",
-        SECONDS,
-        10.0,
-        "seconds a Read may wait for its caller to take a response before it is cancelled",
-        metavar="SECONDS",
-    ),
-    Setting(
-        "--max-writers",
-        integer(1),
-        1024,
-        "writer sessions (run, writer id) one sidecar keeps; a new one beyond is refused",
-    ),
-    Setting(
-        "--max-runs",
-        integer(1),
-        256,
-        "runs with records not yet committed one sidecar serves; more are refused (a committed run's slot is reused)",
-    ),
-    Setting(
-        "--max-writers-per-identity",
-        integer(1),
-        None,
-        "with --auth-tokens: writer sessions one identity (token name) may hold, at most --max-writers",
-        show="a quarter of --max-writers",
-    ),
-    Setting(
-        "--max-runs-per-identity",
-        integer(1),
-        None,
-        "with --auth-tokens: runs with records not yet committed one identity may have, at most --max-runs",
-        show="a quarter of --max-runs",
-    ),
-    Setting(
-        "--max-streams-per-identity",
-        integer(1),
-        None,
-        "with --auth-tokens: open Write streams one identity (token name; 'unix-socket' for the socket's "
-        "callers without a token) may hold, at most --max-streams",
-        show="a quarter of --max-streams, at least 8 (at most --max-streams)",
-    ),
-    Setting(
-        "--max-shm-pools-per-identity",
-        integer(1, SHM_POOLS),
-        None,
-        f"with --auth-tokens: shared-memory staging pools one identity may hold open, of the {SHM_POOLS} the "
-        "sidecar keeps open at once",
-        show=f"{SHM_POOLS // 4} (a quarter)",
-    ),
-    Setting(
-        "--storage-unhealthy",
-        SECONDS,
-        300.0,
-        "seconds of storage refusing every commit before health reports NOT_SERVING",
-        metavar="SECONDS",
-    ),
-    Setting(
-        "--wal-retry", SECONDS, 1.0, "seconds between attempts to recover a failed write-ahead log", metavar="SECONDS"
-    ),
+    Setting("--max-read-mib", MIB, 256,
+            "largest Read (plan rows x row bytes of the sites read), never more than the read budget holds, MiB"),
+    Setting("--read-budget-mib", MIB, None,
+            "bytes all Reads in progress hold at once (outputs being sent), apart from --memory-budget-mib, MiB",
+            show="a quarter of --memory-budget-mib"),
+    Setting("--read-stall-timeout", SECONDS, 10.0,
+            "seconds a Read may wait for its caller to take a response before it is cancelled", metavar="SECONDS"),
+    Setting("--max-writers", integer(1), 1024,
+            "writer sessions (run, writer id) one sidecar keeps; a new one beyond is refused"),
+    Setting("--max-runs", integer(1), 256,
+            "runs with records not yet committed one sidecar serves; more are refused (a committed run's slot is "
+            "reused)"),
+    Setting("--max-writers-per-identity", integer(1), None,
+            "with --auth-tokens: writer sessions one identity (token name) may hold, at most --max-writers",
+            show="a quarter of --max-writers"),
+    Setting("--max-runs-per-identity", integer(1), None,
+            "with --auth-tokens: runs with records not yet committed one identity may have, at most --max-runs",
+            show="a quarter of --max-runs"),
+    Setting("--max-streams-per-identity", integer(1), None,
+            "with --auth-tokens: open Write streams one identity (token name; 'unix-socket' for the socket's "
+            "callers without a token) may hold, at most --max-streams",
+            show="a quarter of --max-streams, at least 8 (at most --max-streams)"),
+    Setting("--max-shm-pools-per-identity", integer(1, SHM_POOLS), None,
+            f"with --auth-tokens: shared-memory staging pools one identity may hold open, of the {SHM_POOLS} the "
+            "sidecar keeps open at once", show=f"{SHM_POOLS // 4} (a quarter)"),
+    Setting("--storage-unhealthy", SECONDS, 300.0,
+            "seconds of storage refusing every commit before health reports NOT_SERVING", metavar="SECONDS"),
+    Setting("--wal-retry", SECONDS, 1.0, "seconds between attempts to recover a failed write-ahead log",
+            metavar="SECONDS"),
     Setting("--grace", SECONDS, 30.0, "seconds to drain on SIGTERM", metavar="SECONDS"),
-    Setting(
-        "--storage-timeout",
-        SECONDS,
-        60.0,
-        "seconds one storage call may take before it is abandoned",
-        metavar="SECONDS",
-    ),
+    Setting("--storage-timeout", SECONDS, 60.0, "seconds one storage call may take before it is abandoned",
+            metavar="SECONDS"),
     Setting("--shm-dir", text("a directory"), "/dev/shm", "where writers' staging pools live", metavar="DIR"),
-    Setting(
-        "--max-shm-pool-mib",
-        MIB,
-        65536,
-        "largest writer staging pool (shared memory) the sidecar opens; a bigger one is refused, MiB",
-    ),
-    Setting(
-        "--socket-group",
-        optional(text("a group name or gid")),
-        None,
-        "group (name or gid) of --unix-socket: its members may connect; staging pools must be 0640 in it",
-        metavar="GROUP",
-    ),
-    Setting(
-        "--socket-mode",
-        optional(OCTAL_MODE),
-        None,
-        "octal mode of --unix-socket",
-        show="0660 with --socket-group, else 0600",
-        metavar="MODE",
-    ),
-    Setting(
-        "--dedupe-versions",
-        integer(1),
-        4,
-        "newest policy versions per run whose chunk keys are kept for dedupe/conflicts",
-    ),
-    Setting(
-        "--ready-file",
-        PATH,
-        None,
-        "write {port, metrics_port, pid} JSON here once serving (for port 0)",
-        metavar="FILE",
-    ),
+    Setting("--max-shm-pool-mib", MIB, 65536,
+            "largest writer staging pool (shared memory) the sidecar opens; a bigger one is refused, MiB"),
+    Setting("--socket-group", optional(text("a group name or gid")), None,
+            "group (name or gid) of --unix-socket: its members may connect; staging pools must be 0640 in it",
+            metavar="GROUP"),
+    Setting("--socket-mode", optional(OCTAL_MODE), None,
+            "octal mode of --unix-socket", show="0660 with --socket-group, else 0600", metavar="MODE"),
+    Setting("--dedupe-versions", integer(1), 4,
+            "newest policy versions per run whose chunk keys are kept for dedupe/conflicts"),
+    Setting("--ready-file", PATH, None, "write {port, metrics_port, pid} JSON here once serving (for port 0)",
+            metavar="FILE"),
     Setting("--log-level", choice("debug", "info", "warning", "error", "critical"), "info", "log level"),
-)
+)  # fmt: skip
 """Every setting of ``tracestore serve``; the flag names are a contract with deploy/ (the env twins)."""
 
 _RANK = {"flag": 3, "env": 2, "file": 1, "default": 0}
@@ -357,29 +211,10 @@ def _checked_options(options: dict[str, Any] | None) -> dict[str, Any] | None:
 
 # fsspec/s3fs options whose values say where, not who: shown in the startup line. Every other
 # value (key, secret, token, password, session, profile, anything unknown) is redacted.
-SHOWN_OPTIONS = frozenset(
-    {
-        "endpoint_url",
-        "region_name",
-        "anon",
-        "use_ssl",
-        "client_kwargs",
-        "config_kwargs",
-        "connect_timeout",
-        "read_timeout",
-        "retries",
-        "max_attempts",
-        "mode",
-        "addressing_style",
-        "signature_version",
-        "s3",
-        "default_block_size",
-        "use_listings_cache",
-        "version_aware",
-        "requester_pays",
-        "auto_mkdir",
-    }
-)
+SHOWN_OPTIONS = frozenset({"endpoint_url", "region_name", "anon", "use_ssl", "client_kwargs", "config_kwargs",
+                           "connect_timeout", "read_timeout", "retries", "max_attempts", "mode", "addressing_style",
+                           "signature_version", "s3", "default_block_size", "use_listings_cache", "version_aware",
+                           "requester_pays", "auto_mkdir"})  # fmt: skip
 REDACTED = "<redacted>"
 
 
@@ -666,10 +501,8 @@ def run(ns: argparse.Namespace) -> int:
                 "storage check FAILED: %s. Serving anyway (--storage-check warn): %s and are committed once "
                 "storage works; health turns NOT_SERVING after %g s of failed commits (--storage-unhealthy). "
                 "Fix the storage URL, options or credentials, or use --storage-check fail to exit instead",
-                what,
-                held,
-                cfg.storage_unhealthy_s,
-            )
+                what, held, cfg.storage_unhealthy_s,
+            )  # fmt: skip
     try:
         sidecar = Sidecar(cfg).start()
     except TraceStoreError as exc:

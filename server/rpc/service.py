@@ -232,18 +232,10 @@ class TraceStoreService:
         self, who: Identity, identity: str | None, requests: Iterator[bytes], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         stream = WriteStream(
-            self.engine,
-            self.shm,
-            self.metrics,
-            self.turns,
-            self.config,
-            who=who,
-            identity=identity,
-            draining=lambda: self.draining,
-            fail=self._fail,
-            slot_wanted=self.streams.wanted,
-            recheck=recheck() if self.config.auth_tokens is not None else None,
-        )
+            self.engine, self.shm, self.metrics, self.turns, self.config,
+            who=who, identity=identity, draining=lambda: self.draining, fail=self._fail,
+            slot_wanted=self.streams.wanted, recheck=recheck() if self.config.auth_tokens is not None else None,
+        )  # fmt: skip
         yield from stream.serve(requests, context)
 
     # -- Seal -------------------------------------------------------------------------------------
@@ -443,9 +435,8 @@ class Sidecar:
                 host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host  # IPv6
                 address = f"{host}:{cfg.port}"
                 tls = self._tls
-                self.port = (
-                    server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-                )
+                self.port = (server.add_secure_port(address, tls.credentials()) if tls
+                             else server.add_insecure_port(address))  # fmt: skip
             except RuntimeError as exc:
                 raise ConfigError(
                     f"cannot listen on {cfg.host}:{cfg.port} (in use by another process?); choose another --port"
@@ -526,16 +517,12 @@ class Sidecar:
             clear = cfg.port is not None and not cfg.tls_cert and not is_loopback_host(cfg.host)
             peers = self._tokens.peer_rules
             log.info(
-                "serving %s with %d bearer token(s)%s%s",
-                tcp,
-                len(self._tokens),
-                f"; unix:{cfg.unix_socket} needs tokens too"
-                if cfg.unix_needs_token
-                else f"; unix:{cfg.unix_socket} peers authorized by {peers} uid/gid entr{'y' if peers == 1 else 'ies'}"
-                if peers and cfg.unix_socket
-                else "",
+                "serving %s with %d bearer token(s)%s%s", tcp, len(self._tokens),
+                f"; unix:{cfg.unix_socket} needs tokens too" if cfg.unix_needs_token else
+                f"; unix:{cfg.unix_socket} peers authorized by {peers} uid/gid entr{'y' if peers == 1 else 'ies'}"
+                if peers and cfg.unix_socket else "",
                 "; tokens cross the network in the clear (--insecure)" if clear else "",
-            )
+            )  # fmt: skip
 
     def reload(self) -> None:
         """Read the TLS files and the token file again (SIGHUP). What fails to load is logged and
@@ -549,10 +536,8 @@ class Sidecar:
                 log.error("reload of the %s failed, the ones in use stay: %s", what, exc)
             else:
                 if part is self._tls:  # gRPC takes them at the next handshake; it may still refuse them there
-                    log.info(
-                        "read the TLS files again: new connections get them (gRPC logs it and keeps the "
-                        "ones in use if it cannot use them)"
-                    )
+                    log.info("read the TLS files again: new connections get them (gRPC logs it and keeps the "
+                             "ones in use if it cannot use them)")  # fmt: skip
                 else:
                     log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")
 
@@ -573,19 +558,12 @@ class Sidecar:
             left = max(0.1, t_end - time.monotonic())
             streams = int(self.metrics.active_streams._value.get())
             if streams:
-                log.info(
-                    "stopping: waiting up to %.1f s for %d open Write stream(s), each ending once what it "
-                    "sent is durable",
-                    left,
-                    streams,
-                )
+                log.info("stopping: waiting up to %.1f s for %d open Write stream(s), each ending once what it "
+                         "sent is durable", left, streams)  # fmt: skip
             self._server.stop(left).wait()
             if time.monotonic() >= t_end - 0.05:
-                log.warning(
-                    "stopping: the %.1f s grace period ended with calls still open; gRPC cancelled them "
-                    "(writers resend what was not acknowledged)",
-                    grace,
-                )
+                log.warning("stopping: the %.1f s grace period ended with calls still open; gRPC cancelled them "
+                            "(writers resend what was not acknowledged)", grace)  # fmt: skip
         if self.engine is not None:
             ok = self.engine.flush(max(0.1, t_end - time.monotonic())) and ok
             self.engine.close(timeout=max(0.0, t_end - time.monotonic()))
