@@ -132,13 +132,19 @@ def record_rows(
     return codes, scales.contiguous(), g
 
 
-def codes_from_values(values: torch.Tensor) -> torch.Tensor:
+def codes_from_values(values: torch.Tensor, check: bool = True) -> torch.Tensor:
     """FP4 values as floats (±0, ±0.5, … ±6, as vLLM's pure-torch reference returns them) -> E2M1
-    codes ``uint8`` 0..15; the sign bit of the float (-0.0 included) is bit 3. Any other value raises."""
+    codes ``uint8`` 0..15; the sign bit of the float (-0.0 included) is bit 3. Any other value raises,
+    unless ``check=False`` (no host read: inside a captured graph), which maps it to the E2M1
+    magnitude at or above it (6 past 6)."""
     mag = values.abs().to(torch.float32)
-    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=values.device)
-    k = torch.searchsorted(table, mag.contiguous())
-    ok = (k < 8) & (table[k.clamp(max=7)] == mag)
-    if not bool(ok.all()):
-        raise ValidationError("values are not E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign)")
+    if not check:  # elementwise only (no table tensor: that would be a host-to-device copy)
+        m2 = mag * 2  # 0, 1, 2, 3, 4, 6, 8, 12 -> codes 0..7
+        k = torch.where(m2 < 4, m2.ceil(), torch.where(m2 < 8, 4 + (m2 > 4).float(), 6 + (m2 > 8).float()))
+        k = k.clamp(max=7)
+    else:
+        table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=values.device)
+        k = torch.searchsorted(table, mag.contiguous())
+        if not bool(((k < 8) & (table[k.clamp(max=7)] == mag)).all()):
+            raise ValidationError("values are not E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6 with a sign)")
     return (k.to(torch.uint8) | (torch.signbit(values).to(torch.uint8) << 3)).to(torch.uint8)

@@ -3,6 +3,8 @@ signature and call shape the plugin relies on. An engine bump that moves one fai
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 
 import pytest
@@ -155,3 +157,26 @@ def test_ref_nvfp4_quant_and_its_lookups() -> None:
     # the MoE path imports it by name into fused_moe/utils.py: both bindings must be patched
     imports = _ast.from_imports(_ast.source_tree("vllm.model_executor.layers.fused_moe.utils"))
     assert (emu.__name__, "ref_nvfp4_quant_dequant") in imports
+
+
+def test_model_runner_hooks_for_graph_capture() -> None:
+    """The graph path wraps ``load_model`` (reads ``model_config.enforce_eager``), ``capture_model``
+    and ``execute_model`` (arm the slab at ``max_num_tokens`` rows on ``device``): the largest
+    forward and every captured size fit in ``max_num_batched_tokens``."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(GPUModelRunner.load_model)[0] == "self"
+    assert params(GPUModelRunner.capture_model) == ["self"]
+    assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
+    tree = _ast.source_tree("vllm.v1.worker.gpu_model_runner")
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GPUModelRunner")
+    init = _ast.functions(cls, "__init__")[0]
+    assigned = {_ast.dotted(t) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets}
+    assert {"self.model_config", "self.device", "self.max_num_tokens"} <= assigned
+    dummy = ast.unparse(_ast.functions(tree, "_dummy_run")[0])
+    assert "assert num_tokens <= self.max_num_tokens" in dummy  # every forward, captured sizes included
+    vcfg = inspect.getsource(importlib.import_module("vllm.config.vllm"))
+    assert "max_cudagraph_capture_size = min(max_num_tokens, max_cudagraph_capture_size)" in vcfg
+    from vllm.config import ModelConfig
+
+    assert "enforce_eager" in ModelConfig.__dataclass_fields__

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from tracestore.client.engines.capture import SCOPE, wrap_moe_entry
-from tracestore.client.engines.codes import record_rows, swizzle_8x4
+from tracestore.client.engines.codes import codes_from_values, record_rows, swizzle_8x4
 from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.recording import EngineRecorder
 from tracestore.client.engines.rows import RowMapper, Scheduled
@@ -326,3 +326,15 @@ def test_cuda_graph_replays_record_new_inputs_bit_exactly(sidecar: ServeProcess)
     sidecar.start()
     check_stored(sidecar, "ggpu", "a::a0", 8, 4, "a")
     check_stored(sidecar, "ggpu", "b::a0", 6, 4, "b")
+
+
+def test_codes_from_values_without_the_check_is_elementwise() -> None:
+    """The graph path's E2M1 codes from vLLM-style float values: the checked form's codes, with no
+    table tensor (a host copy) and no host read — it runs on the meta device."""
+    mags = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    vals = torch.tensor(mags + [-m for m in mags])
+    assert torch.equal(codes_from_values(vals, check=False), codes_from_values(vals))
+    assert codes_from_values(vals, check=False).tolist() == list(range(16))
+    with OpLog() as ops:
+        codes_from_values(torch.empty(4, 16, device="meta"), check=False)
+    assert not {n.split("::")[1] for n in ops.names} & FORBIDDEN

@@ -247,6 +247,59 @@ def test_cpu_emulation_linear_records_what_vllm_quantized(engine: EngineRecorder
                 cap.unpatch_attr(cls, "apply_weights")
 
 
+def test_compiled_emulation_linear_records_through_the_graph_op(engine: EngineRecorder) -> None:
+    """vLLM's real NVFP4 emulation linear under ``torch.compile(fullgraph=True)`` with the hooks in
+    graph mode: dynamo traces through the wrappers without a break, the compiled graph keeps the
+    record op, and each call's slab rows are the records of what vLLM's ``ref_nvfp4_quant`` made."""
+    from tracestore.client.engines.graph import GraphCapture
+    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+
+    out_f, in_f = 24, 64
+    wq = quantize(torch.randn(out_f, in_f), NVFP4)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(pack_fp4(wq.codes), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(wq.scales.view(torch.float8_e4m3fn), requires_grad=False)
+    layer.weight_global_scale = torch.tensor([float(wq.global_scale)])
+    layer.input_global_scale_inv = torch.tensor([2688 / 3.0])
+    layer.prefix = "model.layers.2.self_attn.qkv_proj"
+    kernel = EmulationNvFp4LinearKernel(NvFp4LinearLayerConfig())
+    graph, old = GraphCapture(bits=2), hooks.GRAPH
+    graph.active = True
+    graph.install()
+    hooks.GRAPH = engine.graph = graph
+    site = "layers.2.self_attn.qkv_proj.input"
+    try:
+        hooks._install_dense()
+        for mod in (emu, sys.modules["vllm.model_executor.layers.fused_moe.utils"]):
+            cap.patch_attr(mod, "ref_nvfp4_quant_dequant", lambda fn: hooks._wrap_ref_quant_dequant(emu, fn))
+        torch._dynamo.reset()
+        fwd = torch.compile(lambda x: kernel.apply_weights(layer, x), backend="aot_eager", fullgraph=True)
+        x = torch.randn(5, in_f).to(torch.bfloat16)
+        assert torch.equal(fwd(x), kernel.apply_weights(layer, x))  # warm-up: notes the site
+        assert graph.widths == {site: in_f} and engine._sites == {}
+        assert graph.arm(8, "cpu") and graph.slab is not None
+        for seed in (1, 2):
+            x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+            fwd(x)
+            values, sf = emu.ref_nvfp4_quant(x, layer.input_global_scale_inv, 16)  # vLLM's own quantizer
+            buf = graph.slab[site]
+            assert torch.equal(buf.codes[:5], pack_bits(codes_from_values(values), 2))
+            assert torch.equal(buf.scales[:5], sf.to(torch.float8_e4m3fn).view(torch.uint8))
+            assert torch.equal(buf.global_scale[:5], (1.0 / layer.input_global_scale_inv).expand(5))
+        assert graph.stats["writes"] == 2 and engine._sites == {}
+    finally:
+        hooks.GRAPH, engine.graph = old, None
+        for mod in (emu, sys.modules["vllm.model_executor.layers.fused_moe.utils"]):
+            cap.unpatch_attr(mod, "ref_nvfp4_quant_dequant")
+        todo = list(NvFp4LinearKernel.__subclasses__())
+        while todo:
+            cls = todo.pop()
+            todo += cls.__subclasses__()
+            if "apply_weights" in vars(cls):
+                cap.unpatch_attr(cls, "apply_weights")
+
+
 def test_site_names_match_hf_site_hooks() -> None:
     assert cap.site_name("model.layers.3.mlp.experts", moe=True) == "layers.3.mlp.input"
     assert cap.site_name("language_model.model.layers.12.mlp", moe=True) == "layers.12.mlp.input"

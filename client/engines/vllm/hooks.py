@@ -20,8 +20,14 @@
   KV connector bound (:mod:`.connector`) and the worker's own request order
   (``input_batch.req_ids``).
 
-Python hooks fire only in eager execution (``enforce_eager=True``) or while a graph is being
-captured; graph replay without re-capture records nothing (see docs/integration.md).
+- **Compiled and CUDA-graph forwards** (``enforce_eager=False``): every hook above routes its codes
+  through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`), a registered
+  torch op that ``torch.compile`` keeps in its graph and a CUDA graph captures: its Python runs while
+  dynamo traces or a graph is captured, its copies into the slab at every replay.
+  ``GPUModelRunner.load_model`` turns it on; the warm-up (``profile_run``) notes the sites;
+  ``capture_model`` (or the first ``execute_model``) arms the slab at ``max_num_batched_tokens`` rows
+  on the runner's device; after each forward the plan's rows are committed from the slab (padded
+  rows of a captured batch size are never named by the plan).
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ import torch
 from tracestore.client.engines.capture import SCOPE, patch_attr, site_name
 from tracestore.client.engines.capture import install_flashinfer as _install_flashinfer
 from tracestore.client.engines.codes import codes_from_values, record_rows
+from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.recording import EngineRecorder
 from tracestore.client.engines.setting import RecordSetting
 
-from tracestore.packing import pack_bits
+from tracestore.packing import pack_bits, pack_fp4
 
 log = logging.getLogger("tracestore.client.engines")
 
@@ -51,6 +58,7 @@ NVFP4_KERNELS = "vllm.model_executor.kernels.linear.nvfp4"
 MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 ENGINE: EngineRecorder | None = None
+GRAPH: GraphCapture | None = None  # graph-safe capture, active for compiled / CUDA-graph forwards
 LOCAL_WORKER = False  # a worker-role connector exists in this process (it records; seal here)
 PLAN = threading.local()  # .value: the step plan the connector bound for the coming forward
 _MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE runner
@@ -65,10 +73,19 @@ def _bits() -> int:
     return 1 if ENGINE is None else ENGINE.setting.bits
 
 
+def _graph() -> GraphCapture | None:
+    """The graph capture while it is active (hooks then record through its op), else None."""
+    return GRAPH if GRAPH is not None and GRAPH.active else None
+
+
 def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
     """Install every hook in this process; returns what was patched (``module:attr``). Idempotent."""
-    global ENGINE
+    global ENGINE, GRAPH
     ENGINE = engine if engine is not None else EngineRecorder(setting)
+    if GRAPH is None:
+        GRAPH = GraphCapture(setting.bits)
+        GRAPH.install()
+    ENGINE.graph = GRAPH
     done: list[str] = []
     done += install_flashinfer()
     runner = importlib.import_module(RUNNER).MoERunner
@@ -83,13 +100,17 @@ def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> lis
     mr = importlib.import_module(MODEL_RUNNER).GPUModelRunner
     if patch_attr(mr, "execute_model", _wrap_execute_model):
         done.append(f"{MODEL_RUNNER}:GPUModelRunner.execute_model")
+    if patch_attr(mr, "load_model", _wrap_load_model):
+        done.append(f"{MODEL_RUNNER}:GPUModelRunner.load_model")
+    if patch_attr(mr, "capture_model", _wrap_capture_model):
+        done.append(f"{MODEL_RUNNER}:GPUModelRunner.capture_model")
     log.info("tracestore: vLLM hooks installed: %s", ", ".join(done) or "none (already installed)")
     return done
 
 
 def install_flashinfer() -> list[str]:
     """Wrap FlashInfer's fused-MoE FP4 entries where FlashInfer is importable (GPU builds)."""
-    return _install_flashinfer(_capture, _bits)
+    return _install_flashinfer(_capture, _bits, GRAPH)
 
 
 def _moe_g(runner: Any) -> torch.Tensor | None:
@@ -152,12 +173,21 @@ def _wrap_apply_weights(fn: Any) -> Any:
             try:  # already quantized by a fused producer: the codes this GEMM eats
                 enc = getattr(layer, "input_global_scale_inv", None)
                 g = None if enc is None else (1.0 / enc.float()).reshape(-1)[:1]
-                _capture(
-                    name,
-                    *record_rows(
-                        data.reshape(-1, data.shape[-1]), scale, layout="swizzled128x4", bits=_bits(), global_scale=g
-                    ),
-                )
+                graph = _graph()
+                if graph is not None:
+                    packed = data.reshape(-1, data.shape[-1])
+                    graph.record(name, packed, scale, "swizzled128x4", packed.shape[1] * 2, global_scale=g)
+                else:
+                    _capture(
+                        name,
+                        *record_rows(
+                            data.reshape(-1, data.shape[-1]),
+                            scale,
+                            layout="swizzled128x4",
+                            bits=_bits(),
+                            global_scale=g,
+                        ),
+                    )
             except Exception:
                 log.exception("tracestore: recording %s failed", name)
             name = None
@@ -197,6 +227,12 @@ def _wrap_scaled_fp4_quant(fn: Any) -> Any:
                 n_pad = n if padded_n is None else padded_n
                 codes, sf = out
                 layout = sf_layout(rows, is_sf_swizzled_layout, backend)
+                graph = _graph()
+                if graph is not None:
+                    g_dec = (1.0 / input_global_scale.float()).reshape(-1)[:1]
+                    graph.record(name, codes.reshape(rows, n_pad // 2), sf, layout, n, global_scale=g_dec)
+                    _DENSE.name = None
+                    return out
                 c, s, g = record_rows(
                     codes.reshape(rows, n_pad // 2),
                     sf,
@@ -238,7 +274,15 @@ def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
             site = _DENSE.name
         if site is not None and ENGINE is not None and x.ndim == 2 and block_size == 16:
             try:
-                _capture(site, *record_ref_quant(x, global_scale, block_size, emu))
+                graph = _graph()
+                if graph is not None:
+                    values, sf = emu.ref_nvfp4_quant(x, global_scale, block_size)
+                    packed = pack_fp4(codes_from_values(values, check=False))
+                    g_dec = (1.0 / global_scale.float()).reshape(-1)[:1]
+                    sf_bytes = sf.to(torch.float8_e4m3fn).view(torch.uint8)
+                    graph.record(site, packed, sf_bytes, "linear", x.shape[1], global_scale=g_dec)
+                else:
+                    _capture(site, *record_ref_quant(x, global_scale, block_size, emu))
             except Exception:
                 log.exception("tracestore: recording %s failed", site)
         return fn(x, global_scale, block_size)
@@ -246,11 +290,47 @@ def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
     return ref_nvfp4_quant_dequant
 
 
+def _wrap_load_model(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fn(self, *args, **kwargs)
+        if GRAPH is not None:
+            GRAPH.active = not bool(getattr(self.model_config, "enforce_eager", True))
+        return out
+
+    return load_model
+
+
+def _arm(runner: Any) -> None:
+    """Allocate the graph capture's slab for the sites the warm-up noted (largest forward, padding
+    included: ``max_num_tokens``), on the runner's device."""
+    if GRAPH is not None and GRAPH.active and not GRAPH.armed:
+        cap = int(getattr(runner, "max_num_tokens", 0) or 0)
+        if not GRAPH.arm(cap, runner.device):
+            log.error("tracestore: no site was seen before %s: nothing will be recorded", "arming")
+
+
+def _wrap_capture_model(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _arm(self)
+        except Exception:
+            log.exception("tracestore: arming the graph capture failed; CUDA graphs record nothing")
+        return fn(self, *args, **kwargs)
+
+    return capture_model
+
+
 def _wrap_execute_model(fn: Any) -> Any:
     @functools.wraps(fn)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if ENGINE is not None:
             ENGINE.discard_forward()
+            try:
+                _arm(self)
+            except Exception:
+                log.exception("tracestore: arming the graph capture failed")
         out = fn(self, scheduler_output, *args, **kwargs)
         plan = getattr(PLAN, "value", None)
         PLAN.value = None
