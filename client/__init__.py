@@ -7,6 +7,7 @@ lazily where a GPU tensor or a sidecar connection needs them.
     from tracestore.client import TraceRef, attempt_id   # handles an RL framework carries
     from tracestore.client import GuidedFP4Hooks         # guided FP4 fake-quant of a model in training
     from tracestore.client import FP4SiteRecorder, HFSiteHooks   # transformers models
+    from tracestore.client import RoutingCapture, RoutingReplayHooks   # MoE routing capture, replay (R3)
 
 Three halls: ``record/`` (the engine side), ``read/`` (the trainer's reads) and ``hf/``
 (transformers hooks), which never import each other; they share ``transport.py`` and the core.
@@ -37,6 +38,8 @@ else:
         "GuidedFP4Hooks": "tracestore.client.hf.train_hooks",
         "HFSiteHooks": "tracestore.client.hf.hooks",
         "FP4SiteRecorder": "tracestore.client.hf.recorder",
+        "RoutingCapture": "tracestore.client.hf.routing",
+        "RoutingReplayHooks": "tracestore.client.hf.routing",
         "TraceRef": "tracestore.traceref",
         "attempt_id": "tracestore.traceref",
     }

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from tracestore.client.hf.hooks import HFSiteHooks, HookedSite
 from tracestore.client.hf.layouts import Layout
+from tracestore.client.hf.routing import RoutingCapture
 
 from tracestore.errors import ConfigError, ShapeError
 
@@ -26,18 +27,28 @@ def site_outputs(
     declared site's low ``bits`` are packed (``tracestore.packing.pack_bits``) into rows ordered
     batch-major, which matches segments ``[(trajectory_b, start, start+T) for b in batch]``;
     ``rows`` (int64 indices into the ``B*T`` batch-major rows) keeps those rows only, in that order.
+    A ``routed_experts`` site's record is ``(ids [B, T, top_k], gate values [B, T, top_k], g)``
+    (:class:`~tracestore.client.hf.routing.RoutingCapture`); ``logprobs`` sites are skipped (the
+    sampler's, recorded with ``record_forward`` by the caller).
     """
     from tracestore.packing import pack_bits
     from tracestore.site_output import SiteOutput
 
     out = {}
     for site in run_spec.sites:
+        if site.kind == "logprobs":  # the sampler's, not the model's: record_forward them yourself
+            continue
         if site.name not in records:
             raise ConfigError(
                 f"run {run_spec.run} declares site {site.name!r} but this forward produced no record for it"
             )
         codes, scales, g = records[site.name]
         b, t, w = codes.shape
+        if site.kind == "routed_experts":  # (ids [B, T, top_k], gate values [B, T, top_k])
+            from tracestore.client.hf.routing import routing_output
+
+            out[site.name] = routing_output(site, codes.reshape(b * t, w), scales.reshape(b * t, w), rows)
+            continue
         if w != site.width:
             raise ShapeError(
                 f"run {run_spec.run} declares site {site.name} with width {site.width}, the model's is {w} "
@@ -64,6 +75,11 @@ class FP4SiteRecorder:
     ``segments`` lists one ``(trajectory, start, end)`` per batch row. This is the readable
     CPU/any-device path; ``tracestore.kernels.record_from_activations`` is the graph-safe GPU capture.
 
+    Routing: where a recorder's run declares ``routed_experts`` sites (``routing=None``, the
+    default; ``True``/``False`` forces it), every MoE block's chosen top-k is recorded beside the
+    FP4 sites (:class:`~tracestore.client.hf.routing.RoutingCapture`; gate weights when the site
+    declares them). ``moe=False, kv=False, fake_quant=False`` records routing without FP4 sites.
+
     Example::
 
         with FP4SiteRecorder(model, [recorder]) as fp4:
@@ -84,6 +100,7 @@ class FP4SiteRecorder:
         layout: Layout | None = None,
         moe: bool = True,
         stack: bool = False,
+        routing: bool | None = None,
     ) -> None:
         from tracestore.formats import get_format
 
@@ -97,7 +114,12 @@ class FP4SiteRecorder:
         self.model = model
         self.hooks = HFSiteHooks(model, self._site, layers=layers, kv=kv, layout=layout, moe=moe, stack=stack,
                                  owner="FP4SiteRecorder")  # fmt: skip
+        self.routing: RoutingCapture | None = None
         try:
+            if routing is None:
+                routing = any(s.kind == "routed_experts" for r in self.recorders for s in r.run_spec.sites)
+            if routing:
+                self.routing = RoutingCapture(model, layers=layers, layout=layout, on_route=self._route)
             bad = [s for s in self.hooks.sites if s.width % self.fmt.block]
             if bad:
                 raise ShapeError(
@@ -105,9 +127,11 @@ class FP4SiteRecorder:
                     + ", ".join(f"{s.name} (width {s.width})" for s in bad[:6])
                     + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
                 )
-            hooked = {s.name: s for s in self.hooks.sites}
+            hooked: dict[str, Any] = {s.name: s for s in self.hooks.sites}
+            routers = {} if self.routing is None else self.routing.by_site
             for rec in self.recorders:
-                missing = [s.name for s in rec.run_spec.sites if s.name not in hooked]
+                missing = [s.name for s in rec.run_spec.sites if s.name not in hooked and s.name not in routers
+                           and s.kind != "logprobs"]  # fmt: skip
                 if missing:
                     raise ConfigError(
                         f"run {rec.run_spec.run} declares sites this model has no hook for: {missing[:4]}; "
@@ -116,7 +140,12 @@ class FP4SiteRecorder:
                 wrong = [
                     f"{s.name} (declared {s.width}, model {hooked[s.name].width})"
                     for s in rec.run_spec.sites
-                    if s.width != hooked[s.name].width
+                    if s.name in hooked and s.width != hooked[s.name].width
+                ] + [
+                    f"{s.name} (declared top-{s.width} of {s.n_experts}, model top-{routers[s.name].top_k} of "
+                    f"{routers[s.name].n_experts})"
+                    for s in rec.run_spec.sites
+                    if s.name in routers and (s.width, s.n_experts) != (routers[s.name].top_k, routers[s.name].n_experts)
                 ]
                 if wrong:
                     raise ShapeError(
@@ -124,7 +153,7 @@ class FP4SiteRecorder:
                     )
             self._step_hook = model.register_forward_pre_hook(self._new_step, with_kwargs=True)
         except BaseException:
-            self.hooks.remove()
+            self.remove()
             raise
 
     def _new_step(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -143,6 +172,21 @@ class FP4SiteRecorder:
                 self._where.append(None)
             self._steps[-1][site.name] = (q.codes.reshape(b, t, w), q.scales.reshape(b, t, -1), float(q.global_scale))
         return dequantize(q).reshape(b, t, w).to(x.dtype) if self.fake_quant else None
+
+    def _route(self, router: Any, ids: torch.Tensor, values: torch.Tensor, lead: tuple[int, ...] | None) -> None:
+        if not self._active:
+            return
+        if not self._steps or router.site in self._steps[-1]:  # a forward not entered through the model
+            self._steps.append({})
+            self._where.append(None)
+        where = self._where[-1]
+        if lead is None and where is not None:
+            lead = tuple(where.pos.shape)
+        if lead is None:
+            raise ConfigError(f"{router.site}: the MoE block's input is not [batch, tokens, hidden]; cannot place its rows")
+        b, t = lead
+        k = ids.shape[-1]
+        self._steps[-1][router.site] = (ids.reshape(b, t, k), values.reshape(b, t, k), 1.0)
 
     @contextlib.contextmanager
     def forward(self, segments: Sequence[tuple[str, int, int | None]]) -> Iterator[dict[str, Record]]:
@@ -196,6 +240,8 @@ class FP4SiteRecorder:
 
     def remove(self) -> None:
         self.hooks.remove()
+        if self.routing is not None:
+            self.routing.remove()
         handle = getattr(self, "_step_hook", None)
         if handle is not None:
             handle.remove()
