@@ -2,10 +2,11 @@
 
 Every setting is a flag, a ``TRACESTORE_<FLAG>`` variable and a key of the ``[serve]`` table of a
 TOML config file (``--config``/``TRACESTORE_CONFIG``), in that order of precedence
-(:mod:`tracestore.settings`). At start the sidecar logs one line with every effective setting (credentials
-redacted) and where each came from, then checks its storage by writing and deleting a probe object
-(``--storage-check``: ``warn``, the default, serves anyway with an error logged; ``fail`` exits 3;
-``off`` skips it). docs/operations.md, "Running it", says why ``warn`` is the default.
+(:mod:`tracestore.settings`). At start the sidecar logs one line with every effective setting
+(credentials redacted) and where each came from, then checks its storage by writing and deleting a
+probe object (``--storage-check``: ``warn``, the default, serves anyway with an error logged;
+``fail`` exits 3; ``off`` skips it). docs/operations.md, "Running it", says why ``warn`` is the
+default.
 """
 
 from __future__ import annotations

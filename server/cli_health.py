@@ -11,8 +11,9 @@ plaintext: over the unix socket that is always right; a TCP port with TLS is not
 command (use the socket). Health needs no token (docs/protocol.md, health and reflection).
 
 Service names (server/rpc/service.py): ``""`` and ``tracestore.v1.TraceStore`` follow every degraded
-reason (storage refusing commits, a failing WAL, a dead or stalled flusher); ``tracestore.v1.Liveness``
-goes NOT_SERVING only for what a restart mends (a dead flusher): probes watch that one.
+reason (storage refusing commits, a failing WAL, a dead or stalled flusher);
+``tracestore.v1.Liveness`` goes NOT_SERVING only for what a restart mends (a dead flusher): probes
+watch that one.
 
 Settings (``--target``, ``--service``, ``--timeout``): flag, else ``TRACESTORE_<FLAG>``, else the
 ``[health]`` table of a ``--config`` file, through :mod:`tracestore.settings` (standard library

@@ -260,9 +260,10 @@ class ServerConfig:
 
     @property
     def shm_pools_per_identity(self) -> int:
-        """Shared-memory pools one authenticated identity may hold open: ``max_shm_pools_per_identity``,
-        else a quarter of :data:`SHM_POOLS` (16: every recorder process has one pool, and one
-        tensor-parallel engine's recorders share the unix socket's identity)."""
+        """Shared-memory pools one authenticated identity may hold open:
+        ``max_shm_pools_per_identity``, else a quarter of :data:`SHM_POOLS` (16: every recorder
+        process has one pool, and one tensor-parallel engine's recorders share the unix socket's
+        identity)."""
         v = self.max_shm_pools_per_identity
         return SHM_POOLS // 4 if v is None else v
 
@@ -357,7 +358,8 @@ class ServerConfig:
             # ~1.7 GiB); the budget bounds in-flight bytes instead.
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
-            # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module comment).
+            # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module
+            # comment).
             *((("grpc.http2.lookahead_bytes", self.stream_window),) if self.stream_window_bytes is not None else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),

@@ -6,8 +6,9 @@ trajectory's seal, a trajectory's prefix link. :meth:`DedupeIndex.check` drops t
 message that were accepted before with the same bytes (a writer's retry) and refuses
 (:class:`ConflictError`) one that overlaps accepted tokens with different bytes, or a seal or link
 that differs from the accepted one, and (:class:`ValidationError`) a chunk that reaches past its
-trajectory's seal, in the same message or an earlier one. With authentication on, a trajectory also belongs to the
-identity that first wrote it (:meth:`DedupeIndex.check_owner`; the owners are ``owners.py``'s).
+trajectory's seal, in the same message or an earlier one. With authentication on, a trajectory also
+belongs to the identity that first wrote it (:meth:`DedupeIndex.check_owner`; the owners are
+``owners.py``'s).
 
 Memory stays bounded on a long-running sidecar: the index keeps the newest ``versions`` distinct
 policy versions of each run and forgets older ones (they are no longer written). Trajectory owners

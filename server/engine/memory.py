@@ -157,7 +157,8 @@ class MemoryBudget:
 
     def expect(self, largest: int, nbytes: int) -> None:
         """A message of ``nbytes`` whose largest chunk is ``largest`` bytes is on its way into the
-        backlog: the room its commit needs is kept free from now on (:meth:`kept_free`; lock held)."""
+        backlog: the room its commit needs is kept free from now on (:meth:`kept_free`; lock
+        held)."""
         self._chunks.add(largest)
         self._messages.add(nbytes)
 

@@ -63,7 +63,8 @@ class Message:
     shm_chunks: list[int] = dataclasses.field(default_factory=list)  # chunks that are views into the pool
     held_pool: str | None = None  # held past durability (WAL, keeps_staging): released at commit
     # The WAL entry's parts while it is not durable (the raw request, which the chunks view anyway,
-    # and shared-memory payloads the writer keeps until the ack): re-appended if the WAL fails first.
+    # and shared-memory payloads the writer keeps until the ack): re-appended if the WAL fails
+    # first.
     wal_parts: Sequence[Part] | None = None
     ticket: int = 0  # WAL ticket of the DATA entry
     plan_ticket: int = 0  # WAL ticket of the PLAN entry that gave it ``shard_seq``

@@ -37,7 +37,8 @@ from tracestore.wire import (
 class VerifiedChunk(RecordChunk):
     """A RecordChunk whose checksum the sidecar computed once, over the bytes it received (ISA-L),
     and checked against the one the writer sent. ``checksum`` returns that value, so the dedupe
-    index and the shard writer (``shards._checksums`` reads ``chunk.checksum``) never recompute it."""
+    index and the shard writer (``shards._checksums`` reads ``chunk.checksum``) never recompute
+    it."""
 
     _crc: int
 

@@ -63,7 +63,8 @@ class ReadBudget:
 
     def take(self, identity: str | None, nbytes: int) -> int:
         """Reserve ``nbytes`` (at most :attr:`limit`) for ``identity``, waiting for room; raises
-        OverBudgetError after ``wait_s``. Returns the bytes reserved (give them back with :meth:`give`)."""
+        OverBudgetError after ``wait_s``. Returns the bytes reserved (give them back with
+        :meth:`give`)."""
         nbytes = max(1, min(nbytes, self.limit))
         deadline = time.monotonic() + self._wait_s
         with self._room:

@@ -148,7 +148,8 @@ class Reads:
     def rows(self, raw: bytes, who: Identity, hold: ReadHold) -> tuple[list[tuple[str, Any]], dict[str, str]]:
         """The rows a Read request ``raw`` of caller ``who`` asks for, per site, and the
         trajectories masked because their records belong to other token ids (with the reason);
-        ``hold``: what the call holds for them (:meth:`release` gives it back once the stream ends)."""
+        ``hold``: what the call holds for them (:meth:`release` gives it back once the stream
+        ends)."""
         from tracestore.server.rpc.ingest import decode_message
 
         from tracestore.plan import MicrobatchPlan

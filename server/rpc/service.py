@@ -139,7 +139,8 @@ class TraceStoreService:
         self.turns = ReadTurns(config.reading_streams, on_waiting=metrics.waiting_streams.set)
         # gRPC joins each message it receives from copies of its buffer's slices, one at a time: for
         # that moment the message takes three times its size. Room for two copies of the largest
-        # message stays reserved as long as the service runs (its buffers: the stream's reservation).
+        # message stays reserved as long as the service runs (its buffers: the stream's
+        # reservation).
         self.copy_room = engine.budget.keep(GRPC_COPIES * config.max_message_bytes)
 
     def handler(self) -> grpc.GenericRpcHandler:

@@ -112,7 +112,8 @@ _RECHECK: contextvars.ContextVar[Callable[[], Identity | None] | None] = context
 
 def recheck() -> Callable[[], Identity | None] | None:
     """For the call this handler serves: a function giving the caller's identity under the token
-    file as it is now (None once its credential is no longer accepted); None with authentication off."""
+    file as it is now (None once its credential is no longer accepted); None with authentication
+    off."""
     return _RECHECK.get()
 
 

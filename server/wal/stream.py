@@ -102,7 +102,8 @@ class StreamedEntries:
 
     def _hand_over(self) -> None:
         """With the lock held: have the sync thread take the full active buffer (it writes it and
-        makes the other buffer active, starting with the last partial block) and wait until it has."""
+        makes the other buffer active, starting with the last partial block) and wait until it
+        has."""
         self._swap_wanted = True
         self._cond.notify_all()
         while self._swap_wanted:
