@@ -90,7 +90,8 @@ _HIDDEN: set[str] = set()
 def hide_source_folders(root: str, names: frozenset[str] = frozenset({"client", "server", "kernels"})) -> None:
     """Make the path finder skip ``root``'s ``client/``, ``server/`` and ``kernels/`` as top-level
     packages, so that ``importlib.util.find_spec("kernels")`` (what libraries use to ask whether
-    Hugging Face's kernel hub is installed) sees only a real installation, not the checkout's folder.
+    Hugging Face's kernel hub is installed) sees only a real installation, not the checkout's
+    folder.
 
     Installs a path hook for ``root`` (a checkout: the parent of the ``tracestore`` package with
     those folders in it) and drops the finders already cached for it. Idempotent; a no-op where

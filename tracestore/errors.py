@@ -68,7 +68,8 @@ class MissingExtraError(TraceStoreError, ImportError):
 
 
 def require(module: str, extra: str) -> object:
-    """Import ``module``, else :class:`MissingExtraError` naming ``pip install tracestore[extra]``."""
+    """Import ``module``, else :class:`MissingExtraError` naming
+    ``pip install tracestore[extra]``."""
     import importlib
 
     try:

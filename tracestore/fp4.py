@@ -181,7 +181,8 @@ def _block_amax(xb: torch.Tensor) -> torch.Tensor:
 
 def quantize_blocks(xb: torch.Tensor, fmt: FP4Format, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """RTN of blocked float32 ``xb`` [..., nb, block] -> (codes uint8 [..., nb, block], scale bytes
-    uint8 [..., nb]). ``g``: NVFP4's decode-side global scale, a scalar or broadcastable to [..., nb]."""
+    uint8 [..., nb]). ``g``: NVFP4's decode-side global scale, a scalar or broadcastable to
+    [..., nb]."""
     amax = _block_amax(xb)
     if fmt.name == "nvfp4":
         if g is None:

@@ -218,7 +218,8 @@ def guided_round(
         z = xf / s
         codes = guided_codes(z, c.reshape(*lead, nblocks, fmt.block), bits, rule)
         # y = (q·sf)·g[·token scale]: the same evaluation order as dequantize, so that invariant 1
-        # (identity) holds bit for bit; q·(sf·g) differs in the last bit for ~22% of |q| ∈ {1.5, 3, 6}.
+        # (identity) holds bit for bit; q·(sf·g) differs in the last bit for ~22% of |q| ∈
+        # {1.5, 3, 6}.
         y = e2m1_table(x.device)[codes.long()] * sf.unsqueeze(-1) * g.unsqueeze(-1)
         if token_scales is not None:
             y = y * token_scales.float().reshape(*lead, 1, 1)

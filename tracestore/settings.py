@@ -324,7 +324,8 @@ def load_config_file(path: str, section: str, settings: Sequence[Setting], where
 def resolve(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """Give every setting of ``ns``'s subcommand its value: flag, else variable, else config file,
     else default; each converted and checked. Sets ``ns._sources`` (dest -> ``flag``/``env``/
-    ``file``/``default``) and ``ns.config``. Idempotent. Raises :class:`ConfigError` with one line."""
+    ``file``/``default``) and ``ns.config``. Idempotent. Raises :class:`ConfigError` with one
+    line."""
     section = getattr(ns, "_section", None)
     if section is None or getattr(ns, "_resolved", False):
         return ns

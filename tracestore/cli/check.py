@@ -141,8 +141,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def source(ns: argparse.Namespace) -> tuple[str | None, str | None]:
-    """(refs, plan) of resolved ``ns``, exactly one set: of --refs and --plan the one from the higher
-    source (flag > variable > file) wins; both from the same source, or neither, is a usage error."""
+    """(refs, plan) of resolved ``ns``, exactly one set: of --refs and --plan the one from the
+    higher source (flag > variable > file) wins; both from the same source, or neither, is a usage
+    error."""
     refs, plan = ns.refs, ns.plan
     if refs is None and plan is None:
         raise ConfigError("give --refs FILE or --plan FILE (or TRACESTORE_REFS, TRACESTORE_PLAN, [check] refs/plan)")

@@ -98,8 +98,9 @@ KV_SUFFIXES = ("attn.k", "attn.v", "attn.kv_latent", "attn.k_rope")
 def kv_tables(
     modes: tuple[Mode, ...], stats: dict[str, dict[str, SiteStats]], n_layers: int
 ) -> dict[str, list[dict[str, Any]]]:
-    """:func:`layer_table` for every K/V site kind the model has, keyed by the suffix after ``attn.``
-    (``k``, ``v``; ``kv_latent``, ``k_rope`` for MLA); kinds without a site are left out."""
+    """:func:`layer_table` for every K/V site kind the model has, keyed by the suffix after
+    ``attn.`` (``k``, ``v``; ``kv_latent``, ``k_rope`` for MLA); kinds without a site are left
+    out."""
     tables = {s.removeprefix("attn."): layer_table(modes, stats, n_layers, s) for s in KV_SUFFIXES}
     return {kind: rows for kind, rows in tables.items() if rows}
 

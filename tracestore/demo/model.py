@@ -265,8 +265,9 @@ def build_config(spec: ModelSpec) -> Any:
 
 
 def build_model(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Any:
-    """A randomly initialised model for ``spec`` in eval mode: ``AutoModelForCausalLM`` (sdpa attention;
-    eager where the arch has no sdpa path), or ``AutoModelForImageTextToText`` for a multimodal arch."""
+    """A randomly initialised model for ``spec`` in eval mode: ``AutoModelForCausalLM`` (sdpa
+    attention; eager where the arch has no sdpa path), or ``AutoModelForImageTextToText`` for a
+    multimodal arch."""
     transformers = require("transformers", "demo")
     arch = ARCHS[spec.arch]
     torch.manual_seed(seed)

@@ -129,7 +129,8 @@ def run_demo(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run the pipeline; returns the results dict (``results.json``). Records travel through the
-    service (``cfg.transport`` "service", or "auto" when its parts are installed) or stay in memory."""
+    service (``cfg.transport`` "service", or "auto" when its parts are installed) or stay in
+    memory."""
     threads = torch.get_num_threads()
     if cfg.threads is not None and cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)

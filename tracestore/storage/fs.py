@@ -388,8 +388,9 @@ class Storage:
         """Write ``data`` at ``rel`` create-only and atomically; True if written, False if already there.
 
         An existing object with identical bytes is a harmless repeat (False); different bytes raise
-        :class:`ConflictError`. Never leaves a partial object: S3 gets one PUT (``If-None-Match: *``),
-        local disk a temp file in the same directory, fsync, a create-only link, fsync of the directory.
+        :class:`ConflictError`. Never leaves a partial object: S3 gets one PUT
+        (``If-None-Match: *``), local disk a temp file in the same directory, fsync, a create-only
+        link, fsync of the directory.
         """
         if self.local:
             written, _ = self.call(f"write {rel}", publish_local, self.full(rel), lambda fd, _tmp: write_all(fd, data))

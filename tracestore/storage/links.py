@@ -91,7 +91,8 @@ class LinkIndex:
 
     def link(self, trajectory: str, vs: set[int]) -> tuple[PrefixLink, str] | None:
         """The link of ``trajectory`` a read of versions ``vs`` follows (newest version, longest)
-        with its manifest's path; ConflictError when the selected versions link it to two sources."""
+        with its manifest's path; ConflictError when the selected versions link it to two
+        sources."""
         found = self._link(trajectory, vs)
         return None if found is None else (found[0], found[1])
 

@@ -95,7 +95,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Decode a manifest, verifying its checksum first; CorruptionError naming ``where`` if the
-        bytes are damaged, not a v2 manifest, or describe seals or links of another run or version."""
+        bytes are damaged, not a v2 manifest, or describe seals or links of another run or
+        version."""
         c = ManifestColumns.from_json(data, where)
         cols = [c.trajectory.to_pylist(), c.site.to_pylist()]
         cols += [
