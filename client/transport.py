@@ -75,7 +75,8 @@ def _loopback_host(host: str) -> bool:
 
 def resolve_token(address: str, channel_credentials: Any = None, token: str | None = None) -> str | None:
     """The bearer token to send to ``address``: ``token``, else ``$TRACESTORE_TOKEN``, else None.
-    Raises ConfigError where it would cross the network in the clear (no TLS, not a local target)."""
+    Raises ConfigError where it would cross the network in the clear (no TLS, not a local
+    target)."""
     token = token if token is not None else read_env(TOKEN)
     if token is None:
         return None

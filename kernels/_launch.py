@@ -110,8 +110,9 @@ def _args(name_expr: str, params: KernelParams) -> tuple[Any, ...]:
 
 
 def launch(name_expr: str, device: Any, n_threads: int, params: KernelParams) -> None:
-    """Launch ``n_threads`` threads (blocks of 256) of a kernel on torch's current stream of ``device``
-    with the arguments of ``params`` (the record of the kernel that ``name_expr`` instantiates)."""
+    """Launch ``n_threads`` threads (blocks of 256) of a kernel on torch's current stream of
+    ``device`` with the arguments of ``params`` (the record of the kernel that ``name_expr``
+    instantiates)."""
     import torch
 
     args = _args(name_expr, params)

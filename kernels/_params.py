@@ -73,8 +73,9 @@ class _Fields:
 
 
 class ParamGroup(_Fields):
-    """A run of consecutive parameters that several kernels share (decorate with :func:`param_group`):
-    a record's field of this type stands for all of them, in the group's field order."""
+    """A run of consecutive parameters that several kernels share (decorate with
+    :func:`param_group`): a record's field of this type stands for all of them, in the group's field
+    order."""
 
     __slots__ = ()
 

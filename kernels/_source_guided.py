@@ -3,7 +3,8 @@
 ``guided_b1`` (b = 1, rule "bracket": a Newton-step quotient and ``guided_b1_mag``, G blocks per
 thread) and ``guided_fwd`` (every b and rule by the table of ``_lut.py``, and RTN fake-quant as
 MODE 1), with ``rtn_block`` (the RTN fallback) and the per-block helpers. Builds on
-``_source_common.py`` and on ``fast_div`` from ``_source_record.py``, both earlier in the translation unit.
+``_source_common.py`` and on ``fast_div`` from ``_source_record.py``, both earlier in the
+translation unit.
 """
 
 from __future__ import annotations

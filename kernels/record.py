@@ -468,10 +468,11 @@ def record_kv_pages(
     ``kv_scales``, ``site``, ``out`` and ``global_scale`` pairs to match), ``kv_scales``
     uint8[pages, page_size, heads, head_dim/block], ``page_table`` int32/int64[≥ pages used] the
     request's pages in order. Token ``t`` lives at page ``page_table[t // page_size]``, slot
-    ``t % page_size``; its record row is heads×head_dim wide. Page ids are trusted (they are read
-    on the device, never synchronized to the host). NVFP4 ``global_scale``: the cache's decode-side
-    g per cache (float32 device tensor of one element or one per token, or a float); a g that is 0,
-    negative or not finite is stored as 1.0 (docs/numerics.md §3). Returns the written rows per cache.
+    ``t % page_size``; its record row is heads×head_dim wide. Page ids are trusted (they are read on
+    the device, never synchronized to the host). NVFP4 ``global_scale``: the cache's decode-side g
+    per cache (float32 device tensor of one element or one per token, or a float); a g that is 0,
+    negative or not finite is stored as 1.0 (docs/numerics.md §3). Returns the written rows per
+    cache.
     """
     pools, spools = _pair(kv_pool, "kv_pool"), _pair(kv_scales, "kv_scales")
     k = len(pools)

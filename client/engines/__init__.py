@@ -9,6 +9,7 @@ Engine-independent parts shared by the plugins:
 - :mod:`.rows`: per-step scheduler facts (request, computed tokens, scheduled tokens, draft tokens)
   to record segments, prefix links, seals and gaps.
 
-The plugins themselves are :mod:`tracestore.client.engines.vllm` and :mod:`tracestore.client.engines.sglang`.
-Nothing here imports an engine, torch is imported only by :mod:`.codes`.
+The plugins themselves are :mod:`tracestore.client.engines.vllm` and
+:mod:`tracestore.client.engines.sglang`. Nothing here imports an engine, torch is imported only by
+:mod:`.codes`.
 """

@@ -38,7 +38,8 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 def site_spec(name: str, width: int, bits: int) -> SiteSpec:
     """The :class:`SiteSpec` of a captured site: ``layers.{i}.mlp.input`` is a ``moe_input`` (the
-    name :class:`HFSiteHooks` gives a MoE block's input), anything else under ``layers.{i}.`` is ``other``."""
+    name :class:`HFSiteHooks` gives a MoE block's input), anything else under ``layers.{i}.`` is
+    ``other``."""
     m = _LAYER.match(name)
     if m is None:
         raise ValidationError(f"site {name!r}: engine sites are named layers.{{i}}.<...>")
@@ -155,7 +156,8 @@ class EngineRecorder:
             if c.shape[0] < n_fwd:  # (rows past them: padding the engine added)
                 raise ValidationError(f"site {name!r} captured {c.shape[0]} rows; the forward has {n_fwd} tokens")
         # earlier drafts first: those this step's computed counts confirmed or rejected (a position
-        # may be drafted again in this very step, whose new row must not be dropped with the old one)
+        # may be drafted again in this very step, whose new row must not be dropped with the old
+        # one)
         self._links_and_released(plan)
         at = plan.starts(order)
         for traj, pos, rid, off, tok in plan.held:  # draft rows: kept on the host until confirmed
@@ -236,7 +238,8 @@ class EngineRecorder:
     def end_request(self, ending: Ending) -> dict[str, Any]:
         """Seal ``ending``'s trajectory (or note its gap) and return the request-output dict:
         ``{"trajectory", "n_tokens", "gap", "trace_ref"}`` (``trace_ref``: TraceRef JSON, guided
-        when the trajectory was sealed; durability is the sidecar's to confirm, e.g. ``check_refs``)."""
+        when the trajectory was sealed; durability is the sidecar's to confirm, e.g.
+        ``check_refs``)."""
         self._release(ending.released)
         from tracestore.client import TraceRef
 

@@ -1,7 +1,8 @@
 """Hooks that see every MoE-block input and the K/V entering the KV cache of a transformers model.
 
 Nothing in the model is edited or monkeypatched. Where the hooks go comes from the model's layout
-(:mod:`tracestore.client.hf.layouts`: decoder-layer list, attention module, MoE block, shared expert):
+(:mod:`tracestore.client.hf.layouts`: decoder-layer list, attention module, MoE block, shared
+expert):
 
 - MoE-block inputs: a forward pre-hook on each layer's sparse-MoE block, which may replace the
   block's input (fake quantization); in a decoder layer that holds its experts itself (Gemma 4), on
@@ -114,10 +115,11 @@ def _cache_param(attn: nn.Module, where: str) -> tuple[str, int | None]:
 
 
 class _CacheTap:
-    """What a hooked attention module sees as its KV cache: ``update`` passes the new tensors through
-    the hooks and on to the real cache; everything else is the real cache's. In a forward without a
-    cache the real one is a scratch cache that lives for that forward (what a prefill would fill), so
-    the attention runs the same code with the same values as it does in generation."""
+    """What a hooked attention module sees as its KV cache: ``update`` passes the new tensors
+    through the hooks and on to the real cache; everything else is the real cache's. In a forward
+    without a cache the real one is a scratch cache that lives for that forward (what a prefill
+    would fill), so the attention runs the same code with the same values as it does in
+    generation."""
 
     def __init__(self, hooks: HFSiteHooks, layer: _Slot, cache: Any) -> None:
         self._hooks, self._layer, self._cache = hooks, layer, cache
@@ -335,8 +337,9 @@ class HFSiteHooks:
         return own[0]()
 
     def cache_kwargs(self, cache: Any) -> dict[str, Any]:
-        """``{name: cache}`` for the model's forward or ``generate()``: ``cache`` (transformers >= 5.24
-        renames it) or ``past_key_values`` (older 5.x, where an unknown ``cache=`` is silently ignored)."""
+        """``{name: cache}`` for the model's forward or ``generate()``: ``cache``
+        (transformers >= 5.24 renames it) or ``past_key_values`` (older 5.x, where an unknown
+        ``cache=`` is silently ignored)."""
         return cache_kwargs(self.model, cache)
 
     def _apply(self, site: HookedSite, x: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,18 @@
 """GuidanceReader: the trainer's side. Plan in, ``{site: Guidance}`` out, aligned row for row.
 
-``source`` is a storage URL (direct ranged reads through :class:`tracestore.storage.reader.StoreReader`;
-the scalable path, no sidecar involved) or a sidecar address (``host:port`` / ``unix:///sock``,
-the ``Read`` RPC; ``grpcs://host:port`` for TLS, or ``channel_credentials=`` and ``token=``
-for a sidecar that requires them, see :func:`tracestore.client.transport.channel`). The next
-plan can be fetched in the background (:meth:`GuidanceReader.prefetch`) while the current
-microbatch trains. With ``process=True`` (storage URLs) every read decodes in a
-child process and lands in shared memory (:mod:`tracestore.client.read.read_process`); ``process=N``
-splits each read's rows among N children. Beside a training loop that keeps the GIL busy, a
-prefetch in a thread of the trainer waits for that lock between its copies, a child does not;
-and N children decode on N cores where one process reaches about 2. Results are torch tensors on
-``device``; for a CUDA device the host arrays are pinned (in the prefetch thread, for a prefetched
-plan) and copied with ``non_blocking=True`` on the current stream.
+``source`` is a storage URL (direct ranged reads through
+:class:`tracestore.storage.reader.StoreReader`; the scalable path, no sidecar involved) or a sidecar
+address (``host:port`` / ``unix:///sock``, the ``Read`` RPC; ``grpcs://host:port`` for TLS, or
+``channel_credentials=`` and ``token=`` for a sidecar that requires them, see
+:func:`tracestore.client.transport.channel`). The next plan can be fetched in the background
+(:meth:`GuidanceReader.prefetch`) while the current microbatch trains. With ``process=True``
+(storage URLs) every read decodes in a child process and lands in shared memory
+(:mod:`tracestore.client.read.read_process`); ``process=N`` splits each read's rows among N
+children. Beside a training loop that keeps the GIL busy, a prefetch in a thread of the trainer
+waits for that lock between its copies, a child does not; and N children decode on N cores where one
+process reaches about 2. Results are torch tensors on ``device``; for a CUDA device the host arrays
+are pinned (in the prefetch thread, for a prefetched plan) and copied with ``non_blocking=True`` on
+the current stream.
 
 The source is chosen once, at construction (:func:`tracestore.client.read.row_sources.open_rows`);
 each gives ``{site: SiteRows}`` (:class:`tracestore.storage.rows.SiteRows`), which
@@ -175,16 +176,16 @@ class GuidanceReader:
         with self._lock:
             if key not in self._pending:
                 # In the background, beside the training loop's Python: short copies and CRCs keep
-                # the GIL instead of queueing for it after each (tracestore.storage.read_out._copy_held).
-                # The rows are staged there too (pinned for a CUDA device): read() then only
-                # queues the non-blocking copies to the device.
+                # the GIL instead of queueing for it after each
+                # (tracestore.storage.read_out._copy_held). The rows are staged there too (pinned
+                # for a CUDA device): read() then only queues the non-blocking copies to the device.
                 self._pending[key] = self._pool.submit(self._staged, plan, True, self._cuda_index(), token_ids)
 
     def read(self, plan: PlanLike, token_ids: Any = None) -> dict[str, Any]:
-        """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with ``valid``).
-        The result's ``report`` (also :attr:`last_report`) says which share of its rows falls back
-        to RTN (:class:`ReadReport`). ``token_ids``: the microbatch's token ids, to check every
-        record's token identity (see the module docstring)."""
+        """``{site: tracestore.guidance.Guidance}`` for ``plan`` (rows in plan order, with
+        ``valid``). The result's ``report`` (also :attr:`last_report`) says which share of its rows
+        falls back to RTN (:class:`ReadReport`). ``token_ids``: the microbatch's token ids, to check
+        every record's token identity (see the module docstring)."""
         import torch
 
         key = _plan_key(plan, token_ids)
@@ -246,12 +247,12 @@ class GuidanceReader:
         return dev.index if dev.index is not None else torch.cuda.current_device()
 
     def _staged(self, plan: PlanLike, background: bool = False, cuda: int | None = None, token_ids: Any = None) -> Rows:
-        """``plan``'s rows as :class:`~tracestore.guidance.Guidance` of host tensors, pinned when the
-        device is CUDA: the part of :meth:`read` that copies bytes, done in the prefetch thread for
-        a prefetched plan (pinning 200 MB is a copy of its own, which the training thread then no
-        longer waits for). ``cuda``: the training thread's device, made current here while
-        pinning, so that a prefetch thread never creates a CUDA context on device 0 for a rank
-        that trains on another."""
+        """``plan``'s rows as :class:`~tracestore.guidance.Guidance` of host tensors, pinned when
+        the device is CUDA: the part of :meth:`read` that copies bytes, done in the prefetch thread
+        for a prefetched plan (pinning 200 MB is a copy of its own, which the training thread then
+        no longer waits for). ``cuda``: the training thread's device, made current here while
+        pinning, so that a prefetch thread never creates a CUDA context on device 0 for a rank that
+        trains on another."""
         import torch
 
         from tracestore.guidance import Guidance
@@ -286,11 +287,11 @@ class GuidanceReader:
 
 @dataclasses.dataclass(frozen=True)
 class ReadReport:
-    """Which rows of one read fall back to RTN: ``rows`` counts the plan's rows that are not padding,
-    summed over the sites read, ``unguided_rows`` those of them without a record (no record
+    """Which rows of one read fall back to RTN: ``rows`` counts the plan's rows that are not
+    padding, summed over the sites read, ``unguided_rows`` those of them without a record (no record
     stored, masked, or the final position of a sealed trajectory, unrecorded by design);
-    ``mismatched``: trajectories returned unguided because their records belong to other token
-    ids (trajectory -> why; ``on_mismatch="mask"``)."""
+    ``mismatched``: trajectories returned unguided because their records belong to other token ids
+    (trajectory -> why; ``on_mismatch="mask"``)."""
 
     rows: int
     unguided_rows: int

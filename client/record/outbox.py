@@ -67,9 +67,10 @@ class Outbox:
         self._pool = pool
         self._np = npool
         self._unguided = unguided
-        # the recorder's current policy version (RolloutRecorder.policy_version reads and sets it): a
-        # value, not a callback into the recorder, so the recorder is in no reference cycle and its
-        # staging pool is freed when the last reference goes (not at some later cyclic collection)
+        # the recorder's current policy version (RolloutRecorder.policy_version reads and sets it):
+        # a value, not a callback into the recorder, so the recorder is in no reference cycle and
+        # its staging pool is freed when the last reference goes (not at some later cyclic
+        # collection)
         self.policy_version = int(policy_version)
         self.batch_bytes = batch_bytes
         self.window_bytes = window_bytes

@@ -515,8 +515,9 @@ class WriteSession:
                 )
             elif exc.code in _CONTENT_ERRORS and pending is not None:
                 # The sidecar refused one message for its content: drop it, mark its trajectories
-                # unguided and renumber the later ones (the sidecar accepted none of them). A trailer
-                # naming no pending message is ignored (the refusal is retried like one without).
+                # unguided and renumber the later ones (the sidecar accepted none of them). A
+                # trailer naming no pending message is ignored (the refusal is retried like one
+                # without).
                 keep: deque[Outgoing] = deque()
                 for out in self._unacked:
                     if out is pending:  # (so exc.failed_seq names a pending message)

@@ -155,7 +155,8 @@ class SlabQueue:
 class RecorderStageHost:
     """The recorder as its slab stages see it (:class:`~tracestore.client.record.slab.StageHost`):
     its writer id, counters, copier, the lock its stages queue deferred copies under, its
-    :class:`SlabQueue`, its current policy version (the :class:`Outbox`'s) and its unguided ledger."""
+    :class:`SlabQueue`, its current policy version (the :class:`Outbox`'s) and its unguided
+    ledger."""
 
     def __init__(
         self,

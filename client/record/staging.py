@@ -59,7 +59,8 @@ def sweep_stale_pools(shm_dir: str | os.PathLike[str]) -> int:
     taken has no owner: it was left by a recorder that crashed before ``close()``, and its RAM
     (``/dev/shm`` is memory) would stay allocated until reboot. flock works across containers that
     share the directory, where process ids do not. A sidecar that still maps such a pool keeps its
-    pages until it unmaps them. Pools of older recorders (``tracestore-<hex>``, no lock) are left."""
+    pages until it unmaps them. Pools of older recorders (``tracestore-<hex>``, no lock) are
+    left."""
     removed = 0
     try:
         names = [n for n in os.listdir(shm_dir) if _POOL_FILE.fullmatch(n)]
