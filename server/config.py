@@ -21,8 +21,8 @@ READ_SLICE_BYTES = 4 << 20
 # ``grpc.http2.lookahead_bytes``, BDP probing off): how far a client may send ahead of the message
 # the sidecar asked for. gRPC's own 64 KiB by default. A window of one recorder message (4 MiB) lets
 # the next message arrive while the last is taken in, which over TLS lifts one recorder's ingest;
-# but gRPC's buffers for the filled windows of many streams took more memory than the windows each
-# stream holds against the budget (a flood outgrew the memory bound). See docs/protocol.md, "The
+# but gRPC's buffers for the filled windows of many streams take more memory than the windows each
+# stream holds against the budget (a flood outgrows the memory bound). See docs/protocol.md, "The
 # stream window".
 GRPC_STREAM_WINDOW = 64 << 10
 MAX_STREAM_WINDOW = 64 << 20

@@ -140,10 +140,10 @@ class CommitSide:
 
     def release_commit(self, held: int) -> None:
         """The shard write is over: what its encoding took is given back, to the system too."""
-        # Parquet's page buffers come from Arrow's C++ default pool (mimalloc here: chosen as pyarrow is
-        # imported, before server/cli.py's tune_malloc), which keeps what the encoder freed for its next
-        # use, uncounted once the hold is given back: 57 MiB messages, peak RSS - idle 297-326 MiB
-        # without this, 269-276 with it (3-5 runs each).
+        # Parquet's page buffers come from Arrow's C++ default pool (mimalloc here: chosen as
+        # pyarrow is imported, before server/cli.py's tune_malloc), which keeps what the encoder
+        # freed for its next use, uncounted once the hold is given back; released here.
+        # 57 MiB messages: peak RSS over idle 269-276 MiB with the release, 297-326 MiB without
         for pool in _ARROW_POOLS:
             pool.release_unused()
         self.budget.release_commit(held)
