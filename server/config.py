@@ -358,8 +358,8 @@ class ServerConfig:
             # ~1.7 GiB); the budget bounds in-flight bytes instead.
             ("grpc.http2.bdp_probe", 0),
             # A larger receive window per stream only where asked for: it lifts one recorder's TLS
-            # ingest 19-33%, but a flood of streams outgrew the memory bound with it (module
-            # comment).
+            # ingest 19-33%, but a flood of streams outgrows the memory bound with it (see
+            # GRPC_STREAM_WINDOW).
             *((("grpc.http2.lookahead_bytes", self.stream_window),) if self.stream_window_bytes is not None else ()),
             # Otherwise a second server silently binds the same port.
             ("grpc.so_reuseport", 0),

@@ -86,8 +86,8 @@ class StagingCopier:
                     self.np[g_off : g_off + 4] = np.frombuffer(np.float32(g).tobytes(), np.uint8)
 
         # The engine's next forward rewrites its tensors on its stream: that is ordered after the
-        # copy (without it the next kernels raced this forward's rows;
-        # tests/client/record/test_recorder_gpu.py)
+        # copy, so the next kernels cannot race this forward's rows
+        # (tests/client/record/test_recorder_gpu.py)
         keep = [x for srcs, _, _ in queued for x, _, _ in srcs if _is_cuda(x)]
         return self._on_side(queue, keep, order=True)
 
