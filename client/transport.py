@@ -175,7 +175,7 @@ def _bearer_interceptors(grpc: Any, header: Callable[[], tuple[str, str] | None]
 
 
 def method(ch: Any, name: str, kind: str) -> Any:
-    """A raw-bytes callable for ``/tracestore.v1.TraceStore/<name>`` (we (de)serialize ourselves)."""
+    """A raw-bytes callable for ``/tracestore.v1.TraceStore/<name>`` (the caller serializes)."""
     path = f"/tracestore.v1.TraceStore/{name}"
     factory = {
         "stream_stream": ch.stream_stream,

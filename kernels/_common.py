@@ -27,7 +27,7 @@ def fmt_name(fmt: FP4Format) -> str:
 
 
 def site_params(site: Any) -> tuple[int, FP4Format, int]:
-    """(width, fmt, bits) of a ``SiteSpec`` (or anything with ``width``, ``bits`` and ``format``/``fmt``)."""
+    """(width, fmt, bits) of a ``SiteSpec``, or of anything with ``width``, ``bits`` and ``fmt``."""
     try:
         width = int(site.width)
         bits = check_bits(site.bits)

@@ -28,7 +28,7 @@ def n_codes(bits: int) -> int:
 
 @functools.cache
 def decision_table(bits: int, rule: str) -> tuple[tuple[int, ...], ...]:
-    """``table[c][region]`` = output magnitude code k (0..7) for a positive z, from the reference."""
+    """``table[c][region]``: output magnitude code k (0..7) for a positive z, per the reference."""
     bits = check_bits(bits)
     reps = [(r // 2) * 0.25 + (0.125 if r % 2 else 0.0) for r in range(REGIONS)]
     z = torch.tensor(reps, dtype=torch.float32)
@@ -42,7 +42,7 @@ def decision_table(bits: int, rule: str) -> tuple[tuple[int, ...], ...]:
 
 
 def lut_tensor(bits: int, rule: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32[n_codes * 49]: the magnitude value (not code) per (c, region), as the kernel reads it."""
+    """float32[n_codes * 49]: the magnitude (not code) per (c, region), as the kernel reads."""
     mags = E2M1_MAGNITUDES
     flat = [mags[k] for row in decision_table(bits, rule) for k in row]
     return torch.tensor(flat, dtype=torch.float32, device=device)

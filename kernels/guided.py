@@ -170,7 +170,7 @@ def _guided_fp4_fake(
 
 
 def _ste_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    """Straight-through estimator: dy/dx = 1, so dL/dx = dL/dy; records and scales get no gradient."""
+    """Straight-through estimator: dL/dx = dL/dy; records and scales get no gradient."""
     return (grad,) + (None,) * ctx.n_other
 
 

@@ -58,7 +58,7 @@ class RecordBuffer:
     def allocate(
         cls, site: Any, capacity: int, device: torch.device | str = "cuda", *, with_fp4: bool = False
     ) -> RecordBuffer:
-        """Zeroed buffers for ``capacity`` rows of ``site`` (do this once, outside graph capture)."""
+        """Zeroed buffers for ``capacity`` rows of ``site`` (once, outside graph capture)."""
         width, fmt, bits = site_params(site)
         if capacity < 1:
             raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
@@ -193,7 +193,7 @@ class RecordSlab:
     def allocate(
         cls, sites: Sequence[Any], capacity: int, device: torch.device | str = "cuda", *, with_fp4: bool = False
     ) -> RecordSlab:
-        """A zeroed slab of ``capacity`` rows (g rows 1.0) for ``sites`` (do this once, before capture)."""
+        """A zeroed slab of ``capacity`` rows (g rows 1.0) for ``sites`` (once, before capture)."""
         if capacity < 1:
             raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
         sites = tuple(sites)

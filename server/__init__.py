@@ -1,4 +1,4 @@
-"""tracestore.server — the sidecar (``tracestore serve``); see docs/operations.md and docs/protocol.md."""
+"""tracestore.server: the sidecar (``tracestore serve``); docs/operations.md, docs/protocol.md."""
 
 if __name__ != "tracestore.server":  # imported as a top-level `server` from a checkout
     import pathlib

@@ -1,4 +1,4 @@
-"""Sidecar configuration: one frozen dataclass, validated on construction; every field is a CLI flag."""
+"""Sidecar configuration: one frozen dataclass, validated on construction; each field a CLI flag."""
 
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ class ServerConfig:
 
     @property
     def rpc_threads(self) -> int:
-        """gRPC worker threads: one per Write stream up to the cap, plus ``workers`` for the rest."""
+        """gRPC worker threads: one per Write stream up to the cap, and ``workers`` for the rest."""
         return self.max_streams + self.workers
 
     @property

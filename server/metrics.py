@@ -43,7 +43,7 @@ def unguided_reason(reason: str) -> str:
 
 
 def storage_op(op: str) -> str:
-    """The metric label of a storage operation description (``"write run-a/v0/..."`` -> ``"write"``)."""
+    """The metric label of a storage operation (``"write run-a/v0/..."`` -> ``"write"``)."""
     word = op.split(" ", 1)[0]
     return word if word in STORAGE_OPS else "other"
 

@@ -1,4 +1,4 @@
-"""Test and bench helpers: ``tracestore serve`` as a separate process, deterministic records, wire requests."""
+"""Test and bench helpers: ``tracestore serve`` in a process of its own, records, wire requests."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def site_name(layer: int, kind_or_suffix: str) -> str:
 
 
 def _with_prefix(suffix: str, prefix: str) -> str:
-    """``attn.k`` with prefix ``attn1`` -> ``attn1.k`` (the K/V sites of a layer's second attention module)."""
+    """``attn.k`` with prefix ``attn1`` -> ``attn1.k`` (K/V sites of a second attention module)."""
     head, dot, rest = suffix.partition(".")
     return f"{prefix}.{rest}" if dot and head == "attn" else suffix
 
@@ -137,7 +137,7 @@ _ATTACHED: weakref.WeakKeyDictionary[Any, list[HFSiteHooks]] = weakref.WeakKeyDi
 
 
 def _refuse_compiled(model: Any, owner: str) -> None:
-    """A compiled graph does not see hooks added to its module afterwards: refuse, naming compile."""
+    """A compiled graph does not see hooks added to its module later: refuse, naming compile."""
     compiled = [
         name or "the model"
         for name, module in model.named_modules()
@@ -311,7 +311,7 @@ class HFSiteHooks:
 
     @property
     def sites(self) -> tuple[HookedSite, ...]:
-        """Hooked sites in layer order (MoE input, then the two K/V sites of each attention module in cache order)."""
+        """Hooked sites in layer order (MoE input, then each attention module's two K/V sites)."""
         return tuple(sorted(self._sites.values(), key=lambda s: (s.layer, self._order[s.name])))
 
     def new_cache(self) -> Any:

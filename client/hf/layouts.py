@@ -160,7 +160,7 @@ class Layout:
     kv_reused: str | None = None
 
     def moe_block(self, layer: nn.Module) -> nn.Module | None:
-        """The layer's sparse-MoE block (a module with ``experts`` or a ``router``), or None (dense)."""
+        """The layer's sparse-MoE block (with ``experts`` or a ``router``); None if dense."""
         if self.moe is None:
             for _, module in sorted(layer.named_modules(), key=lambda kv: kv[0].count(".")):
                 if module is not layer and hasattr(module, "experts"):
@@ -279,7 +279,7 @@ def layout_for(model: Any) -> tuple[str, Layout]:
 
 
 def decoder_layers(model: Any, layout: Layout) -> tuple[str, list[nn.Module]]:
-    """``(path, layers)``: the dotted path from ``model`` to its decoder-layer list, and the layers."""
+    """``(path, layers)``: the dotted path from ``model`` to its decoder layers, and the layers."""
     from torch import nn
 
     node, path = model, ""

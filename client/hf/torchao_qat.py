@@ -171,7 +171,7 @@ def _guided_cuda(x2: torch.Tensor, g: Guidance, rule: str, own: torch.Tensor) ->
 
 
 class TraceNVFP4FakeQuantizedLinear(NVFP4FakeQuantizedLinear):
-    """torchao's NVFP4 QAT linear with TRACE-guided activation rounding (see the module docstring)."""
+    """torchao's NVFP4 QAT linear with TRACE-guided activation rounding (module docstring)."""
 
     guidance: TraceGuidance
 

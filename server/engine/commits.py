@@ -134,7 +134,7 @@ class CommitSide:
         return self.journal.wal.wait_synced(ticket, timeout=timeout)
 
     def hold_commit(self, chunks: Sequence[RecordChunk]) -> int:
-        """The room writing a shard of ``chunks`` takes, held in the budget (:meth:`MemoryBudget.hold_commit`)."""
+        """The room writing a shard of ``chunks`` takes (:meth:`MemoryBudget.hold_commit`)."""
         need = self.budget.commit_need(max((c.nbytes for c in chunks), default=0), sum(c.nbytes for c in chunks))
         return self.budget.hold_commit(need)
 

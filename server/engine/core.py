@@ -176,7 +176,7 @@ class Engine(CommitSide):
     # -- start / replay ---------------------------------------------------------------------------
 
     def start(self, parse_wal_data: Callable[[bytes], Message]) -> int:
-        """Replay the WAL (if any) and start the flusher; returns the number of messages replayed."""
+        """Replay the WAL (if any) and start the flusher; returns the messages replayed."""
         self.parse_wal_data = parse_wal_data
         replayed = 0
         if self.config.wal_dir is not None:
@@ -510,7 +510,7 @@ class Engine(CommitSide):
     # -- stop -------------------------------------------------------------------------------------
 
     def drain(self, timeout: float) -> bool:
-        """Refuse new writes, then commit what is pending within ``timeout`` (the WAL keeps the rest)."""
+        """Refuse new writes, commit what is pending within ``timeout``; the WAL keeps the rest."""
         with self._lock:
             self._draining = True
             self._room.notify_all()

@@ -65,7 +65,7 @@ class Waker:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One shard to commit: messages of one writer, in order, planned under shard number ``shard``."""
+    """One shard to commit: one writer's messages, in order, planned as shard number ``shard``."""
 
     run: str
     writer: str
@@ -123,7 +123,7 @@ class FlushSource(Protocol):
 
 
 class Flusher:
-    """The flusher thread of one engine; ``store`` follows the tracestore.storage.store.Store contract."""
+    """The flusher thread of one engine; ``store`` follows the contract of ``Store``."""
 
     def __init__(self, source: FlushSource, store: Any, metrics: Metrics) -> None:
         self._source = source
@@ -246,7 +246,7 @@ class Flusher:
         seals: list[TrajectorySeal],
         links: list[PrefixLink],
     ) -> None:
-        """One shard to the store, its encoding and publishing counted in the memory budget meanwhile."""
+        """One shard to the store; encoding and publishing it count in the memory budget."""
         held = self._source.hold_commit(chunks)
         try:
             self.store.write_shard(batch.run, version, batch.writer, batch.shard, chunks, seals=seals, links=links)

@@ -118,7 +118,7 @@ class Journal:
         return self.wal.replay_into(apply, kinds)
 
     def start(self) -> None:
-        """After the replay: start the log's threads and delete the segments replay found committed."""
+        """After the replay: start the log's threads and delete the segments found committed."""
         self.wal.start()
         self.retire()
         self.metrics.wal_bytes.set(self.wal.nbytes)
@@ -211,7 +211,7 @@ class Journal:
         self.wal.delete_before(self.wal.rotate())
 
     def close(self) -> None:
-        """Close the owners table (after a write in progress, and the deletion waiting on it), then the log."""
+        """Close the owners table (after its pending write and deletion), then the log."""
         if self._owners is not None:
             self._owners.close()
         self.wal.close()

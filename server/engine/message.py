@@ -88,7 +88,7 @@ class Message:
 
 
 def pack_wal_data(request: Part, blobs: Sequence[Part]) -> list[Part]:
-    """WAL payload of a DATA entry: u32 request length, the raw request, then shared-memory payloads."""
+    """A DATA entry's WAL payload: u32 request length, raw request, shared-memory payloads."""
     n = len(request.data) if isinstance(request, Checked) else len(request)
     return [_LEN.pack(n), request, *blobs]
 

@@ -354,7 +354,7 @@ class TrajectoryOwners:
             cache.popitem(last=False)
 
     def _refuse(self, msg: Message, key: Key) -> None:
-        """PermissionDeniedError: ``msg`` writes trajectory ``key``, or links to it, and another identity owns it."""
+        """PermissionDeniedError: ``msg`` writes or links to ``key``, which another owns."""
         if key in trajectories(msg):
             raise PermissionDeniedError(
                 f"trajectory {key[1]} of run {key[0]} was written by another identity; "

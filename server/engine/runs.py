@@ -87,7 +87,7 @@ class RunSlots:
         self._replayed = []
 
     def _drop_idle(self, candidates: Iterable[str], busy: set[str]) -> bool:
-        """Drop the first (least recently used) of ``candidates`` that is not ``busy``; False if none."""
+        """Drop the least recently used of ``candidates`` that is not ``busy``; False if none."""
         for run in candidates:
             if run not in busy:
                 del self.specs[run]

@@ -35,7 +35,7 @@ from tracestore.errors import CorruptionError, LimitError, PermissionDeniedError
 
 
 class SequenceError(TraceStoreError, ValueError):
-    """A writer message out of order: a gap in the sequence, or an epoch older than the session's."""
+    """A writer message out of order: a sequence gap, or an epoch older than the session's."""
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ class Sessions:
         self.writers: dict[tuple[str, str], WriterState] = {}
 
     def get(self, run: str, writer: str) -> WriterState:
-        """The session of ``writer``, a new one if there is none (no limit: replay and snapshots)."""
+        """The session of ``writer``, new if there is none (no limit: replay and snapshots)."""
         key = (run, writer)
         st = self.writers.get(key)
         if st is None:
@@ -215,7 +215,7 @@ class Sessions:
         return sessions
 
     def restore(self, sessions: Iterable[Session]) -> None:
-        """Replay of a STATE entry: what it says was received is committed (its messages are gone)."""
+        """Replay of a STATE entry: what it says was received is committed (messages gone)."""
         for session in sessions:
             st = self.get(session.run, session.writer)
             st.owner = st.owner or session.owner

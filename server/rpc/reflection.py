@@ -37,7 +37,7 @@ def _fix_types(messages: Iterable[descriptor_pb2.DescriptorProto]) -> None:
 
 
 def add_v1_descriptor(pool: Any = None) -> None:
-    """Put ``grpc/reflection/v1/reflection.proto`` into ``pool`` (default: the default pool), once."""
+    """Add ``grpc/reflection/v1/reflection.proto`` to ``pool`` (default: the default pool), once."""
     pool = descriptor_pool.Default() if pool is None else pool
     try:
         pool.FindFileByName(_V1_FILE)

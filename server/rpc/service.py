@@ -249,7 +249,7 @@ class TraceStoreService:
         self._fail(context, method, limit, {})
 
     def seal(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        """Unary twin of a Write message; returns once it is durable (one of the long-call slots)."""
+        """Unary twin of a Write message; returns once it is durable (takes a long-call slot)."""
         if not self.long_calls.take():
             self._refuse_busy(context, "Seal")
         try:
@@ -543,7 +543,7 @@ class Sidecar:
                     log.info("reloaded the %s%s", what, "" if n is None else f" ({n} tokens)")
 
     def stop(self, grace: float | None = None) -> bool:
-        """NOT_SERVING at once, stop accepting, drain streams, commit (or leave in the fsynced WAL)."""
+        """NOT_SERVING at once, stop accepting, drain streams, commit (or leave it in the WAL)."""
         if self._stopped.is_set():
             return True
         self._stopped.set()
@@ -572,7 +572,7 @@ class Sidecar:
         return ok
 
     def _release_listeners(self) -> None:
-        """Close the metrics port; remove the unix socket this sidecar bound and its peer endpoint."""
+        """Close the metrics port; remove this sidecar's unix socket and its peer endpoint."""
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -131,7 +131,7 @@ class ShmPools:
             self._give_back(name)
 
     def _give_back(self, name: str) -> None:
-        """Pool ``name`` is closed: its slot goes back to the identity that held it. Under the lock."""
+        """Pool ``name`` is closed: its slot goes back to the identity that held it (lock held)."""
         who = self._opened_by.pop(name, None)
         if who is not None:
             left = self.held[who] - 1

@@ -159,7 +159,7 @@ def parse_scopes(text: str, where: str) -> tuple[tuple[str, ...], tuple[str, ...
 
 
 def load_token_file(path: str | os.PathLike[str]) -> list[tuple[bytes, Identity]]:
-    """(SHA-256 digest, identity) per token line of a token file (format in the module docstring)."""
+    """(SHA-256 digest, identity) per token line of a token file (format: module docstring)."""
     return parse_token_file(path)[0]
 
 

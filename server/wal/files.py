@@ -243,7 +243,7 @@ UNDECODABLE = (ValueError, KeyError, TypeError, IndexError, struct.error, Corrup
 
 
 def find_segments(directory: Path) -> list[Segment]:
-    """The segments in ``directory``, oldest first; CorruptionError when one is missing between two."""
+    """The segments in ``directory``, oldest first; CorruptionError when one between is missing."""
     found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := SEGMENT_RE.fullmatch(p.name)) is not None)
     for (a, pa), (b, _) in zip(found, found[1:], strict=False):
         if b != a + 1:

@@ -260,7 +260,7 @@ class WriteAheadLog(StreamedEntries):
         faults.point("wal.rotated")
 
     def rotate(self) -> int:
-        """Start a new segment now (it opens with the caller's state snapshot); returns its index."""
+        """Start a new segment now (opening with the caller's state snapshot); returns its index."""
         with self._lock:
             self._wait_streamed()
             self._open_segment()

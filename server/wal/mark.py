@@ -48,7 +48,7 @@ def _lines(claims: Iterable[tuple[int, int]]) -> bytes:
 
 
 def encode(claims: Iterable[tuple[int, int]]) -> bytes:
-    """The file's text for ``claims`` ``[(segment index, bytes durable)]``, oldest first (unpadded)."""
+    """The file's text for ``claims`` ``[(segment index, bytes durable)]``, oldest first."""
     body = TITLE + _lines(claims)
     return body + f"crc32 {crc32(body):08x}\n".encode()
 
@@ -174,7 +174,7 @@ class DurableMark:
             self._sync()
 
     def close(self, record: bytes | None = None) -> None:
-        """Stop the thread, write ``record`` if given (the log's last, all of it durable), sync and close."""
+        """Stop the thread, write ``record`` if given (all of it durable), sync and close."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)

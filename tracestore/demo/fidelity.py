@@ -31,7 +31,7 @@ def _signed_index(codes: torch.Tensor) -> torch.Tensor:
 
 
 def site_stats(roll_y: torch.Tensor, train_y: torch.Tensor, roll_codes: Any, train_codes: Any) -> SiteStats:
-    """Compare the rollout's rows [B, n-1, w] with the trainer's rows [B, n, w] (last position dropped)."""
+    """Compare the rollout's rows [B, n-1, w] with the trainer's [B, n, w] (last dropped)."""
     n1 = roll_y.shape[1]
     mse = float(((train_y[:, :n1] - roll_y) ** 2).mean())
     if roll_codes is None or train_codes is None:

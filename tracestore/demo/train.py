@@ -46,7 +46,7 @@ def codes_on_grid(y: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | float
 
 
 def effective_g(g: Guidance) -> torch.Tensor:
-    """Per row: the record's decode-side g times its token scale (a per-row g travels as token scales)."""
+    """Per row: the record's decode-side g times its token scale (a per-row g is a token scale)."""
     n = g.n_rows
     gs = torch.as_tensor(g.global_scale, dtype=torch.float32, device=g.scales.device).expand(n)
     return gs * g.token_scales if g.token_scales is not None else gs.clone()

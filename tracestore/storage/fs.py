@@ -378,7 +378,7 @@ class Storage:
         return self.call(f"list {rel}", _du)
 
     def open_read(self, rel: str) -> Any:
-        """A binary file handle for ranged reads (no read-ahead cache: pyarrow asks for exact ranges)."""
+        """A binary handle for ranged reads, no read-ahead (pyarrow asks for exact ranges)."""
         kw: dict[str, Any] = {} if self.local else {"cache_type": "none", "block_size": 1 << 20}
         return self.call(f"open {rel}", self.fs.open, self.full(rel), "rb", **kw)
 

@@ -75,7 +75,7 @@ SPLIT_MIB_ENV = "TRACESTORE_SHARD_SPLIT_MIB"
 
 
 def default_shard_files() -> int:
-    """The most files one shard is written as by default: 2 on a machine with 2 or more cores, else 1."""
+    """The most files one shard is written as by default: 2 with 2 or more cores, else 1."""
     return StorageConfig().files
 
 
@@ -177,7 +177,7 @@ class Store(Catalog):
     # ------------------------------------------------------------------ runs
 
     def put_run(self, spec: RunSpec) -> bool:
-        """Declare a run (create-only). Repeating the same spec is a no-op; a different one conflicts."""
+        """Declare a run (create-only): the same spec is a no-op, a different one conflicts."""
         if not isinstance(spec, RunSpec):
             raise ValidationError(f"put_run expects a RunSpec, got {type(spec).__name__}")
         data = spec.to_json().encode()
@@ -397,7 +397,7 @@ class Store(Catalog):
         seals: Sequence[TrajectorySeal],
         links: Sequence[PrefixLink],
     ) -> tuple[bool, Manifest]:
-        """Encode and publish one shard's Parquet file (none without chunks); (written, its manifest)."""
+        """Encode and publish a shard's Parquet file (none without chunks); (written, manifest)."""
         run, policy_version, writer, _ = key
         shard_path = self.shard_paths(run, policy_version, writer, seq)[0]
 
