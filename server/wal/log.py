@@ -333,8 +333,7 @@ class WriteAheadLog(StreamedEntries):
 
     def append(self, kind: int, parts: Sequence[Part]) -> tuple[int, int]:
         """Append one entry (the concatenation of ``parts``); return ``(segment_index, ticket)``.
-        Durable once ``on_synced(>= ticket)``. A :class:`Checked` part's CRC is trusted, not
-        recomputed."""
+        Durable once ``on_synced(>= ticket)``. A :class:`Checked` part's CRC is trusted."""
         with self._lock:
             self._wait_streamed()
             if self._error is not None:
