@@ -105,6 +105,10 @@ def wrap_moe_entry(
         site = SCOPE.name
         if site is not None and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
             try:
+                # per_token_scale is decode-side: FlashInfer's nvfp4QuantAndPerTokenScaleKernel
+                # (csrc/nv_internal/tensorrt_llm/kernels/quantization.cuh, flashinfer-ai/flashinfer
+                # at fb28d72) writes rowAmax·globalScaleInv (amax/(448·6)) and quantizes with its
+                # reciprocal; the fused MoE passes it to the GEMMs as perTokenSfA (a multiplier).
                 pts = kwargs.get("per_token_scale")
                 if graph is not None and graph.active:
                     graph.record(

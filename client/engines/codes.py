@@ -45,6 +45,10 @@ def scale_bytes(sf: torch.Tensor) -> torch.Tensor:
     raise DTypeError(f"block scales must be float8_e4m3fn or uint8 (raw E4M3 bytes), got {sf.dtype}")
 
 
+# The 8x4 offset is FlashInfer's get_sf_out_offset_8x4(mIdx, kIdx, numCols) (flashinfer-ai/flashinfer,
+# csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh; checked at fb28d72): mTileIdx·
+# (ceil(numCols/4)·32) + kTileIdx·32 + (m%8)·4 + k%4, numCols the scale columns (num_vecs_per_row in
+# nvfp4QuantAndPerTokenScaleKernel and cvt_quant_get_sf_out_offset, which call it).
 def unswizzle_8x4(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """8×4-tiled buffer (flat or any shape, R'·C' bytes; R' = rows padded to 8, C' = cols to 4)
     -> row-major ``[rows, cols]`` (a view where the buffer allows it)."""
