@@ -88,6 +88,14 @@ SETTINGS = (
     Setting("--threads", integer(0), 1, "torch CPU threads (the ops are small; 0 keeps torch's default)"),
     Setting("--out", text("a directory"), "tracestore-demo", "output directory", metavar="DIR"),
     Setting(
+        "--r3",
+        SWITCH,
+        False,
+        "also run the R3 + TRACE mode: routing, FP4 records and log-probs recorded through its own serve and "
+        "storage, replayed with RoutingReplayHooks in BF16, FP4 and FP4 + TRACE training (--r3)",
+        switch=True,
+    ),
+    Setting(
         "--progress",
         SWITCH,
         True,
@@ -169,6 +177,11 @@ def run(ns: argparse.Namespace) -> int:
         out = pathlib.Path(ns.out)
         out.mkdir(parents=True, exist_ok=True)
         results = run_demo(cfg, out=out, progress=_progress(ns.progress and sys.stderr.isatty()))
+        if ns.r3:
+            from tracestore.demo.r3 import run_r3
+
+            results["r3"] = run_r3(cfg, out / "r3")
+            results["expectations"] += results["r3"]["expectations"]
     except TraceStoreError as exc:
         print(f"tracestore demo: {exc}", file=sys.stderr)
         return 2

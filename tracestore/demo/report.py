@@ -124,6 +124,10 @@ def format_table(results: dict[str, Any]) -> str:
         "Record bytes per token (codes + scale bytes, all recorded sites): "
         + ", ".join(f"{labels[k]} {v} B" for k, v in results["record_bytes_per_token"].items())
     )
+    if "r3" in results:
+        from tracestore.demo.r3 import format_r3
+
+        lines += ["", *format_r3(results["r3"])]
     lines += ["", "Checks"]
     for e in results["expectations"]:
         lines += _wrap(f"  [{'ok' if e['ok'] else 'FAILED'}] {e['check']}: {e['measured']}", "")
