@@ -45,10 +45,11 @@ def scale_bytes(sf: torch.Tensor) -> torch.Tensor:
     raise DTypeError(f"block scales must be float8_e4m3fn or uint8 (raw E4M3 bytes), got {sf.dtype}")
 
 
-# The 8x4 offset is FlashInfer's get_sf_out_offset_8x4(mIdx, kIdx, numCols) (flashinfer-ai/flashinfer,
-# csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh; checked at fb28d72): mTileIdx·
-# (ceil(numCols/4)·32) + kTileIdx·32 + (m%8)·4 + k%4, numCols the scale columns (num_vecs_per_row in
-# nvfp4QuantAndPerTokenScaleKernel and cvt_quant_get_sf_out_offset, which call it).
+# The 8x4 offset is FlashInfer's get_sf_out_offset_8x4(mIdx, kIdx, numCols)
+# (flashinfer-ai/flashinfer, csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh; checked
+# at fb28d72): mTileIdx· (ceil(numCols/4)·32) + kTileIdx·32 + (m%8)·4 + k%4, numCols the scale
+# columns (num_vecs_per_row in nvfp4QuantAndPerTokenScaleKernel and cvt_quant_get_sf_out_offset,
+# which call it).
 def unswizzle_8x4(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """8×4-tiled buffer (flat or any shape, R'·C' bytes; R' = rows padded to 8, C' = cols to 4)
     -> row-major ``[rows, cols]`` (a view where the buffer allows it)."""
@@ -100,12 +101,13 @@ def record_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One site's engine codes -> ``(codes, scales, g)`` record rows.
 
-    ``packed``: ``uint8 [T, H/2]`` FP4 codes as the GEMM eats them. ``sf``: their E4M3 block scales in
-    ``layout``. ``global_scale``: the **decode-side** ``g`` (engines keep the encode-side ``1/g``:
-    convert first), a float or a one-element tensor; ``token_scale``: one float32 decode scale per
-    token (per-token NVFP4 activations), which replaces ``global_scale`` and becomes the rows' ``g``.
-    Returns ``codes uint8 [T, H·bits/8]`` (low ``bits`` of each code, packed), ``scales uint8
-    [T, H/16]`` and ``g float32`` (``[1]``, or ``[T]`` with ``token_scale``), all on ``packed``'s device.
+    ``packed``: ``uint8 [T, H/2]`` FP4 codes as the GEMM eats them. ``sf``: their E4M3 block scales
+    in ``layout``. ``global_scale``: the **decode-side** ``g`` (engines keep the encode-side
+    ``1/g``: convert first), a float or a one-element tensor; ``token_scale``: one float32 decode
+    scale per token (per-token NVFP4 activations), which replaces ``global_scale`` and becomes the
+    rows' ``g``. Returns ``codes uint8 [T, H·bits/8]`` (low ``bits`` of each code, packed),
+    ``scales uint8 [T, H/16]`` and ``g float32`` (``[1]``, or ``[T]`` with ``token_scale``), all on
+    ``packed``'s device.
 
     >>> codes, scales, g = record_rows(packed, sf, layout="swizzled128x4", bits=1, global_scale=g_dec)
     """
@@ -138,9 +140,9 @@ def record_rows(
 
 def codes_from_values(values: torch.Tensor, check: bool = True) -> torch.Tensor:
     """FP4 values as floats (±0, ±0.5, … ±6, as vLLM's pure-torch reference returns them) -> E2M1
-    codes ``uint8`` 0..15; the sign bit of the float (-0.0 included) is bit 3. Any other value raises,
-    unless ``check=False`` (no host read: inside a captured graph), which maps it to the E2M1
-    magnitude at or above it (6 past 6)."""
+    codes ``uint8`` 0..15; the sign bit of the float (-0.0 included) is bit 3. Any other value
+    raises, unless ``check=False`` (no host read: inside a captured graph), which maps it to the
+    E2M1 magnitude at or above it (6 past 6)."""
     mag = values.abs().to(torch.float32)
     if not check:  # elementwise only (no table tensor: that would be a host-to-device copy)
         m2 = mag * 2  # 0, 1, 2, 3, 4, 6, 8, 12 -> codes 0..7

@@ -220,9 +220,9 @@ class GraphCapture:
     def commit(
         self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any
     ) -> bool:
-        """Hand the recorder the slab rows ``index`` (one per token of ``segments``, in order):
-        rows ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned rows
-        gathered into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
+        """Hand the recorder the slab rows ``index`` (one per token of ``segments``, in order): rows
+        ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned rows gathered
+        into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
         if self.slab is None or self.gathered is None:
             raise ValidationError("the graph capture is not armed")
         n = int(index.shape[0])

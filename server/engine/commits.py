@@ -184,8 +184,8 @@ class CommitSide:
             self._room.notify_all()
 
     def _plan(self, st: WriterState) -> Batch:
-        """The next group of ``st``'s messages to commit as one shard, planned in the WAL (lock held).
-        Raises StorageError (nothing planned) when the WAL refuses the PLAN entry."""
+        """The next group of ``st``'s messages to commit as one shard, planned in the WAL
+        (lock held). Raises StorageError (nothing planned) when the WAL refuses the PLAN entry."""
         first = st.pending[0]
         if first.shard_seq is not None:  # planned before a crash: repeat exactly that group
             return Batch(st.run, st.writer, first.shard_seq, [m for m in st.pending if m.shard_seq == first.shard_seq])

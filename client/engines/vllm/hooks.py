@@ -21,13 +21,13 @@
   (``input_batch.req_ids``).
 
 - **Compiled and CUDA-graph forwards** (``enforce_eager=False``): every hook above routes its codes
-  through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`), a registered
-  torch op that ``torch.compile`` keeps in its graph and a CUDA graph captures: its Python runs while
+  through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`), a registered torch
+  op that ``torch.compile`` keeps in its graph and a CUDA graph captures: its Python runs while
   dynamo traces or a graph is captured, its copies into the slab at every replay.
   ``GPUModelRunner.load_model`` turns it on; the warm-up (``profile_run``) notes the sites;
-  ``capture_model`` (or the first ``execute_model``) arms the slab at ``max_num_batched_tokens`` rows
-  on the runner's device; after each forward the plan's rows are committed from the slab (padded
-  rows of a captured batch size are never named by the plan).
+  ``capture_model`` (or the first ``execute_model``) arms the slab at ``max_num_batched_tokens``
+  rows on the runner's device; after each forward the plan's rows are committed from the slab
+  (padded rows of a captured batch size are never named by the plan).
 """
 
 from __future__ import annotations
