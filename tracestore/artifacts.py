@@ -152,14 +152,18 @@ def encode_routing(
     _kind(site, "routed_experts")
     e = np.asarray(experts)
     if e.ndim != 2 or e.shape[1] != site.width or not np.issubdtype(e.dtype, np.integer):
-        raise ShapeError(f"{site.name}: experts must be integers [rows, top_k={site.width}], got {e.dtype} {list(e.shape)}")
+        raise ShapeError(
+            f"{site.name}: experts must be integers [rows, top_k={site.width}], got {e.dtype} {list(e.shape)}"
+        )
     n = e.shape[0]
     v = _valid(valid, n)
     if (site.gate is None) != (gate is None):
         raise ConfigError(f"{site.name}: the site declares gate={site.gate!r}; give gate weights exactly then")
     ids = np.where(v[:, None], e, 0)
     if ids.size and (ids.min() < 0 or ids.max() >= site.n_experts):
-        raise ShapeError(f"{site.name}: expert ids must lie in [0, {site.n_experts}), got {int(ids.min())}..{int(ids.max())}")
+        raise ShapeError(
+            f"{site.name}: expert ids must lie in [0, {site.n_experts}), got {int(ids.min())}..{int(ids.max())}"
+        )
     codes = np.ascontiguousarray(ids.astype("<u2" if site.format == "uint16" else np.uint8)).view(np.uint8)
     parts = [v.astype(np.uint8)[:, None]]
     if gate is not None:
@@ -191,7 +195,9 @@ def decode_routing(
     return RoutingRows(ids.astype(np.int64).reshape(n, site.width), gate, valid)
 
 
-def encode_logprobs(site: SiteSpec, logprobs: np.ndarray, valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def encode_logprobs(
+    site: SiteSpec, logprobs: np.ndarray, valid: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, scales)`` uint8 rows of a ``logprobs`` site from float ``logprobs`` [rows]."""
     _kind(site, "logprobs")
     lp = np.asarray(logprobs, dtype=np.float32).reshape(-1)
@@ -214,7 +220,12 @@ def _rows(site: SiteSpec, codes: np.ndarray, scales: np.ndarray) -> tuple[np.nda
     c, s = np.ascontiguousarray(codes), np.ascontiguousarray(scales)
     if c.dtype != np.uint8 or s.dtype != np.uint8:
         raise DTypeError(f"{site.name}: codes and scales must be uint8, got {c.dtype} and {s.dtype}")
-    if c.ndim != 2 or s.ndim != 2 or c.shape != (c.shape[0], site.code_bytes) or s.shape != (c.shape[0], site.scale_bytes):
+    if (
+        c.ndim != 2
+        or s.ndim != 2
+        or c.shape != (c.shape[0], site.code_bytes)
+        or s.shape != (c.shape[0], site.scale_bytes)
+    ):
         raise ShapeError(
             f"{site.name}: expected codes [rows, {site.code_bytes}] and scales [rows, {site.scale_bytes}] "
             f"({site.payload_layout}), got {list(c.shape)} and {list(s.shape)}"

@@ -176,7 +176,9 @@ class SiteSpec:
 
     def _set_bits(self, where: str, fmt: str, bits: int) -> None:
         if self.bits not in (1, bits):  # 1: the dataclass default, meaning "derive"
-            raise ConfigError(f"{where}: {fmt} values are {bits} bits; expected bits {bits} (or left out), got {self.bits}")
+            raise ConfigError(
+                f"{where}: {fmt} values are {bits} bits; expected bits {bits} (or left out), got {self.bits}"
+            )
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "bits", bits)
 
@@ -484,7 +486,9 @@ def check_artifact_rows(site: SiteSpec, codes: np.ndarray, scales: np.ndarray, w
             dup = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
             if dup.size:
                 row = int(np.flatnonzero(valid)[dup[0]])
-                raise ValidationError(f"{where}: row {row} names an expert twice: {ids[row].tolist()}; expected top_k distinct ids")
+                raise ValidationError(
+                    f"{where}: row {row} names an expert twice: {ids[row].tolist()}; expected top_k distinct ids"
+                )
     elif site.kind == "logprobs":
         lp = codes.view("<f4")[:, 0]
         bad = np.flatnonzero(valid & ~np.isfinite(lp))

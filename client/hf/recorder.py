@@ -145,7 +145,8 @@ class FP4SiteRecorder:
                     f"{s.name} (declared top-{s.width} of {s.n_experts}, model top-{routers[s.name].top_k} of "
                     f"{routers[s.name].n_experts})"
                     for s in rec.run_spec.sites
-                    if s.name in routers and (s.width, s.n_experts) != (routers[s.name].top_k, routers[s.name].n_experts)
+                    if s.name in routers
+                    and (s.width, s.n_experts) != (routers[s.name].top_k, routers[s.name].n_experts)
                 ]
                 if wrong:
                     raise ShapeError(
@@ -183,7 +184,9 @@ class FP4SiteRecorder:
         if lead is None and where is not None:
             lead = tuple(where.pos.shape)
         if lead is None:
-            raise ConfigError(f"{router.site}: the MoE block's input is not [batch, tokens, hidden]; cannot place its rows")
+            raise ConfigError(
+                f"{router.site}: the MoE block's input is not [batch, tokens, hidden]; cannot place its rows"
+            )
         b, t = lead
         k = ids.shape[-1]
         self._steps[-1][router.site] = (ids.reshape(b, t, k), values.reshape(b, t, k), 1.0)

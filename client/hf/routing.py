@@ -35,8 +35,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from tracestore.client.hf.layouts import Layout, decoder_layers, get_path, layout_for, text_config
 from torch.overrides import TorchFunctionMode
+from tracestore.client.hf.layouts import Layout, decoder_layers, get_path, layout_for, text_config
 
 from tracestore.artifacts import Routing, router_site_name
 from tracestore.errors import ConfigError, ShapeError
@@ -121,7 +121,13 @@ class _TopK(TorchFunctionMode):
             k = args[1] if len(args) > 1 else kwargs.get("k")
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             r = self.router
-            if isinstance(x, torch.Tensor) and x.dim() == 2 and dim in (-1, 1) and k == r.top_k and x.shape[1] == r.n_experts:
+            if (
+                isinstance(x, torch.Tensor)
+                and x.dim() == 2
+                and dim in (-1, 1)
+                and k == r.top_k
+                and x.shape[1] == r.n_experts
+            ):
                 self.hit = True
                 return self.hooks._topk(r, func, args, kwargs, self.lead)
         return func(*args, **kwargs)
@@ -226,13 +232,17 @@ class RoutingCapture(_RouterHooks):
             if site.kind != "routed_experts":
                 continue
             if site.name not in self.last:
-                raise ConfigError(f"run {run_spec.run} declares {site.name} but the last forward routed no tokens there")
+                raise ConfigError(
+                    f"run {run_spec.run} declares {site.name} but the last forward routed no tokens there"
+                )
             ids, values = self.last[site.name]
             out[site.name] = routing_output(site, ids, values, rows)
         return out
 
 
-def routing_output(site: SiteSpec, ids: torch.Tensor, values: torch.Tensor | None, rows: torch.Tensor | None = None) -> Any:
+def routing_output(
+    site: SiteSpec, ids: torch.Tensor, values: torch.Tensor | None, rows: torch.Tensor | None = None
+) -> Any:
     """The ``SiteOutput`` of routing rows (``ids`` integer [rows, top_k], ``values`` the gate
     weights, used when the site declares ``gate``), encoded on the tensors' device as
     docs/data-model.md "Artifacts" lays them out; every row valid."""

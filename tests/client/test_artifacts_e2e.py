@@ -6,6 +6,7 @@ INVALID_ARGUMENT saying what it expected."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 
 import grpc
 import numpy as np
@@ -15,6 +16,7 @@ from tracestore.client import GuidanceReader, RolloutRecorder, SiteOutput
 from tracestore.server.testing import ServeProcess, write_request
 
 from tracestore.artifacts import LogProbs, Routing, encode_logprobs, encode_routing, logprobs_site, routed_experts_site
+from tracestore.cli.check import check
 from tracestore.errors import ConfigError
 from tracestore.records import RecordChunk, RunSpec, SiteSpec
 from tracestore.v1 import tracestore_pb2 as pb
@@ -40,7 +42,9 @@ class Truth:
         self.rng = np.random.default_rng(seed)
         self.rows: dict[tuple[str, str], dict[int, tuple[np.ndarray, np.ndarray, bool]]] = {}
 
-    def forward(self, segs: list[tuple[str, int, int]], invalid: set[tuple[str, int]] = frozenset()) -> dict[str, SiteOutput]:  # type: ignore[assignment]
+    def forward(
+        self, segs: list[tuple[str, int, int]], invalid: AbstractSet[tuple[str, int]] = frozenset()
+    ) -> dict[str, SiteOutput]:
         n = sum(b - a for _, a, b in segs)
         valid = np.array([(t, p) not in invalid for t, a, b in segs for p in range(a, b)])
         out = {FP4.name: SiteOutput(self.rng.integers(0, 256, (n, FP4.code_bytes), dtype=np.uint8),
@@ -111,6 +115,13 @@ def test_routing_through_sidecar_and_storage(served: ServeProcess) -> None:
         assert reader.read(plan)[R1.name].experts.shape == (13, 2)  # columns narrow FP4 sites only
     with pytest.raises(ConfigError, match="read whole"):
         GuidanceReader(served.storage, SPEC.run, sites=[R1.name], columns={R1.name: (0, 1)}).read(plan)
+    # tracestore check: per-run artifact coverage (a's position 2 is flagged invalid, seen twice)
+    report = check(served.storage, plan=[("a", 0, 9), ("b", 0, 9)], run=SPEC.run)
+    assert report["ok"], report["problems"]
+    assert report["artifacts"] == {"tokens": 18, "routing": 14, "fp4": 16, "both": 14}
+    a = report["trajectories"][0]["sites"]
+    assert a[R1.name]["recorded"] == 8 and a[R1.name]["artifact_valid"] == 7 and a[R1.name]["missing"] == 0
+    assert a[LP.name]["artifact_valid"] == 7 and "artifact_valid" not in a[FP4.name]
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,9 @@ def test_wire_round_trip_and_size_refusal() -> None:
     c = chunk_to_pb(_chunk(site, codes, scales, 2))
     got = chunk_from_parts("r", c, site, c.codes, c.scales, None)
     assert np.array_equal(got.codes, codes) and np.array_equal(got.scales, scales)
-    with pytest.raises(ValidationError, match=r"expected codes/scales/token_scales of 32/34/0 bytes .*uint16 expert ids"):
+    with pytest.raises(
+        ValidationError, match=r"expected codes/scales/token_scales of 32/34/0 bytes .*uint16 expert ids"
+    ):
         chunk_from_parts("r", c, site, c.codes[:-2], c.scales, None)
 
 

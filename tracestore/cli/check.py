@@ -18,6 +18,11 @@ carries its token identity is also checked against them (:mod:`tracestore.identi
 many chunks were verified, carried no identity or could not be checked. Without it the identity
 is not checked (the report says so).
 
+Artifact sites (docs/data-model.md "Artifacts") count as recorded where a row is stored, and per
+site ``artifact_valid`` counts those flagged valid; for a run with ``routed_experts`` sites,
+``artifacts`` gives the run's coverage over the tokens checked: tokens with valid routing at every
+MoE layer read, tokens with an FP4 record at every FP4 site read, and tokens with both.
+
 Exit status: 0 when everything is aligned, 1 on any misalignment (a ref problem, a missing,
 wrong-version or misaligned token, a read error such as a corrupt shard or a failing prefix link),
 2 on usage errors. ``--json`` prints one JSON object instead of the table.
@@ -292,6 +297,8 @@ def check(
                 if stored not in tokens:
                     report["problems"].append(f"{stored}: no token ids in the --tokens file")
             misaligned = st.misaligned.get(stored, {})
+            fp4_ok = np.ones(b - a, bool) if any(not spec.site(n).is_artifact for n in site_names) else None
+            route_ok = np.ones(b - a, bool) if any(spec.site(n).kind == "routed_experts" for n in site_names) else None
             for name in site_names:
                 rows = res[name]
                 k = rows.site.rows_per_token
@@ -311,6 +318,13 @@ def check(
                     "via_links": via,
                     "misaligned": int(misaligned.get(name, 0)),
                 }
+                if rows.site.is_artifact:  # a stored row counts as valid only with its flag set
+                    flagged = valid & (rows.scales[:, 0] & 1).astype(bool)
+                    s["artifact_valid"] = int(flagged.sum())
+                    if route_ok is not None and rows.site.kind == "routed_experts":
+                        route_ok &= flagged
+                elif fp4_ok is not None:
+                    fp4_ok &= valid
                 entry["sites"][name] = s
                 if s["misaligned"]:
                     report["problems"].append(
@@ -325,6 +339,13 @@ def check(
                     report["problems"].append(
                         f"{stored} site {name}: {s['wrong_version']} tokens of versions {got}, expected v{expect_v}"
                     )
+            if route_ok is not None:
+                cov = report.setdefault("artifacts", {"tokens": 0, "routing": 0, "fp4": 0, "both": 0})
+                cov["tokens"] += b - a
+                cov["routing"] += int(route_ok.sum())
+                if fp4_ok is not None:
+                    cov["fp4"] += int(fp4_ok.sum())
+                    cov["both"] += int((fp4_ok & route_ok).sum())
     report["ok"] = not report["problems"]
     return report
 
@@ -351,6 +372,13 @@ def _print(report: dict[str, Any], out: TextIO) -> None:
                 f"{i['unverifiable']} unverifiable",
                 file=out,
             )
+    cov = report.get("artifacts")
+    if cov is not None:
+        print(
+            f"  artifact coverage: {cov['tokens']} tokens checked; valid routing at every MoE layer {cov['routing']}, "
+            f"FP4 records at every site {cov['fp4']}, both {cov['both']} (final positions unrecorded by design)",
+            file=out,
+        )
     for u in report["unguided"]:
         print(f"  {u['trajectory']}: unguided ({u['reason']}), {u['tokens']} tokens train with RTN", file=out)
     if not report["identity_checked"]:

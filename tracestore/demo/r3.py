@@ -184,7 +184,9 @@ def _run(cfg: Any, model: Any, transport: Any) -> dict[str, Any]:
     )  # fmt: skip
     table = {}
     for name, label, fp4, replay in TRAINERS:
-        m = _train(model, rows, tokens, cfg.prompt, roll["dist"], cfg.format, fp4, replay, name.startswith("trace"), cfg.lr)
+        m = _train(
+            model, rows, tokens, cfg.prompt, roll["dist"], cfg.format, fp4, replay, name.startswith("trace"), cfg.lr
+        )
         table[name] = {"label": label, **m}
     replays = [v for v in table.values() if v["replay"] is not None]
     checks = [
@@ -239,7 +241,6 @@ def format_r3(r3: Mapping[str, Any]) -> list[str]:
     for v in r3["table"].values():
         fb = "-" if v["replay"] is None else str(v["replay"]["fallback_rows"])
         agree = "-" if v["routing_agreement"] is None else f"{100 * v['routing_agreement']:.2f}%"
-        lines.append(
-            f"  {v['label']:<20} {agree:>13} {fb:>13} {v['logp_mean']:>12.4g} {v['logp_max']:>11.4g} {v['kl_mean']:>10.4g}"
-        )
+        nums = f"{v['logp_mean']:>12.4g} {v['logp_max']:>11.4g} {v['kl_mean']:>10.4g}"
+        lines.append(f"  {v['label']:<20} {agree:>13} {fb:>13} {nums}")
     return lines

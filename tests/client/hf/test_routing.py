@@ -75,6 +75,7 @@ class Consumed:
         self.seen: dict[str, Any] = {}
         self.handles = []
         for r in moe_routers(model):
+
             def pre(mod: Any, args: Any, site: str = r.site) -> None:
                 self.seen[site] = args[1].clone()
 
@@ -157,9 +158,13 @@ def test_replay_refuses_mismatched_routing_and_routers_that_do_not_topk() -> Non
     r3 = RoutingReplayHooks(model)
     site = moe_routers(model)[0]
     with pytest.raises(ConfigError, match="top-2 of 8 experts; the model's router is top-2 of 4"):
-        r3.set_routing({site.site: Routing(SiteSpec(site.site, "routed_experts", 0, 2, n_experts=8),
-                                           torch.zeros(3, 2, dtype=torch.long), torch.ones(3, dtype=torch.bool))})  # fmt: skip
-    r3.set_routing({site.site: Routing(site.spec(), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, dtype=torch.bool))})
+        other = SiteSpec(site.site, "routed_experts", 0, 2, n_experts=8)
+        r3.set_routing(
+            {site.site: Routing(other, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, dtype=torch.bool))}
+        )
+    r3.set_routing(
+        {site.site: Routing(site.spec(), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, dtype=torch.bool))}
+    )
     with pytest.raises(Exception, match="routing has 3 rows but the router scores 10 tokens"):
         model(tokens(2, 5))
     r3.remove()
@@ -185,7 +190,7 @@ def test_r3_end_to_end_through_the_sidecar(served: ServeProcess) -> None:
     spec = RunSpec("r3-e2e", (*fp4, *(r.spec("float32") for r in routers)))
     full = tokens(2, 8, seed=3)  # 7 prompt+generated tokens per sequence, then the last sampled one
     rec = RolloutRecorder(served.address, spec, "r3-writer")
-    with FP4SiteRecorder(rollout, [rec], fake_quant=False) as cap, torch.no_grad():
+    with FP4SiteRecorder(rollout, [rec], fake_quant=False) as cap, torch.no_grad():  # noqa: SIM117
         with cap.forward([("t0", 0, None), ("t1", 0, None)]):
             rollout(full[:, :7])  # the last sampled token never enters the rollout
     recorded = {r.site: cap.records[r.site][0].reshape(14, 2) for r in routers}
