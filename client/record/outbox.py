@@ -100,10 +100,11 @@ class Outbox:
 
     def coalesces(self, fwd: Forward) -> bool:
         """Whether ``fwd`` waits to be coalesced with later forwards (:meth:`ChunkBuilder.gather`):
-        a decode-like forward of at most ``batch_bytes``. One whose sequences are long (prefill)
-        makes long chunks by itself and goes as it is (over shared memory: descriptors, no gather
-        copy), however few bytes it has."""
-        return fwd.nbytes <= self.batch_bytes and not fwd.long_segments
+        a decode-like forward (short sequences) of at most half a window, whatever its bytes (a wide
+        model's decode step is larger than ``batch_bytes``; sent alone, each of its tokens would be
+        a chunk per site). One whose sequences are long (prefill) makes long chunks by itself and
+        goes as it is (over shared memory: descriptors, no gather copy), however few bytes it has."""
+        return not fwd.long_segments and 2 * fwd.nbytes <= self.window_bytes
 
     def take(
         self, limit: int | None = None, fwds: list[Forward] | None = None

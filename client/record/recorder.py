@@ -74,8 +74,8 @@ class RolloutRecorder:
     ``writer``: this engine instance's id (unique per run); ``epoch``: defaults to the current
     time in ns, so a restarted engine fences its predecessor. ``pin``: register the staging pool
     with CUDA now (default: when torch is already imported and sees a GPU). ``linger_s``: how long
-    small (decode) forwards may wait to be coalesced with later ones (a window of up to 16 x
-    ``batch_bytes``, a quarter of the pool) before they are sent; ``flush`` sends at once.
+    decode forwards may wait to be coalesced with later ones (a window of up to half the pool)
+    before they are sent; ``flush`` sends at once.
     ``shm_group``: the group (name or gid) of the shared-memory staging pool, made 0640 for a
     sidecar running as another user of that group; default ``$TRACESTORE_SHM_GROUP``, else the
     unix socket's group when that socket admits its group (a sidecar started with
@@ -130,10 +130,9 @@ class RolloutRecorder:
         self.writer = writer
         policy_version = validate_version(policy_version)  # checked before the pool exists; the Outbox keeps it
         self.batch_bytes = int(batch_bytes)
-        # Taken off the queue at once and coalesced (then cut into messages of batch_bytes): 16
-        # MiB windows of 256 x 20-site decode steps made ~8-token chunks, 64 MiB ~32-token ones;
-        # sidecar CPU per step 75-80 -> 18-22 ms, sender 6-9 -> 2.4-3 ms (bench_ingest --only decode).
-        self.window_bytes = max(self.batch_bytes, min(16 * self.batch_bytes, staging_bytes // 4))
+        # Decode steps wait until half the pool is queued (or linger_s passed) and are coalesced:
+        # a (trajectory, site) gets one chunk per window, and per-chunk work dominates both sides.
+        self.window_bytes = max(self.batch_bytes, staging_bytes // 2)
         # Unacknowledged bytes in flight before the sender waits for acks. They hold staging until
         # acknowledged (nothing else: messages are serialized as gRPC sends them), so half the
         # pool, enough to keep the sender busy between shard commits when acks wait for them.
@@ -218,7 +217,7 @@ class RolloutRecorder:
         self._copier = StagingCopier(self.pool, self._np, self.stats, writer)
         self._slabs = SlabQueue(
             run_spec, self.pool, self._copier, self._outbox, self._unguided, self.stats, self._check_segments,
-            self._admit,
+            self._session,
         )  # fmt: skip
         self._stages: list[SlabStage] = []  # slab_stage()'s, whose commits may defer their copies
         self._stage_lock = threading.Lock()  # held while a stage queues deferred copies
@@ -381,14 +380,8 @@ class RolloutRecorder:
             stage.drain()
 
     def _admit(self, segs: Collection[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
-        """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
-        forward and one whose trajectories are all unguided record nothing)."""
-        session = self._session
-        if session.error is not None and segs:
-            self._unguided.mark(list(trajs), session.stop_reason)
-            return False
-        unguided = self._unguided_ids
-        return not (session.closed or not segs or (unguided and unguided.issuperset(trajs)))
+        """Whether a forward of ``segs`` is staged at all (:meth:`SlabQueue.admit`)."""
+        return self._slabs.admit(segs, trajs)
 
     def _unslab(self, fwd: SlabForward) -> SlabForward:
         """Lay a slab forward's raw rows out per site (what the sender does first with one)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from tracestore.errors import ConfigError, ShapeError, ValidationError
@@ -19,6 +19,7 @@ from tracestore.records import RunSpec, validate_version
 from .copier import StagingCopier
 from .items import Region, SlabForward, SlabPlan, Unguided
 from .outbox import Outbox
+from .session import WriteSession
 from .slab import SegmentCheck, Segments
 from .staging import StagingPool
 
@@ -27,14 +28,11 @@ from .staging import StagingPool
 # work on both sides small).
 LONG_SEGMENT = 32
 
-# (segments, trajectories) -> whether the forward is staged at all (the recorder's admission)
-Admit = Callable[[Collection[tuple[str, int, int]], tuple[str, ...]], bool]
-
 
 class SlabQueue:
-    """Stages slab forwards for one recorder: its run, staging pool, copier and queue (the
-    :class:`Outbox`'s). ``admit(segments, trajectories)`` says whether a forward is staged at all
-    (a stopped or closed recorder, an empty forward, all trajectories unguided: no)."""
+    """Stages slab forwards for one recorder: its run, staging pool, copier, queue (the
+    :class:`Outbox`'s) and Write session (:meth:`admit` asks it whether the recorder stopped). It
+    holds no reference to the recorder, so a recorder dropped without ``close`` is freed at once."""
 
     def __init__(
         self,
@@ -45,7 +43,7 @@ class SlabQueue:
         unguided: Unguided,
         stats: dict[str, int],
         check_segments: SegmentCheck,
-        admit: Admit,
+        session: WriteSession,
     ) -> None:
         self.run_spec = run_spec
         self._sites = {s.name: s for s in run_spec.sites}
@@ -55,7 +53,7 @@ class SlabQueue:
         self._unguided = unguided
         self._stats = stats
         self._check_segments = check_segments
-        self._admit = admit
+        self._session = session
         self._plans: dict[int, tuple[Any, SlabPlan]] = {}
 
     def plan(self, slab: Any) -> SlabPlan:
@@ -133,7 +131,7 @@ class SlabQueue:
             staged.append((plan, total, rows))
             total += plan.staged_bytes(rows)
             nbytes += rows * plan.code_scale_bytes
-        if not self._admit(segs, trajs):
+        if not self.admit(segs, trajs):
             return False, None
         off = self._pool.reserve(max(total, 1))
         if off is None:
@@ -150,6 +148,16 @@ class SlabQueue:
         outbox.queue.append(fwd)  # atomic
         outbox.in_bytes += nbytes
         return True, ev
+
+    def admit(self, segs: Collection[tuple[str, int, int]], trajs: tuple[str, ...]) -> bool:
+        """Whether a forward of ``segs`` is staged at all (a stopped or closed recorder, an empty
+        forward and one whose trajectories are all unguided record nothing)."""
+        session = self._session
+        if session.error is not None and segs:
+            self._unguided.mark(list(trajs), session.stop_reason)
+            return False
+        unguided = self._unguided.ids
+        return not (session.closed or not segs or (unguided and unguided.issuperset(trajs)))
 
 
 class RecorderStageHost:

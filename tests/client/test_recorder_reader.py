@@ -372,6 +372,38 @@ def test_decode_steps_coalesce_into_one_chunk_per_run(served: ServeProcess, tran
             assert host[s.name].valid.all()
 
 
+def test_decode_steps_larger_than_batch_bytes_coalesce(served: ServeProcess) -> None:
+    """A decode step larger than ``batch_bytes`` (a wide model's) waits to be coalesced with the
+    next ones (not sent at once, while the next step is computed): each (trajectory, site) travels
+    as one chunk over the steps, not one per token."""
+    rec = RolloutRecorder(served.unix_address, SPEC, "decode-wide", batch_bytes=1 << 10, linger_s=30.0)
+    rng = np.random.default_rng(11)
+    trajs = [f"wide-{i}" for i in range(32)]
+    steps = 6
+    sent: dict[tuple[str, str], list[bytes]] = {}
+    for step in range(steps):
+        out = {}
+        for s in SPEC.sites:
+            rows = len(trajs) * s.rows_per_token
+            codes = rng.integers(0, 256, (rows, s.code_bytes), dtype=np.uint8)
+            scales = rng.integers(0, 256, (rows, s.scale_bytes), dtype=np.uint8)
+            out[s.name] = SiteOutput(codes, scales, 0.5 if s.fmt.has_global_scale else 1.0)
+            r = s.rows_per_token
+            for i, t in enumerate(trajs):
+                sent.setdefault((t, s.name), []).append(codes[i * r : (i + 1) * r].tobytes())
+        step_bytes = sum(o.codes.nbytes + o.scales.nbytes for o in out.values())
+        assert step_bytes > rec.batch_bytes
+        assert rec.record_forward([(t, step, step + 1) for t in trajs], out)
+        time.sleep(0.2)  # the next step's forward: time for the sender to take what is ready
+    assert rec.flush(60), rec.stats
+    assert rec.stats["chunks"] == len(trajs) * len(SPEC.sites), rec.stats
+    rec.close()
+    with GuidanceReader(served.address, SPEC.run) as reader:
+        host = reader.read_host([(t, 0, steps) for t in trajs])
+    for s in SPEC.sites:
+        assert host[s.name].codes.tobytes() == b"".join(b"".join(sent[(t, s.name)]) for t in trajs), s.name
+
+
 @pytest.mark.parametrize("transport", ["tcp", "unix-shm"])
 def test_prefill_forwards_are_sent_at_once_whatever_batch_bytes(served: ServeProcess, transport: str) -> None:
     """A forward whose sequences are long (prefill: >= 32 tokens each) is not held back to be
