@@ -110,7 +110,7 @@ def wrap_moe_entry(
                 # at fb28d72) writes rowAmax·globalScaleInv (amax/(448·6)) and quantizes with its
                 # reciprocal; the fused MoE passes it to the GEMMs as perTokenSfA (a multiplier).
                 pts = kwargs.get("per_token_scale")
-                if graph is not None and graph.active:
+                if graph is not None and (graph.active or torch.compiler.is_compiling()):
                     graph.record(
                         site,
                         x.reshape(-1, x.shape[-1]),

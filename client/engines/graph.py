@@ -145,8 +145,7 @@ class GraphCapture:
                 self.stats["unarmed_capture"] += 1
                 self._warn(site, "a CUDA graph was captured before the capture was armed: it records nothing")
             else:
-                with self._lock:
-                    self.widths.setdefault(site, int(width))
+                self.note(site, width)
             return
         if site not in slab.buffers:
             self.stats["late"] += 1
@@ -175,6 +174,13 @@ class GraphCapture:
         buf.scales[:n].copy_(scales[:n, :nb])
         buf.global_scale[:n].copy_(g[:n] if g.numel() > 1 else g.expand(n))
         self.stats["writes"] += 1
+
+    def note(self, site: str, width: int) -> None:
+        """Declare ``site`` (``width`` values a row) for the slab :meth:`arm` allocates; hooks that
+        record eagerly before the capture is on note theirs here too."""
+        if self.slab is None:
+            with self._lock:
+                self.widths.setdefault(site, int(width))
 
     def _warn(self, site: str, why: str) -> None:
         if site not in self._warned:

@@ -160,12 +160,11 @@ def test_ref_nvfp4_quant_and_its_lookups() -> None:
 
 
 def test_model_runner_hooks_for_graph_capture() -> None:
-    """The graph path wraps ``load_model`` (reads ``model_config.enforce_eager``), ``capture_model``
-    and ``execute_model`` (arm the slab at ``max_num_tokens`` rows on ``device``): the largest
-    forward and every captured size fit in ``max_num_batched_tokens``."""
+    """The graph path wraps ``capture_model`` and ``execute_model`` (arm the slab at
+    ``max_num_tokens`` rows on ``device``; the largest forward and every captured size fit in
+    ``max_num_batched_tokens``); the worker-role connector reads ``model_config.enforce_eager``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert params(GPUModelRunner.load_model)[0] == "self"
     assert params(GPUModelRunner.capture_model) == ["self"]
     assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
     tree = _ast.source_tree("vllm.v1.worker.gpu_model_runner")

@@ -47,8 +47,15 @@ def _ids_by_trajectory(result: dict) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram-spec-decode"])
-def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: Path, spec: bool) -> None:
+@pytest.mark.parametrize(
+    "spec, compiled", [(False, False), (True, False), (False, True)], ids=["plain", "ngram-spec-decode", "compiled"]
+)
+def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(
+    tmp_path: Path, spec: bool, compiled: bool
+) -> None:
+    """``compiled``: ``enforce_eager=False`` — vLLM compiles the model with torch.compile (dynamo +
+    inductor); the dense sites are recorded by the graph op inside the compiled graph, the MoE input
+    by the op inside vLLM's opaque MoE op, every forward's rows committed from the slab."""
     model_dir = write_checkpoint(tmp_path / "model", moe=True)
     sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
     sp.start()
@@ -59,14 +66,20 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(tmp_path: P
         # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
         proc = subprocess.run(
             [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--cases"]
-            + (["--spec"] if spec else []),
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
+            + (["--spec"] if spec else []) + (["--compiled"] if compiled else []),
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
     finally:
         sp.terminate()
     result = json.loads(out.read_text())
     assert result["flushed"], result
+    graph = result["graph"]
+    if compiled:  # every site went through the op into the slab; every forward committed from it
+        assert graph["active"] and graph["armed"] and graph["writes"] > 0, graph
+        assert graph["late"] == graph["unarmed_capture"] == graph["clipped"] == 0, graph
+    else:
+        assert not graph["active"] and graph["writes"] == 0, graph
     reqs = result["requests"]
     assert [q["num_cached_tokens"] for q in reqs] == [0, 0, 0, 64, 64]  # vLLM's own prefix-cache hits
     stats = result["stats"]

@@ -1,6 +1,7 @@
 """The engine half of the vLLM end-to-end test, run as its own process (vLLM keeps global state).
 
-``python vllm_e2e_engine.py MODEL_DIR OUT_JSON [--moe]`` with ``TRACESTORE_RECORD`` set: registers
+``python vllm_e2e_engine.py MODEL_DIR OUT_JSON [--moe] [--mp] [--spec] [--cases] [--compiled]``
+with ``TRACESTORE_RECORD`` set: registers
 vLLM's pure-torch NVFP4 linear kernel for the CPU (vLLM ships it, but lists no NVFP4 kernel for
 ``PlatformEnum.CPU``), with ``--moe`` gives the NVFP4 emulation experts a CPU path
 (:func:`cpu_nvfp4_experts`) and selects them (``moe_backend="emulation"``), runs ``LLM.generate``
@@ -46,15 +47,17 @@ def cpu_nvfp4_experts() -> None:
         qc = self.quant_config
         a1 = qdq(hidden_states, qc.a1_gscale).float()
         out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-        for e in topk_ids.unique().tolist():
-            rows, slots = (topk_ids == e).nonzero(as_tuple=True)
-            h = a1[rows] @ deq(w1[e], self.w1_scale_val[e], qc.g1_alphas[e]).T
+        # every expert over every token, weighted by its routing (0 where not routed): no
+        # value-dependent shapes, so torch.compile traces it whole; a2's quantization is per row,
+        # so a routed row's values are those of quantizing the expert's rows alone
+        for e in range(w1.shape[0]):
+            sel = (topk_ids == e).float()
+            wgt = sel.sum(-1) if apply_router_weight_on_input else (sel * topk_weights.float()).sum(-1)
+            h = a1 @ deq(w1[e], self.w1_scale_val[e], qc.g1_alphas[e]).T
             half = h.shape[1] // 2
             act = (torch.nn.functional.silu(h[:, :half]) * h[:, half:]).to(hidden_states.dtype)
             y = qdq(act, qc.a2_gscale).float() @ deq(w2[e], self.w2_scale_val[e], qc.g2_alphas[e]).T
-            if not apply_router_weight_on_input:
-                y = y * topk_weights[rows, slots].float().unsqueeze(1)
-            out.index_add_(0, rows, y)
+            out = out + y * wgt.unsqueeze(1)
         output.copy_(out.reshape(output.shape).to(output.dtype))
 
     Experts.apply = apply
@@ -110,7 +113,7 @@ def main() -> int:
     llm = LLM(
         model,
         dtype="bfloat16",
-        enforce_eager=True,
+        enforce_eager="--compiled" not in sys.argv[3:],  # compiled: dynamo + inductor, the graph op in it
         max_model_len=256,
         **({"moe_backend": "emulation"} if moe else {}),
         **(
@@ -161,9 +164,12 @@ def main() -> int:
 
     ok = hooks.ENGINE is not None and hooks.ENGINE.close(60)
     stats = None if hooks.ENGINE is None else hooks.ENGINE.stats
+    graph = None
+    if hooks.GRAPH is not None:
+        graph = {"active": hooks.GRAPH.active, "armed": hooks.GRAPH.armed, **hooks.GRAPH.stats}
     with open(out_path, "w") as f:
         ended = None if hooks.ENGINE is None else hooks.ENGINE.ended
-        json.dump({"requests": rows, "flushed": ok, "stats": stats, "ended": ended}, f)
+        json.dump({"requests": rows, "flushed": ok, "stats": stats, "ended": ended, "graph": graph}, f)
     return 0
 
 

@@ -87,6 +87,9 @@ class TraceStoreConnector(KVConnectorBase_V1):
             plugin.register()  # no-op where the entry point already ran
             if hooks.ENGINE is None:
                 hooks.install(self.setting)
+        if role == KVConnectorRole.WORKER:
+            model = getattr(vllm_config, "model_config", None)
+            hooks.set_graph_mode(bool(getattr(model, "enforce_eager", True)))
 
     # -- scheduler side ---------------------------------------------------------------------------
 

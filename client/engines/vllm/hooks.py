@@ -24,7 +24,8 @@
   through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`), a registered torch
   op that ``torch.compile`` keeps in its graph and a CUDA graph captures: its Python runs while
   dynamo traces or a graph is captured, its copies into the slab at every replay.
-  ``GPUModelRunner.load_model`` turns it on; the warm-up (``profile_run``) notes the sites;
+  The worker-role connector turns it on from ``model_config.enforce_eager``; the warm-up
+  (``profile_run``) notes the sites;
   ``capture_model`` (or the first ``execute_model``) arms the slab at ``max_num_batched_tokens``
   rows on the runner's device; after each forward the plan's rows are committed from the slab
   (padded rows of a captured batch size are never named by the plan).
@@ -65,6 +66,8 @@ _MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE r
 
 
 def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
+    if GRAPH is not None and not GRAPH.armed:  # an eager warm-up forward declares its sites for the slab
+        GRAPH.note(site, codes.shape[1] * 8 // _bits())
     if ENGINE is not None:
         ENGINE.capture(site, codes, scales, g)
 
@@ -74,8 +77,18 @@ def _bits() -> int:
 
 
 def _graph() -> GraphCapture | None:
-    """The graph capture while it is active (hooks then record through its op), else None."""
-    return GRAPH if GRAPH is not None and GRAPH.active else None
+    """The graph capture while it is active (hooks then record through its op), else None. Under
+    dynamo's tracing always the op: the eager path reads device data on the host."""
+    if GRAPH is not None and (GRAPH.active or torch.compiler.is_compiling()):
+        return GRAPH
+    return None
+
+
+def set_graph_mode(enforce_eager: bool) -> None:
+    """The engine's execution mode, from its config (the worker-role connector calls this before the
+    model loads): compiled or CUDA-graph forwards (``enforce_eager=False``) record through the op."""
+    if GRAPH is not None:
+        GRAPH.active = not enforce_eager
 
 
 def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
@@ -100,8 +113,6 @@ def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> lis
     mr = importlib.import_module(MODEL_RUNNER).GPUModelRunner
     if patch_attr(mr, "execute_model", _wrap_execute_model):
         done.append(f"{MODEL_RUNNER}:GPUModelRunner.execute_model")
-    if patch_attr(mr, "load_model", _wrap_load_model):
-        done.append(f"{MODEL_RUNNER}:GPUModelRunner.load_model")
     if patch_attr(mr, "capture_model", _wrap_capture_model):
         done.append(f"{MODEL_RUNNER}:GPUModelRunner.capture_model")
     log.info("tracestore: vLLM hooks installed: %s", ", ".join(done) or "none (already installed)")
@@ -288,17 +299,6 @@ def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
         return fn(x, global_scale, block_size)
 
     return ref_nvfp4_quant_dequant
-
-
-def _wrap_load_model(fn: Any) -> Any:
-    @functools.wraps(fn)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = fn(self, *args, **kwargs)
-        if GRAPH is not None:
-            GRAPH.active = not bool(getattr(self.model_config, "enforce_eager", True))
-        return out
-
-    return load_model
 
 
 def _arm(runner: Any) -> None:
