@@ -123,7 +123,8 @@ class TrainerLayout:
         return tuple(range(start, start + q + (1 if dp < r else 0)))
 
     def stage_sites(self, spec: RunSpec, pp: int) -> tuple[str, ...]:
-        """The sites pipeline stage ``pp`` reads: those of its layers."""
+        """The sites pipeline stage ``pp`` reads: those of its layers (FP4 sites and routing), and on
+        the last stage the ``logprobs`` artifact."""
         n_layers = max((s.layer for s in spec.sites), default=-1) + 1
         counts = self.stage_layers
         if counts is None:
@@ -135,7 +136,8 @@ class TrainerLayout:
             )
         lo = sum(counts[:pp])
         hi = lo + counts[pp]
-        return tuple(s.name for s in spec.sites if lo <= s.layer < hi)
+        last = pp == self.pp_size - 1  # where the logits are: the log-prob artifacts' stage
+        return tuple(s.name for s in spec.sites if (last if s.kind == "logprobs" else lo <= s.layer < hi))
 
     def columns(self, site: SiteSpec, tp: int) -> tuple[int, int]:
         """The column range of ``site`` TP rank ``tp`` reads."""

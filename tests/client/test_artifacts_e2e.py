@@ -160,3 +160,43 @@ def test_sidecar_refuses_bad_expert_ids(served: ServeProcess) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "below n_experts 8" in (err.value.details() or "")
     assert pb.SITE_KIND_ROUTED_EXPERTS == 5
+
+
+def test_routing_follows_rank_plans(served: ServeProcess) -> None:
+    """CP zig-zag over packed (THD) samples and PP stages: each rank's routing rows are the rollout's
+    routing of the tokens its plan names; a stage reads its layers' routing, the last the log-probs."""
+    from tracestore.artifacts import decode_routing
+    from tracestore.rank_plan import RankCoord, TrainerLayout, rank_plan
+    from tracestore.storage.reader import StoreReader
+    from tracestore.storage.store import Store
+
+    truth = Truth(7)
+    rec = RolloutRecorder(served.address, SPEC, "rank-w")
+    lengths = {rec.attempt(base): n for base, n in (("rp-0", 11), ("rp-1", 7), ("rp-2", 14))}
+    for t, n in lengths.items():
+        assert rec.record_forward([(t, 0, n - 1)], truth.forward([(t, 0, n - 1)]))
+        rec.finish(t, n)
+    refs = rec.refs(list(lengths), timeout=60)
+    rec.close()
+    assert all(r.guided for r in refs), refs
+    layout = TrainerLayout(cp_size=2, pp_size=2, stage_layers=(2, 1))  # layers 0-1 | layer 2
+    seen_tokens = 0
+    for cp in range(2):
+        for pp in range(2):
+            rp = rank_plan(refs, layout, RankCoord(cp=cp, pp=pp), run_spec=SPEC)
+            routed = [s for s in rp.sites if SPEC.site(s).kind == "routed_experts"]
+            assert routed == ([R1.name] if pp == 0 else [R2.name])
+            assert (LP.name in rp.sites) == (pp == 1)
+            with StoreReader(Store(served.storage), SPEC.run) as reader:
+                got = rp.read(reader)
+            for name in routed:
+                rows = got[name]
+                d = decode_routing(rows.site, rows.codes, rows.scales, rows.valid)
+                for i, (t, pos) in enumerate(rp.token_map()):
+                    if t is None or pos == lengths[t] - 1:  # padding, the unrecorded final position
+                        assert not d.valid[i]
+                        continue
+                    ex, _, ok = truth.rows[(t, name)][pos]
+                    assert d.valid[i] == ok and d.experts[i].tolist() == ex.tolist(), (cp, pp, t, pos)
+                    seen_tokens += pp == 0
+    assert seen_tokens == sum(n - 1 for n in lengths.values())  # the CP ranks split every recorded token
