@@ -133,7 +133,9 @@ class ChunkBuilder:
         runs: list[list[Any]] = []
         last: dict[tuple[str, int], list[Any]] = {}
         base = 0
+        bases = []  # each forward's first token in the window
         for fi, f in enumerate(win):
+            bases.append(base)
             v = f.version
             for t, a, b in f.segs:
                 a, n = int(a), int(b) - int(a)
@@ -153,18 +155,26 @@ class ChunkBuilder:
             lens = np.fromiter((n for r in runs for _, _, n in r[4]), np.int64)
             ends = np.cumsum(lens)
             perm = np.repeat(los - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)
+            moves = _moves(bases, base, perm)
+        # Every site's rows are gathered first (one copy each, out of staging), then staging is
+        # released, then the chunks are made: the engine may stage new forwards meanwhile.
+        gathered = []
+        n_keep = len(perm) if runs else 0
         for s_idx, (_, site, *_) in enumerate(win[0].sites if runs else ()):
-            rpt = site.rows_per_token
-            has_ts = win[0].sites[s_idx][5] > 0
             at = [f.sites[s_idx] for f in win]  # name, site, offset, nc, ns, nt, g_off
-            codes = _gather_rows(npool, [(o, nc) for _, _, o, nc, _, _, _ in at], base, perm)
-            scales = _gather_rows(npool, [(o + nc, ns) for _, _, o, nc, ns, _, _ in at], base, perm)
+            codes = _gather_rows(npool, [(o, nc) for _, _, o, nc, _, _, _ in at], n_keep, moves)
+            scales = _gather_rows(npool, [(o + nc, ns) for _, _, o, nc, ns, _, _ in at], n_keep, moves)
             ts = (
-                _gather_rows(npool, [(o + nc + ns, nt) for _, _, o, nc, ns, nt, _ in at], base, perm)
-                if has_ts
+                _gather_rows(npool, [(o + nc + ns, nt) for _, _, o, nc, ns, nt, _ in at], n_keep, moves)
+                if win[0].sites[s_idx][5] > 0
                 else None
             )
-            gb = [bytes(npool[x[6] : x[6] + 4]) for x in at]
+            gathered.append((site, codes, scales, ts, [bytes(npool[x[6] : x[6] + 4]) for x in at]))
+        for f in win:
+            self._pool.release(f.region.offset)
+        for site, codes, scales, ts, gb in gathered:
+            rpt = site.rows_per_token
+            has_ts = ts is not None
             one_g = gb.count(gb[0]) == len(gb)
             tc, tsb, tt = rpt * site.code_bytes, rpt * site.scale_bytes, rpt * 4  # bytes per token
             per_token = tc + tsb + (tt if has_ts else 0)
@@ -189,8 +199,6 @@ class ChunkBuilder:
                     pos += n
                     if fill.chunks & 127 == 0:
                         time.sleep(0)  # let a waiting engine thread have the GIL (a window is ~50 ms of work)
-        for f in win:
-            self._pool.release(f.region.offset)
         fill.finish(())
         return fill.take()
 
@@ -293,8 +301,36 @@ class _Fill:
         self._open()
 
 
-def _gather_rows(pool: np.ndarray, spans: list[tuple[int, int]], n_tok: int, perm: np.ndarray) -> memoryview:
-    """The staged bytes ``pool[o : o + n]`` of each forward, joined (``n_tok`` tokens in all, equal
-    bytes per token) and reordered by token: ``perm`` lists the window tokens to keep, in order."""
-    joined = np.concatenate([pool[o : o + n] for o, n in spans]).reshape(n_tok, -1)
-    return np.take(joined, perm, axis=0).reshape(-1).data
+def _moves(bases: list[int], n_tok: int, perm: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    """Per forward of a window that gives rows to ``perm`` (the window tokens to keep, in order;
+    ``bases``: each forward's first token in the window, ``n_tok`` tokens in all): (forward, its
+    token count, positions in ``perm``, its own token indices there)."""
+    starts = np.asarray(bases, np.int64)
+    sizes = np.diff(np.append(starts, n_tok)).tolist()
+    fidx = np.searchsorted(starts, perm, side="right") - 1
+    order = np.argsort(fidx, kind="stable")
+    counts = np.bincount(fidx, minlength=len(bases)).tolist()
+    moves = []
+    at = 0
+    for fi, c in enumerate(counts):
+        if c:
+            dest = order[at : at + c]
+            moves.append((fi, sizes[fi], dest, perm[dest] - starts[fi]))
+            at += c
+    return moves
+
+
+def _gather_rows(
+    pool: np.ndarray, spans: list[tuple[int, int]], n_keep: int, moves: list[tuple[int, int, np.ndarray, np.ndarray]]
+) -> memoryview:
+    """The staged bytes ``pool[o : o + n]`` of each forward (``spans``; equal bytes per token), the
+    tokens kept put in window order as :func:`_moves` says: ``n_keep`` tokens, one copy out of
+    staging per forward."""
+    out: np.ndarray | None = None
+    for fi, ntok, dest, src in moves:
+        o, n = spans[fi]
+        width = n // ntok
+        if out is None:
+            out = np.empty((n_keep, width), np.uint8)
+        out[dest] = pool[o : o + n].reshape(ntok, width)[src]
+    return memoryview(b"") if out is None else out.reshape(-1).data
