@@ -77,7 +77,7 @@ class MoERouter:
 def moe_routers(model: Any, *, layers: Iterable[int] | None = None, layout: Layout | None = None) -> list[MoERouter]:
     """The MoE routers of ``model`` in layer order (dense layers have none). ``top_k`` and
     ``n_experts`` come from the block (or its router) where it names them, else from the text
-    config (``ffn_config`` too)."""
+    config (``ffn_config`` too); zero-computation experts (``zero_expert_num``) count as experts."""
     cfg = text_config(model)
     lay = layout if layout is not None else layout_for(model)[1]
     _, decoder = decoder_layers(model, lay)
@@ -96,6 +96,9 @@ def moe_routers(model: Any, *, layers: Iterable[int] | None = None, layout: Layo
         conf = [cfg, getattr(cfg, "ffn_config", None)]
         k = _int_attr(near, _TOP_K) or _int_attr(conf, _TOP_K)
         n = _int_attr(near, _N_EXPERTS) or _int_attr(conf, _N_EXPERTS)
+        zero = _int_attr(conf, ("zero_expert_num",))
+        if zero and n is not None:  # LongCat-Flash: zero-computation experts take the ids after the routed ones
+            n = (_int_attr(conf, ("n_routed_experts",)) or n) + zero
         if k is None or n is None:
             raise ConfigError(
                 f"layer {i} ({type(scope).__name__}): cannot tell its top_k and number of experts (looked for "

@@ -176,6 +176,46 @@ def test_replay_refuses_mismatched_routing_and_routers_that_do_not_topk() -> Non
     cap.remove()
 
 
+_SPECIAL = {"max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+# Families with no MoE block module (Gemma 4: router and experts on the decoder layer) and with
+# zero-computation experts (LongCat-Flash: ids past the routed experts), at the hook tests' sizes
+LAYER_HELD = {
+    "gemma4_text": dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=32, global_head_dim=32, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                        vocab_size_per_layer_input=64, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32, num_kv_shared_layers=0, attention_k_eq_v=False, **_SPECIAL),
+    "longcat_flash": dict(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                          ffn_hidden_size=64, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                          head_dim=32, v_head_dim=32, moe_topk=2, n_routed_experts=4, zero_expert_num=2,
+                          expert_ffn_hidden_size=32, **_SPECIAL),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(LAYER_HELD))
+def test_replay_on_layer_held_experts_and_zero_experts(arch: str) -> None:
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.AutoConfig.for_model(arch, **LAYER_HELD[arch])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    routers = moe_routers(model)
+    assert routers and all(r.top_k == 2 for r in routers)
+    assert {r.n_experts for r in routers} == {6 if arch == "longcat_flash" else 4}
+    ids = tokens(2, 5)
+    recorded = capture(model, ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+    ones = torch.ones(10, dtype=torch.bool)
+    with RoutingReplayHooks(model) as r3, torch.no_grad():
+        r3.set_routing({r.site: Routing(r.spec(), recorded[r.site], ones) for r in routers})
+        assert torch.equal(model(ids).logits, ref)  # its own routing: the same forward
+        other = {r.site: Routing(r.spec(), (recorded[r.site] + 1) % r.n_experts, ones) for r in routers}
+        r3.set_routing(other)
+        assert not torch.allclose(model(ids).logits, ref)  # other experts: another forward
+        assert r3.stats["replayed_rows"] == 2 * 10 * len(routers)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     sp = ServeProcess(tmp_path_factory.mktemp("r3"), flags=["--flush-interval", "0.1"])
