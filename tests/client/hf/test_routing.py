@@ -179,7 +179,7 @@ def test_replay_refuses_mismatched_routing_and_routers_that_do_not_topk() -> Non
 _SPECIAL = {"max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
 # Families with no MoE block module (Gemma 4: router and experts on the decoder layer) and with
 # zero-computation experts (LongCat-Flash: ids past the routed experts), at the hook tests' sizes
-LAYER_HELD = {
+LAYER_HELD: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32, global_head_dim=32, sliding_window=128,
                         layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
