@@ -9,8 +9,8 @@ row's two payload columns read (docs/data-model.md, "Artifacts"):
   top_k logical (pre-EPLB) expert ids, uint8 (n_experts <= 256) or uint16 little-endian, in the
   router's slot order; scales hold one flag byte then, when the site declares ``gate``, the top_k
   gate weights (float32 or bfloat16, little-endian).
-- ``logprobs`` (site ``logprobs``, width 1): codes hold the sampled token's float32 log-prob;
-  scales the flag byte.
+- ``logprobs`` (site ``logprobs``, width 1): the row at position p holds, float32, the log-prob of
+  the token the forward at p sampled (token p + 1); scales the flag byte.
 
 The flag byte's bit 0 says the row is valid: a row written for a token whose artifact the engine
 did not produce (a prefix-cache hit that ran no forward, a retracted or aborted request) is stored

@@ -84,8 +84,9 @@ def test_routing_through_sidecar_and_storage(served: ServeProcess) -> None:
     assert rec.stats["unguided"] == 0
     rec.close()
     plan = [("b", 0, 8), ("a", 3, 8)]
-    for source in (served.address, served.storage):  # a sidecar Read flushes first
-        with GuidanceReader(source, SPEC.run, prefetch=False) as reader:
+    # a sidecar Read flushes first; then storage, read in this process and in a read process
+    for source, process in ((served.address, False), (served.storage, False), (served.storage, True)):
+        with GuidanceReader(source, SPEC.run, prefetch=False, process=process) as reader:
             got = reader.read(plan)
         assert got.report.rows == 13  # FP4 rows only; artifacts are not RTN fallbacks
         for site in (R1, R2):
