@@ -140,6 +140,13 @@ class _RouterHooks:
     """Forward hooks that run each router's block under its :class:`_TopK` mode."""
 
     def __init__(self, model: Any, layers: Iterable[int] | None, layout: Layout | None) -> None:
+        if hasattr(model, "_orig_mod") or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+        ):
+            raise ConfigError(
+                f"{type(self).__name__} on a torch.compile'd model: a compiled graph does not run hooks added after "
+                "it was compiled; attach the hooks to the plain model, then compile it"
+            )
         self.routers = moe_routers(model, layers=layers, layout=layout)
         if not self.routers:
             raise ConfigError(f"{type(model).__name__} has no MoE block in the hooked layers: nothing routes")

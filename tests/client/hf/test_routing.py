@@ -168,6 +168,8 @@ def test_replay_refuses_mismatched_routing_and_routers_that_do_not_topk() -> Non
     with pytest.raises(Exception, match="routing has 3 rows but the router scores 10 tokens"):
         model(tokens(2, 5))
     r3.remove()
+    with pytest.raises(ConfigError, match="torch.compile'd model"):
+        RoutingReplayHooks(torch.compile(model))
     phi = build_model(ModelSpec("phimoe", layers=2, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2,
                                 expert_hidden=32, vocab=64), dtype=torch.float32, seed=1)  # fmt: skip
     cap = RoutingCapture(phi)
