@@ -24,6 +24,7 @@ from tracestore.server.testing import ServeProcess  # noqa: E402
 from tests.engines.nvfp4_model import write_checkpoint  # noqa: E402
 from tests.engines.trace_forward import load_trainer_model, trace_forward  # noqa: E402
 from tracestore import Store, StoreReader  # noqa: E402
+from tracestore.traceref import TraceRef, check_refs  # noqa: E402
 
 HERE = Path(__file__).parent
 SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj", "o_proj")} | {
@@ -118,7 +119,8 @@ def test_vllm_multiprocess_engine_seals_in_its_worker(tmp_path: Path) -> None:
     """vLLM's default process layout (EngineCore, and the worker spawned from it): the worker records,
     the endings reach it through the connector's metadata while vLLM keeps the finished requests'
     blocks, it seals, and its recorder is flushed at shutdown. The request outputs carry the
-    trajectory and gap (trace_ref is null: the sites are the worker's)."""
+    trajectory, the gap and the TraceRef, made by the scheduler from the run identity the worker
+    sent back through vLLM's connector output; ``check_refs`` finds each sealed on storage."""
     model_dir = write_checkpoint(tmp_path / "model", moe=True)
     sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
     sp.start()
@@ -134,9 +136,12 @@ def test_vllm_multiprocess_engine_seals_in_its_worker(tmp_path: Path) -> None:
     finally:
         sp.terminate()
     reqs = json.loads(out.read_text())["requests"]
-    assert len(reqs) == 3 and all(q["tracestore"]["gap"] is None and q["tracestore"]["trace_ref"] is None for q in reqs)
+    assert len(reqs) == 3 and all(q["tracestore"]["gap"] is None for q in reqs)
+    refs = [TraceRef.from_json(q["tracestore"]["trace_ref"]) for q in reqs]
+    assert all(r.guided and r.run == "mp" for r in refs)
     model = load_trainer_model(model_dir)
     with StoreReader(Store(sp.storage), "mp") as reader:
+        assert check_refs(refs, reader) == []
         for q in reqs:
             traj, ids = q["tracestore"]["trajectory"], q["prompt_ids"] + q["output_ids"]
             assert q["tracestore"]["n_tokens"] == len(ids)

@@ -309,23 +309,32 @@ def test_a_position_drafted_again_after_a_rejection(sidecar: ServeProcess) -> No
 
 
 def test_seal_travels_to_a_worker_in_another_process(sidecar: ServeProcess) -> None:
-    """Scheduler and worker in different processes (vLLM's multiprocess executor): request_finished
-    asks vLLM to keep the request's blocks (True), the ending rides on the next step's metadata, the
-    worker seals and reports it through get_finished; trace_ref is null on the output."""
+    """Scheduler and worker in different processes (vLLM's multiprocess executor): the worker sends
+    its run identity back once (build_connector_worker_meta -> update_connector_output, through
+    vLLM's KVConnectorOutput), so request_finished returns the TraceRef at once — the one the worker
+    makes when it seals; it asks vLLM to keep the request's blocks (True), the ending rides on the
+    next step's metadata, the worker seals and reports it through get_finished."""
+    from vllm.v1.outputs import KVConnectorOutput
+
     eng = Engine(sidecar.address, "mp", block=4)
     hooks.LOCAL_WORKER = False  # as in the scheduler's process
     try:
         eng.add("m", [6, 6, 6])
+        assert eng.worker.build_connector_worker_meta() is None  # no forward yet: no run declared
         eng.step([("m", 0, 3)], [])
+        meta = eng.worker.build_connector_worker_meta()
+        assert meta is not None and meta.identity["writer"] == "w-mp" and meta.identity["run"] == "mp"
+        assert eng.worker.build_connector_worker_meta() is None  # sent once
+        eng.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
         eng.sample("m", 9)
         eng.step([], [("m", 3, 1)])
         eng.sample("m", 8)
         r = eng.reqs["m"]
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
         delay, params = eng.sched.request_finished(r, [])
-        assert delay is True and params == {
-            "tracestore": {"trajectory": "m::a0", "n_tokens": 5, "gap": None, "trace_ref": None}
-        }
+        assert params is not None
+        sched_ref = params["tracestore"].pop("trace_ref")
+        assert delay is True and params == {"tracestore": {"trajectory": "m::a0", "n_tokens": 5, "gap": None}}
         assert eng.engine.stats["seals"] == 0
         assert eng.worker.get_finished({"m"}) == (None, None)  # not sealed yet: blocks stay held
         meta = eng.sched.build_connector_meta(SchedulerOutput.make_empty())  # vLLM keeps stepping
@@ -333,9 +342,42 @@ def test_seal_travels_to_a_worker_in_another_process(sidecar: ServeProcess) -> N
         assert eng.engine.stats["seals"] == 1
         assert eng.worker.get_finished(set()) == ({"m"}, None)  # now vLLM frees them
         assert eng.engine.ended[-1]["gap"] is None and json.loads(eng.engine.ended[-1]["trace_ref"])["guided"]
+        assert sched_ref == eng.engine.ended[-1]["trace_ref"]  # the scheduler's ref is the worker's
     finally:
         hooks.LOCAL_WORKER = True
     eng.results["m"] = eng.engine.ended[-1]
     eng.close()
     drain(sidecar)
     assert check_stored(sidecar, "mp", eng, "m") == 4
+
+
+def test_async_scheduling_and_pipeline_parallelism_are_refused() -> None:
+    """vLLM schedules a decode step before the token it feeds is sampled under async scheduling (its
+    input id is not in the request's ids yet); pipeline stages each run other layers. The connector
+    refuses both at start-up, naming the fix, instead of failing mid-run or recording wrong rows."""
+    from tracestore.errors import ConfigError
+
+    def config() -> VllmConfig:
+        return VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="TraceStoreConnector",
+                kv_role="kv_both",
+                kv_connector_module_path="tracestore.client.engines.vllm.connector",
+                kv_connector_extra_config={"tracestore": "sidecar=x run=r policy_version=0"},
+            )
+        )
+
+    cfg = config()
+    cfg.scheduler_config.async_scheduling = True  # (the CPU platform turns it off; GPUs default it on)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="async_scheduling=False"):
+            TraceStoreConnector(cfg, role, None)
+    cfg = config()
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    # why async is refused: a request scheduled for decode at position p = num_computed_tokens has
+    # ids only below p until the token sampled by the step in flight is appended
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), None)
+    r.num_computed_tokens = 3
+    assert len(r.all_token_ids[3:4]) == 0

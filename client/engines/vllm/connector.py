@@ -33,14 +33,17 @@ from typing import Any
 
 import torch  # noqa: F401  (before vLLM: an environment without torch reports the missing extra)
 from tracestore.client.engines import setting as _setting
+from tracestore.client.engines.recording import unguided_reason
 from tracestore.client.engines.rows import Ending, RowMapper, Scheduled, StepPlan
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from tracestore.errors import ConfigError
+from tracestore.traceref import TraceRef, site_digest, split_attempt_id
 
 from . import hooks
 
@@ -53,6 +56,71 @@ class TraceStoreConnectorMetadata(KVConnectorMetadata):
 
     plan: StepPlan
     endings: list[tuple[str, Ending]] = dataclasses.field(default_factory=list)  # (request id, ending)
+
+
+@dataclasses.dataclass
+class TraceStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the recording worker's run identity (``run``, ``policy_version``,
+    ``writer``, ``sites``: the digest of its run's sites), which a scheduler in another process
+    needs to make each request's TraceRef. Only the recording rank sends one."""
+
+    identity: dict[str, Any] | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TraceStoreWorkerMetadata) and self.identity is None:
+            return other
+        return self
+
+
+def run_identity(engine: Any) -> dict[str, Any] | None:
+    """An :class:`EngineRecorder`'s run identity once its run is declared, else None."""
+    if engine is None or engine.run_spec is None or engine.recorder is None:
+        return None
+    return {
+        "run": engine.run_spec.run,
+        "policy_version": int(engine.recorder.policy_version),
+        "writer": engine.setting.writer,
+        "sites": site_digest(engine.run_spec),
+    }
+
+
+def scheduler_ref(identity: dict[str, Any], ending: Ending) -> str:
+    """The TraceRef JSON of ``ending`` made on the scheduler side from the worker's ``identity``:
+    guided when the scheduler's plan left no gap (the worker seals it with the next step's metadata;
+    that the seal is durable is the sidecar's to confirm, e.g. ``check_refs``)."""
+    base, attempt = split_attempt_id(ending.trajectory)
+    gap = ending.gap
+    return TraceRef(
+        run=identity["run"],
+        policy_version=identity["policy_version"],
+        trajectory=base,
+        attempt=attempt,
+        n_tokens=max(ending.n_tokens, 1),
+        sites=identity["sites"],
+        guided=gap is None,
+        reason="" if gap is None else unguided_reason(gap),
+        writer=identity["writer"],
+    ).to_json()
+
+
+def check_config(vllm_config: Any) -> None:
+    """Refuse (:class:`ConfigError`, naming the fix) engine configurations whose rows the connector
+    cannot map: asynchronous scheduling (a decode step is scheduled before the token it feeds is
+    sampled, so the scheduler cannot name its input id) and pipeline parallelism (no one worker runs
+    every layer, so no one recorder has the run's sites)."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sched, "async_scheduling", False):
+        raise ConfigError(
+            "tracestore cannot record with vLLM's asynchronous scheduling: a decode step is scheduled "
+            "before the token it feeds is sampled, so its rows could not be tied to their token ids. "
+            "Start vLLM with async_scheduling=False (--no-async-scheduling), or unset TRACESTORE_RECORD."
+        )
+    par = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ConfigError(
+            "tracestore records within one process per engine and does not support pipeline "
+            "parallelism (each stage runs other layers); use tensor parallelism, or unset TRACESTORE_RECORD."
+        )
 
 
 def _status_aborted(request: Any) -> bool:
@@ -74,11 +142,14 @@ class TraceStoreConnector(KVConnectorBase_V1):
                 "TraceStoreConnector needs the recording setting: "
                 f"kv_connector_extra_config['tracestore'] or {_setting.ENV}"
             )
+        check_config(vllm_config)
         block = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 16) or 16)
         self.mapper = RowMapper(block=block)
         self._requests: dict[str, Any] = {}
         self._endings: list[tuple[str, Ending]] = []
         self._sealed: set[str] = set()  # worker: requests sealed since the last get_finished
+        self._identity: dict[str, Any] | None = None  # scheduler: the recording worker's run identity
+        self._sent: dict[str, Any] | None = None  # worker: the identity last sent to the scheduler
         if role == KVConnectorRole.WORKER:
             hooks.LOCAL_WORKER = True
         if role == KVConnectorRole.WORKER and hooks.ENGINE is None:
@@ -90,6 +161,8 @@ class TraceStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             model = getattr(vllm_config, "model_config", None)
             hooks.set_graph_mode(bool(getattr(model, "enforce_eager", True)))
+            if not hooks.recording_rank():
+                hooks.disable("tensor-parallel rank > 0: rank 0 of the group records the same rows")
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -145,9 +218,16 @@ class TraceStoreConnector(KVConnectorBase_V1):
             return False, {"tracestore": hooks.ENGINE.end_request(ending)}
         # The worker seals it when the next step's metadata reaches it; until its get_finished says
         # so, vLLM keeps the request's blocks and keeps stepping (as for an asynchronous KV send).
+        # The TraceRef is made here from the run identity the recording worker sent back.
         self._endings.append((rid, ending))
-        params = {"trajectory": ending.trajectory, "n_tokens": ending.n_tokens, "gap": ending.gap, "trace_ref": None}
+        ref = None if self._identity is None else scheduler_ref(self._identity, ending)
+        params = {"trajectory": ending.trajectory, "n_tokens": ending.n_tokens, "gap": ending.gap, "trace_ref": ref}
         return True, {"tracestore": params}
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, TraceStoreWorkerMetadata) and meta.identity is not None:
+            self._identity = meta.identity
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -162,6 +242,14 @@ class TraceStoreConnector(KVConnectorBase_V1):
                     except Exception:
                         log.exception("tracestore: sealing %s failed", ending.trajectory)
                 self._sealed.add(rid)
+
+    def build_connector_worker_meta(self) -> TraceStoreWorkerMetadata | None:
+        """The recording worker's run identity, once the run is declared (and again if it changes)."""
+        ident = run_identity(hooks.ENGINE)
+        if ident is None or ident == self._sent:
+            return None
+        self._sent = ident
+        return TraceStoreWorkerMetadata(ident)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._sealed = self._sealed, set()

@@ -84,6 +84,29 @@ def _graph() -> GraphCapture | None:
     return None
 
 
+def recording_rank() -> bool:
+    """Whether this worker process records: rank 0 of its tensor-parallel group (True without
+    model parallelism). Every rank of a TP group holds the same MoE FC1 input and the same inputs
+    of column-parallel linears (replicated after the previous layer's all-reduce), so one rank's
+    records are complete and another's would be the same rows again; rank 0 exists at every TP
+    size. Inputs of row-parallel linears are split across the ranks and are not recorded under TP
+    (:func:`_wrap_apply_weights`)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    return int(ps.get_tp_group().rank_in_group) == 0
+
+
+def disable(why: str) -> None:
+    """Record nothing in this process (the hooks stay, and pass every call through)."""
+    global ENGINE
+    log.info("tracestore: this process records nothing: %s", why)
+    ENGINE = None
+    if GRAPH is not None:
+        GRAPH.active = False
+
+
 def set_graph_mode(enforce_eager: bool) -> None:
     """The engine's execution mode, from its config (the worker-role connector calls this before the
     model loads): compiled or CUDA-graph forwards (``enforce_eager=False``) record through the op."""
@@ -134,6 +157,8 @@ def _moe_g(runner: Any) -> torch.Tensor | None:
 def _wrap_moe_runner(fn: Any) -> Any:
     @functools.wraps(fn)
     def _forward_impl(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if ENGINE is None:  # this process records nothing: no site, so the entry's wrapper passes through
+            return fn(self, *args, **kwargs)
         outer = (SCOPE.name, SCOPE.g, getattr(_MOE_SEEN, "n", 0))
         SCOPE.enter(site_name(str(self.layer_name), moe=True), _moe_g(self))
         _MOE_SEEN.n = 0
@@ -177,8 +202,12 @@ def _install_dense() -> list[str]:
 def _wrap_apply_weights(fn: Any) -> Any:
     @functools.wraps(fn)
     def apply_weights(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+        if ENGINE is None:
+            return fn(self, layer, x, bias)
         prefix = getattr(layer, "prefix", "")
         name = site_name(prefix) if "layers." in prefix else None
+        if getattr(layer, "input_is_parallel", False) and int(getattr(layer, "tp_size", 1) or 1) > 1:
+            name = None  # a row-parallel input under TP: each rank holds a slice of it
         data, scale = getattr(x, "data", None), getattr(x, "scale", None)
         if name is not None and isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and scale is not None:
             try:  # already quantized by a fused producer: the codes this GEMM eats
