@@ -2,15 +2,18 @@
 
 Run beside a sidecar (``tracestore serve``) with vLLM 0.32.0 and ``tracestore[vllm]`` installed::
 
-    TRACESTORE_RECORD="sidecar=127.0.0.1:7433 run=example-run policy_version=0" \
-        python examples/engine/vllm_record.py MODEL_DIR
+    TRACESTORE_RECORD="sidecar=127.0.0.1:7433 run=example-run policy_version=0" \\
+        python examples/engine/vllm_record.py MODEL_DIR [--eager]
 
-It generates two samples for each of two prompts (n = 2: the prompt is stored once, the second
+It generates a group of two samples for each of two prompts (GRPO-style: each sample its own
+request, so each request output carries its own TraceRef; the prompt is stored once, the second
 sample links to it) and prints one JSON line per sample: its trajectory, token count, gap (null
-when sealed) and TraceRef. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the scheduler and the model
-in this process, so each request's seal is queued when it finishes and its TraceRef comes back on
-the request output. ``enforce_eager=True``: the capture hooks are Python and do not run inside
-replayed CUDA graphs.
+when sealed) and TraceRef. ``async_scheduling=False``: the plugin refuses vLLM's asynchronous
+scheduling (a decode step is scheduled before the token it feeds exists). CUDA graphs and
+torch.compile stay on (the capture goes through a graph-safe op); ``--eager`` runs without them.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the scheduler and the model in this process, so each
+request's seal is queued when it finishes; in vLLM's default layout the worker seals it one step
+later, and the TraceRef comes back on the output all the same.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import sys
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
+    args = [a for a in sys.argv[1:] if a != "--eager"]
+    if len(args) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     setting = os.environ.get("TRACESTORE_RECORD", "")
@@ -32,8 +36,9 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
-        sys.argv[1],
-        enforce_eager=True,
+        args[0],
+        enforce_eager="--eager" in sys.argv[1:],
+        async_scheduling=False,
         max_model_len=256,
         kv_transfer_config={
             "kv_connector": "TraceStoreConnector",
@@ -42,8 +47,11 @@ def main() -> int:
             "kv_connector_extra_config": {"tracestore": setting},
         },
     )
+    prompts = ["The capital of France is", "FP4 rounding"]
+    group = 2  # samples per prompt, each its own request (an n > 1 output carries one sample's params)
     outs = llm.generate(
-        ["The capital of France is", "FP4 rounding"], SamplingParams(n=2, max_tokens=16, temperature=1.0)
+        [p for p in prompts for _ in range(group)],
+        [SamplingParams(max_tokens=16, temperature=1.0, seed=k) for _ in prompts for k in range(group)],
     )
     for out in outs:
         params = (out.kv_transfer_params or {}).get("tracestore", {})

@@ -149,3 +149,36 @@ def test_vllm_multiprocess_engine_seals_in_its_worker(tmp_path: Path) -> None:
             assert set(rows) == SITES and all(r.valid[:-1].all() for r in rows.values())
             for site, (trainer, engine) in trace_forward(model, ids, rows, guided=True).items():
                 assert int((trainer != engine).sum()) == 0, (traj, site)
+
+
+def test_example_vllm_record_runs_and_its_refs_check_out(tmp_path: Path) -> None:
+    """``examples/engine/vllm_record.py`` as a user runs it (``--eager``; the CPU NVFP4 kernel from
+    the test-only plugin on PYTHONPATH, a dense NVFP4 checkpoint): one JSON line per sample, each
+    with a guided TraceRef that ``check_refs`` finds sealed on storage, every fed position readable."""
+    from tests.engines.vllm_e2e_engine import plugin_dir
+
+    model_dir = write_checkpoint(tmp_path / "model", moe=False)
+    sp = ServeProcess(tmp_path / "sidecar", flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        env = dict(os.environ)
+        env["TRACESTORE_RECORD"] = f"sidecar={sp.address} run=example-run policy_version=0 sites=all"
+        env["PYTHONPATH"] = os.pathsep.join([plugin_dir(str(tmp_path / "plugins")), str(HERE)])
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        example = HERE.parent.parent / "examples" / "engine" / "vllm_record.py"
+        proc = subprocess.run(
+            [sys.executable, str(example), str(model_dir), "--eager"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    finally:
+        sp.terminate()
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 4 and all(x["gap"] is None for x in lines)
+    refs = [TraceRef.from_json(x["trace_ref"]) for x in lines]
+    assert all(r.guided for r in refs)
+    with StoreReader(Store(sp.storage), "example-run") as reader:
+        assert check_refs(refs, reader) == []
+        for r in refs:
+            rows = reader.read([(r.stored_id, 0, r.n_tokens)], require_sealed=True)
+            assert all(s.valid[:-1].all() for s in rows.values()), r.stored_id
