@@ -283,3 +283,28 @@ def test_r3_end_to_end_through_the_sidecar(served: ServeProcess) -> None:
     r3.remove()
     qat.remove()
     watch.remove()
+
+
+def test_routing_capture_on_the_plain_recorder_path(served: ServeProcess) -> None:
+    """RoutingCapture.site_outputs feeds RolloutRecorder.record_forward directly (no FP4 sites)."""
+    model = tiny("mixtral")
+    cap = RoutingCapture(model)
+    spec = RunSpec("r3-plain", tuple(cap.sites("bfloat16")))
+    ids = tokens(2, 6, seed=4)
+    with torch.no_grad():
+        model(ids)
+    rec = RolloutRecorder(served.address, spec, "plain-writer")
+    segs = [("p0", 0, 6), ("p1", 0, 6)]
+    assert rec.record_forward(segs, cap.site_outputs(spec), token_ids=ids.reshape(-1))
+    rec.finish("p0", 7)
+    rec.finish("p1", 7)
+    assert rec.flush(60), rec.stats
+    rec.close()
+    cap.remove()
+    with GuidanceReader(served.address, spec.run, prefetch=False) as reader:
+        rows = reader.read(segs, token_ids=ids.reshape(-1))
+    for r in cap.routers:
+        got = rows[r.site]
+        ids_, values = cap.last[r.site]
+        assert torch.equal(got.experts, ids_) and bool(got.valid.all())
+        assert got.gate is not None and torch.equal(got.gate, values.to(torch.bfloat16).float())
