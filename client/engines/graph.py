@@ -14,7 +14,9 @@ graph runs, captured or not.
 Life of a slab (:meth:`GraphCapture.arm`): before it is armed the op only notes each site's name
 and width (the engine's warm-up forward passes every layer once, outside any capture); ``arm``
 allocates the slab for the sites noted, at a capacity of the engine's largest forward. A site
-first seen after arming is not recorded (logged once). Capturing before arming records nothing.
+first seen after arming is not recorded (logged once). A graph captured before arming would replay
+without writing its rows, leaving others' in the slab: after one, :meth:`GraphCapture.commit`
+refuses every forward.
 
 Rows are mapped after the forward, on the host, from the scheduler's plan
 (:class:`~tracestore.client.engines.rows.StepPlan`): :meth:`GraphCapture.commit` hands the
@@ -231,6 +233,11 @@ class GraphCapture:
         into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
         if self.slab is None or self.gathered is None:
             raise ValidationError("the graph capture is not armed")
+        if self.stats["unarmed_capture"]:
+            raise ValidationError(
+                "a CUDA graph was captured before the slab was armed: its replays write no rows, so "
+                "no slab row can be trusted; nothing is committed"
+            )
         n = int(index.shape[0])
         if n == 0:
             return True

@@ -74,6 +74,7 @@ class EngineRecorder:
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
+        self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
         self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
         self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
         self.stats = {
@@ -135,7 +136,17 @@ class EngineRecorder:
     def end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None = None) -> bool:
         """Apply ``plan`` to this forward's captured rows, laid out in ``order`` (``(request_id,
         n)`` pairs; default the plan's scheduled order). Returns the recorder's answer for the
-        planned rows (True when there were none)."""
+        planned rows (True when there were none). When it raises, every trajectory the plan names
+        ends with the gap ``unrecorded_positions`` (the mapper counted its rows as recorded)."""
+        try:
+            return self._end_forward(plan, order)
+        except Exception:
+            self._broken.update(t for t, _, _ in plan.segments)
+            self._broken.update(h[0] for h in plan.held)
+            self._broken.update(t for t, _, _ in plan.links)
+            raise
+
+    def _end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
         sites, self._sites = self._sites, {}
         graph = not sites and self._graph_rows()
         if graph:  # a compiled or graph-replayed forward: every site's rows are in the slab
@@ -197,6 +208,9 @@ class EngineRecorder:
 
     def _links_and_released(self, plan: StepPlan) -> None:
         for traj, source, n in plan.links:
+            if source in self._broken:  # the prefix it would link to has a gap: so has this one
+                self._broken.add(traj)
+                continue
             self.recorder_or_raise().link_prefix(traj, source, n)
             self.stats["links"] += 1
         for key in plan.dropped:
@@ -247,6 +261,9 @@ class EngineRecorder:
         for key in [k for k in self._held if k[0] == traj]:
             del self._held[key]
         gap = ending.gap
+        if traj in self._broken:
+            self._broken.discard(traj)
+            gap = gap or "unrecorded_positions"
         if gap is None and self.recorder is not None and n >= 1:
             if not self.recorder.finish(traj, n):
                 gap = "unguided"

@@ -8,6 +8,7 @@ engine is needed: FlashInfer's entry is a shape-correct fake built on tracestore
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -249,6 +250,32 @@ def test_rows_map_by_plan_and_padding_is_never_stored(sidecar: ServeProcess) -> 
     check_stored(sidecar, "gcpu", "b::a0", 6, 4, "b")
 
 
+def test_a_failed_forward_leaves_a_gap_never_a_guided_ref(sidecar: ServeProcess) -> None:
+    """The mapper counts a step's planned rows as recorded when it plans them; a forward whose rows
+    then fail to reach the recorder (here: the graph capture off, so no site was captured) must end
+    its requests with a gap and an unguided ref, not a seal over missing rows."""
+    eng = FakeEngine(sidecar.address, "gfail", "cpu")
+    m, rec = eng.mapper, eng.rec
+    m.add("a", [1, 2, 3])
+    m.add("b", [4, 5, 6])
+    eng.forward(*eng.inputs([("a", 0)], 2))  # warm-up: notes the site
+    rec.discard_forward()
+    eng.graph.arm(8, "cpu")
+    plan = m.step([Scheduled("a", 0, 3, 0, [1, 2, 3])])
+    eng.forward(*eng.inputs([("a", p) for p in range(3)], 4))
+    assert rec.end_forward(plan)  # a's prompt recorded
+    eng.graph.active = False  # the next forward's rows never reach the slab
+    plan = m.step([Scheduled("a", 3, 1, 0, [7]), Scheduled("b", 0, 3, 0, [4, 5, 6])])
+    with pytest.raises(Exception, match="captured no site"):
+        rec.end_forward(plan)
+    out = {r: rec.end_request(m.finish(r, ids)) for r, ids in (("a", [1, 2, 3, 7, 8]), ("b", [4, 5, 6, 9]))}
+    assert rec.close(30)
+    for r in ("a", "b"):
+        ref = json.loads(out[r]["trace_ref"])
+        assert out[r]["gap"] == "unrecorded_positions" and not ref["guided"] and ref["reason"] == "incomplete"
+    assert rec.stats["seals"] == 0 and rec.stats["gaps"] == 2
+
+
 def test_planned_rows_past_the_slab_are_refused_not_invented() -> None:
     graph = GraphCapture(bits=1)
     graph.active = True
@@ -338,3 +365,25 @@ def test_codes_from_values_without_the_check_is_elementwise() -> None:
     with OpLog() as ops:
         codes_from_values(torch.empty(4, 16, device="meta"), check=False)
     assert not {n.split("::")[1] for n in ops.names} & FORBIDDEN
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_before_arming_stops_every_commit() -> None:
+    """A CUDA graph captured while the slab did not exist replays without writing rows; the slab
+    would then hold another forward's rows for it. The capture counts it and refuses to commit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA-graph capture test needs one")
+    graph = GraphCapture(bits=1)
+    graph.active = True
+    graph.install()
+    x = torch.randn(8, H)
+    codes, sf, g = _quantized(x, x.abs().amax(-1) / 2688)
+    packed, sf, g = pack_fp4(codes).cuda(), sf.cuda(), g.cuda()
+    graph.record(SITE, packed, sf, "linear", H, token_scale=g)  # noted, outside any capture
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        graph.record(SITE, packed, sf, "linear", H, token_scale=g)  # captured before arming
+    assert graph.stats["unarmed_capture"] == 1
+    assert graph.arm(8, "cuda")
+    with pytest.raises(Exception, match="captured before the slab was armed"):
+        graph.commit(None, [("t", 0, 8)], np.arange(8), None)
