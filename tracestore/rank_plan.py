@@ -159,7 +159,8 @@ class TrainerLayout:
 @dataclasses.dataclass
 class RankRead:
     """A rank's rows: ``rows[site]`` (:class:`~tracestore.storage.reader.SiteRows`, plan order), and
-    what fell back to RTN. ``rows_total`` counts non-padding rows over the sites read;
+    what fell back to RTN. ``rows_total`` counts non-padding rows over the FP4 sites read (artifact
+    sites, such as routing, are not counted);
     ``unguided_rows`` those without a record: unguided refs, masked missing records
     (``missing_rows``; ``missing_refs``: guided refs whose trajectory has no seal on storage at all)
     and the final positions of sealed trajectories (unrecorded by design, ``exempt_rows``)."""
@@ -250,6 +251,8 @@ class RankPlan:
         ref_rows = 0
         for name in res:
             r = res[name]
+            if r.site.is_artifact:  # routing / log-prob rows: nothing falls back to RTN there
+                continue
             k = r.site.rows_per_token
             real = np.repeat(~pad, k)
             rows_total += int(real.sum()) + self.unguided_tokens * k
@@ -273,6 +276,8 @@ class RankPlan:
                 want[int(self.plan.offsets[i]) : int(self.plan.offsets[i + 1])] = src[0].policy_version
         for name in res:
             r = res[name]
+            if r.site.is_artifact:  # routing / log-prob rows: nothing falls back to RTN there
+                continue
             k = r.site.rows_per_token
             w = np.repeat(want, k)
             bad = r.valid & (r.policy_version != w)

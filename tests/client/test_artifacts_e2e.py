@@ -190,6 +190,8 @@ def test_routing_follows_rank_plans(served: ServeProcess) -> None:
             assert (LP.name in rp.sites) == (pp == 1)
             with StoreReader(Store(served.storage), SPEC.run) as reader:
                 got = rp.read(reader)
+            fp4_sites = [s for s in rp.sites if not SPEC.site(s).is_artifact]
+            assert got.rows_total == len(fp4_sites) * sum(t is not None for t, _ in rp.token_map())
             for name in routed:
                 rows = got[name]
                 d = decode_routing(rows.site, rows.codes, rows.scales, rows.valid)
