@@ -19,8 +19,9 @@ with flag 0 so the key stays write-once and the gap is explicit. Everything here
 Example::
 
     site = routed_experts_site(layer=3, top_k=2, n_experts=8, gate="float32")
-    codes, scales = encode_routing(site, experts=np.array([[1, 5], [0, 7]]), gate=np.ones((2, 2), np.float32))
-    rows = decode_routing(site, codes, scales)          # rows.experts int64 [2, 2], rows.valid [True, True]
+    ids, gate = np.array([[1, 5], [0, 7]]), np.ones((2, 2), np.float32)
+    codes, scales = encode_routing(site, ids, gate)
+    rows = decode_routing(site, codes, scales)   # rows.experts int64 [2, 2], rows.valid [True, True]
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ class TrainerLayout:
         return tuple(range(start, start + q + (1 if dp < r else 0)))
 
     def stage_sites(self, spec: RunSpec, pp: int) -> tuple[str, ...]:
-        """The sites pipeline stage ``pp`` reads: those of its layers (FP4 sites and routing), and on
-        the last stage the ``logprobs`` artifact."""
+        """The sites pipeline stage ``pp`` reads: those of its layers (FP4 sites and routing),
+        and on the last stage the ``logprobs`` artifact."""
         n_layers = max((s.layer for s in spec.sites), default=-1) + 1
         counts = self.stage_layers
         if counts is None:

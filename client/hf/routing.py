@@ -23,7 +23,7 @@ Example::
 
     r3 = RoutingReplayHooks(model)
     rows = reader.read(plan, token_ids=input_ids)      # {site: Guidance | Routing}
-    r3.set_routing(rows)                               # Routing entries; GuidedFP4Hooks takes the rest
+    r3.set_routing(rows)                               # Routing entries (GuidedFP4Hooks: the rest)
     loss = loss_fn(model(input_ids).logits); loss.backward()
     r3.stats                                           # replayed / fallback rows, live agreement
 """
