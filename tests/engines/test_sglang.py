@@ -121,6 +121,38 @@ def test_req_and_batch_fields() -> None:
         assert callable(getattr(ForwardMode.EXTEND, m))
 
 
+def test_cuda_graph_runner_fields() -> None:
+    """What :func:`hooks.runs_cuda_graphs` reads: ``Scheduler.tp_worker``, ``TpModelWorker.model_runner``
+    and the model runner's decode / prefill graph runners beside its eager runner."""
+    from sglang.srt.managers import scheduler as sched_mod
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    assert "self.tp_worker = TpModelWorker(" in inspect.getsource(sched_mod)
+    assert isinstance(inspect.getattr_static(TpModelWorker, "model_runner"), property)
+    mr = _ast.source_tree("sglang.srt.model_executor.model_runner")
+    assigned = {_ast.dotted(t) for n in ast.walk(mr) if isinstance(n, ast.Assign) for t in n.targets}
+    assert {"self.decode_cuda_graph_runner", "self.prefill_cuda_graph_runner", "self.eager_runner"} <= assigned
+
+
+def test_cuda_graphs_or_overlap_record_nothing_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    eager = object()
+    off = SimpleNamespace(decode_cuda_graph_runner=eager, prefill_cuda_graph_runner=None, eager_runner=eager)
+    on = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None, eager_runner=eager)
+    assert not hooks.runs_cuda_graphs(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=off)))
+    assert hooks.runs_cuda_graphs(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=on)))
+    engine = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=cg policy_version=0"))
+    old = hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap
+    hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap = engine, RowMapper(block=1), False
+    try:
+        scheduler = SimpleNamespace(enable_overlap=False, tp_worker=SimpleNamespace(model_runner=on))
+        batch = ScheduleBatch(reqs=[new_req("g", [1, 2])], forward_mode=ForwardMode.EXTEND)
+        with caplog.at_level("ERROR", logger="tracestore.client.engines"):
+            assert hooks.around_run_batch(lambda sch, b: "ran", scheduler, batch) == "ran"
+        assert "CUDA graphs" in caplog.text and not hooks.MAPPER.known("g")  # nothing planned, nothing recorded
+    finally:
+        hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap = old
+
+
 def test_hooks_register_and_apply_to_the_real_targets() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 

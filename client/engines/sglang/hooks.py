@@ -21,7 +21,9 @@ only the scheduler process runs the hooked code):
 
 Overlap scheduling runs the forward on another thread while the scheduler prepares the next
 batch: rows could not be told apart, so with it on the plugin records nothing and logs why
-(start SGLang with ``--disable-overlap-schedule`` to record).
+(start SGLang with ``--disable-overlap-schedule`` to record). The same holds for SGLang's CUDA
+graphs (the hooks are Python; the graph-safe capture is wired for vLLM only): start SGLang with
+``--cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled``.
 """
 
 from __future__ import annotations
@@ -111,15 +113,31 @@ def batch_rows(batch: Any, mapper: RowMapper) -> list[Scheduled] | None:
     return out
 
 
+def runs_cuda_graphs(scheduler: Any) -> bool:
+    """Whether the scheduler's model runner replays CUDA graphs (a decode or prefill graph runner
+    other than its eager runner): the plugin's hooks would not run inside them."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    if runner is None:
+        return False
+    eager = getattr(runner, "eager_runner", None)
+    for attr in ("decode_cuda_graph_runner", "prefill_cuda_graph_runner"):
+        r = getattr(runner, attr, None)
+        if r is not None and r is not eager:
+            return True
+    return False
+
+
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """``Scheduler.run_batch``: plan the batch's rows, run it, record them."""
     global _warned_overlap
     if ENGINE is None or MAPPER is None:
         return original(scheduler, batch, *args, **kwargs)
-    if getattr(scheduler, "enable_overlap", False):
+    if getattr(scheduler, "enable_overlap", False) or runs_cuda_graphs(scheduler):
         if not _warned_overlap:
             log.error(
-                "tracestore: SGLang runs with overlap scheduling; nothing is recorded (--disable-overlap-schedule)"
+                "tracestore: SGLang runs with overlap scheduling or CUDA graphs; nothing is recorded "
+                "(start it with --disable-overlap-schedule and --cuda-graph-backend-decode=disabled "
+                "--cuda-graph-backend-prefill=disabled to record)"
             )
             _warned_overlap = True
         return original(scheduler, batch, *args, **kwargs)
