@@ -1,4 +1,5 @@
-"""Graph-safe capture: an engine's FP4 codes written into a static :class:`RecordSlab` by device ops.
+"""Graph-safe capture: an engine's FP4 codes written into a static :class:`RecordSlab` by device
+ops.
 
 Under CUDA graphs a hook's Python runs once, while the graph is captured; a replay runs only the
 kernels the capture queued. :class:`GraphCapture` therefore records through one registered torch
@@ -196,7 +197,8 @@ class GraphCapture:
         return self.slab is not None
 
     def site_specs(self) -> tuple[SiteSpec, ...]:
-        """The noted sites as :class:`SiteSpec` (sorted by name), as the eager path declares them."""
+        """The noted sites as :class:`SiteSpec` (sorted by name), as the eager path declares
+        them."""
         from .recording import site_spec
 
         return tuple(site_spec(n, w, self.bits) for n, w in sorted(self.widths.items()))
@@ -218,7 +220,8 @@ class GraphCapture:
         return True
 
     def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Each site's full-capacity ``(codes, scales, g)`` views of the slab (the last forward's rows)."""
+        """Each site's full-capacity ``(codes, scales, g)`` views of the slab (the last forward's
+        rows)."""
         if self.slab is None:
             raise ValidationError("the graph capture is not armed")
         return {n: (b.codes, b.scales, b.global_scale) for n, b in self.slab.buffers.items()}

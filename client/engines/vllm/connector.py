@@ -18,11 +18,15 @@ Scheduler side (one per engine core):
   one-process engine, or vLLM's uniproc executor) the seal is queued here at once. Otherwise the
   ending rides on the next step's metadata to the workers, which seal and then report the request
   through ``get_finished``; until then vLLM keeps its blocks and keeps stepping (the path vLLM
-  has for asynchronous KV sends), and ``trace_ref`` is null (the sites are known to the workers).
+  has for asynchronous KV sends). The ``trace_ref`` is then made here from the run identity the
+  recording worker sent back (``update_connector_output``; null before any forward declared it).
 
 Worker side: ``bind_connector_metadata`` hands the plan to the forward's capture
-(:mod:`.hooks`) and seals the endings it carries; ``get_finished`` reports them; ``shutdown``
-flushes and closes the recorder; every other connector method is a no-op (no KV is loaded or saved).
+(:mod:`.hooks`) and seals the endings it carries; ``get_finished`` reports them;
+``build_connector_worker_meta`` sends the run identity once; ``shutdown`` flushes and closes the
+recorder; every other connector method is a no-op (no KV is loaded or saved). Only tensor-parallel
+rank 0 records (:func:`~tracestore.client.engines.vllm.hooks.recording_rank`); asynchronous
+scheduling and pipeline parallelism are refused at start-up (:func:`check_config`).
 """
 
 from __future__ import annotations
@@ -244,7 +248,7 @@ class TraceStoreConnector(KVConnectorBase_V1):
                 self._sealed.add(rid)
 
     def build_connector_worker_meta(self) -> TraceStoreWorkerMetadata | None:
-        """The recording worker's run identity, once the run is declared (and again if it changes)."""
+        """The recording worker's run identity, once the run is declared (again if it changes)."""
         ident = run_identity(hooks.ENGINE)
         if ident is None or ident == self._sent:
             return None

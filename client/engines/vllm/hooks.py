@@ -66,7 +66,7 @@ _MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE r
 
 
 def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
-    if GRAPH is not None and not GRAPH.armed:  # an eager warm-up forward declares its sites for the slab
+    if GRAPH is not None and not GRAPH.armed:  # an eager warm-up declares its sites for the slab
         GRAPH.note(site, codes.shape[1] * 8 // _bits())
     if ENGINE is not None:
         ENGINE.capture(site, codes, scales, g)
@@ -108,8 +108,9 @@ def disable(why: str) -> None:
 
 
 def set_graph_mode(enforce_eager: bool) -> None:
-    """The engine's execution mode, from its config (the worker-role connector calls this before the
-    model loads): compiled or CUDA-graph forwards (``enforce_eager=False``) record through the op."""
+    """The engine's execution mode, from its config (the worker-role connector calls this before
+    graphs are captured): compiled or CUDA-graph forwards (``enforce_eager=False``) record through
+    the op."""
     if GRAPH is not None:
         GRAPH.active = not enforce_eager
 
