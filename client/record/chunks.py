@@ -170,6 +170,7 @@ class ChunkBuilder:
                 else None
             )
             gathered.append((site, codes, scales, ts, [bytes(npool[x[6] : x[6] + 4]) for x in at]))
+            time.sleep(0)  # a site's copies hold the GIL: the engine thread may want it between them
         for f in win:
             self._pool.release(f.region.offset)
         for site, codes, scales, ts, gb in gathered:
