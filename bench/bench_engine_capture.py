@@ -11,11 +11,13 @@ the scheduled batch to a captured size), replayed ``--steps`` times per timed lo
 around the loop, the variants interleaved over ``--reps`` rounds (median per step):
 
 - ``no capture``: the wrapped entry with the graph capture off (the hook records nothing);
-- ``capture``: the same graph captured with the capture on — the op's copies into the slab replay
-  with the graph; nothing committed;
+- ``capture``: the same graph captured with the capture on — the op's record kernel per site
+  (``tracestore.kernels.record_from_codes``) replays with the graph; nothing committed;
+- ``capture, torch ops``: the same with the op writing through :func:`record_rows`' torch ops;
 - ``capture + commit``: ``capture``, and after each replay the step's plan committed
   (:meth:`EngineRecorder.end_forward`: a decode step of ``--batch`` requests, rows ``[0, batch)``
-  of the slab staged by ``record_slab``) to a real sidecar over the unix socket;
+  of the slab staged by ``record_slab``) to a real sidecar over the unix socket (the plans, the
+  scheduler process's work in vLLM, are made before the timed loops);
 - ``capture + commit, gathered``: as above with the worker's row order reversed, so the planned
   rows are gathered into the second slab first.
 
@@ -110,56 +112,74 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
         capture: Any = capture_graph if dev == "cuda" else (lambda fn: types.SimpleNamespace(replay=fn))
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
-        model.scoped = False
-        graphs = {"no capture": capture(model)}
-        model.scoped = True
+        def step(scoped: bool, kernel: bool = True) -> None:
+            model.scoped = scoped
+            graph.kernel = kernel  # one record kernel per site, or record_rows' torch ops
+            model()
+
+        graphs = {"no capture": capture(lambda: step(False))}
         graph.active = True
-        model()  # the warm-up: notes the sites
+        step(True)  # the warm-up: notes the sites
         sync()
         assert graph.arm(padded, dev), "no site noted"
-        graphs["capture"] = capture(model)
+        lasts, kernels = {}, {"capture": True, "capture, torch ops": False}
+        for label, kernel in kernels.items():
+            graphs[label] = capture(lambda kernel=kernel: step(True, kernel))
+            lasts[label] = model.last  # layer 0's inputs, in the graph's own buffers
 
         # bit for bit: the slab after a replay against record_rows of the same inputs (layer 0)
-        for _ in range(3):
-            model.x0.normal_()
-            graphs["capture"].replay()
-            sync()
-            assert model.last is not None and graph.slab is not None
-            want = record_rows(model.last[0], model.last[1], layout="linear", bits=args.bits, token_scale=model.last[2])
-            buf = graph.slab["layers.0.mlp.input"]
-            exact = (
-                torch.equal(buf.codes[:padded], want[0])
-                and torch.equal(buf.scales[:padded], want[1])
-                and torch.equal(buf.global_scale[:padded], want[2])
-            )
-            assert exact, "slab rows differ from record_rows of the same inputs"
-        print(f"  slab rows equal record_rows of the replayed inputs: {exact}")
+        for label in lasts:
+            for _ in range(3):
+                model.x0.normal_()
+                graphs[label].replay()
+                sync()
+                last = lasts[label] if dev == "cuda" else model.last  # (on the CPU each "replay" runs anew)
+                assert last is not None and graph.slab is not None
+                want = record_rows(last[0], last[1], layout="linear", bits=args.bits, token_scale=last[2])
+                buf = graph.slab["layers.0.mlp.input"]
+                exact = (
+                    torch.equal(buf.codes[:padded], want[0])
+                    and torch.equal(buf.scales[:padded], want[1])
+                    and torch.equal(buf.global_scale[:padded], want[2])
+                )
+                assert exact, f"{label}: slab rows differ from record_rows of the same inputs"
+            assert graph.kernel is kernels[label], "the record kernel failed (see the log): torch ops were used"
+            print(f"  {label}: slab rows equal record_rows of the replayed inputs: {exact}")
 
+        # the scheduler's side (the row mapper) runs in vLLM's engine-core process, not on the
+        # worker: every step's plan is made before the timed loops
         mapper = RowMapper(block=16)
         rids = [f"r{i}" for i in range(batch)]
         for r in rids:
             mapper.add(r, [1])
+        n_plans = 1 + 2 * args.reps * args.steps
+        plans = [
+            mapper.step([Scheduled(r, p, 1, 0, [(p * 7 + j) % 50000]) for j, r in enumerate(rids)])
+            for p in range(n_plans)
+        ]
+        orders = {
+            False: [(r, 1) for r in rids],
+            True: [(r, 1) for r in reversed(rids)],  # the worker's batch order differs: rows gathered
+        }
         pos = [0]
 
         def commit(reverse: bool) -> float:
-            p = pos[0]
-            plan = mapper.step([Scheduled(r, p, 1, 0, [(p * 7 + j) % 50000]) for j, r in enumerate(rids)])
-            order = [(r, 1) for r in (reversed(rids) if reverse else rids)]
+            """The worker's part of a step after the replay: EngineRecorder.end_forward."""
+            plan = plans[pos[0]]
+            pos[0] += 1
             t0 = time.perf_counter()
-            rec.end_forward(plan, order)
-            dt = time.perf_counter() - t0
-            pos[0] = p + 1
-            return dt
+            rec.end_forward(plan, orders[reverse])
+            return time.perf_counter() - t0
 
         graphs["capture"].replay()
         commit(False)  # the first commit declares the run and connects the recorder: not timed
 
-        variants = ["no capture", "capture", "capture + commit", "capture + commit, gathered"]
+        variants = ["no capture", "capture", "capture, torch ops", "capture + commit", "capture + commit, gathered"]
         per_step: dict[str, list[float]] = {v: [] for v in variants}
         host: dict[str, list[float]] = {v: [] for v in variants}
         for _rep in range(args.reps):
             for v in variants:
-                g = graphs["no capture" if v == "no capture" else "capture"]
+                g = graphs[v if v in graphs else "capture"]
                 sync()
                 t0 = time.perf_counter()
                 if dev == "cuda":

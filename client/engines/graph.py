@@ -40,9 +40,10 @@ from tracestore.kernels import RecordSlab
 
 from tracestore.errors import ShapeError, ValidationError
 from tracestore.formats import check_bits
+from tracestore.fp4 import sane_global_scales
 from tracestore.records import SiteSpec
 
-from .codes import record_rows
+from .codes import record_rows, scales_to_rowmajor
 
 log = logging.getLogger("tracestore.client.engines")
 
@@ -92,19 +93,25 @@ class GraphCapture:
 
     ``bits``: the low code bits recorded per value (the setting's ``bits``). ``active``: whether the
     engine's hooks route through the op (the engine runs compiled or graph-replayed forwards);
-    while False, hooks use their eager path and this object is idle.
+    while False, hooks use their eager path and this object is idle. ``kernel``: on a GPU, write
+    each site's rows with one ``tracestore.kernels.record_from_codes`` kernel (after a view or copy
+    that puts swizzled scales in row order) instead of the dozen torch ops of
+    :func:`record_rows`; both write the same bytes. g is stored by the rule of docs/numerics.md §3
+    either way (0, negative or non-finite: 1.0).
     """
 
-    def __init__(self, bits: int = 1) -> None:
+    def __init__(self, bits: int = 1, kernel: bool = True) -> None:
         self.bits = check_bits(bits)
+        self.kernel = kernel
         self.active = False
         self.widths: dict[str, int] = {}  # sites noted before arming, name -> width
         self.slab: RecordSlab | None = None
         self.gathered: RecordSlab | None = None
-        self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0}
+        self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0, "failed": 0}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._idx: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # pinned host, device, event
+        self._specs: dict[str, SiteSpec] = {}
 
     # -- the hooks' side ------------------------------------------------------------------------
 
@@ -162,7 +169,36 @@ class GraphCapture:
             return
         half = width // 2
         if rows.shape[1] < half:
+            self.stats["failed"] += 1
             raise ShapeError(f"site {site!r}: codes hold {rows.shape[1] * 2} values a row, width is {width}")
+        if self.kernel and rows.is_cuda:
+            try:
+                self._write_kernel(slab, site, rows, sf, scale, layout, width, per_token, n)
+                self.stats["writes"] += 1
+                return
+            except Exception:  # e.g. no CuPy: the torch ops write the same bytes
+                log.exception("tracestore: the record kernel failed for %s; using torch ops from now on", site)
+                self.kernel = False
+        try:
+            self._write_torch(slab, site, rows, sf, scale, layout, width, per_token, n)
+        except Exception:
+            self.stats["failed"] += 1  # its rows stay stale: commit refuses from now on
+            raise
+        self.stats["writes"] += 1
+
+    def _write_torch(
+        self,
+        slab: RecordSlab,
+        site: str,
+        rows: torch.Tensor,
+        sf: torch.Tensor,
+        scale: torch.Tensor | None,
+        layout: str,
+        width: int,
+        per_token: bool,
+        n: int,
+    ) -> None:
+        """:func:`record_rows` and three copies into the site's slab rows ``[0, n)``."""
         codes, scales, g = record_rows(
             rows,
             sf,
@@ -175,8 +211,31 @@ class GraphCapture:
         nb = width // 16
         buf.codes[:n].copy_(codes[:n, : buf.codes.shape[1]])
         buf.scales[:n].copy_(scales[:n, :nb])
-        buf.global_scale[:n].copy_(g[:n] if g.numel() > 1 else g.expand(n))
-        self.stats["writes"] += 1
+        buf.global_scale[:n].copy_(sane_global_scales(g[:n] if g.numel() > 1 else g.expand(n)))
+
+    def _write_kernel(
+        self,
+        slab: RecordSlab,
+        site: str,
+        rows: torch.Tensor,
+        sf: torch.Tensor,
+        scale: torch.Tensor | None,
+        layout: str,
+        width: int,
+        per_token: bool,
+        n: int,
+    ) -> None:
+        """One ``record_from_codes`` kernel into the site's slab rows ``[0, n)`` (on a GPU)."""
+        from tracestore.kernels import record_from_codes
+
+        t, cols = int(rows.shape[0]), rows.shape[1] * 2 // 16
+        rowmajor = scales_to_rowmajor(sf, t, cols, layout)[:n, : width // 16]
+        if scale is None:
+            raise ValidationError(f"site {site!r}: no decode-side g")
+        g = scale.reshape(-1).to(torch.float32)
+        g = g[:n].contiguous() if per_token else g[:1]
+        spec = self._specs[site]
+        record_from_codes(rows[:n, : width // 2], rowmajor, spec, slab[site], scale_layout="rowmajor", global_scale=g)
 
     def note(self, site: str, width: int) -> None:
         """Declare ``site`` (``width`` values a row) for the slab :meth:`arm` allocates; hooks that
@@ -215,6 +274,7 @@ class GraphCapture:
         if not specs:
             return False
         self.gathered = RecordSlab.allocate(specs, capacity, device)
+        self._specs = {sp.name: sp for sp in specs}
         self.slab = RecordSlab.allocate(specs, capacity, device)
         log.info("tracestore: graph capture armed: %d sites, %d rows, %s", len(specs), capacity, self.slab)
         return True
@@ -236,10 +296,11 @@ class GraphCapture:
         into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
         if self.slab is None or self.gathered is None:
             raise ValidationError("the graph capture is not armed")
-        if self.stats["unarmed_capture"]:
+        if self.stats["unarmed_capture"] or self.stats["failed"]:
             raise ValidationError(
-                "a CUDA graph was captured before the slab was armed: its replays write no rows, so "
-                "no slab row can be trusted; nothing is committed"
+                "a CUDA graph was captured before the slab was armed, or a write into the slab failed: "
+                "some forwards leave other forwards' rows in the slab, so no slab row can be trusted; "
+                "nothing is committed"
             )
         n = int(index.shape[0])
         if n == 0:

@@ -147,10 +147,10 @@ class FakeEngine:
     """A forward = the wrapped FlashInfer entry fed one batch's codes, padded with junk rows to a
     "captured size"; per-token scales (vLLM's ``nvfp4_per_token`` path)."""
 
-    def __init__(self, address: str, run: str, device: str, bits: int = 4) -> None:
+    def __init__(self, address: str, run: str, device: str, bits: int = 4, kernel: bool = True) -> None:
         self.setting = parse_setting(f"sidecar={address} run={run} policy_version=0 writer=w-{run} bits={bits}")
         self.rec = EngineRecorder(self.setting)
-        self.graph = GraphCapture(bits)
+        self.graph = GraphCapture(bits, kernel=kernel)
         self.graph.active = True
         self.graph.install()
         self.rec.graph = self.graph
@@ -317,13 +317,15 @@ def test_8x4_and_swizzled_rows_are_the_linear_rows() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_record_new_inputs_bit_exactly(sidecar: ServeProcess) -> None:
+@pytest.mark.parametrize("kernel", [True, False], ids=["record-kernel", "torch-ops"])
+def test_cuda_graph_replays_record_new_inputs_bit_exactly(sidecar: ServeProcess, kernel: bool) -> None:
     """The hook captured once in a ``torch.cuda.CUDAGraph`` per padded size; each step copies its new
     inputs into the graph's static buffers, replays, commits. Stored rows equal an independent
     quantization of each (request, position)'s activation."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CUDA-graph capture test needs one")
-    eng = FakeEngine(sidecar.address, "ggpu", "cuda")
+    run = f"ggpu{int(kernel)}"
+    eng = FakeEngine(sidecar.address, run, "cuda", kernel=kernel)
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
 
     def replay(inp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -349,10 +351,37 @@ def test_cuda_graph_replays_record_new_inputs_bit_exactly(sidecar: ServeProcess)
     out = run_steps(eng, replay)
     assert out["a"]["gap"] is None and out["b"]["gap"] is None
     assert eng.rec.stats["rows"] == 12 and len(graphs) == 3
+    assert eng.graph.kernel is kernel  # (the kernel path did not fall back)
     sidecar.terminate()
     sidecar.start()
-    check_stored(sidecar, "ggpu", "a::a0", 8, 4, "a")
-    check_stored(sidecar, "ggpu", "b::a0", 6, 4, "b")
+    check_stored(sidecar, run, "a::a0", 8, 4, "a")
+    check_stored(sidecar, run, "b::a0", 6, 4, "b")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["linear", "8x4", "swizzled128x4"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_record_kernel_and_torch_ops_write_the_same_slab_bytes(layout: str, per_token: bool) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    t, width = 37, 128
+    x = torch.randn(t, width, generator=torch.Generator().manual_seed(5))
+    g = x.abs().amax(-1) / 2688 if per_token else torch.tensor([0.002]).expand(t)
+    qs = [quantize(x[r : r + 1], NVFP4, global_scale=float(g[r])) for r in range(t)]
+    codes, sf = torch.cat([q.codes for q in qs]), torch.cat([q.scales for q in qs])
+    buf = {"linear": sf, "8x4": swizzle_8x4(sf, fill=0x7F), "swizzled128x4": swizzle_scales(sf, fill=0x7F)}[layout]
+    packed, buf = pack_fp4(codes).cuda(), buf.cuda()
+    scale = (g if per_token else g[:1]).contiguous().cuda()
+    slabs = []
+    for kernel in (True, False):
+        graph = GraphCapture(bits=2, kernel=kernel)
+        graph.install()
+        graph.note(SITE, width)
+        graph.arm(48, "cuda")
+        graph.write(packed, buf, scale, SITE, layout, width, per_token)
+        assert graph.kernel is kernel and graph.slab is not None
+        slabs.append(graph.slab.data[:t].cpu())
+    assert torch.equal(slabs[0], slabs[1])
 
 
 def test_codes_from_values_without_the_check_is_elementwise() -> None:
@@ -385,5 +414,29 @@ def test_a_graph_captured_before_arming_stops_every_commit() -> None:
         graph.record(SITE, packed, sf, "linear", H, token_scale=g)  # captured before arming
     assert graph.stats["unarmed_capture"] == 1
     assert graph.arm(8, "cuda")
-    with pytest.raises(Exception, match="captured before the slab was armed"):
+    with pytest.raises(Exception, match="captured before the slab was armed, or a write"):
         graph.commit(None, [("t", 0, 8)], np.arange(8), None)
+
+
+@pytest.mark.parametrize("layout", ["linear", "8x4", "swizzled128x4"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_record_kernel_arguments_give_the_torch_bytes_on_the_cpu(layout: str, per_token: bool) -> None:
+    """The GPU path's call of ``record_from_codes`` (scales put in row order, g per row or one),
+    run here by the kernels' CPU reference, writes what the torch path writes; the GPU test above
+    compares the CUDA kernel itself. Rows past the slab are clipped the same way."""
+    t, width, cap = 37, 128, 32
+    x = torch.randn(t, width, generator=torch.Generator().manual_seed(6))
+    g = x.abs().amax(-1) / 2688 if per_token else torch.tensor([0.002]).expand(t)
+    qs = [quantize(x[r : r + 1], NVFP4, global_scale=float(g[r])) for r in range(t)]
+    codes, sf = torch.cat([q.codes for q in qs]), torch.cat([q.scales for q in qs])
+    buf = {"linear": sf, "8x4": swizzle_8x4(sf, fill=0x7F), "swizzled128x4": swizzle_scales(sf, fill=0x7F)}[layout]
+    scale = (g if per_token else g[:1]).contiguous()
+    out = []
+    for writer in ("_write_kernel", "_write_torch"):
+        graph = GraphCapture(bits=2)
+        graph.note(SITE, width)
+        graph.arm(cap, "cpu")
+        assert graph.slab is not None
+        getattr(graph, writer)(graph.slab, SITE, pack_fp4(codes), buf, scale, layout, width, per_token, cap)
+        out.append(graph.slab.data.clone())
+    assert torch.equal(out[0], out[1])
