@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from tracestore.errors import ConfigError, StorageError
-from tracestore.cli import build_parser
 from tracestore.server.cli import config_from_args
+
+from tracestore.cli import build_parser
+from tracestore.errors import ConfigError, StorageError
 from tracestore.settings import resolve
 from tracestore.storage.config import StorageConfig
 from tracestore.storage.fs import DEFAULT_RETRY_DEADLINE_S, RETRY_DEADLINE_ENV, Storage, backoff_wait

@@ -44,21 +44,22 @@ def _is_environ(node: ast.AST) -> bool:
     )
 
 
+def _reads(node: ast.AST) -> bool:
+    """Whether ``node`` reads the environment by key."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        f = node.func
+        getenv = f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os"
+        return getenv or (_is_environ(f.value) and f.attr not in ALLOWED_ATTRS)
+    if isinstance(node, ast.Subscript):
+        return _is_environ(node.value) and isinstance(node.ctx, ast.Load)
+    if isinstance(node, ast.Compare):
+        return any(_is_environ(c) for c in node.comparators)
+    return False
+
+
 def env_reads(tree: ast.AST) -> list[int]:
     """Line numbers of keyed reads of the environment in ``tree``."""
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            f = node.func
-            if f.attr == "getenv" and isinstance(f.value, ast.Name) and f.value.id == "os":
-                lines.append(node.lineno)
-            elif _is_environ(f.value) and f.attr not in ALLOWED_ATTRS:
-                lines.append(node.lineno)
-        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.ctx, ast.Load):
-            lines.append(node.lineno)
-        elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(tree) if _reads(node)]  # type: ignore[attr-defined]
 
 
 def product_files():

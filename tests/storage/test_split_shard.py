@@ -180,8 +180,9 @@ def test_default_policy_splits_only_large_shards_of_large_chunks(tmp_path, monke
 
 
 def test_settings_and_refusals(tmp_path, monkeypatch):
-    from tracestore.cli import build_parser
     from tracestore.server.cli import config_from_args
+
+    from tracestore.cli import build_parser
     from tracestore.settings import resolve
 
     def serve_config():
