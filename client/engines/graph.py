@@ -3,10 +3,11 @@ ops.
 
 Under CUDA graphs a hook's Python runs once, while the graph is captured; a replay runs only the
 kernels the capture queued. :class:`GraphCapture` therefore records through one registered torch
-custom op, ``torch.ops.tracestore.engine_record``, whose body turns a site's codes and scales into
-record rows (:func:`tracestore.client.engines.codes.record_rows`: tensor ops on the codes' device)
-and copies them into rows ``[0, T)`` of that site's columns of the slab — no host read of device
-data, no allocation outside the ops themselves, nothing that depends on values. Captured once, a
+custom op, ``torch.ops.tracestore.engine_record``, whose body writes a site's codes and scales as
+record rows into rows ``[0, T)`` of that site's columns of the slab — on a GPU with one
+``tracestore.kernels.record_from_codes`` kernel, elsewhere with
+:func:`tracestore.client.engines.codes.record_rows`' tensor ops and three copies: no host read of
+device data, no allocation outside the ops themselves, nothing that depends on values. Captured once, a
 graph rewrites the slab's rows from its new inputs at every replay. The op declares that it
 mutates a one-element anchor tensor, so ``torch.compile`` keeps it (an op without outputs or
 mutations is removed as dead code) and treats it as opaque; its body runs where the compiled
