@@ -216,7 +216,7 @@ class _Fill:
         self.born = born
         self.done: list[Outgoing] = []
         self.chunks = 0  # chunks added, over all messages
-        self._sane: dict[float, float] = {}  # g -> sane_global_scale(g) (NaN never hits: a new entry each)
+        self._sane: dict[float, float] = {}  # g -> sane_global_scale(g); a NaN adds an entry each time
         self._open()
 
     def _open(self) -> None:
@@ -253,7 +253,7 @@ class _Fill:
         cb, sb = site.code_bytes, site.scale_bytes
         sane = self._sane.get(g)
         if sane is None:  # 0, negative or not finite: 1 (docs/numerics.md §3), as the trainer uses it
-            sane = self._sane[g] = sane_global_scale(g)  # (np.errstate per call: once per distinct g)
+            sane = self._sane[g] = sane_global_scale(g)  # (an np.errstate per call: once per g)
         g = sane
         ledger = self.b.ledger
         ids = ledger.crc(trajectory, token_start + n_tokens) if ledger else None

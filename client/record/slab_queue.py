@@ -24,8 +24,7 @@ from .slab import SegmentCheck, Segments
 from .staging import StagingPool
 
 # A forward whose sequences average at least this many tokens is not coalesced with later ones:
-# its chunks are long already (the decode bench found ~32-token chunks enough to keep per-chunk
-# work on both sides small).
+# its chunks are long enough already for per-chunk work on both sides to stay small.
 LONG_SEGMENT = 32
 
 
