@@ -29,10 +29,11 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
 - Phase 2, sustained: recording only, one stage per ``--forward-ms`` value (``--stage-s`` each,
   or ``--duration`` for one value): the offered load rises stage by stage. A stage is sustained
   when no row went unguided, it ran to its end, and the backlog (sidecar ``backlog_bytes`` from
-  the Stat RPC + the recorders' staging in use) either grew by less than 10% of its room (budget +
-  pools) from the stage's first half to its second, or stayed under half of the sidecar's budget
-  and half of each pool (it saw-tooths with shard commits, so short stages read growth loosely). An engine that sees an
-  unguided row ends the run for all (the later stages would only drop more).
+  the Stat RPC + the recorders' staging in use) either stayed under half of the sidecars' budget
+  and half of each pool, or grew from the stage's first half to its second at a rate that would
+  not fill the room left (budgets + pools) within 60 s (it saw-tooths with shard commits, so
+  short stages read growth loosely). An engine that sees an unguided row ends the run for all
+  (the later stages would only drop more).
 - ``--sidecars N``: N sidecar processes (engine i records to sidecar i mod N; 0: one per
   engine), all on one storage. Meanwhile the parent samples every 0.5 s: each sidecar's Stat
   (backlog, WAL bytes, shards), RSS with its anonymous and shared-memory parts apart (a sidecar
@@ -706,6 +707,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         st_max = max((x[1] for r in results for x in r["timeline"] if t0 <= x[0] <= t1), default=0)
         # bounded: not growing, or far from both limits (the sidecar's budget, a recorder's pool)
         far = bool(bl1 + bl2) and max(bl1 + bl2) < budget / 2 and st_max < (staging_mib << 20) / 2
+        growth_rate = growth / max((t1 - t0) / 2, 1e-9)  # bytes/s, first half to second
+        left = room - max(bl1 + bl2, default=0) - sg2  # room not yet taken at the stage's end
         cpu = (w[-1]["cpu_s"] - w[0]["cpu_s"]) if len(w) > 1 else float("nan")
         span = (w[-1]["t"] - w[0]["t"]) if len(w) > 1 else float("nan")
         offered = sum(s["payload"] for s in st) / (t1 - t0)
@@ -724,7 +727,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                      "calls_p99_ms": max(s["calls_p99_ms"] for s in st),
                      "complete": all(s["complete"] for s in st) and len(st) == k,
                      "staging_max_MiB": st_max / 2**20, "far_from_limits": far,
-                     "sustained": unguided == 0 and (growth < 0.1 * room or far) and all(s["complete"] for s in st)
+                     "backlog_growth_MiBps": growth_rate / 2**20, "room_left_MiB": left / 2**20,
+                     "sustained": unguided == 0 and (far or growth_rate * 60 < left) and all(s["complete"] for s in st)
                      and len(st) == k})  # fmt: skip
     # -- the run: durable rate over all recorded bytes
     t_start2 = min(r["stages"][0]["t0"] for r in results if r["stages"])
