@@ -11,7 +11,9 @@ device data, no allocation outside the ops themselves, nothing that depends on v
 graph rewrites the slab's rows from its new inputs at every replay. The op declares that it
 mutates a one-element anchor tensor, so ``torch.compile`` keeps it (an op without outputs or
 mutations is removed as dead code) and treats it as opaque; its body runs where the compiled
-graph runs, captured or not.
+graph runs, captured or not. Routing goes the same way through a sibling op,
+``torch.ops.tracestore.engine_route``, which copies a MoE layer's expert ids into that
+``routed_experts`` site's static rows (:class:`~tracestore.client.engines.routing.RouteBuffers`).
 
 Life of a slab (:meth:`GraphCapture.arm`): before it is armed the op only notes each site's name
 and width (the engine's warm-up forward passes every layer once, outside any capture); ``arm``
@@ -24,7 +26,8 @@ Rows are mapped after the forward, on the host, from the scheduler's plan
 (:class:`~tracestore.client.engines.rows.StepPlan`): :meth:`GraphCapture.commit` hands the
 recorder rows ``[0, n)`` of the slab when the plan takes exactly those, else first gathers the
 planned rows (``index_select`` on the device, the index copied from pinned host memory) into a
-second slab. Rows past the scheduled tokens — the padding an engine adds to reach a captured
+second slab (routing rows: gathered the same way and handed over with one ``record_forward``
+of the same segments). Rows past the scheduled tokens — the padding an engine adds to reach a captured
 batch size — are written by the graph but never named by a plan, so never committed.
 """
 
@@ -45,10 +48,12 @@ from tracestore.fp4 import sane_global_scales
 from tracestore.records import SiteSpec
 
 from .codes import record_rows, scales_to_rowmajor
+from .routing import RouteBuffers
 
 log = logging.getLogger("tracestore.client.engines")
 
 OP = "tracestore::engine_record"
+ROUTE_OP = "tracestore::engine_route"
 ANCHOR = torch.zeros(1, dtype=torch.int32)  # what the op declares it mutates (never written)
 _ACTIVE: list[GraphCapture] = []  # the process's capture the op writes into (one engine a process)
 
@@ -85,6 +90,19 @@ def _engine_record_fake(
     return None
 
 
+@torch.library.custom_op(ROUTE_OP, mutates_args=("anchor",))
+def engine_route(anchor: torch.Tensor, ids: torch.Tensor, site: str) -> None:
+    """Write the routed expert ids ``ids`` (integers ``[T, >= top_k]``) of the ``routed_experts``
+    site ``site`` into the active :class:`GraphCapture`'s routing rows."""
+    if _ACTIVE:
+        _ACTIVE[0].write_route(ids, site)
+
+
+@engine_route.register_fake
+def _engine_route_fake(anchor: torch.Tensor, ids: torch.Tensor, site: str) -> None:
+    return None
+
+
 def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -106,8 +124,12 @@ class GraphCapture:
         self.kernel = kernel
         self.active = False
         self.widths: dict[str, int] = {}  # sites noted before arming, name -> width
-        self.slab: RecordSlab | None = None
+        self.routes: dict[str, SiteSpec] = {}  # routed_experts sites noted before arming
+        self.slab: RecordSlab | None = None  # the FP4 sites' rows (None: the run has none)
         self.gathered: RecordSlab | None = None
+        self.route_rows: RouteBuffers | None = None  # the routing sites' rows (None: none)
+        self._armed = False
+        self._device: torch.device | None = None
         self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0, "failed": 0}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -138,6 +160,33 @@ class GraphCapture:
         scale = token_scale if token_scale is not None else global_scale
         torch.ops.tracestore.engine_record(ANCHOR, packed, sf, scale, site, layout, int(width), token_scale is not None)
 
+    def route(self, spec: SiteSpec, ids: torch.Tensor) -> None:
+        """A routing hook's call: the ``routed_experts`` site ``spec``'s expert ids of this forward
+        (integers ``[T, >= top_k]``) through the op (declare the site with :meth:`note_route`
+        before arming, outside any trace)."""
+        torch.ops.tracestore.engine_route(ANCHOR, ids, spec.name)
+
+    def write_route(self, ids: torch.Tensor, site: str) -> None:
+        """The routing op's body: rows ``[0, min(T, capacity))`` of ``site``'s routing rows, by
+        device ops (before :meth:`arm`: nothing, or counted when a graph is being captured)."""
+        if not self._armed:
+            if _capturing():
+                self.stats["unarmed_capture"] += 1
+                self._warn(site, "a CUDA graph was captured before the capture was armed: it records nothing")
+            return
+        bufs = self.route_rows
+        if bufs is None or site not in bufs.specs:
+            self.stats["late"] += 1
+            self._warn(site, "site first seen after the slab was allocated: not recorded")
+            return
+        try:
+            if bufs.write(site, ids) < ids.shape[0]:
+                self.stats["clipped"] += 1
+        except Exception:
+            self.stats["failed"] += 1
+            raise
+        self.stats["writes"] += 1
+
     def write(
         self,
         packed: torch.Tensor,
@@ -151,14 +200,14 @@ class GraphCapture:
         """The op's body: rows ``[0, min(T, capacity))`` of ``site`` in the slab, by device ops.
         Before :meth:`arm` it notes the site instead (outside a capture)."""
         slab = self.slab
-        if slab is None:
+        if not self._armed:
             if _capturing():
                 self.stats["unarmed_capture"] += 1
                 self._warn(site, "a CUDA graph was captured before the capture was armed: it records nothing")
             else:
                 self.note(site, width)
             return
-        if site not in slab.buffers:
+        if slab is None or site not in slab.buffers:
             self.stats["late"] += 1
             self._warn(site, "site first seen after the slab was allocated: not recorded")
             return
@@ -241,9 +290,18 @@ class GraphCapture:
     def note(self, site: str, width: int) -> None:
         """Declare ``site`` (``width`` values a row) for the slab :meth:`arm` allocates; hooks that
         record eagerly before the capture is on note theirs here too."""
-        if self.slab is None:
+        if not self._armed:
             with self._lock:
                 self.widths.setdefault(site, int(width))
+
+    def note_route(self, spec: SiteSpec) -> None:
+        """Declare the ``routed_experts`` site ``spec`` for the routing rows :meth:`arm` allocates
+        (a later declaration of the same name must agree)."""
+        if not self._armed:
+            with self._lock:
+                old = self.routes.setdefault(spec.name, spec)
+            if old != spec:
+                raise ValidationError(f"routing site {spec.name} declared as {old} and as {spec}")
 
     def _warn(self, site: str, why: str) -> None:
         if site not in self._warned:
@@ -254,7 +312,7 @@ class GraphCapture:
 
     @property
     def armed(self) -> bool:
-        return self.slab is not None
+        return self._armed
 
     def site_specs(self) -> tuple[SiteSpec, ...]:
         """The noted sites as :class:`SiteSpec` (sorted by name), as the eager path declares
@@ -263,39 +321,68 @@ class GraphCapture:
 
         return tuple(site_spec(n, w, self.bits) for n, w in sorted(self.widths.items()))
 
+    def specs(self) -> tuple[SiteSpec, ...]:
+        """Every site the armed capture records: the FP4 slab's, then the routing sites (by name)."""
+        fp4 = () if self.slab is None else tuple(self.slab.sites)
+        bufs = self.route_rows
+        routes = () if bufs is None else tuple(bufs.specs[n] for n in sorted(bufs.specs))
+        return fp4 + routes
+
     def arm(self, capacity: int, device: torch.device | str) -> bool:
-        """Allocate the slab (and the gather slab) for the sites noted so far, ``capacity`` rows
-        each: the largest forward the engine runs, padding included. Returns whether it is armed
-        (False: no site was noted; call again after a forward). Idempotent once armed."""
-        if self.slab is not None:
+        """Allocate the slab (and the gather slab) for the FP4 sites noted so far and the routing
+        rows for the routing sites, ``capacity`` rows each: the largest forward the engine runs,
+        padding included. Returns whether it is armed (False: no site was noted; call again after
+        a forward). Idempotent once armed."""
+        if self._armed:
             return True
         if capacity < 1:
             raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
         specs = self.site_specs()
-        if not specs:
+        if not specs and not self.routes:
             return False
-        self.gathered = RecordSlab.allocate(specs, capacity, device)
-        self._specs = {sp.name: sp for sp in specs}
-        self.slab = RecordSlab.allocate(specs, capacity, device)
-        log.info("tracestore: graph capture armed: %d sites, %d rows, %s", len(specs), capacity, self.slab)
+        if specs:
+            self.gathered = RecordSlab.allocate(specs, capacity, device)
+            self._specs = {sp.name: sp for sp in specs}
+            self.slab = RecordSlab.allocate(specs, capacity, device)
+        if self.routes:
+            self.route_rows = RouteBuffers(self.routes.values(), capacity, device)
+        self._device = torch.device(device)
+        self._armed = True
+        log.info(
+            "tracestore: graph capture armed: %d FP4 sites (%s), %d routing sites, %d rows",
+            len(specs), self.slab, len(self.routes), capacity,
+        )  # fmt: skip
         return True
 
     def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each site's full-capacity ``(codes, scales, g)`` views of the slab (the last forward's
         rows)."""
-        if self.slab is None:
+        if not self._armed:
             raise ValidationError("the graph capture is not armed")
-        return {n: (b.codes, b.scales, b.global_scale) for n, b in self.slab.buffers.items()}
+        slab = self.slab
+        out = {} if slab is None else {n: (b.codes, b.scales, b.global_scale) for n, b in slab.buffers.items()}
+        if self.route_rows is not None:
+            out.update(self.route_rows.rows())
+        return out
 
     # -- after a forward --------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Rows per site of the armed capture (0 before arming)."""
+        if self.slab is not None:
+            return self.slab.capacity
+        return 0 if self.route_rows is None else self.route_rows.capacity
 
     def commit(
         self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any
     ) -> bool:
-        """Hand the recorder the slab rows ``index`` (one per token of ``segments``, in order): rows
-        ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned rows gathered
-        into the second slab first. Returns :meth:`RolloutRecorder.record_slab`'s answer."""
-        if self.slab is None or self.gathered is None:
+        """Hand the recorder the rows ``index`` (one per token of ``segments``, in order). FP4
+        sites: rows ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned
+        rows gathered into the second slab first (:meth:`RolloutRecorder.record_slab`); routing
+        sites: the planned rows as one ``record_forward`` of the same segments. Returns whether
+        the recorder took them all."""
+        if not self._armed:
             raise ValidationError("the graph capture is not armed")
         if self.stats["unarmed_capture"] or self.stats["failed"]:
             raise ValidationError(
@@ -306,25 +393,42 @@ class GraphCapture:
         n = int(index.shape[0])
         if n == 0:
             return True
-        if n > self.slab.capacity or int(index.max()) >= self.slab.capacity or int(index.min()) < 0:
-            raise ShapeError(f"rows {index.min()}..{index.max()} planned; the slab holds {self.slab.capacity}")
-        slab = self.slab
-        if not np.array_equal(index, np.arange(n, dtype=index.dtype)):
-            torch.index_select(self.slab.data, 0, self._device_index(index), out=self.gathered.data[:n])
-            slab = self.gathered
-            self.stats["gathers"] += 1
-        return bool(recorder.record_slab(segments, slab, n_rows=n, token_ids=token_ids))
+        cap = self.capacity
+        if n > cap or int(index.max()) >= cap or int(index.min()) < 0:
+            raise ShapeError(f"rows {index.min()}..{index.max()} planned; the slab holds {cap}")
+        identity = bool(np.array_equal(index, np.arange(n, dtype=index.dtype)))
+        dev_index = None if identity else self._device_index(index)
+        ok = True
+        if self.slab is not None and self.gathered is not None:
+            slab = self.slab
+            if dev_index is not None:
+                torch.index_select(self.slab.data, 0, dev_index, out=self.gathered.data[:n])
+                slab = self.gathered
+                self.stats["gathers"] += 1
+            ok = bool(recorder.record_slab(segments, slab, n_rows=n, token_ids=token_ids))
+        if self.route_rows is not None:
+            from tracestore.client import SiteOutput
+
+            # copies, not views: the next forward rewrites the routing rows while the recorder copies
+            rows = (
+                {k: (c[:n].clone(), f[:n].clone(), g) for k, (c, f, g) in self.route_rows.rows().items()}
+                if dev_index is None
+                else self.route_rows.gather(dev_index)
+            )
+            outputs = {k: SiteOutput(c, f, g) for k, (c, f, g) in rows.items()}
+            ok = bool(recorder.record_forward(segments, outputs, token_ids=token_ids)) and ok
+        return ok
 
     def _device_index(self, index: np.ndarray) -> torch.Tensor:
         """``index`` as an int64 tensor on the slab's device; on a GPU through two pinned host
         buffers used in turn (the copy from one had a whole step to land before it is rewritten)."""
-        assert self.slab is not None
-        dev = self.slab.device
+        assert self._device is not None
+        dev = self._device
         src = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
         if dev.type != "cuda":
             return src.to(dev)
         if not self._idx:
-            cap = self.slab.capacity
+            cap = self.capacity
             self._idx = [
                 (
                     torch.empty(cap, dtype=torch.int64, pin_memory=True),

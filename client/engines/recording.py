@@ -4,7 +4,9 @@
 :class:`tracestore.client.RolloutRecorder`:
 
 - during a forward, the plugin's hooks call :meth:`EngineRecorder.capture` once per site with the
-  record rows of every token of the forward (:func:`tracestore.client.engines.codes.record_rows`);
+  record rows of every token of the forward (:func:`tracestore.client.engines.codes.record_rows`),
+  and :meth:`EngineRecorder.capture_route` once per MoE layer with its routed expert ids (a
+  ``routed_experts`` site, :mod:`tracestore.client.engines.routing`);
 - after it, :meth:`EngineRecorder.end_forward` applies the step's
   :class:`~tracestore.client.engines.rows.StepPlan`: prefix links first, then the planned rows
   (one ``record_forward`` with their token ids), draft rows held on the host until confirmed;
@@ -30,6 +32,7 @@ from tracestore.errors import ValidationError
 from tracestore.records import RunSpec, SiteSpec
 from tracestore.traceref import site_digest, split_attempt_id
 
+from .routing import route_rows
 from .rows import Ending, StepPlan
 from .setting import RecordSetting
 
@@ -72,6 +75,7 @@ class EngineRecorder:
         self.recorder: Any = None
         self.run_spec: RunSpec | None = None
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.artifacts: dict[str, SiteSpec] = {}  # artifact sites captured so far (routing), by name
         self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         self._lock = threading.Lock()
         self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
@@ -110,6 +114,16 @@ class EngineRecorder:
             )
         self._sites[site] = (codes, scales, g)
 
+    def capture_route(self, spec: SiteSpec, ids: torch.Tensor) -> None:
+        """This forward's routing of the ``routed_experts`` site ``spec``: ``ids`` integers
+        ``[T, >= top_k]`` (the first ``top_k`` columns: the chosen logical expert ids), one row per
+        token of the forward. The site is declared with the run; a site of that name declared
+        otherwise raises."""
+        old = self.artifacts.setdefault(spec.name, spec)
+        if old != spec:
+            raise ValidationError(f"routing site {spec.name} captured as {spec}, declared as {old}")
+        self.capture(spec.name, *route_rows(ids, spec))
+
     def discard_forward(self) -> None:
         """Forget what this forward captured (a forward with nothing to record: warm-up, profiling)."""
         self._sites.clear()
@@ -124,9 +138,12 @@ class EngineRecorder:
             return
         bits = self.setting.bits
         if self._graph_rows():
-            specs = list(self.graph.slab.sites)
+            specs = list(self.graph.specs())
         else:
-            specs = [site_spec(n, c.shape[1] * 8 // bits, bits) for n, (c, _, _) in sorted(self._sites.items())]
+            specs = [
+                self.artifacts.get(n) or site_spec(n, c.shape[1] * 8 // bits, bits)
+                for n, (c, _, _) in sorted(self._sites.items())
+            ]
         spec = RunSpec(self.setting.run, tuple(specs))
         self.recorder = self._make(spec)
         self.run_spec = spec

@@ -7,8 +7,9 @@
 
 Keys: ``sidecar`` (the recorder's address), ``run``, ``policy_version`` (required); ``writer``
 (default ``<host>-<pid>``), ``bits`` (1..4, default 1), ``sites`` (``moe``: the MoE expert inputs,
-default; ``all``: also the dense NVFP4 linear inputs), ``staging_mb`` (default 256). Unset or empty:
-the plugins install nothing.
+default; ``all``: also the dense NVFP4 linear inputs), ``routing`` (1, default: each MoE layer's
+routed experts as a ``routed_experts`` site ``layers.{i}.mlp.router``; 0: not), ``staging_mb``
+(default 256). Unset or empty: the plugins install nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tracestore.settings import RECORD, read_env
 
 ENV = "TRACESTORE_RECORD"
 SiteChoice = Literal["moe", "all"]
-_KEYS = ("sidecar", "run", "policy_version", "writer", "bits", "sites", "staging_mb")
+_KEYS = ("sidecar", "run", "policy_version", "writer", "bits", "sites", "routing", "staging_mb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RecordSetting:
     bits: int = 1
     sites: SiteChoice = "moe"
     staging_mb: int = 256
+    routing: bool = True
 
     def __post_init__(self) -> None:
         if not self.sidecar:
@@ -50,6 +52,8 @@ class RecordSetting:
         object.__setattr__(self, "bits", check_bits(self.bits))
         if self.sites not in ("moe", "all"):
             raise ConfigError(f"{ENV}: sites= must be 'moe' or 'all', got {self.sites!r}")
+        if not isinstance(self.routing, bool):
+            raise ConfigError(f"{ENV}: routing= must be 0 or 1, got {self.routing!r}")
         if not isinstance(self.staging_mb, int) or self.staging_mb < 1:
             raise ConfigError(f"{ENV}: staging_mb= must be a positive integer, got {self.staging_mb!r}")
         if not self.writer:
@@ -58,7 +62,7 @@ class RecordSetting:
 
 
 def parse_setting(text: str) -> RecordSetting:
-    """``"sidecar=ADDR run=RUN policy_version=N [writer=W] [bits=B] [sites=moe|all]
+    """``"sidecar=ADDR run=RUN policy_version=N [writer=W] [bits=B] [sites=moe|all] [routing=0|1]
     [staging_mb=M]"`` -> :class:`RecordSetting`. Unknown keys, a pair without ``=``, a repeated key
     or a missing required key raise :class:`~tracestore.errors.ConfigError` naming it."""
     values: dict[str, str] = {}
@@ -78,8 +82,12 @@ def parse_setting(text: str) -> RecordSetting:
         ints = {k: int(values[k]) for k in ("policy_version", "bits", "staging_mb") if k in values}
     except ValueError as e:
         raise ConfigError(f"{ENV}: policy_version, bits and staging_mb are integers: {e}") from None
+    routing = values.get("routing", "1")
+    if routing not in ("0", "1"):
+        raise ConfigError(f"{ENV}: routing= must be 0 or 1, got {routing!r}")
     return RecordSetting(
         sidecar=values["sidecar"],
+        routing=routing == "1",
         run=values["run"],
         writer=values.get("writer", ""),
         sites=values.get("sites", "moe"),  # type: ignore[arg-type]  # checked in __post_init__

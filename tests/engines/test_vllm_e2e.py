@@ -3,8 +3,11 @@ attention projections and experts) generates with ``LLM.generate`` — vLLM's em
 experts given a CPU path (tests/engines/vllm_e2e_engine.py) — and the tracestore plugin (loaded
 through its entry point) against a real ``tracestore serve``; then a trainer's TRACE forward in
 transformers reproduces the engine's FP4 codes on every recorded value of every recorded site, the
-MoE expert inputs (FC1) included, where plain RTN does not. Run twice: plainly, and with vLLM's
-ngram speculative decoding (drafts held until accepted, rejected ones never stored)."""
+MoE expert inputs (FC1) included, where plain RTN does not; the routing recorded at vLLM's own
+routed-experts capture point, read back through ``GuidanceReader``, equals the experts the engine's
+MoE layers consumed, and replayed on the trainer model (``RoutingReplayHooks``) the trainer's experts
+are the engine's on every valid row. Run plainly, with vLLM's ngram speculative decoding (drafts held
+until accepted, rejected ones never stored) and compiled."""
 
 from __future__ import annotations
 
@@ -19,17 +22,72 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: the engine venv (.ci/engines-venv) runs these")
 pytestmark = [pytest.mark.engines, pytest.mark.slow]
 
+from tracestore.client.engines.rows import trajectory_id  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tests.engines.nvfp4_model import write_checkpoint  # noqa: E402
 from tests.engines.trace_forward import load_trainer_model, trace_forward  # noqa: E402
 from tracestore import Store, StoreReader  # noqa: E402
-from tracestore.traceref import TraceRef, check_refs  # noqa: E402
+from tracestore.traceref import TraceRef, attempt_id, check_refs  # noqa: E402
 
 HERE = Path(__file__).parent
 SITES = {f"layers.{i}.self_attn.{p}.input" for i in (0, 1) for p in ("qkv_proj", "o_proj")} | {
     f"layers.{i}.mlp.input" for i in (0, 1)
 }
+ROUTERS = {f"layers.{i}.mlp.router" for i in (0, 1)}
+
+
+def _engine_routing(result: dict, ids_of: dict[str, list[int]]) -> dict[str, dict[int, list[list[int]]]]:
+    """Each trajectory's experts per position as the engine's MoE layers consumed them: its own
+    forwards' rows, and for a prefix it did not compute (a cache hit, a GRPO sibling's prompt) the
+    rows of the request that computed those positions with the same tokens."""
+    by_req = {attempt_id(trajectory_id(rid), 0): {int(p): v for p, v in rows.items()}
+              for rid, rows in result["routing"].items()}  # fmt: skip
+    out = {}
+    for traj, ids in ids_of.items():
+        own = dict(by_req.get(traj, {}))
+        for p in range(len(ids) - 1):
+            if p not in own:
+                src = next(
+                    (t for t, r in by_req.items() if p in r and ids_of.get(t, [])[: p + 1] == ids[: p + 1]), None
+                )
+                assert src is not None, (traj, p)
+                own[p] = by_req[src][p]
+        out[traj] = own
+    return out
+
+
+def _check_routing(storage: Path, run: str, model: object, ids_of: dict[str, list[int]], truth: dict) -> None:
+    """Routing read through ``GuidanceReader`` equals ``truth`` on every fed position; replayed on
+    the trainer model, the experts the trainer's MoE blocks use are the recorded ones on every valid
+    row (the last position, never fed, falls back to the live router)."""
+    import torch
+    from tracestore.client import GuidanceReader, RoutingCapture, RoutingReplayHooks
+
+    from tracestore.artifacts import Routing
+    from tracestore.plan import MicrobatchPlan
+
+    with GuidanceReader(str(storage), run, prefetch=False) as reader:
+        for traj, ids in ids_of.items():
+            rows = reader.read(MicrobatchPlan([(traj, 0, len(ids))]), token_ids=ids)
+            routing = {k: v for k, v in rows.items() if isinstance(v, Routing)}
+            assert set(routing) == ROUTERS, traj
+            n = len(ids)
+            for site, r in routing.items():
+                layer = int(site.split(".")[1])
+                assert r.site.width == 2 and r.site.n_experts == 8 and r.gate is None
+                assert r.valid[:-1].all() and not r.valid[-1], traj
+                want = torch.tensor([truth[traj][p][layer] for p in range(n - 1)])
+                assert torch.equal(r.experts[:-1], want), (traj, site)  # the engine's ids, slot order kept
+            r3 = RoutingReplayHooks(model).set_routing(routing)
+            used = RoutingCapture(model)  # inside the replay: sees the experts the blocks are given
+            with torch.no_grad():
+                model(input_ids=torch.tensor([ids]), use_cache=False)
+            used.remove()
+            r3.remove()
+            for site, r in routing.items():
+                assert torch.equal(used.last[site][0][:-1], r.experts[:-1]), (traj, site)  # 100% on valid rows
+            assert r3.stats["replayed_rows"] == 2 * (n - 1) and r3.stats["fallback_rows"] == 2
 
 
 def _ids_by_trajectory(result: dict) -> dict[str, list[int]]:
@@ -97,6 +155,7 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(
     ids_of = _ids_by_trajectory(result)
     assert len(ids_of) == 6
     model = load_trainer_model(model_dir)
+    _check_routing(sp.storage, "e2e", model, ids_of, _engine_routing(result, ids_of))
     with StoreReader(Store(sp.storage), "e2e") as reader:
         for ended in result["ended"]:
             traj, ids = ended["trajectory"], ids_of[ended["trajectory"]]
@@ -104,7 +163,8 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(
             assert ended["gap"] is None and ref["guided"] and ref["n_tokens"] == len(ids) == ended["n_tokens"]
             assert ref["policy_version"] == 3 and ref["writer"] == "vllm-cpu-0"
             rows = reader.read([(traj, 0, len(ids))], token_ids={traj: ids}, require_sealed=True)
-            assert set(rows) == SITES
+            assert set(rows) == SITES | ROUTERS
+            rows = {k: v for k, v in rows.items() if k in SITES}
             assert all(r.valid[:-1].all() and not r.valid[-1] for r in rows.values()), traj
             rtn = trace_forward(model, ids, rows, guided=False)
             traced = trace_forward(model, ids, rows, guided=True)
@@ -146,7 +206,8 @@ def test_vllm_multiprocess_engine_seals_in_its_worker(tmp_path: Path) -> None:
             traj, ids = q["tracestore"]["trajectory"], q["prompt_ids"] + q["output_ids"]
             assert q["tracestore"]["n_tokens"] == len(ids)
             rows = reader.read([(traj, 0, len(ids))], token_ids={traj: ids}, require_sealed=True)
-            assert set(rows) == SITES and all(r.valid[:-1].all() for r in rows.values())
+            assert set(rows) == SITES | ROUTERS and all(r.valid[:-1].all() for r in rows.values())
+            rows = {k: v for k, v in rows.items() if k in SITES}
             for site, (trainer, engine) in trace_forward(model, ids, rows, guided=True).items():
                 assert int((trainer != engine).sum()) == 0, (traj, site)
 

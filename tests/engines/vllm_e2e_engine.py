@@ -45,6 +45,7 @@ def cpu_nvfp4_experts() -> None:
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):  # fmt: skip
         qc = self.quant_config
+        ROUTED.append(topk_ids.clone())  # the experts this layer's rows go to (truth for the routing records)
         a1 = qdq(hidden_states, qc.a1_gscale).float()
         out = torch.zeros(hidden_states.shape, dtype=torch.float32)
         # every expert over every token, weighted by its routing (0 where not routed): no
@@ -65,6 +66,34 @@ def cpu_nvfp4_experts() -> None:
 
 
 _cpu_done = False
+ROUTED: list = []  # topk_ids the experts consumed, one per MoE layer call, since the forward began
+TRUTH: dict[str, dict[int, list[list[int]]]] = {}  # request id -> position -> per MoE layer, the ids
+
+
+def watch_routing() -> None:
+    """Keep, after every forward of the one-process engine, each scheduled row's experts as the
+    test's CPU experts consumed them (layer by call order), keyed by request id and position
+    (``GPUModelRunner.positions``; rows laid out in ``input_batch.req_ids`` order). A position
+    computed again later (a rejected draft) keeps its last forward's ids."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    inner = GPUModelRunner.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        ROUTED.clear()
+        out = inner(self, scheduler_output, *args, **kwargs)
+        sched = scheduler_output.num_scheduled_tokens
+        total = sum(sched.values()) if sched else 0
+        if total and ROUTED:
+            pos = self.positions[:total].tolist()
+            row = 0
+            for rid in self.input_batch.req_ids:
+                for _ in range(sched.get(rid, 0)):
+                    TRUTH.setdefault(rid, {})[int(pos[row])] = [t[row].tolist() for t in ROUTED]
+                    row += 1
+        return out
+
+    GPUModelRunner.execute_model = execute_model
 
 
 def cpu_nvfp4() -> None:
@@ -108,6 +137,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if moe:
         cpu_nvfp4()
+        if "--mp" not in sys.argv[3:]:
+            watch_routing()
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -169,7 +200,9 @@ def main() -> int:
         graph = {"active": hooks.GRAPH.active, "armed": hooks.GRAPH.armed, **hooks.GRAPH.stats}
     with open(out_path, "w") as f:
         ended = None if hooks.ENGINE is None else hooks.ENGINE.ended
-        json.dump({"requests": rows, "flushed": ok, "stats": stats, "ended": ended, "graph": graph}, f)
+        json.dump(
+            {"requests": rows, "flushed": ok, "stats": stats, "ended": ended, "graph": graph, "routing": TRUTH}, f
+        )
     return 0
 
 

@@ -15,6 +15,18 @@
   wrapped so the codes and scales vLLM's own ``ref_nvfp4_quant`` produces are recorded under the
   running site (the first quantization inside a MoE runner is its FC1 input; later ones, FC2, are
   not recorded), and the dequantized result the engine uses is the original function's.
+- **Routing** (``routing=1``, the default): each MoE runner's chosen experts through vLLM's own
+  routed-experts capture points, bound when ``BaseModelLoader.load_model`` has loaded the target
+  model (not a draft model; before any forward, so compiled and captured graphs hold the calls)
+  as vLLM's ``bind_routed_experts_capturer`` binds its own: the router's ``capture_fn``
+  (``BaseRouter.set_capture_fn``: ``_select_experts`` calls it with the logical top-k ids before
+  the EPLB mapping) or, for a monolithic kernel that routes inside (FlashInfer's fused MoE), a
+  ``RoutedExpertsSink`` on the runner's ``routed_experts`` whose buffer vLLM passes to the kernel
+  as ``routing_replay_out``. A capture function vLLM (or anyone) bound already is kept and called
+  first. Recorded as the ``routed_experts`` site ``layers.{layer_id}.mlp.router`` (top_k =
+  ``moe_config.experts_per_token``, ``num_logical_experts`` experts; ids only, no gate weights).
+  Not recorded under data parallelism (the router may see other ranks' tokens) nor for a router
+  or kernel without a capture point (logged once per layer).
 - **Rows**: ``GPUModelRunner.execute_model`` clears the capture before the forward and afterwards
   hands it to :class:`~tracestore.client.engines.recording.EngineRecorder` with the step plan the
   KV connector bound (:mod:`.connector`) and the worker's own request order
@@ -46,9 +58,11 @@ from tracestore.client.engines.capture import install_flashinfer as _install_fla
 from tracestore.client.engines.codes import codes_from_values, record_rows
 from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.setting import RecordSetting
 
 from tracestore.packing import pack_bits, pack_fp4
+from tracestore.records import SiteSpec
 
 log = logging.getLogger("tracestore.client.engines")
 
@@ -57,12 +71,17 @@ MOE_UTILS = "vllm.model_executor.layers.fused_moe.utils"
 RUNNER = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 NVFP4_KERNELS = "vllm.model_executor.kernels.linear.nvfp4"
 MODEL_RUNNER = "vllm.v1.worker.gpu_model_runner"
+BASE_ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router"
+CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+MODULAR = "vllm.model_executor.layers.fused_moe.modular_kernel"
+LOADER = "vllm.model_executor.model_loader.base_loader"
 
 ENGINE: EngineRecorder | None = None
 GRAPH: GraphCapture | None = None  # graph-safe capture, active for compiled / CUDA-graph forwards
 LOCAL_WORKER = False  # a worker-role connector exists in this process (it records; seal here)
 PLAN = threading.local()  # .value: the step plan the connector bound for the coming forward
 _MOE_SEEN = threading.local()  # .n: quantizations seen inside the running MoE runner
+_ROUTE_WARNED: set[str] = set()
 
 
 def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
@@ -134,6 +153,10 @@ def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> lis
     for mod in (emu, importlib.import_module(MOE_UTILS)):
         if patch_attr(mod, "ref_nvfp4_quant_dequant", functools.partial(_wrap_ref_quant_dequant, emu)):
             done.append(f"{mod.__name__}:ref_nvfp4_quant_dequant")
+    if setting.routing:
+        loader = importlib.import_module(LOADER).BaseModelLoader
+        if patch_attr(loader, "load_model", _wrap_load_model):
+            done.append(f"{LOADER}:BaseModelLoader.load_model")
     mr = importlib.import_module(MODEL_RUNNER).GPUModelRunner
     if patch_attr(mr, "execute_model", _wrap_execute_model):
         done.append(f"{MODEL_RUNNER}:GPUModelRunner.execute_model")
@@ -169,6 +192,121 @@ def _wrap_moe_runner(fn: Any) -> Any:
             SCOPE.name, SCOPE.g, _MOE_SEEN.n = outer
 
     return _forward_impl
+
+
+def runner_route_spec(runner: Any) -> SiteSpec:
+    """The ``routed_experts`` site of a vLLM ``MoERunner``: ``layers.{layer_id}.mlp.router``,
+    top_k ``moe_config.experts_per_token`` over ``moe_config.num_logical_experts`` experts."""
+    cfg = runner.moe_config
+    return route_spec(int(runner.layer_id), int(cfg.experts_per_token), int(cfg.num_logical_experts))
+
+
+def _route(spec: SiteSpec, ids: torch.Tensor) -> None:
+    """Record one MoE layer's routed expert ids (``[T, >= top_k]``) of the running forward."""
+    if ENGINE is None:
+        return
+    try:
+        graph = _graph()
+        if graph is not None:
+            graph.route(spec, ids)
+        else:
+            if GRAPH is not None and not GRAPH.armed:  # an eager warm-up declares the site for the slab
+                GRAPH.note_route(spec)
+            ENGINE.capture_route(spec, ids)
+    except Exception:
+        log.exception("tracestore: recording the routing of %s failed", spec.name)
+
+
+def route_capture_fn(spec: SiteSpec, prev: Any = None) -> Any:
+    """The capture function bound at a vLLM capture point: calls ``prev`` (a capture function bound
+    there before, e.g. vLLM's own ``RoutedExpertsCapturer``), then records the ids under ``spec``."""
+
+    def capture(ids: torch.Tensor) -> None:
+        if prev is not None:
+            prev(ids)
+        _route(spec, ids)
+
+    capture.__tracestore_route__ = spec  # type: ignore[attr-defined]
+    return capture
+
+
+def _warn_route(spec: SiteSpec, why: str) -> None:
+    if spec.name not in _ROUTE_WARNED:
+        _ROUTE_WARNED.add(spec.name)
+        log.error("tracestore: %s: routing not recorded: %s", spec.name, why)
+
+
+def _monolithic_experts(runner: Any) -> Any:
+    """The fused-experts object of a runner's monolithic kernel, found as vLLM's
+    ``bind_routed_experts_capturer`` finds it (None where there is none)."""
+    qm = runner.routed_experts.quant_method
+    return getattr(getattr(getattr(qm, "moe_kernel", None), "impl", None), "fused_experts", None)
+
+
+def bind_model_routing(model: Any) -> list[str]:
+    """Bind the routing capture of every ``MoERunner`` of ``model`` (:func:`bind_routing`) and
+    declare their sites to the graph capture; returns the bound sites."""
+    runner_cls = importlib.import_module(RUNNER).MoERunner
+    bound = []
+    for module in model.modules():
+        if isinstance(module, runner_cls) and bind_routing(module) is not None:
+            spec = runner_route_spec(module)
+            if GRAPH is not None:
+                GRAPH.note_route(spec)
+            bound.append(spec.name)
+    return bound
+
+
+def _wrap_load_model(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        model = fn(self, *args, **kwargs)
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+        if ENGINE is None or model_config is not getattr(vllm_config, "model_config", None):
+            return model  # recording off, or a draft model: its routing is not the policy's
+        par = getattr(vllm_config, "parallel_config", None)
+        if int(getattr(par, "data_parallel_size", 1) or 1) > 1:  # a router may see every DP rank's tokens
+            log.error("tracestore: data parallelism: routing is not recorded (the FP4 sites are)")
+            return model
+        try:
+            sites = bind_model_routing(model)
+            log.info("tracestore: routing captured at %d MoE layers", len(sites))
+        except Exception:
+            log.exception("tracestore: binding the routing capture failed; routing is not recorded")
+        return model
+
+    return load_model
+
+
+def bind_routing(runner: Any) -> str | None:
+    """Make sure ``runner`` (a vLLM ``MoERunner``) hands its routing to :func:`route_capture_fn`:
+    through a ``RoutedExpertsSink`` for a monolithic kernel that supports ``routing_replay_out``,
+    else the router's ``capture_fn``. Returns ``"sink"``, ``"router"`` or None (no capture point:
+    logged once). Idempotent; a foreign capture function found bound is chained, not replaced."""
+    spec = runner_route_spec(runner)
+    if runner.routed_experts.quant_method.is_monolithic:
+        mono = importlib.import_module(MODULAR).FusedMoEExpertsMonolithic
+        fused = _monolithic_experts(runner)
+        sink = runner.routed_experts.routing_sink
+        if not (isinstance(fused, mono) and fused.supports_routing_replay_capture()):
+            if sink is not None and getattr(sink.capture_fn, "__tracestore_route__", None) is not None:
+                runner.routed_experts.routing_sink = None  # ours only: vLLM refuses a sink this kernel cannot fill
+            _warn_route(spec, f"the monolithic MoE kernel {type(fused).__name__} has no routing_replay_out")
+            return None
+        if sink is None:
+            sink_cls = importlib.import_module(CAPTURER).RoutedExpertsSink
+            runner.routed_experts.routing_sink = sink_cls(fused.moe_config, route_capture_fn(spec))
+        elif getattr(sink.capture_fn, "__tracestore_route__", None) is None:
+            sink.capture_fn = route_capture_fn(spec, sink.capture_fn)
+        return "sink"
+    router = runner.router
+    if not isinstance(router, importlib.import_module(BASE_ROUTER).BaseRouter):
+        _warn_route(spec, f"the router {type(router).__name__} has no capture_fn")
+        return None
+    if getattr(router.capture_fn, "__tracestore_route__", None) is None:
+        router.set_capture_fn(route_capture_fn(spec, router.capture_fn))
+    return "router"
 
 
 _DENSE = threading.local()  # .name: the dense site whose apply_weights is running
