@@ -448,6 +448,7 @@ def engine_process(a: dict[str, Any]) -> None:
     for si, f_ms in enumerate(a["forward_ms"]):
         s_end = t_start2 + (si + 1) * stage_s
         n0, b0, u0, c0, ts0 = len(commit_t), rec._outbox.in_bytes, rec.stats["unguided"], len(calls_t), time.time()  # noqa: SLF001
+        cpu0 = time.process_time()  # this engine process, all its threads (engine, sender, gRPC)
         n_steps = 0
         while time.time() < s_end and not stop.exists():
             keep = bool(verify_at) and time.time() >= verify_at[0]
@@ -458,6 +459,7 @@ def engine_process(a: dict[str, Any]) -> None:
             if rec.stats["unguided"] and not stop.exists():
                 stop.write_text(f"engine {i}: {rec.stats['unguided']} unguided in stage {si}")
         stage_rows.append({"stage": si, "forward_ms": f_ms, "t0": ts0, "t1": time.time(), "steps": n_steps,
+                           "cpu_s": time.process_time() - cpu0,
                            "complete": time.time() >= s_end,
                            "payload": rec._outbox.in_bytes - b0, "unguided": rec.stats["unguided"] - u0,  # noqa: SLF001
                            "commit_p50_ms": 1e3 * pct(commit_t[n0:], 50),
@@ -719,6 +721,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                      "backlog_max_MiB": max(bl1 + bl2) / 2**20 if w else None,
                      "staging_mean_MiB": (sg1 + sg2) / 2 / 2**20, "backlog_growth_MiB": growth / 2**20,
                      "sidecar_cpu_cores": cpu / span if span == span and span > 0 else None,
+                     "engines_cpu_cores": sum(s["cpu_s"] for s in st) / (t1 - t0),
                      "sidecar_rss_max_MiB": max(x["rss_max"] for x in w) / 2**20 if w else None,
                      "sidecar_anon_max_MiB": max(x["anon_max"] for x in w) / 2**20 if w else None,
                      "sidecar_shmem_max_MiB": max(x["shmem_max"] for x in w) / 2**20 if w else None,
@@ -842,7 +845,8 @@ def main() -> int:
               "overhead_pct", "sched_norec_ms", "commit_p50_ms", "commit_p99_ms", "calls_p99_ms"])  # fmt: skip
         print_table([r for r in got if r["kind"] == "stage"], ["procs", "stage", "forward_ms", "offered_GBps",
               "unguided", "backlog_max_MiB", "staging_mean_MiB", "backlog_growth_MiB", "sidecar_cpu_cores",
-              "sidecar_rss_max_MiB", "sidecar_anon_max_MiB", "sidecar_shmem_max_MiB", "sustained"])  # fmt: skip
+              "engines_cpu_cores", "sidecar_rss_max_MiB", "sidecar_anon_max_MiB", "sidecar_shmem_max_MiB",
+              "sustained"])  # fmt: skip
         print_table([r for r in got if r["kind"] in ("run", "verify")], ["procs", "kind", "durable_GBps",
               "flush_lag_s", "unguided", "sidecar_cpu_s_total", "tokens_per_chunk", "site_rows_checked",
               "site_rows_mismatched"])  # fmt: skip
