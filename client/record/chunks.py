@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from tracestore.checksum import ChunkKey, chunk_checksum
 from tracestore.formats import sane_global_scale
@@ -159,13 +160,12 @@ class ChunkBuilder:
         # Every site's rows are gathered first (one copy each, out of staging), then staging is
         # released, then the chunks are made: the engine may stage new forwards meanwhile.
         gathered = []
-        n_keep = len(perm) if runs else 0
         for s_idx, (_, site, *_) in enumerate(win[0].sites if runs else ()):
             at = [f.sites[s_idx] for f in win]  # name, site, offset, nc, ns, nt, g_off
-            codes = _gather_rows(npool, [(o, nc) for _, _, o, nc, _, _, _ in at], n_keep, moves)
-            scales = _gather_rows(npool, [(o + nc, ns) for _, _, o, nc, ns, _, _ in at], n_keep, moves)
+            codes = _gather_rows(npool, [(o, nc) for _, _, o, nc, _, _, _ in at], moves)
+            scales = _gather_rows(npool, [(o + nc, ns) for _, _, o, nc, ns, _, _ in at], moves)
             ts = (
-                _gather_rows(npool, [(o + nc + ns, nt) for _, _, o, nc, ns, nt, _ in at], n_keep, moves)
+                _gather_rows(npool, [(o + nc + ns, nt) for _, _, o, nc, ns, nt, _ in at], moves)
                 if win[0].sites[s_idx][5] > 0
                 else None
             )
@@ -302,36 +302,27 @@ class _Fill:
         self._open()
 
 
-def _moves(bases: list[int], n_tok: int, perm: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-    """Per forward of a window that gives rows to ``perm`` (the window tokens to keep, in order;
-    ``bases``: each forward's first token in the window, ``n_tok`` tokens in all): (forward, its
-    token count, positions in ``perm``, its own token indices there)."""
+def _moves(bases: list[int], n_tok: int, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Where the window tokens to keep (``perm``, in order) come from: each one's forward and its
+    token index in that forward (``bases``: each forward's first token in the window, ``n_tok``
+    tokens in all), and each forward's token count."""
     starts = np.asarray(bases, np.int64)
     sizes = np.diff(np.append(starts, n_tok)).tolist()
     fidx = np.searchsorted(starts, perm, side="right") - 1
-    order = np.argsort(fidx, kind="stable")
-    counts = np.bincount(fidx, minlength=len(bases)).tolist()
-    moves = []
-    at = 0
-    for fi, c in enumerate(counts):
-        if c:
-            dest = order[at : at + c]
-            moves.append((fi, sizes[fi], dest, perm[dest] - starts[fi]))
-            at += c
-    return moves
+    return fidx, perm - starts[fidx], sizes
 
 
 def _gather_rows(
-    pool: np.ndarray, spans: list[tuple[int, int]], n_keep: int, moves: list[tuple[int, int, np.ndarray, np.ndarray]]
+    pool: np.ndarray, spans: list[tuple[int, int]], moves: tuple[np.ndarray, np.ndarray, list[int]]
 ) -> memoryview:
     """The staged bytes ``pool[o : o + n]`` of each forward (``spans``; equal bytes per token), the
-    tokens kept put in window order as :func:`_moves` says: ``n_keep`` tokens, one copy out of
-    staging per forward."""
-    out: np.ndarray | None = None
-    for fi, ntok, dest, src in moves:
-        o, n = spans[fi]
-        width = n // ntok
-        if out is None:
-            out = np.empty((n_keep, width), np.uint8)
-        out[dest] = pool[o : o + n].reshape(ntok, width)[src]
-    return memoryview(b"") if out is None else out.reshape(-1).data
+    tokens kept in window order as :func:`_moves` says, in one gather out of staging: the pool seen
+    as rows of a token's bytes starting at every byte, indexed by each token's offset."""
+    fidx, loc, sizes = moves
+    if not len(fidx):
+        return memoryview(b"")
+    f0 = int(fidx[0])
+    width = spans[f0][1] // sizes[f0]
+    starts = np.fromiter((o for o, _ in spans), np.int64, len(spans))
+    rows = as_strided(pool, shape=(pool.size - width + 1, width), strides=(1, 1), writeable=False)
+    return rows[starts[fidx] + loc * width].reshape(-1).data
