@@ -398,13 +398,14 @@ class GraphCapture:
             raise ShapeError(f"rows {index.min()}..{index.max()} planned; the slab holds {cap}")
         identity = bool(np.array_equal(index, np.arange(n, dtype=index.dtype)))
         dev_index = None if identity else self._device_index(index)
+        if dev_index is not None:
+            self.stats["gathers"] += 1
         ok = True
         if self.slab is not None and self.gathered is not None:
             slab = self.slab
             if dev_index is not None:
                 torch.index_select(self.slab.data, 0, dev_index, out=self.gathered.data[:n])
                 slab = self.gathered
-                self.stats["gathers"] += 1
             ok = bool(recorder.record_slab(segments, slab, n_rows=n, token_ids=token_ids))
         if self.route_rows is not None:
             from tracestore.client import SiteOutput
