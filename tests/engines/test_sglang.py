@@ -1,5 +1,6 @@
-"""SGLang 0.5.23: the contract (every hooked symbol, with its signature) and the row mapping driven by
-SGLang's own Req / ScheduleBatch / ForwardMode classes, recorded through a real sidecar."""
+"""SGLang 0.5.23: the contract (every hooked symbol, with its signature), routing recorded at SGLang's
+routed-experts capture site (its real ``select_experts``), and the row mapping driven by SGLang's own
+Req / ScheduleBatch / ForwardMode classes, FP4 and routing rows recorded through a real sidecar."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tests.engines import _ast  # noqa: E402
 from tracestore import Store, StoreReader  # noqa: E402
+from tracestore.artifacts import decode_routing  # noqa: E402
 
 SITE = "layers.1.mlp.input"
 
@@ -101,6 +103,61 @@ def test_flashinfer_moe_entries_are_imported_at_call_time() -> None:
     assert any({"hidden_states", "hidden_states_scale"} <= k for k in kws)
     routed = [_ast.keywords(c) for c in _ast.calls(tree, "dict")]
     assert any({"hidden_states", "hidden_states_scale", "per_token_scale"} <= k for k in routed)  # moe_kwargs
+
+
+def test_routed_experts_capture_site() -> None:
+    """SGLang's one routed-experts capture site: called by module global from ``topk.py`` with the
+    logical ids (before the EPLB logical-to-physical remap); the fields the hook reads."""
+    import dataclasses
+
+    from sglang.srt.layers.moe import topk
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert params(topk.capture_routed_experts_if_allowed) == ["topk_config", "layer_id", "topk_ids"]
+    tree = _ast.source_tree(topk.__name__)
+    assert len(list(_ast.calls(tree, "capture_routed_experts_if_allowed"))) >= 2
+    post = _ast.functions(tree, "_post_process_topk_ids")[0]
+    first = {}
+    for c in ast.walk(post):
+        if isinstance(c, ast.Call):
+            first.setdefault(_ast.dotted(c.func), c.lineno)
+            first[_ast.dotted(c.func)] = min(first[_ast.dotted(c.func)], c.lineno)
+    assert first["capture_routed_experts_if_allowed"] < first["topk_ids_logical_to_physical"]
+    fields = {f.name for f in dataclasses.fields(topk.TopKConfig)}
+    assert {"top_k", "layer_id", "allow_routed_experts_capture", "shared_experts"} <= fields
+    assert isinstance(inspect.getattr_static(topk.TopKConfig, "num_shared_topk_slots"), property)
+    assert "self.model_config = ModelConfig" in inspect.getsource(Scheduler)
+
+
+def test_select_experts_routing_is_recorded_and_drafts_are_not() -> None:
+    from sglang.srt.layers.moe import topk
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    eng = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=route policy_version=0"))
+    old = hooks.ENGINE, hooks.N_EXPERTS
+    targets = hooks.register_hooks(eng.setting, eng)
+    try:
+        HookRegistry.apply_hooks()
+        assert f"{hooks.TOPK}.capture_routed_experts_if_allowed" in targets
+        hooks.N_EXPERTS = 8
+        x, logits = torch.randn(5, 16), torch.randn(5, 8)
+        out = topk.select_experts(  # SGLang's own top-k (its torch-native path runs on the CPU)
+            hidden_states=x, router_logits=logits, topk_config=topk.TopKConfig(top_k=2, layer_id=3, torch_native=True),
+            layer_id=3,
+        )  # fmt: skip
+        codes, flags, _ = eng._sites["layers.3.mlp.router"]
+        spec = eng.artifacts["layers.3.mlp.router"]
+        assert (spec.width, spec.n_experts) == (2, 8)
+        assert np.array_equal(decode_routing(spec, codes.numpy(), flags.numpy()).experts, out.topk_ids.numpy())
+        eng.discard_forward()
+        draft = topk.TopKConfig(top_k=2, layer_id=3, torch_native=True, allow_routed_experts_capture=False)
+        topk.select_experts(hidden_states=x, router_logits=logits, topk_config=draft, layer_id=3)
+        assert eng._sites == {}  # a draft model's routing is not the policy's
+    finally:
+        hooks.ENGINE, hooks.N_EXPERTS = old
+        hooks.MAPPER = None
+    assert hooks.model_n_experts(SimpleNamespace(n_routed_experts=256)) == 256
+    assert hooks.model_n_experts(SimpleNamespace()) is None
 
 
 def test_req_and_batch_fields() -> None:
@@ -185,6 +242,12 @@ def test_plugin_is_version_gated(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- rows ---------------------------------------------------------------------------------------
 
 
+def route_of(prefix: list[int]) -> list[int]:
+    """Two distinct experts of 8 for the token ending ``prefix`` (a row at the wrong place shows)."""
+    c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes(), 7)
+    return [c % 8, (c % 8 + 1 + (c >> 8) % 7) % 8]
+
+
 def row_bytes(prefix: list[int]) -> tuple[bytes, bytes]:
     c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes())
     return c.to_bytes(4, "little"), bytes([(c >> 3) & 0x3F, (c >> 11) & 0x3F])
@@ -207,11 +270,20 @@ class Sched:
     def __init__(self, address: str, run: str) -> None:
         text = f"sidecar={address} run={run} policy_version=0 writer=sg-{run}"
         self.engine = EngineRecorder(parse_setting(text))
-        hooks.ENGINE, hooks.MAPPER = self.engine, RowMapper(block=1)
-        self.scheduler = SimpleNamespace(enable_overlap=False)
+        hooks.ENGINE, hooks.MAPPER, hooks.N_EXPERTS = self.engine, RowMapper(block=1), None
+        cfg = SimpleNamespace(hf_text_config=SimpleNamespace(num_experts=8))
+        self.scheduler = SimpleNamespace(enable_overlap=False, model_config=cfg)
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        target = f"{hooks.TOPK}.capture_routed_experts_if_allowed"
+        if target not in HookRegistry._patched:
+            HookRegistry.register(target, hooks.after_capture_routed_experts, HookType.AFTER)
+            HookRegistry.apply_hooks()
 
     def forward(self, scheduler: object, batch: ScheduleBatch) -> str:
-        rc, rs = [], []
+        from sglang.srt.layers.moe import topk
+
+        rc, rs, routed = [], [], []
         for req in batch.reqs:
             full = list(req.origin_input_ids) + list(req.output_ids)
             rng = [req.seqlen - 1] if batch.forward_mode.is_decode() else range(req.prefix_len, req.extend_end)
@@ -219,6 +291,9 @@ class Sched:
                 c, s = row_bytes(full[: p + 1])
                 rc.append(c)
                 rs.append(s)
+                routed.append(route_of(full[: p + 1]))
+        # the MoE layer's top-k reaching SGLang's capture site, as select_experts hands it over
+        topk.capture_routed_experts_if_allowed(topk.TopKConfig(top_k=2, layer_id=1), 1, torch.tensor(routed))
         self.engine.capture(
             SITE,
             torch.tensor(np.frombuffer(b"".join(rc), np.uint8).reshape(-1, 4)),
@@ -282,7 +357,11 @@ def test_sglang_chunked_prefill_decode_retract_and_abort(sidecar: ServeProcess) 
             full = list(req.origin_input_ids) + list(req.output_ids)
             n = e[req.rid]["n_tokens"]
             assert n == len(full)
-            rows = reader.read([(e[req.rid]["trajectory"], 0, n)], on_missing="mask")[SITE]
+            got = reader.read([(e[req.rid]["trajectory"], 0, n)], on_missing="mask")
+            rows, route = got[SITE], got["layers.1.mlp.router"]
+            experts = decode_routing(route.site, route.codes, route.scales, route.valid)
+            assert experts.valid[:-1].all() and not experts.valid[-1]
+            assert experts.experts[:-1].tolist() == [route_of(full[: p + 1]) for p in range(n - 1)], req.rid
             for p in range(n - 1):
                 want = row_bytes(full[: p + 1])
                 assert rows.valid[p] and rows.codes[p].tobytes() == want[0] and rows.scales[p].tobytes() == want[1], (

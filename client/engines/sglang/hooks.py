@@ -14,6 +14,15 @@ only the scheduler process runs the hooked code):
   decode-side g (1 / ``w13_input_scale_quant`` where the layer has it) for FlashInfer's entries,
   wrapped on first use (:func:`tracestore.client.engines.capture.install_flashinfer`). The FC2
   input is quantized inside the kernel: never recorded.
+- ``sglang.srt.layers.moe.topk.capture_routed_experts_if_allowed`` (AFTER, ``routing=1``, the
+  default): SGLang's single routed-experts capture site (every top-k backend in ``topk.py``
+  calls it, by module global, with the logical ids before the EPLB remap; draft models' configs
+  set ``allow_routed_experts_capture`` False and are skipped). The ids are recorded as the
+  ``routed_experts`` site ``layers.{layer_id}.mlp.router``: top_k = ``topk_config.top_k`` less
+  its fused shared-expert slots (columns after the routed ones, dropped), the expert count from
+  the model's config (``num_experts`` / ``n_routed_experts`` / ``num_local_experts``); ids only.
+  A kernel that routes inside itself (FlashInfer TRT-LLM with SGLang's bypassed top-k) calls no
+  capture site: those layers record no routing (logged when a forward records none).
 - ``LinearBase.__init__`` (AFTER, ``sites=all``): keeps each linear's ``prefix`` for its site name.
 - ``ModelOptFp4LinearMethod.apply`` (AROUND, ``sites=all``): a prequantized ``(codes, scales)``
   input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
@@ -36,6 +45,7 @@ import torch
 from tracestore.client.engines.capture import SCOPE, install_flashinfer, site_name
 from tracestore.client.engines.codes import record_rows
 from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
 from tracestore.client.engines.setting import RecordSetting
 
@@ -45,12 +55,16 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 LINEAR_BASE = "sglang.srt.layers.linear.LinearBase"
+TOPK = "sglang.srt.layers.moe.topk"
+N_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 ENGINE: EngineRecorder | None = None
 MAPPER: RowMapper | None = None
 ENDINGS: dict[str, dict[str, Any]] = {}  # request id -> its ending dict (trajectory, n_tokens, gap, trace_ref)
 _DENSE = threading.local()
 _warned_overlap = False
+N_EXPERTS: int | None = None  # routed experts of the served model (from its config, at the first batch)
+_warned_routing: set[str] = set()
 
 
 def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
@@ -74,6 +88,8 @@ def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None)
         (f"{SCHEDULER}.process_batch_result", after_process_batch_result, HookType.AFTER),
         (f"{FUSED_MOE}.forward", around_moe_forward, HookType.AROUND),
     ]
+    if setting.routing:
+        targets.append((f"{TOPK}.capture_routed_experts_if_allowed", after_capture_routed_experts, HookType.AFTER))
     if setting.sites == "all":
         targets.append((f"{LINEAR_BASE}.__init__", after_linear_init, HookType.AFTER))
         targets.append((f"{MODELOPT}.ModelOptFp4LinearMethod.apply", around_linear_apply, HookType.AROUND))
@@ -142,6 +158,7 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
             _warned_overlap = True
         return original(scheduler, batch, *args, **kwargs)
     install_flashinfer(_capture, _bits)
+    _note_n_experts(scheduler)
     plan: StepPlan | None = None
     try:
         rows = batch_rows(batch, MAPPER)
@@ -175,6 +192,52 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: A
 
 
 # -- sites --------------------------------------------------------------------------------------
+
+
+def model_n_experts(hf_text_config: Any) -> int | None:
+    """The routed expert count a model's (text) config names, or None."""
+    for name in N_EXPERTS_ATTRS:
+        v = getattr(hf_text_config, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _note_n_experts(scheduler: Any) -> None:
+    global N_EXPERTS
+    if N_EXPERTS is None:
+        cfg = getattr(getattr(scheduler, "model_config", None), "hf_text_config", None)
+        N_EXPERTS = None if cfg is None else model_n_experts(cfg)
+
+
+def _warn_routing(key: str, why: str) -> None:
+    if key not in _warned_routing:
+        _warned_routing.add(key)
+        log.error("tracestore: routing not recorded: %s", why)
+
+
+def after_capture_routed_experts(result: Any, *args: Any, **kwargs: Any) -> None:
+    """``topk.capture_routed_experts_if_allowed(topk_config, layer_id, topk_ids)``: record the
+    layer's routed ids (see the module docstring)."""
+    if ENGINE is None or not ENGINE.setting.routing:
+        return None
+    names = ("topk_config", "layer_id", "topk_ids")
+    got = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    config, layer, ids = got.get("topk_config"), got.get("layer_id"), got.get("topk_ids")
+    if config is None or ids is None or not getattr(config, "allow_routed_experts_capture", True):
+        return None  # a draft model's router: not the policy's routing
+    if layer is None:
+        _warn_routing("layer", "a top-k call without its layer_id")
+        return None
+    if N_EXPERTS is None:
+        _warn_routing("experts", f"the model's config names no expert count ({', '.join(N_EXPERTS_ATTRS)})")
+        return None
+    try:
+        top_k = int(config.top_k) - int(getattr(config, "num_shared_topk_slots", 0) or 0)
+        ENGINE.capture_route(route_spec(int(layer), top_k, N_EXPERTS), ids)
+    except Exception:
+        log.exception("tracestore: recording the routing of layer %s failed", layer)
+    return None
 
 
 def around_moe_forward(original: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
