@@ -8,7 +8,11 @@
   (``uint8 [T, H/2]``) it records them with ``hidden_states_scale`` (E4M3, linear layout) and,
   on the per-token path, ``per_token_scale`` (float32 ``[T]``), then calls the entry unchanged.
   With a :class:`~tracestore.client.engines.graph.GraphCapture` active, the same call goes through
-  its graph-safe op into the slab instead (compiled or CUDA-graph forwards).
+  its graph-safe op into the slab instead (compiled or CUDA-graph forwards). Given a ``route``
+  callback, a call that routes inside the kernel (``routing_logits`` given) while
+  :data:`SCOPE` names a routing layer gets a ``routing_replay_out`` buffer (int16 ``[T, top_k]``,
+  where the entry accepts one and the caller passed none), which the kernel fills with the experts
+  it chose; they go to ``route`` as the layer's ``routed_experts`` site afterwards.
 - :func:`patch_attr`: replaces a module attribute by a wrapper once (idempotent: a wrapped
   attribute carries ``__tracestore_wrapped__`` and is not wrapped again).
 - :func:`site_name`: an engine module prefix (``model.layers.3.mlp.experts``) -> the site name
@@ -23,6 +27,7 @@ the engine, except bad wiring found at install time.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import re
 import threading
@@ -35,6 +40,7 @@ from tracestore.errors import ValidationError
 
 from .codes import record_rows
 from .graph import GraphCapture
+from .routing import route_spec
 
 log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -54,20 +60,24 @@ def site_name(prefix: str, moe: bool = False) -> str:
 
 
 class SiteScope(threading.local):
-    """The MoE site whose layer runs on this thread: ``name`` and decode-side ``g`` (None: per token)."""
+    """The MoE site whose layer runs on this thread: ``name`` and decode-side ``g`` (None: per token);
+    ``route_layer``: the decoder layer whose routing a kernel that routes inside may hand back
+    (None: not asked for)."""
 
     name: str | None = None
     g: torch.Tensor | float | None = None
+    route_layer: int | None = None
 
-    def enter(self, name: str, g: torch.Tensor | float | None) -> None:
-        self.name, self.g = name, g
+    def enter(self, name: str, g: torch.Tensor | float | None, route_layer: int | None = None) -> None:
+        self.name, self.g, self.route_layer = name, g, route_layer
 
     def leave(self) -> None:
-        self.name, self.g = None, None
+        self.name, self.g, self.route_layer = None, None, None
 
 
 SCOPE = SiteScope()
 Capture = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Route = Callable[[Any, torch.Tensor], None]  # (routed_experts SiteSpec, ids [T, top_k])
 
 
 def patch_attr(owner: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
@@ -92,15 +102,49 @@ def unpatch_attr(owner: Any, attr: str) -> bool:
     return True
 
 
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: never pass it what it may refuse
+        return False
+
+
 def wrap_moe_entry(
-    fn: Callable[..., Any], capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None
+    fn: Callable[..., Any],
+    capture: Capture,
+    bits: Callable[[], int],
+    graph: GraphCapture | None = None,
+    route: Route | None = None,
 ) -> Callable[..., Any]:
     """A FlashInfer fused-MoE entry that records its FC1 input under :data:`SCOPE`'s site first:
     through ``graph``'s op while it is active (compiled or graph-captured forwards), else eagerly
-    through ``capture``."""
+    through ``capture``; with ``route``, the experts the kernel routes to (see the module
+    docstring)."""
+    replayable = route is not None and _accepts(fn, "routing_replay_out")
 
     @functools.wraps(fn)
     def entry(*args: Any, **kwargs: Any) -> Any:
+        spec, replay = None, None
+        logits = kwargs.get("routing_logits")
+        if (
+            replayable
+            and SCOPE.route_layer is not None
+            and logits is not None
+            and kwargs.get("routing_replay_out") is None
+        ):
+            try:
+                spec = route_spec(SCOPE.route_layer, int(kwargs["top_k"]), int(kwargs["num_experts"]))
+                replay = torch.empty(logits.shape[0], spec.width, dtype=torch.int16, device=logits.device)
+                kwargs["routing_replay_out"] = replay
+            except Exception:
+                log.exception("tracestore: asking the MoE kernel of layer %s for its routing failed", SCOPE.route_layer)
+                spec, replay = None, None
+        out = _entry(*args, **kwargs)
+        if replay is not None and route is not None:
+            route(spec, replay)
+        return out
+
+    def _entry(*args: Any, **kwargs: Any) -> Any:
         x = kwargs.get("hidden_states")
         site = SCOPE.name
         if site is not None and isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
@@ -150,7 +194,9 @@ def _device_g(g: torch.Tensor | float | None, device: torch.device) -> torch.Ten
 MOE_ENTRIES = ("trtllm_fp4_block_scale_moe", "trtllm_fp4_block_scale_routed_moe")
 
 
-def install_flashinfer(capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None) -> list[str]:
+def install_flashinfer(
+    capture: Capture, bits: Callable[[], int], graph: GraphCapture | None = None, route: Route | None = None
+) -> list[str]:
     """Wrap FlashInfer's fused-MoE FP4 entries on ``flashinfer.fused_moe`` and ``flashinfer`` (both
     engines import them from either, inside the calling function: the attribute is read at each
     call) where FlashInfer is importable (GPU builds). Returns what was patched; idempotent."""
@@ -163,6 +209,8 @@ def install_flashinfer(capture: Capture, bits: Callable[[], int], graph: GraphCa
         except ImportError:
             continue
         for entry in MOE_ENTRIES:
-            if hasattr(mod, entry) and patch_attr(mod, entry, lambda fn: wrap_moe_entry(fn, capture, bits, graph)):
+            if hasattr(mod, entry) and patch_attr(
+                mod, entry, lambda fn: wrap_moe_entry(fn, capture, bits, graph, route)
+            ):
                 done.append(f"{name}:{entry}")
     return done

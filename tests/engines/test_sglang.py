@@ -160,6 +160,71 @@ def test_select_experts_routing_is_recorded_and_drafts_are_not() -> None:
     assert hooks.model_n_experts(SimpleNamespace()) is None
 
 
+def test_bypassed_routing_comes_back_through_routing_replay_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's bypassed top-k routes inside FlashInfer's TRT-LLM MoE (``routing_logits``, ``top_k``,
+    ``num_experts`` in its call, checked on its source): the wrapped entry passes a
+    ``routing_replay_out`` buffer, which a shape-correct fake entry fills as the kernel does (the
+    top-k of the logits), and the ids are recorded for the running layer. An entry without the
+    parameter is called as it was, and no routing is recorded."""
+    import sys
+    import types
+
+    from tracestore.client.engines import capture as cap
+
+    tree = _ast.source_tree("sglang.srt.layers.moe.moe_runner.flashinfer_trtllm")
+    kws = [_ast.keywords(c) for c in _ast.calls(tree, "dict")] + [
+        _ast.keywords(c) for c in _ast.calls(tree, "trtllm_fp4_block_scale_moe")
+    ]
+    assert any({"routing_logits", "top_k", "num_experts", "hidden_states"} <= k for k in kws)
+    seen: list[dict] = []
+
+    def kernel(*, routing_logits, hidden_states, top_k, num_experts, routing_replay_out=None, **kw):  # type: ignore[no-untyped-def]
+        seen.append({"routing_replay_out": routing_replay_out, **kw})
+        if routing_replay_out is not None:
+            routing_replay_out.copy_(torch.topk(routing_logits.float(), top_k, dim=-1).indices.to(torch.int16))
+        return torch.zeros(hidden_states.shape[0], 32)
+
+    def old_kernel(*, routing_logits, hidden_states, top_k, num_experts, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw)
+        return torch.zeros(hidden_states.shape[0], 32)
+
+    eng = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=bypass policy_version=0"))
+    old = hooks.ENGINE
+    hooks.ENGINE = eng
+    try:
+        for fn, recorded in ((kernel, True), (old_kernel, False)):
+            fi, fm = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.fused_moe")
+            for name in MOE_ENTRIES:
+                setattr(fm, name, fn)
+                setattr(fi, name, fn)
+            fi.fused_moe = fm  # type: ignore[attr-defined]
+            monkeypatch.setitem(sys.modules, "flashinfer", fi)
+            monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fm)
+            cap.install_flashinfer(hooks._capture, hooks._bits, route=hooks._route)
+            logits = torch.randn(6, 16, dtype=torch.bfloat16)
+
+            def runner(layer: object, logits: torch.Tensor) -> torch.Tensor:  # the entry imported inside
+                from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
+
+                return trtllm_fp4_block_scale_moe(
+                    routing_logits=logits, hidden_states=torch.zeros(6, 32), top_k=4, num_experts=16
+                )
+
+            hooks.around_moe_forward(runner, SimpleNamespace(layer_id=5), logits)
+            assert cap.SCOPE.route_layer is None  # restored after the layer
+            if recorded:
+                codes, flags, _ = eng._sites["layers.5.mlp.router"]
+                spec = eng.artifacts["layers.5.mlp.router"]
+                want = torch.topk(logits.float(), 4, dim=-1).indices
+                assert (spec.width, spec.n_experts) == (4, 16)
+                assert np.array_equal(decode_routing(spec, codes.numpy(), flags.numpy()).experts, want.numpy())
+            else:
+                assert "routing_replay_out" not in seen[-1] and eng._sites == {}
+            eng.discard_forward()
+    finally:
+        hooks.ENGINE = old
+
+
 def test_req_and_batch_fields() -> None:
     r = Req("r", "", array("q", [1, 2, 3]), SamplingParams(max_new_tokens=4))
     for name in (

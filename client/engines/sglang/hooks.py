@@ -12,7 +12,10 @@ only the scheduler process runs the hooked code):
   (``FINISH_ABORT``: a gap ``aborted``); their ending dict is kept in :data:`ENDINGS` by request id.
 - ``FusedMoE.forward`` (AROUND): sets the MoE site ``layers.{layer_id}.mlp.input`` and its
   decode-side g (1 / ``w13_input_scale_quant`` where the layer has it) for FlashInfer's entries,
-  wrapped on first use (:func:`tracestore.client.engines.capture.install_flashinfer`). The FC2
+  wrapped on first use (:func:`tracestore.client.engines.capture.install_flashinfer`); with
+  ``routing=1`` also the layer whose routing an entry that routes from ``routing_logits`` hands
+  back through a ``routing_replay_out`` buffer (top_k and the expert count from the call's
+  ``top_k`` and ``num_experts``), where the installed FlashInfer entry takes one. The FC2
   input is quantized inside the kernel: never recorded.
 - ``sglang.srt.layers.moe.topk.capture_routed_experts_if_allowed`` (AFTER, ``routing=1``, the
   default): SGLang's single routed-experts capture site (every top-k backend in ``topk.py``
@@ -22,7 +25,7 @@ only the scheduler process runs the hooked code):
   its fused shared-expert slots (columns after the routed ones, dropped), the expert count from
   the model's config (``num_experts`` / ``n_routed_experts`` / ``num_local_experts``); ids only.
   A kernel that routes inside itself (FlashInfer TRT-LLM with SGLang's bypassed top-k) calls no
-  capture site: those layers record no routing (logged when a forward records none).
+  capture site: there the FlashInfer entry is asked for ``routing_replay_out`` instead (below).
 - ``LinearBase.__init__`` (AFTER, ``sites=all``): keeps each linear's ``prefix`` for its site name.
 - ``ModelOptFp4LinearMethod.apply`` (AROUND, ``sites=all``): a prequantized ``(codes, scales)``
   input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
@@ -74,6 +77,14 @@ def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tens
 
 def _bits() -> int:
     return 1 if ENGINE is None else ENGINE.setting.bits
+
+
+def _route(spec: Any, ids: torch.Tensor) -> None:
+    if ENGINE is not None:
+        try:
+            ENGINE.capture_route(spec, ids)
+        except Exception:
+            log.exception("tracestore: recording the routing of %s failed", spec.name)
 
 
 def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
@@ -157,7 +168,7 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
             )
             _warned_overlap = True
         return original(scheduler, batch, *args, **kwargs)
-    install_flashinfer(_capture, _bits)
+    install_flashinfer(_capture, _bits, route=_route)
     _note_n_experts(scheduler)
     plan: StepPlan | None = None
     try:
@@ -244,12 +255,13 @@ def around_moe_forward(original: Any, layer: Any, *args: Any, **kwargs: Any) -> 
     """``FusedMoE.forward``: the MoE site (and its g) for FlashInfer's entries while it runs."""
     enc = getattr(layer, "w13_input_scale_quant", None)
     g = None if not isinstance(enc, torch.Tensor) else (1.0 / enc.float()).reshape(-1)[:1]
-    outer = (SCOPE.name, SCOPE.g)
-    SCOPE.enter(f"layers.{int(layer.layer_id)}.mlp.input", g)
+    outer = (SCOPE.name, SCOPE.g, SCOPE.route_layer)
+    routing = ENGINE is not None and ENGINE.setting.routing and not getattr(layer, "is_draft", False)
+    SCOPE.enter(f"layers.{int(layer.layer_id)}.mlp.input", g, int(layer.layer_id) if routing else None)
     try:
         return original(layer, *args, **kwargs)
     finally:
-        SCOPE.name, SCOPE.g = outer
+        SCOPE.name, SCOPE.g, SCOPE.route_layer = outer
 
 
 def after_linear_init(result: Any, layer: Any, *args: Any, **kwargs: Any) -> None:
