@@ -117,7 +117,7 @@ def test_routed_experts_capture_site() -> None:
     tree = _ast.source_tree(topk.__name__)
     assert len(list(_ast.calls(tree, "capture_routed_experts_if_allowed"))) >= 2
     post = _ast.functions(tree, "_post_process_topk_ids")[0]
-    first = {}
+    first: dict[str, int] = {}
     for c in ast.walk(post):
         if isinstance(c, ast.Call):
             first.setdefault(_ast.dotted(c.func), c.lineno)

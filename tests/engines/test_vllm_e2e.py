@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def _engine_routing(result: dict, ids_of: dict[str, list[int]]) -> dict[str, dic
     return out
 
 
-def _check_routing(storage: Path, run: str, model: object, ids_of: dict[str, list[int]], truth: dict) -> None:
+def _check_routing(storage: Path, run: str, model: Any, ids_of: dict[str, list[int]], truth: dict) -> None:
     """Routing read through ``GuidanceReader`` equals ``truth`` on every fed position; replayed on
     the trainer model, the experts the trainer's MoE blocks use are the recorded ones on every valid
     row (the last position, never fed, falls back to the live router)."""

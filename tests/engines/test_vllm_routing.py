@@ -223,9 +223,8 @@ def test_monolithic_binding_uses_vllms_sink(engine: EngineRecorder, caplog: pyte
     assert np.array_equal(decode_routing(route_spec(1, 2, 8), codes.numpy(), flags.numpy()).experts, ids.numpy())
     # a monolithic kernel without routing_replay_out: no sink (vLLM would refuse it), said once
     engine.discard_forward()
-    plain = object.__new__(
-        type("NoReplay", (TrtLlmNvFp4ExpertsMonolithic,), {"supports_routing_replay_capture": lambda s: False})
-    )
+    no_replay = type("NoReplay", (TrtLlmNvFp4ExpertsMonolithic,), {"supports_routing_replay_capture": lambda s: False})
+    plain: Any = object.__new__(no_replay)
     runner.routed_experts.quant_method.moe_kernel.impl.fused_experts = plain
     with caplog.at_level("ERROR", logger="tracestore.client.engines"):
         assert hooks.bind_routing(runner) is None
