@@ -3,7 +3,8 @@
 lists every op), traceable whole by ``torch.compile(fullgraph=True)`` without being dropped as dead
 code, and rows committed from the slab map to (trajectory, position) by the scheduler's plan, padded
 rows never stored — checked through a real sidecar against an independent quantization. The GPU
-test captures the hook inside a real ``torch.cuda.CUDAGraph`` and replays it with new inputs. No
+tests capture the hook (and the routing op) inside a real ``torch.cuda.CUDAGraph`` and replay it
+with new inputs. No
 engine is needed: FlashInfer's entry is a shape-correct fake built on tracestore's quantizer."""
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from tracestore.client.engines.capture import SCOPE, wrap_moe_entry
 from tracestore.client.engines.codes import codes_from_values, record_rows, swizzle_8x4
 from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.rows import RowMapper, Scheduled
 from tracestore.client.engines.setting import parse_setting
 from tracestore.server.testing import ServeProcess
 
 from tracestore import NVFP4, Store, StoreReader, quantize
+from tracestore.artifacts import decode_routing
 from tracestore.layouts import swizzle_scales
 from tracestore.packing import pack_bits, pack_fp4
 
@@ -440,3 +443,37 @@ def test_record_kernel_arguments_give_the_torch_bytes_on_the_cpu(layout: str, pe
         getattr(graph, writer)(graph.slab, SITE, pack_fp4(codes), buf, scale, layout, width, per_token, cap)
         out.append(graph.slab.data.clone())
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_write_each_steps_routing() -> None:
+    """The route op captured once in a ``torch.cuda.CUDAGraph``; each replay copies that step's ids
+    (written into the graph's static input) into the routing rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA-graph capture test needs one")
+    graph = GraphCapture(1)
+    graph.active = True
+    graph.install()
+    spec = route_spec(2, 4, 300)
+    graph.note_route(spec)
+    assert graph.arm(32, "cuda")
+    static = torch.zeros(24, 4, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.route(spec, static)  # warm the op up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        graph.route(spec, static)
+    assert graph.stats["unarmed_capture"] == 0
+    assert graph.route_rows is not None
+    for seed in (1, 2, 3):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(300, generator=gen)[:4] for _ in range(24)]).to(torch.int32)
+        static.copy_(ids.cuda())
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        codes = graph.route_rows.codes[spec.name][:24].cpu().numpy()
+        rows = decode_routing(spec, codes, np.ones((24, 1), np.uint8))
+        assert np.array_equal(rows.experts, ids.numpy()), seed
