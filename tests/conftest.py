@@ -10,7 +10,7 @@ import sys
 import types
 from pathlib import Path
 
-import tracestore  # noqa: F401 - first: from the checkout its kernels/ folder then never answers `kernels`
+import tracestore  # noqa: F401 - first: from the checkout client/ and server/ then never answer their names
 
 _HERE = str(Path(__file__).resolve().parent)
 

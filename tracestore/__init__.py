@@ -35,8 +35,7 @@ from tracestore.records import (
 )
 from tracestore.storage.arrow import CHUNK_SCHEMA, chunks_to_table, table_to_chunks
 
-# From a checkout, the repository root's client/, server/ and kernels/ never answer those top-level
-# names (kernels is Hugging Face's kernel hub, whose presence libraries probe with find_spec)
+# From a checkout, the repository root's client/ and server/ never answer those top-level names
 _shadow.hide_source_folders(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
 
 __version__ = "0.1.0"

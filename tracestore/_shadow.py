@@ -1,11 +1,9 @@
 """Keep the repository's source folders from shadowing other distributions' top-level packages.
 
-``client/``, ``server/`` and ``kernels/`` at the repository root are the sources of
-``tracestore.client``, ``tracestore.server`` and ``tracestore.kernels`` (pyproject's
-``package-dir``). Whenever the repository root is on ``sys.path`` (``python -m ...`` from a
-checkout, a Ray job whose working_dir is the checkout) Python would also find them as top-level
-``client``, ``server`` and ``kernels``, and ``kernels`` is the import name of Hugging Face's
-kernel-hub package, which transformers imports. Each folder's ``__init__`` calls
+``client/`` and ``server/`` at the repository root are the sources of ``tracestore.client`` and
+``tracestore.server`` (pyproject's ``package-dir``). Whenever the repository root is on ``sys.path``
+(``python -m ...`` from a checkout, a Ray job whose working_dir is the checkout) Python would also
+find them as top-level ``client`` and ``server``. Each folder's ``__init__`` calls
 :func:`step_aside` when it is imported under any name but its ``tracestore.`` one: the import then
 yields the package of that name found elsewhere on the path, exactly as if the folder were not
 there, or fails with ``ModuleNotFoundError`` when there is none.
@@ -87,11 +85,10 @@ class _HidingFinder:
 _HIDDEN: set[str] = set()
 
 
-def hide_source_folders(root: str, names: frozenset[str] = frozenset({"client", "server", "kernels"})) -> None:
-    """Make the path finder skip ``root``'s ``client/``, ``server/`` and ``kernels/`` as top-level
-    packages, so that ``importlib.util.find_spec("kernels")`` (what libraries use to ask whether
-    Hugging Face's kernel hub is installed) sees only a real installation, not the checkout's
-    folder.
+def hide_source_folders(root: str, names: frozenset[str] = frozenset({"client", "server"})) -> None:
+    """Make the path finder skip ``root``'s ``client/`` and ``server/`` as top-level packages, so
+    that ``importlib.util.find_spec`` of those names sees only a real installation, not the
+    checkout's folders.
 
     Installs a path hook for ``root`` (a checkout: the parent of the ``tracestore`` package with
     those folders in it) and drops the finders already cached for it. Idempotent; a no-op where

@@ -1,6 +1,6 @@
 """No folder of the repository shadows another distribution's top-level package, whatever the
-working directory: ``client/``, ``server/`` and ``kernels/`` are importable only as
-``tracestore.client``, ``tracestore.server`` and ``tracestore.kernels``; ``proto/``, ``bench/``,
+working directory: ``client/`` and ``server/`` are importable only as ``tracestore.client`` and
+``tracestore.server``; the kernels live inside the package (``tracestore/kernels/``); ``proto/``, ``bench/``,
 ``tests/`` and ``examples/`` have no ``__init__.py``, so a package of that name elsewhere wins.
 
 Each check runs a fresh interpreter with the repository root first on ``sys.path`` (``python -c``
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("kernels", "client", "server", "proto", "bench", "tests", "examples")
-SOURCE_PACKAGES = ("kernels", "client", "server")
+SOURCE_PACKAGES = ("client", "server")
 
 
 def _python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
@@ -137,7 +137,7 @@ def test_a_ray_task_with_the_checkout_as_working_dir() -> None:
             from kernels import CUDAProperties
             here = os.path.realpath(os.getcwd())
             assert any(os.path.realpath(p or '.') == here for p in sys.path), sys.path
-            assert os.path.isdir(os.path.join(here, 'kernels')), here
+            assert os.path.isdir(os.path.join(here, 'client')), here
             return kernels.__file__, tracestore.kernels.__name__
 
         hub, ours = ray.get(probe.remote(), timeout=240)
@@ -151,7 +151,7 @@ def test_a_ray_task_with_the_checkout_as_working_dir() -> None:
 
 def test_without_the_hub_package_nothing_reports_it_installed(tmp_path: Path) -> None:
     """Where Hugging Face's `kernels` is not installed (transformers < 5.25 has it optional), the
-    checkout's kernels/ folder must not answer `find_spec("kernels")`: transformers then imported it
+    checkout must not answer `find_spec("kernels")`: transformers then imported it
     to read its version and every MoE model failed to import (the GPU suite, transformers 5.17)."""
     import sysconfig
 
@@ -164,8 +164,7 @@ def test_without_the_hub_package_nothing_reports_it_installed(tmp_path: Path) ->
     out = _python(
         """
         import importlib.util, sys
-        spec = importlib.util.find_spec('kernels')
-        assert spec is not None and 'kernels/__init__.py' in spec.origin, spec  # the folder, before
+        assert importlib.util.find_spec('kernels') is None, importlib.util.find_spec('kernels')
         import tracestore
         assert importlib.util.find_spec('kernels') is None, importlib.util.find_spec('kernels')
         try:

@@ -123,7 +123,7 @@ def test_vllm_generate_records_and_trace_reproduces_the_engine_codes(
         env = dict(os.environ)
         env["TRACESTORE_RECORD"] = f"sidecar={sp.address} run=e2e policy_version=3 sites=all bits=4 writer=vllm-cpu-0"
         out = tmp_path / "engine.json"
-        # from outside the checkout: its kernels/ folder would shadow the `kernels` package vLLM probes for
+        # from outside the checkout, as an engine runs
         proc = subprocess.run(
             [sys.executable, str(HERE / "vllm_e2e_engine.py"), str(model_dir), str(out), "--moe", "--cases"]
             + (["--spec"] if spec else []) + (["--compiled"] if compiled else []),
