@@ -47,6 +47,7 @@ from tracestore.client.engines.graph import GraphCapture  # noqa: E402
 from tracestore.client.engines.recording import EngineRecorder  # noqa: E402
 from tracestore.client.engines.rows import RowMapper, Scheduled  # noqa: E402
 from tracestore.client.engines.setting import parse_setting  # noqa: E402
+
 from tracestore.kernels.testing import capture_graph  # noqa: E402
 
 

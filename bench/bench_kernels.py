@@ -25,16 +25,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py; `bench` is no package name of ours
 
 import torch  # noqa: E402
+from common import append_results, print_table  # noqa: E402
+
 import tracestore.kernels as K  # noqa: E402
 import tracestore.kernels.guided as KG  # noqa: E402
 import tracestore.kernels.record as KR  # noqa: E402
-from common import append_results, print_table  # noqa: E402
-from tracestore.kernels.testing import capture_graph  # noqa: E402
-
 from tracestore.formats import MXFP4, NVFP4  # noqa: E402
 from tracestore.fp4 import quantize  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
 from tracestore.guided import guided_round  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.layouts import swizzle_scales  # noqa: E402
 from tracestore.packing import pack_bits, pack_fp4  # noqa: E402
 from tracestore.records import SiteSpec  # noqa: E402
@@ -323,6 +323,7 @@ def run_kernels(args: argparse.Namespace, ceiling: float, rows: list[dict]) -> N
 def kernel_resources() -> None:
     """Registers and local memory (spills) per compiled kernel: occupancy and spills explain speed."""
     from cupy.cuda import driver
+
     from tracestore.kernels import _launch
 
     for (name, _dev), (_mod, fn) in sorted(_launch._modules.items()):

@@ -184,6 +184,7 @@ class GpuForward:
 
     def __init__(self, model: str, spec: RunSpec, batch: int, rec: Any, seed: int, device: str = "cuda") -> None:
         import torch
+
         import tracestore.kernels as K
         from tracestore.kernels.testing import capture_graph
 
@@ -282,6 +283,7 @@ class CpuForward:
 
     def __init__(self, spec: RunSpec, batch: int, rec: Any, seed: int, stage: bool) -> None:
         import torch
+
         import tracestore.kernels as K
 
         gen = torch.Generator().manual_seed(seed)

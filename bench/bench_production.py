@@ -46,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py; `be
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import tracestore.kernels as K  # noqa: E402
 from common import append_results, print_table  # noqa: E402
 from tracestore.client import GuidedFP4Hooks, RolloutRecorder, Segments, SiteOutput  # noqa: E402
-from tracestore.kernels.testing import capture_graph  # noqa: E402
 
+import tracestore.kernels as K  # noqa: E402
 from tracestore.guidance import Guidance  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
 SITES = 20

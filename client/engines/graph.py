@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tracestore.kernels import RecordSlab
 
 from tracestore.errors import ShapeError, ValidationError
 from tracestore.formats import check_bits
 from tracestore.fp4 import sane_global_scales
+from tracestore.kernels import RecordSlab
 from tracestore.records import SiteSpec
 
 from .codes import record_rows, scales_to_rowmajor

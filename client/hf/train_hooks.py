@@ -178,9 +178,8 @@ def _rtn(x2: torch.Tensor, fmt: FP4Format, g: torch.Tensor | None) -> torch.Tens
 def _rtn_rows(x2: torch.Tensor, fmt: FP4Format, g: torch.Tensor) -> torch.Tensor:
     """RTN with one decode-side g per row: the guided op with no record on any row falls back to
     exactly that (docs/numerics.md §8), with straight-through backward."""
-    from tracestore.kernels import guided_fp4
-
     from tracestore.formats import packed_row_bytes
+    from tracestore.kernels import guided_fp4
 
     n, w = x2.shape
     none = Guidance(

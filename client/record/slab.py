@@ -239,6 +239,7 @@ class SlabStage:
         deferred: bool = True,
     ):
         import torch
+
         from tracestore.kernels import stage_rows
 
         self.host = host

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+
+from tracestore.errors import ConfigError
 from tracestore.kernels import RecordBranch, RecordSlab, record_from_activations, stage_rows
 from tracestore.kernels.branch import join_pending
 from tracestore.kernels.testing import assert_bits_equal, capture_graph
-
-from tracestore.errors import ConfigError
 from tracestore.records import RunSpec, SiteSpec
 
 SITES = tuple(SiteSpec(f"layers.{i}.mlp.input", "moe_input", i, 256, "nvfp4", 1) for i in range(6))

@@ -5,15 +5,15 @@ import itertools
 
 import pytest
 import torch
-import tracestore.kernels.guided as kg
-from tracestore.kernels import guided_fp4, rtn_fp4
-from tracestore.kernels.testing import assert_bits_equal
 
+import tracestore.kernels.guided as kg
 from tracestore.errors import ConfigError, DTypeError, ShapeError
 from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
 from tracestore.fp4 import dequantize, quantize, sane_global_scales, scale_values
 from tracestore.guidance import Guidance
 from tracestore.guided import guided_round, rtn_fake_quant
+from tracestore.kernels import guided_fp4, rtn_fp4
+from tracestore.kernels.testing import assert_bits_equal
 from tracestore.packing import pack_bits
 
 

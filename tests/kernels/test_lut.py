@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from tracestore.kernels._lut import REGIONS, decision_table, lut_codes, n_codes
 
 from tracestore.guided import guided_codes
+from tracestore.kernels._lut import REGIONS, decision_table, lut_codes, n_codes
 
 
 def _z_values(gen: torch.Generator) -> torch.Tensor:

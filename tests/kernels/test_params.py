@@ -8,13 +8,13 @@ import re
 import numpy as np
 import pytest
 import torch
+
 import tracestore.kernels._launch as L
 import tracestore.kernels.guided as KG
 import tracestore.kernels.record as KR
+from tracestore.errors import ConfigError
 from tracestore.kernels import _params as P
 from tracestore.kernels._source import SOURCE
-
-from tracestore.errors import ConfigError
 from tracestore.layouts import padded_shape
 from tracestore.records import SiteSpec
 

@@ -5,7 +5,11 @@ import itertools
 
 import pytest
 import torch
+
 import tracestore.kernels.record as KR
+from tracestore.errors import ConfigError, DTypeError, ShapeError
+from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
+from tracestore.fp4 import quantize, resolve_global_scale
 from tracestore.kernels import (
     RecordBuffer,
     compute_global_scale,
@@ -14,10 +18,6 @@ from tracestore.kernels import (
     record_kv_pages,
 )
 from tracestore.kernels.testing import assert_bits_equal, capture_graph
-
-from tracestore.errors import ConfigError, DTypeError, ShapeError
-from tracestore.formats import MXFP4, MXFP4_RCEIL, NVFP4
-from tracestore.fp4 import quantize, resolve_global_scale
 from tracestore.layouts import swizzle_scales
 from tracestore.packing import pack_bits, pack_fp4
 from tracestore.records import SiteSpec

@@ -6,6 +6,9 @@ import itertools
 
 import pytest
 import torch
+
+from tracestore.errors import DTypeError, ShapeError
+from tracestore.fp4 import quantize
 from tracestore.kernels import (
     RecordSlab,
     record_from_activations,
@@ -14,9 +17,6 @@ from tracestore.kernels import (
     stage_rows,
 )
 from tracestore.kernels.testing import assert_bits_equal, capture_graph
-
-from tracestore.errors import DTypeError, ShapeError
-from tracestore.fp4 import quantize
 from tracestore.packing import pack_bits, pack_fp4
 from tracestore.records import SiteSpec
 

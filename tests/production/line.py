@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments
 from tracestore.client.hf.hooks import HFSiteHooks
-from tracestore.kernels import RecordSlab, record_from_activations
 from tracestore.server.testing import ServeProcess
 
 from tracestore.demo.model import ModelSpec, build_model
 from tracestore.formats import get_format
+from tracestore.kernels import RecordSlab, record_from_activations
 from tracestore.plan import MicrobatchPlan
 from tracestore.records import RunSpec
 

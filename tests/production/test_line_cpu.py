@@ -10,11 +10,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("grpc")
 
 from tracestore.client import RolloutRecorder, Segments, SiteOutput  # noqa: E402
-from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
 
 from tests.hf_compat import checkpointing_on  # noqa: E402
 from tests.production import line  # noqa: E402
 from tracestore.errors import ConfigError, DTypeError, ShapeError, ValidationError  # noqa: E402
+from tracestore.kernels import RecordSlab, record_from_activations  # noqa: E402
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
 

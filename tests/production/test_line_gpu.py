@@ -19,12 +19,12 @@ pytest.importorskip("grpc")
 
 import numpy as np  # noqa: E402
 from tracestore.client import GuidanceReader, GuidedFP4Hooks, RolloutRecorder, Segments  # noqa: E402
-from tracestore.kernels import RecordBranch, RecordSlab, record_from_activations  # noqa: E402
-from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.server.testing import ServeProcess  # noqa: E402
 
 from tests.production import line  # noqa: E402
 from tracestore.errors import ShapeError  # noqa: E402
+from tracestore.kernels import RecordBranch, RecordSlab, record_from_activations  # noqa: E402
+from tracestore.kernels.testing import capture_graph  # noqa: E402
 from tracestore.plan import MicrobatchPlan  # noqa: E402
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
