@@ -29,6 +29,7 @@ replay are checked bit for bit against :func:`record_rows` of the same inputs.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                 "baseline_ms": base,
                 "overhead_%": 100 * (med - base) / base,
                 "commit_host_ms_median": statistics.median(host[v]) * 1e3 if host[v] else None,
-                "commit_host_ms_p99": sorted(host[v])[int(0.99 * (len(host[v]) - 1))] * 1e3 if host[v] else None,
+                "commit_host_ms_p99": sorted(host[v])[math.ceil(0.99 * len(host[v])) - 1] * 1e3 if host[v] else None,
                 "bits": args.bits,
                 "slab_bytes_per_step": batch * graph.slab.row_bytes if graph.slab is not None else None,
                 "gathers": graph.stats["gathers"],
