@@ -29,6 +29,12 @@ planned rows (``index_select`` on the device, the index copied from pinned host 
 second slab (routing rows: gathered the same way and handed over with one ``record_forward``
 of the same segments). Rows past the scheduled tokens — the padding an engine adds to reach a captured
 batch size — are written by the graph but never named by a plan, so never committed.
+
+Speculative decoding: a draft token's row must wait for the scheduler to confirm it. ``arm(...,
+spare=k)`` gives the slab (and the routing rows) ``k`` rows past the forward's capacity, which no
+forward writes; :meth:`GraphCapture.hold` copies draft rows there on the device, and a later
+:meth:`GraphCapture.commit` names those spare rows in its index like any forward row (a rejected
+draft's row is simply never named, and its spare row is reused). No host read is involved.
 """
 
 from __future__ import annotations
@@ -129,11 +135,13 @@ class GraphCapture:
         self.gathered: RecordSlab | None = None
         self.route_rows: RouteBuffers | None = None  # the routing sites' rows (None: none)
         self._armed = False
+        self._rows = 0  # rows a forward may write (the slab's spare rows follow them)
+        self._free: list[int] = []  # spare rows not holding a draft row
         self._device: torch.device | None = None
         self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0, "failed": 0}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
-        self._idx: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # pinned host, device, event
+        self._idx: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # pinned host, device, event (a pool)
         self._specs: dict[str, SiteSpec] = {}
 
     # -- the hooks' side ------------------------------------------------------------------------
@@ -180,7 +188,7 @@ class GraphCapture:
             self._warn(site, "site first seen after the slab was allocated: not recorded")
             return
         try:
-            if bufs.write(site, ids) < ids.shape[0]:
+            if bufs.write(site, ids[: self._rows]) < ids.shape[0]:  # (never into the spare rows)
                 self.stats["clipped"] += 1
         except Exception:
             self.stats["failed"] += 1
@@ -212,7 +220,7 @@ class GraphCapture:
             self._warn(site, "site first seen after the slab was allocated: not recorded")
             return
         rows = packed.reshape(-1, packed.shape[-1])
-        n = min(int(rows.shape[0]), slab.capacity)
+        n = min(int(rows.shape[0]), self._rows)
         if n < rows.shape[0]:
             self.stats["clipped"] += 1
         if n == 0:
@@ -328,51 +336,101 @@ class GraphCapture:
         routes = () if bufs is None else tuple(bufs.specs[n] for n in sorted(bufs.specs))
         return fp4 + routes
 
-    def arm(self, capacity: int, device: torch.device | str) -> bool:
+    def arm(self, capacity: int, device: torch.device | str, spare: int = 0) -> bool:
         """Allocate the slab (and the gather slab) for the FP4 sites noted so far and the routing
         rows for the routing sites, ``capacity`` rows each: the largest forward the engine runs,
-        padding included. Returns whether it is armed (False: no site was noted; call again after
-        a forward). Idempotent once armed."""
+        padding included; plus ``spare`` rows no forward writes, where :meth:`hold` keeps draft
+        rows (speculative decoding: the most drafts held at once). Returns whether it is armed
+        (False: no site was noted; call again after a forward). Idempotent once armed."""
         if self._armed:
             return True
-        if capacity < 1:
-            raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
+        if capacity < 1 or spare < 0:
+            raise ShapeError(f"capacity must be >= 1 row and spare >= 0, got {capacity} and {spare}")
         specs = self.site_specs()
         if not specs and not self.routes:
             return False
+        total = capacity + spare
         if specs:
-            self.gathered = RecordSlab.allocate(specs, capacity, device)
+            self.gathered = RecordSlab.allocate(specs, total, device)
             self._specs = {sp.name: sp for sp in specs}
-            self.slab = RecordSlab.allocate(specs, capacity, device)
+            self.slab = RecordSlab.allocate(specs, total, device)
         if self.routes:
-            self.route_rows = RouteBuffers(self.routes.values(), capacity, device)
+            self.route_rows = RouteBuffers(self.routes.values(), total, device)
         self._device = torch.device(device)
+        self._rows = int(capacity)
+        self._free = list(range(total - 1, capacity - 1, -1))  # popped from the end: lowest first
         self._armed = True
         log.info(
-            "tracestore: graph capture armed: %d FP4 sites (%s), %d routing sites, %d rows",
-            len(specs), self.slab, len(self.routes), capacity,
+            "tracestore: graph capture armed: %d FP4 sites (%s), %d routing sites, %d rows + %d spare",
+            len(specs), self.slab, len(self.routes), capacity, spare,
         )  # fmt: skip
         return True
 
     def rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Each site's full-capacity ``(codes, scales, g)`` views of the slab (the last forward's
-        rows)."""
+        """Each site's ``(codes, scales, g)`` views of the slab's forward rows ``[0, capacity)``
+        (the last forward's rows; the spare rows are not among them)."""
         if not self._armed:
             raise ValidationError("the graph capture is not armed")
-        slab = self.slab
-        out = {} if slab is None else {n: (b.codes, b.scales, b.global_scale) for n, b in slab.buffers.items()}
+        slab, n = self.slab, self._rows
+        out = (
+            {}
+            if slab is None
+            else {k: (b.codes[:n], b.scales[:n], b.global_scale[:n]) for k, b in slab.buffers.items()}
+        )
         if self.route_rows is not None:
-            out.update(self.route_rows.rows())
+            out.update({k: (c[:n], f[:n], g) for k, (c, f, g) in self.route_rows.rows().items()})
         return out
 
     # -- after a forward --------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        """Rows per site of the armed capture (0 before arming)."""
+        """Rows a forward writes per site in the armed capture (0 before arming)."""
+        return self._rows
+
+    @property
+    def total_rows(self) -> int:
+        """Rows per site of the armed capture: the forward's, then the spare rows."""
         if self.slab is not None:
             return self.slab.capacity
         return 0 if self.route_rows is None else self.route_rows.capacity
+
+    @property
+    def spare_free(self) -> int:
+        """Spare rows not holding a draft row."""
+        return len(self._free)
+
+    def hold(self, rows: np.ndarray) -> np.ndarray | None:
+        """Copy the last forward's ``rows`` (int64, each below :attr:`capacity`) into free spare
+        rows, by device ops on the current stream (no host read); returns the spare rows taken, in
+        order, or None (nothing copied) when fewer are free. Name them in a later
+        :meth:`commit`'s index, and give them back with :meth:`free`."""
+        if not self._armed:
+            raise ValidationError("the graph capture is not armed")
+        k = int(rows.shape[0])
+        if k == 0:
+            return np.zeros(0, dtype=np.int64)
+        if int(rows.min()) < 0 or int(rows.max()) >= self._rows:
+            raise ShapeError(f"rows {rows.min()}..{rows.max()} held; a forward writes rows below {self._rows}")
+        if k > len(self._free):
+            return None
+        slots = np.asarray([self._free.pop() for _ in range(k)], dtype=np.int64)
+        both = self._device_index(np.concatenate([rows, slots]))
+        src, dst = both[:k], both[k:]
+        if self.slab is not None:
+            self.slab.data.index_copy_(0, dst, self.slab.data.index_select(0, src))
+        if self.route_rows is not None:
+            for codes in self.route_rows.codes.values():
+                codes.index_copy_(0, dst, codes.index_select(0, src))
+        return slots
+
+    def free(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Give spare rows taken by :meth:`hold` back (after the commit that names them, if any:
+        later device work is ordered after its gather)."""
+        for s in np.asarray(slots, dtype=np.int64).reshape(-1).tolist():
+            if not self._rows <= s < self.total_rows or s in self._free:
+                raise ValidationError(f"row {s} is not a held spare row")
+            self._free.append(s)
 
     def commit(
         self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any
@@ -393,7 +451,7 @@ class GraphCapture:
         n = int(index.shape[0])
         if n == 0:
             return True
-        cap = self.capacity
+        cap = self.total_rows
         if n > cap or int(index.max()) >= cap or int(index.min()) < 0:
             raise ShapeError(f"rows {index.min()}..{index.max()} planned; the slab holds {cap}")
         identity = bool(np.array_equal(index, np.arange(n, dtype=index.dtype)))
@@ -421,30 +479,33 @@ class GraphCapture:
         return ok
 
     def _device_index(self, index: np.ndarray) -> torch.Tensor:
-        """``index`` as an int64 tensor on the slab's device; on a GPU through two pinned host
-        buffers used in turn (the copy from one had a whole step to land before it is rewritten)."""
+        """``index`` as an int64 tensor on the slab's device; on a GPU through a pool of pinned
+        host buffers: one whose last copy has landed (its event has fired) is reused, else another
+        is allocated (a few; past them the oldest is waited for)."""
         assert self._device is not None
         dev = self._device
         src = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64))
         if dev.type != "cuda":
             return src.to(dev)
-        if not self._idx:
-            cap = self.capacity
-            self._idx = [
+        n = src.shape[0]
+        free = next((i for i, (_, _, ev) in enumerate(self._idx) if ev is None or ev.query()), None)
+        if free is None and len(self._idx) < 8:
+            cap = 2 * self.total_rows  # a hold's index: rows and spare rows
+            self._idx.append(
                 (
                     torch.empty(cap, dtype=torch.int64, pin_memory=True),
                     torch.empty(cap, dtype=torch.int64, device=dev),
                     None,
                 )
-                for _ in range(2)
-            ]
-        host, out, event = self._idx[0]
-        if event is not None:
-            event.synchronize()  # the copy out of this buffer, queued two commits ago
-        n = src.shape[0]
+            )
+            free = len(self._idx) - 1
+        if free is None:
+            free = 0
+            self._idx[0][2].synchronize()  # eight index copies queued and none landed yet
+        host, out, _ = self._idx.pop(free)
         host[:n].copy_(src)
         out[:n].copy_(host[:n], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        self._idx = [self._idx[1], (host, out, ev)]
+        self._idx.append((host, out, ev))  # oldest first
         return out[:n]

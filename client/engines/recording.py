@@ -9,7 +9,11 @@
   ``routed_experts`` site, :mod:`tracestore.client.engines.routing`);
 - after it, :meth:`EngineRecorder.end_forward` applies the step's
   :class:`~tracestore.client.engines.rows.StepPlan`: prefix links first, then the planned rows
-  (one ``record_forward`` with their token ids), draft rows held on the host until confirmed;
+  (one ``record_forward`` with their token ids), draft rows held on the device until confirmed
+  (under a :class:`~tracestore.client.engines.graph.GraphCapture`, in its slab's spare rows:
+  confirmed ones are committed with the next forward's rows in one gather; eagerly, as device
+  copies of their rows). Holding, confirming and dropping a draft reads no device data on the
+  host; a rejected draft's row is never handed to the recorder;
 - :meth:`EngineRecorder.end_request` seals a finished request, or records why it has a gap, and
   returns the dict an engine hands back on the request output (with the :class:`TraceRef`).
 
@@ -20,6 +24,7 @@ connection the recorder marks trajectories unguided and the engine keeps running
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -36,7 +41,9 @@ from .routing import route_rows
 from .rows import Ending, StepPlan
 from .setting import RecordSetting
 
+log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+Rows = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # site -> (codes, scales, g)
 
 
 def site_spec(name: str, width: int, bits: int) -> SiteSpec:
@@ -76,7 +83,9 @@ class EngineRecorder:
         self.run_spec: RunSpec | None = None
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.artifacts: dict[str, SiteSpec] = {}  # artifact sites captured so far (routing), by name
-        self._held: dict[tuple[str, int], tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+        # (trajectory, position) -> (token id, its rows: a spare slab row of the graph capture, or
+        # per-site device copies on the eager path)
+        self._held: dict[tuple[str, int], tuple[int, int | Rows]] = {}
         self._lock = threading.Lock()
         self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
         self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
@@ -88,6 +97,7 @@ class EngineRecorder:
             "held": 0,
             "released": 0,
             "dropped": 0,
+            "held_overflow": 0,
             "seals": 0,
             "gaps": 0,
         }
@@ -161,6 +171,7 @@ class EngineRecorder:
             self._broken.update(t for t, _, _ in plan.segments)
             self._broken.update(h[0] for h in plan.held)
             self._broken.update(t for t, _, _ in plan.links)
+            self._broken.update(t for t, _ in plan.released)
             raise
 
     def _end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
@@ -171,7 +182,8 @@ class EngineRecorder:
         if not sites:
             if plan.segments or plan.held:
                 raise ValidationError("the step plans rows but the forward captured no site")
-            self._links_and_released(plan)
+            self._links_and_dropped(plan)
+            self._release(plan.released)
             return True
         self._sites = sites
         try:
@@ -186,14 +198,17 @@ class EngineRecorder:
         # earlier drafts first: those this step's computed counts confirmed or rejected (a position
         # may be drafted again in this very step, whose new row must not be dropped with the old
         # one)
-        self._links_and_released(plan)
+        self._links_and_dropped(plan)
         at = plan.starts(order)
-        for traj, pos, rid, off, tok in plan.held:  # draft rows: kept on the host until confirmed
+        if graph:
+            return self._graph_step(plan, order, at)
+        self._release(plan.released)
+        for traj, pos, rid, off, tok in plan.held:  # draft rows: device copies until confirmed
             row = at[rid] + off
             self._held[(traj, pos)] = (
                 tok,
                 {
-                    n: (c[row : row + 1].cpu(), s[row : row + 1].cpu(), self._g_row(g, row))
+                    n: (c[row : row + 1].clone(), s[row : row + 1].clone(), self._g_row(g, row))
                     for n, (c, s, g) in sites.items()
                 },
             )
@@ -201,9 +216,6 @@ class EngineRecorder:
         if not plan.segments:
             return True
         ids = np.asarray(plan.token_ids, dtype=np.int64)
-        if graph:
-            self.stats["rows"] += len(ids)
-            return bool(self.graph.commit(self.recorder, plan.segments, plan.row_index(order), ids))
         idx = torch.from_numpy(plan.row_index(order))
         outputs = {}
         from tracestore.client import SiteOutput
@@ -215,15 +227,57 @@ class EngineRecorder:
         self.stats["rows"] += int(idx.numel())
         return bool(self.recorder.record_forward(plan.segments, outputs, token_ids=ids))
 
+    def _graph_step(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None, at: dict[str, int]) -> bool:
+        """A graph-captured forward: the drafts this step confirmed (spare slab rows) and the
+        planned rows in one commit, then this step's drafts copied into spare rows."""
+        segs, slots, ids = self._take_released(plan.released)
+        n_released = len(ids)
+        segs += plan.segments
+        index = np.concatenate([slots, plan.row_index(order)])
+        tokens = np.concatenate([ids, np.asarray(plan.token_ids, dtype=np.int64)])
+        ok = True
+        try:
+            if segs:
+                ok = bool(self.graph.commit(self.recorder, segs, index, tokens))
+                self.stats["rows"] += len(plan.token_ids)
+                self.stats["released"] += n_released
+        finally:
+            self.graph.free(slots)  # (reused below at the earliest: after the commit's gather)
+        self._hold_graph(plan.held, at)
+        return ok
+
+    def _hold_graph(self, held: Sequence[tuple[str, int, str, int, int]], at: dict[str, int]) -> None:
+        """Copy this forward's draft rows into the graph capture's spare rows, as many as are free;
+        the trajectories of the rest end with a gap (their drafts are never recorded)."""
+        if not held:
+            return
+        fit = min(len(held), self.graph.spare_free)
+        if fit < len(held):
+            lost = {h[0] for h in held[fit:]}
+            self._broken.update(lost)
+            self.stats["held_overflow"] += len(held) - fit
+            log.error(
+                "tracestore: %d draft rows found no free spare slab row: %d trajectories will have a gap",
+                len(held) - fit, len(lost),
+            )  # fmt: skip
+            held = held[:fit]
+        rows = np.asarray([at[rid] + off for _, _, rid, off, _ in held], dtype=np.int64)
+        slots = self.graph.hold(rows)
+        if slots is None:  # (cannot happen: fit rows are free)
+            raise ValidationError(f"{len(held)} spare slab rows were free, then were not")
+        for (traj, pos, _, _, tok), slot in zip(held, slots.tolist(), strict=True):
+            self._held[(traj, pos)] = (tok, int(slot))
+        self.stats["held"] += len(held)
+
     def _graph_rows(self) -> bool:
         """Whether forwards write their rows into an armed :class:`GraphCapture`'s slab."""
         return bool(self.graph is not None and self.graph.active and self.graph.armed)
 
     @staticmethod
     def _g_row(g: torch.Tensor, row: int) -> torch.Tensor:
-        return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).cpu()
+        return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).clone()
 
-    def _links_and_released(self, plan: StepPlan) -> None:
+    def _links_and_dropped(self, plan: StepPlan) -> None:
         for traj, source, n in plan.links:
             if source in self._broken:  # the prefix it would link to has a gap: so has this one
                 self._broken.add(traj)
@@ -231,38 +285,78 @@ class EngineRecorder:
             self.recorder_or_raise().link_prefix(traj, source, n)
             self.stats["links"] += 1
         for key in plan.dropped:
-            if self._held.pop(key, None) is not None:
+            if self._drop(key):
                 self.stats["dropped"] += 1
-        self._release(plan.released)
+
+    def _drop(self, key: tuple[str, int]) -> bool:
+        """Forget a held draft row (its spare slab row is free again)."""
+        held = self._held.pop(key, None)
+        if held is not None and isinstance(held[1], int):
+            self.graph.free([held[1]])
+        return held is not None
 
     def recorder_or_raise(self) -> Any:
         if self.recorder is None:
             raise ValidationError("no forward has captured a site yet: the run's sites are not known")
         return self.recorder
 
-    def _release(self, released: Sequence[tuple[str, int]]) -> None:
-        """Record confirmed draft rows, one ``record_forward`` per run of consecutive positions."""
-        i = 0
-        while i < len(released):
-            traj, pos = released[i]
-            j = i + 1
-            while j < len(released) and released[j] == (traj, pos + j - i):
-                j += 1
-            taken = [self._held.pop((traj, p)) for _, p in released[i:j]]
-            rows = [r for _, r in taken]
-            outputs = {}
-            from tracestore.client import SiteOutput
+    def _take_released(
+        self, released: Sequence[tuple[str, int]]
+    ) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray]:
+        """Take confirmed draft rows out of the hold: those in spare slab rows are returned as
+        (segments, spare rows, token ids) for one commit; device copies (the eager path) are
+        recorded here, one ``record_forward`` per run of consecutive positions. A confirmed row
+        that was never kept (no free spare row) leaves its trajectory with a gap."""
+        segs: list[tuple[str, int, int]] = []
+        slots: list[int] = []
+        ids: list[int] = []
+        eager: list[tuple[str, int, list[tuple[int, Rows]]]] = []
+        for traj, pos in released:
+            held = self._held.pop((traj, pos), None)
+            if held is None:
+                self._broken.add(traj)
+                continue
+            tok, rows = held
+            if isinstance(rows, int):
+                if segs and segs[-1][0] == traj and segs[-1][2] == pos:
+                    segs[-1] = (traj, segs[-1][1], pos + 1)
+                else:
+                    segs.append((traj, pos, pos + 1))
+                slots.append(rows)
+                ids.append(tok)
+            elif eager and eager[-1][0] == traj and eager[-1][1] + len(eager[-1][2]) == pos:
+                eager[-1][2].append((tok, rows))
+            else:
+                eager.append((traj, pos, [(tok, rows)]))
+        for traj, pos, taken in eager:
+            self._record_copies(traj, pos, taken)
+        return segs, np.asarray(slots, dtype=np.int64), np.asarray(ids, dtype=np.int64)
 
-            for name in rows[0]:
-                c = torch.cat([r[name][0] for r in rows])
-                s = torch.cat([r[name][1] for r in rows])
-                gs = [r[name][2] for r in rows]
-                g = gs[0] if all(bool(torch.equal(x, gs[0])) for x in gs) else torch.cat(gs)
-                outputs[name] = SiteOutput(c, s, g)
-            ids = np.asarray([t for t, _ in taken], dtype=np.int64)
-            self.recorder_or_raise().record_forward([(traj, pos, pos + j - i)], outputs, token_ids=ids)
-            self.stats["released"] += j - i
-            i = j
+    def _record_copies(self, traj: str, pos: int, taken: list[tuple[int, Rows]]) -> None:
+        """Record held device copies of consecutive positions from ``pos`` (one ``record_forward``;
+        g one value per row, so no host read decides between one g and several)."""
+        from tracestore.client import SiteOutput
+
+        outputs = {}
+        for name in taken[0][1]:
+            c = torch.cat([r[name][0] for _, r in taken])
+            s = torch.cat([r[name][1] for _, r in taken])
+            g = torch.cat([r[name][2] for _, r in taken])
+            outputs[name] = SiteOutput(c, s, g)
+        ids = np.asarray([t for t, _ in taken], dtype=np.int64)
+        self.recorder_or_raise().record_forward([(traj, pos, pos + len(taken))], outputs, token_ids=ids)
+        self.stats["released"] += len(taken)
+
+    def _release(self, released: Sequence[tuple[str, int]]) -> None:
+        """Record confirmed draft rows outside a forward (a request's end, a forward without sites)."""
+        segs, slots, ids = self._take_released(released)
+        if not segs:
+            return
+        try:
+            self.graph.commit(self.recorder_or_raise(), segs, slots, ids)
+            self.stats["released"] += len(ids)
+        finally:
+            self.graph.free(slots)
 
     # -- after a request --------------------------------------------------------------------------
 
@@ -276,7 +370,7 @@ class EngineRecorder:
 
         traj, n = ending.trajectory, ending.n_tokens
         for key in [k for k in self._held if k[0] == traj]:
-            del self._held[key]
+            self._drop(key)
         gap = ending.gap
         if traj in self._broken:
             self._broken.discard(traj)

@@ -39,8 +39,10 @@
   The worker-role connector turns it on from ``model_config.enforce_eager``; the warm-up
   (``profile_run``) notes the sites;
   ``capture_model`` (or the first ``execute_model``) arms the slab at ``max_num_batched_tokens``
-  rows on the runner's device; after each forward the plan's rows are committed from the slab
-  (padded rows of a captured batch size are never named by the plan).
+  rows on the runner's device (with speculative decoding, plus spare rows that keep draft rows on
+  the device until the scheduler confirms them: :func:`held_rows`); after each forward the plan's
+  rows are committed from the slab (padded rows of a captured batch size are never named by the
+  plan).
 """
 
 from __future__ import annotations
@@ -469,12 +471,21 @@ def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
     return ref_nvfp4_quant_dequant
 
 
+def held_rows(runner: Any) -> int:
+    """Spare slab rows for draft rows awaiting confirmation under speculative decoding: twice
+    ``max_num_reqs`` × ``num_spec_tokens`` (each running request holds at most its drafts of one
+    step; the factor leaves room for preempted requests whose drafts are dropped only when they are
+    scheduled again). 0 without speculative decoding."""
+    k = int(getattr(runner, "num_spec_tokens", 0) or 0)
+    return 2 * int(getattr(runner, "max_num_reqs", 0) or 0) * k
+
+
 def _arm(runner: Any) -> None:
     """Allocate the graph capture's slab for the sites the warm-up noted (largest forward, padding
-    included: ``max_num_tokens``), on the runner's device."""
+    included: ``max_num_tokens``; plus :func:`held_rows` spare rows), on the runner's device."""
     if GRAPH is not None and GRAPH.active and not GRAPH.armed:
         cap = int(getattr(runner, "max_num_tokens", 0) or 0)
-        if not GRAPH.arm(cap, runner.device):
+        if not GRAPH.arm(cap, runner.device, spare=held_rows(runner)):
             log.error("tracestore: no site was seen before %s: nothing will be recorded", "arming")
 
 
