@@ -256,23 +256,33 @@ def test_cuda_graph_runner_fields() -> None:
     assert {"self.decode_cuda_graph_runner", "self.prefill_cuda_graph_runner", "self.eager_runner"} <= assigned
 
 
-def test_cuda_graphs_or_overlap_record_nothing_and_say_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_overlap_records_nothing_and_unarmed_graphs_say_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Overlap scheduling: nothing is planned or recorded, and the log says why. CUDA graphs
+    captured before the slab was armed (the plugin loaded after the capture): the log says so,
+    and a replayed forward's requests end with a gap (the forward captured no rows)."""
     eager = object()
     off = SimpleNamespace(decode_cuda_graph_runner=eager, prefill_cuda_graph_runner=None, eager_runner=eager)
     on = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None, eager_runner=eager)
     assert not hooks.runs_cuda_graphs(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=off)))
     assert hooks.runs_cuda_graphs(SimpleNamespace(tp_worker=SimpleNamespace(model_runner=on)))
     engine = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=cg policy_version=0"))
-    old = hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap
-    hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap = engine, RowMapper(block=1), False
+    old = hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap, hooks._warned_graph
+    hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap, hooks._warned_graph = engine, RowMapper(block=1), False, False
     try:
+        scheduler = SimpleNamespace(enable_overlap=True, tp_worker=SimpleNamespace(model_runner=off))
+        batch = ScheduleBatch(reqs=[new_req("o", [1, 2])], forward_mode=ForwardMode.EXTEND)
+        with caplog.at_level("ERROR", logger="tracestore.client.engines"):
+            assert hooks.around_run_batch(lambda sch, b: "ran", scheduler, batch) == "ran"
+        assert "overlap scheduling" in caplog.text and not hooks.MAPPER.known("o")  # nothing planned
         scheduler = SimpleNamespace(enable_overlap=False, tp_worker=SimpleNamespace(model_runner=on))
         batch = ScheduleBatch(reqs=[new_req("g", [1, 2])], forward_mode=ForwardMode.EXTEND)
         with caplog.at_level("ERROR", logger="tracestore.client.engines"):
-            assert hooks.around_run_batch(lambda sch, b: "ran", scheduler, batch) == "ran"
-        assert "CUDA graphs" in caplog.text and not hooks.MAPPER.known("g")  # nothing planned, nothing recorded
+            assert hooks.around_run_batch(lambda sch, b: "ran", scheduler, batch) == "ran"  # a replay: no rows
+        assert "before the slab was armed" in caplog.text
+        ending = hooks.MAPPER.finish("g", [1, 2, 3])
+        assert engine.end_request(ending)["gap"] == "unrecorded_positions"
     finally:
-        hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap = old
+        hooks.ENGINE, hooks.MAPPER, hooks._warned_overlap, hooks._warned_graph = old
 
 
 def test_hooks_register_and_apply_to_the_real_targets() -> None:

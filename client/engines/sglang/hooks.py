@@ -31,11 +31,31 @@ only the scheduler process runs the hooked code):
   input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
   record what it returns (scales swizzled 128×4, g = 1 / ``layer.input_scale_inv``).
 
+- **CUDA graphs** (SGLang's default: decode graphs, and breakable prefill graphs on CUDA): the
+  hooks above record through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`)
+  whenever a graph runner captures or runs, so each site's codes reach the slab by the registered
+  op a captured graph replays (no Python, no host read at replay); forwards SGLang runs eagerly
+  (batches no captured size fits) record through the eager path as before.
+  ``DecodeCudaGraphRunner.capture`` / ``PrefillCudaGraphRunner.capture`` (AROUND): the op path is
+  on while a runner captures; ``FullCudaGraphBackend.capture_one`` /
+  ``BreakableCudaGraphBackend.capture_one`` (AROUND): the slab is armed before the second of the
+  two warm-up forwards SGLang runs before each capture (the first notes every site), at the
+  largest graph forward (:func:`graph_capacity`: the decode runner's largest captured batch times
+  its tokens per request, the prefill runner's largest token bucket). These are SGLang's own
+  methods reached through the plugin's ``HookRegistry``: no fork, and they run once per process
+  before any request. ``DecodeCudaGraphRunner.execute`` / ``PrefillCudaGraphRunner.execute``
+  (AROUND): the forward is a replay (its rows are read from the slab) and its real row count
+  is the ``ForwardBatch``'s (``input_ids`` rows, read from the shape): SGLang pads a replay to a
+  captured size after them (``raw_bs`` < ``bs``, ``raw_num_tokens`` < the bucket); the padded
+  rows are written by the graph and never named by the plan. A replay whose real row count is
+  not the plan's commits nothing (its requests end with a gap).
+
 Overlap scheduling runs the forward on another thread while the scheduler prepares the next
 batch: rows could not be told apart, so with it on the plugin records nothing and logs why
-(start SGLang with ``--disable-overlap-schedule`` to record). The same holds for SGLang's CUDA
-graphs (the hooks are Python; the graph-safe capture is wired for vLLM only): start SGLang with
-``--cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled``.
+(start SGLang with ``--disable-overlap-schedule`` to record). Speculative decoding is not
+recorded (the verify forward's rows are the drafts, not the batch's one row per request; the
+draft model runs the same hooked layers): the plugin stops recording in that process and says
+why.
 """
 
 from __future__ import annotations
@@ -47,10 +67,13 @@ from typing import Any
 import torch
 from tracestore.client.engines.capture import SCOPE, install_flashinfer, site_name
 from tracestore.client.engines.codes import record_rows
+from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.recording import EngineRecorder
 from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
 from tracestore.client.engines.setting import RecordSetting
+
+from .graphs import cuda_graph_config, graph_capacity, runner_device
 
 log = logging.getLogger("tracestore.client.engines")
 
@@ -59,15 +82,41 @@ FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 MODELOPT = "sglang.srt.layers.quantization.modelopt_quant"
 LINEAR_BASE = "sglang.srt.layers.linear.LinearBase"
 TOPK = "sglang.srt.layers.moe.topk"
+RUNNERS = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner",
+)
+BACKENDS = (
+    "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend",
+    "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend.BreakableCudaGraphBackend",
+)
 N_EXPERTS_ATTRS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 ENGINE: EngineRecorder | None = None
 MAPPER: RowMapper | None = None
+GRAPH: GraphCapture | None = None  # graph-safe capture: on while a graph runner captures or replays
 ENDINGS: dict[str, dict[str, Any]] = {}  # request id -> its ending dict (trajectory, n_tokens, gap, trace_ref)
 _DENSE = threading.local()
 _warned_overlap = False
+_warned_graph = False
 N_EXPERTS: int | None = None  # routed experts of the served model (from its config, at the first batch)
 _warned_routing: set[str] = set()
+
+
+class _Capturing(threading.local):
+    """The graph runner whose ``capture`` is running on this thread (None: none)."""
+
+    runner: Any = None
+
+
+class _Replay(threading.local):
+    """The forward's replay: ``rows`` its real row count (None: the forward ran eagerly)."""
+
+    rows: int | None = None
+
+
+CAPTURING = _Capturing()
+REPLAY = _Replay()
 
 
 def _capture(site: str, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> None:
@@ -79,26 +128,79 @@ def _bits() -> int:
     return 1 if ENGINE is None else ENGINE.setting.bits
 
 
+def _graph() -> GraphCapture | None:
+    """The graph capture while hooks must record through its op: a graph runner is capturing or
+    replaying (:data:`GRAPH` active), a CUDA stream is being captured, or dynamo is tracing."""
+    if GRAPH is None or ENGINE is None:
+        return None
+    return GRAPH if GRAPH.active or torch.compiler.is_compiling() or _stream_capturing() else None
+
+
+def _stream_capturing() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _record(site: str, packed: torch.Tensor, sf: torch.Tensor, g: torch.Tensor | None) -> None:
+    """A dense site's codes (``packed`` uint8 ``[T, K/2]``, ``sf`` swizzled 128×4): through the
+    op under graphs, else record rows for this forward."""
+    rows = packed.reshape(-1, packed.shape[-1])
+    graph = _graph()
+    if graph is not None:
+        graph.record(site, rows, sf, "swizzled128x4", rows.shape[1] * 2, global_scale=g)
+        return
+    _capture(site, *record_rows(rows, sf, layout="swizzled128x4", bits=_bits(), global_scale=g))
+
+
 def _route(spec: Any, ids: torch.Tensor) -> None:
-    if ENGINE is not None:
-        try:
+    if ENGINE is None:
+        return
+    try:
+        graph = _graph()
+        if graph is not None:
+            if not graph.armed:  # a warm-up forward declares the site for the slab
+                graph.note_route(spec)
+            graph.route(spec, ids)
+        else:
             ENGINE.capture_route(spec, ids)
-        except Exception:
-            log.exception("tracestore: recording the routing of %s failed", spec.name)
+    except Exception:
+        log.exception("tracestore: recording the routing of %s failed", spec.name)
+
+
+def _install_flashinfer() -> list[str]:
+    return install_flashinfer(_capture, _bits, GRAPH, route=_route)
+
+
+def disable(why: str) -> None:
+    """Record nothing in this process from now on (the hooks stay, and pass every call through)."""
+    global ENGINE
+    if ENGINE is not None:
+        log.error("tracestore: this process records nothing: %s", why)
+    ENGINE = None
+    if GRAPH is not None:
+        GRAPH.active = False
 
 
 def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None) -> list[str]:
     """Register the hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``); returns the targets."""
-    global ENGINE, MAPPER
+    global ENGINE, MAPPER, GRAPH
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     ENGINE = engine if engine is not None else EngineRecorder(setting)
     MAPPER = RowMapper(block=1)
+    if GRAPH is None:
+        GRAPH = GraphCapture(setting.bits)
+        GRAPH.install()
+    ENGINE.graph = GRAPH
     targets = [
         (f"{SCHEDULER}.run_batch", around_run_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", after_process_batch_result, HookType.AFTER),
         (f"{FUSED_MOE}.forward", around_moe_forward, HookType.AROUND),
     ]
+    for runner in RUNNERS:
+        targets.append((f"{runner}.capture", around_graph_capture, HookType.AROUND))
+        targets.append((f"{runner}.execute", around_graph_execute, HookType.AROUND))
+    for backend in BACKENDS:
+        targets.append((f"{backend}.capture_one", around_capture_one, HookType.AROUND))
     if setting.routing:
         targets.append((f"{TOPK}.capture_routed_experts_if_allowed", after_capture_routed_experts, HookType.AFTER))
     if setting.sites == "all":
@@ -111,6 +213,82 @@ def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None)
     for target, hook, kind in targets:
         HookRegistry.register(target, hook, kind)
     return [t for t, _, _ in targets]
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------
+
+
+def _arm(runner: Any) -> None:
+    """Allocate the slab for the sites the warm-up noted (:func:`graph_capacity` rows) on the
+    runner's device; logged when it cannot."""
+    if GRAPH is None or GRAPH.armed:
+        return
+    try:
+        try:
+            config = cuda_graph_config()
+        except Exception:  # no resolved config (tests): the runner's own size
+            config = None
+        cap = graph_capacity(runner, config)
+        if not GRAPH.arm(cap, runner_device(runner.model_runner)):
+            log.error("tracestore: no site was seen before SGLang captured its CUDA graphs: they record nothing")
+    except Exception:
+        log.exception("tracestore: arming the graph capture failed; CUDA graphs record nothing")
+
+
+def around_graph_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """``DecodeCudaGraphRunner.capture`` / ``PrefillCudaGraphRunner.capture``: hooks record through
+    the op while the runner captures (see the module docstring). A speculative worker (target or
+    draft) stops recording in this process."""
+    mr = getattr(runner, "model_runner", None)
+    if ENGINE is None or GRAPH is None or mr is None:
+        return original(runner, *args, **kwargs)
+    if mr.spec_algorithm.is_speculative():
+        disable("speculative decoding is not recorded (verify rows are drafts; the draft model runs the same hooks)")
+        return original(runner, *args, **kwargs)
+    _install_flashinfer()
+    _note_n_experts(mr)  # (the ModelRunner's model config: routing sites are declared at capture)
+    outer = CAPTURING.runner, GRAPH.active
+    CAPTURING.runner, GRAPH.active = runner, True
+    try:
+        return original(runner, *args, **kwargs)
+    finally:
+        CAPTURING.runner, GRAPH.active = outer
+        if GRAPH.stats["unarmed_capture"]:
+            log.error("tracestore: a CUDA graph was captured before the slab was armed: its forwards end with a gap")
+
+
+def around_capture_one(original: Any, backend: Any, shape_key: Any, *args: Any, **kwargs: Any) -> Any:
+    """``FullCudaGraphBackend.capture_one`` / ``BreakableCudaGraphBackend.capture_one(shape_key,
+    forward_fn, ...)``: SGLang calls ``forward_fn`` twice eagerly, then once under capture; the
+    slab is armed before each call outside a capture until it is (the first warm-up notes the
+    sites, so the second arms)."""
+    runner = CAPTURING.runner
+    if runner is None or GRAPH is None or GRAPH.armed:
+        return original(backend, shape_key, *args, **kwargs)
+    args_l = list(args)
+    forward_fn = kwargs["forward_fn"] if "forward_fn" in kwargs else args_l[0]
+
+    def armed_forward() -> Any:
+        if GRAPH is not None and not GRAPH.armed and not _stream_capturing() and (GRAPH.widths or GRAPH.routes):
+            _arm(runner)
+        return forward_fn()
+
+    if "forward_fn" in kwargs:
+        kwargs["forward_fn"] = armed_forward
+    else:
+        args_l[0] = armed_forward
+    return original(backend, shape_key, *args_l, **kwargs)
+
+
+def around_graph_execute(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """``DecodeCudaGraphRunner.execute`` / ``PrefillCudaGraphRunner.execute(forward_batch)``: this
+    forward replays a graph; its real rows are the batch's ``input_ids`` rows (the shape: no host
+    read), the padded rows after them are never committed."""
+    mr = getattr(runner, "model_runner", None)
+    if ENGINE is not None and GRAPH is not None and mr is not None and not mr.is_draft_worker:
+        GRAPH.active = True  # (until the scheduler's next batch: its rows are read from the slab)
+        REPLAY.rows = int(forward_batch.input_ids.shape[0])
+    return original(runner, forward_batch, *args, **kwargs)
 
 
 # -- rows ---------------------------------------------------------------------------------------
@@ -142,7 +320,7 @@ def batch_rows(batch: Any, mapper: RowMapper) -> list[Scheduled] | None:
 
 def runs_cuda_graphs(scheduler: Any) -> bool:
     """Whether the scheduler's model runner replays CUDA graphs (a decode or prefill graph runner
-    other than its eager runner): the plugin's hooks would not run inside them."""
+    other than its eager runner)."""
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if runner is None:
         return False
@@ -154,21 +332,34 @@ def runs_cuda_graphs(scheduler: Any) -> bool:
     return False
 
 
+def _refusal(scheduler: Any) -> str | None:
+    """Why this scheduler's batches cannot be recorded (None: they can)."""
+    if getattr(scheduler, "enable_overlap", False):
+        return "SGLang runs with overlap scheduling (start it with --disable-overlap-schedule to record)"
+    spec = getattr(scheduler, "spec_algorithm", None)
+    if spec is not None and spec.is_speculative():
+        return "speculative decoding is not recorded (verify rows are drafts, not one row per request)"
+    return None
+
+
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Scheduler.run_batch``: plan the batch's rows, run it, record them."""
-    global _warned_overlap
+    """``Scheduler.run_batch``: plan the batch's rows, run it, record them (from the slab after a
+    graph replay, from the captured rows after an eager forward)."""
+    global _warned_overlap, _warned_graph
     if ENGINE is None or MAPPER is None:
         return original(scheduler, batch, *args, **kwargs)
-    if getattr(scheduler, "enable_overlap", False) or runs_cuda_graphs(scheduler):
-        if not _warned_overlap:
-            log.error(
-                "tracestore: SGLang runs with overlap scheduling or CUDA graphs; nothing is recorded "
-                "(start it with --disable-overlap-schedule and --cuda-graph-backend-decode=disabled "
-                "--cuda-graph-backend-prefill=disabled to record)"
-            )
+    why = _refusal(scheduler)
+    if why is not None:
+        if why.startswith("speculative"):
+            disable(why)
+        elif not _warned_overlap:
+            log.error("tracestore: nothing is recorded: %s", why)
             _warned_overlap = True
         return original(scheduler, batch, *args, **kwargs)
-    install_flashinfer(_capture, _bits, route=_route)
+    if runs_cuda_graphs(scheduler) and (GRAPH is None or not GRAPH.armed) and not _warned_graph:
+        log.error("tracestore: SGLang captured CUDA graphs before the slab was armed: replayed forwards end with a gap")
+        _warned_graph = True
+    _install_flashinfer()
     _note_n_experts(scheduler)
     plan: StepPlan | None = None
     try:
@@ -177,14 +368,36 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     except Exception:
         log.exception("tracestore: mapping the batch's rows failed; not recorded")
     ENGINE.discard_forward()
-    result = original(scheduler, batch, *args, **kwargs)
-    if plan is not None:
-        try:
-            ENGINE.end_forward(plan)
-        except Exception:
-            log.exception("tracestore: recording the batch failed")
-    ENGINE.discard_forward()
+    if GRAPH is not None:
+        GRAPH.active = False  # an eager forward unless a graph runner's execute says otherwise
+    REPLAY.rows = None
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+        if plan is not None and ENGINE is not None:
+            _end_forward(ENGINE, plan)
+    finally:
+        if ENGINE is not None:
+            ENGINE.discard_forward()
+        if GRAPH is not None:
+            GRAPH.active = False
+        REPLAY.rows = None
     return result
+
+
+def _end_forward(engine: EngineRecorder, plan: StepPlan) -> None:
+    """Record the forward's planned rows; a replay whose real row count is not the plan's is
+    committed as a forward that captured nothing (its requests end with a gap)."""
+    replayed = REPLAY.rows
+    planned = sum(n for _, n in plan.order)
+    if replayed is not None and replayed != planned:
+        log.error("tracestore: a graph replay ran %d rows, the batch plans %d: not recorded", replayed, planned)
+        engine.discard_forward()
+        if GRAPH is not None:
+            GRAPH.active = False  # the slab's rows are not read
+    try:
+        engine.end_forward(plan)
+    except Exception:
+        log.exception("tracestore: recording the batch failed")
 
 
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -214,10 +427,11 @@ def model_n_experts(hf_text_config: Any) -> int | None:
     return None
 
 
-def _note_n_experts(scheduler: Any) -> None:
+def _note_n_experts(owner: Any) -> None:
+    """The served model's expert count, from ``owner.model_config`` (a Scheduler or ModelRunner)."""
     global N_EXPERTS
     if N_EXPERTS is None:
-        cfg = getattr(getattr(scheduler, "model_config", None), "hf_text_config", None)
+        cfg = getattr(getattr(owner, "model_config", None), "hf_text_config", None)
         N_EXPERTS = None if cfg is None else model_n_experts(cfg)
 
 
@@ -245,18 +459,22 @@ def after_capture_routed_experts(result: Any, *args: Any, **kwargs: Any) -> None
         return None
     try:
         top_k = int(config.top_k) - int(getattr(config, "num_shared_topk_slots", 0) or 0)
-        ENGINE.capture_route(route_spec(int(layer), top_k, N_EXPERTS), ids)
+        spec = route_spec(int(layer), top_k, N_EXPERTS)
     except Exception:
         log.exception("tracestore: recording the routing of layer %s failed", layer)
+        return None
+    _route(spec, ids)
     return None
 
 
 def around_moe_forward(original: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
     """``FusedMoE.forward``: the MoE site (and its g) for FlashInfer's entries while it runs."""
+    if ENGINE is None:  # this process records nothing: no site, so the entries' wrappers pass through
+        return original(layer, *args, **kwargs)
     enc = getattr(layer, "w13_input_scale_quant", None)
     g = None if not isinstance(enc, torch.Tensor) else (1.0 / enc.float()).reshape(-1)[:1]
     outer = (SCOPE.name, SCOPE.g, SCOPE.route_layer)
-    routing = ENGINE is not None and ENGINE.setting.routing and not getattr(layer, "is_draft", False)
+    routing = ENGINE.setting.routing and not getattr(layer, "is_draft", False)
     SCOPE.enter(f"layers.{int(layer.layer_id)}.mlp.input", g, int(layer.layer_id) if routing else None)
     try:
         return original(layer, *args, **kwargs)
@@ -286,18 +504,15 @@ def _linear_base_init() -> Any:
 def around_linear_apply(original: Any, method: Any, layer: Any, x: Any, bias: Any = None) -> Any:
     """``ModelOptFp4LinearMethod.apply``: record a prequantized input; else mark the layer's site
     for ``fp4_quantize``."""
+    if ENGINE is None:
+        return original(method, layer, x, bias)
     prefix = str(getattr(layer, "prefix", "") or getattr(layer, "_tracestore_prefix", "") or "")
     name = site_name(prefix) if "layers." in prefix else None
     g = _input_g(layer)
     if name is not None and isinstance(x, tuple) and getattr(layer, "_accepts_prequantized_fp4", False):
         try:
             codes, sf = x
-            _capture(
-                name,
-                *record_rows(
-                    codes.reshape(-1, codes.shape[-1]), sf, layout="swizzled128x4", bits=_bits(), global_scale=g
-                ),
-            )
+            _record(name, codes, sf, g)
         except Exception:
             log.exception("tracestore: recording %s failed", name)
         name = None
@@ -321,13 +536,7 @@ def around_fp4_quantize(original: Any, x: torch.Tensor, *args: Any, **kwargs: An
     if site is not None:
         name, g = site
         try:
-            codes, sf = out[0], out[1]
-            _capture(
-                name,
-                *record_rows(
-                    codes.reshape(-1, codes.shape[-1]), sf, layout="swizzled128x4", bits=_bits(), global_scale=g
-                ),
-            )
+            _record(name, out[0], out[1], g)
         except Exception:
             log.exception("tracestore: recording %s failed", name)
         _DENSE.site = None
