@@ -188,7 +188,7 @@ class CpuGraph(TorchDispatchMode):
 
 
 def backend_capture_one(
-    graphs: dict[int, CpuGraph], backend: Any, shape_key: int, forward_fn: Callable[[], Any], *args: Any, **kw: Any
+    graphs: dict[Any, CpuGraph], backend: Any, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kw: Any
 ) -> None:
     """What SGLang's backends do in ``capture_one``: two eager warm-ups, then the captured call."""
     for _ in range(2):
@@ -211,7 +211,7 @@ def route_of(rid: str, pos: int) -> list[int]:
 
 G_MOE = torch.tensor([2.0**-8])  # powers of two: 1 / (1 / g) is g exactly
 G_DENSE = torch.tensor([2.0**-7])
-MAX_ROWS = 8
+MAX_ROWS = 16
 
 
 def quantized(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,12 +320,15 @@ def extend(r: Req, prefix_len: int, end: int) -> Req:
 
 
 class GraphEngine:
-    """The plugin's hooks registered with SGLang's HookRegistry, a decode 'graph runner' captured
-    at batch sizes ``capture_bs`` through the hooked capture / capture_one, and scheduler steps
-    through the hooked run_batch: decode batches replay the graph of the smallest size that fits
-    (padded with junk rows), extend batches run eagerly."""
+    """The plugin's hooks registered with SGLang's HookRegistry; a prefill 'graph runner' captured
+    at token buckets ``buckets``, then a decode one at batch sizes ``capture_bs``, through the
+    hooked capture / capture_one (as SGLang captures them: prefill first, largest shape first);
+    scheduler steps through the hooked run_batch: a batch replays the graph of the smallest shape
+    that fits (padded with junk rows), else runs eagerly."""
 
-    def __init__(self, address: str, run: str, capture_bs: tuple[int, ...] = (4, 8)) -> None:
+    def __init__(
+        self, address: str, run: str, capture_bs: tuple[int, ...] = (4, 8), buckets: tuple[int, ...] = (16,)
+    ) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
         text = f"sidecar={address} run={run} policy_version=0 writer=sgg-{run} sites=all"
@@ -335,7 +338,7 @@ class GraphEngine:
         HookRegistry.apply_hooks()
         hooks.N_EXPERTS = None
         self.model = Model()
-        self.capture_bs = capture_bs
+        self.capture_bs, self.buckets = capture_bs, buckets
         self.mr = SimpleNamespace(
             is_draft_worker=False,
             spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -345,7 +348,9 @@ class GraphEngine:
             model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_experts=8)),
         )
         self.runner = SimpleNamespace(model_runner=self.mr, max_num_token=max(capture_bs))
+        self.prefill_runner = SimpleNamespace(model_runner=self.mr, max_num_tokens=max(buckets))
         self.mr.decode_cuda_graph_runner, self.mr.eager_runner = self.runner, object()
+        self.mr.prefill_cuda_graph_runner = self.prefill_runner
         cfg = SimpleNamespace(hf_text_config=SimpleNamespace(num_experts=8))
         self.scheduler = SimpleNamespace(
             enable_overlap=False,
@@ -353,19 +358,23 @@ class GraphEngine:
             model_config=cfg,
             tp_worker=SimpleNamespace(model_runner=self.mr),
         )
-        self.graphs: dict[int, CpuGraph] = {}
+        self.graphs: dict[tuple[str, int], CpuGraph] = {}
 
     def capture(self) -> None:
-        """SGLang's ``DecodeCudaGraphRunner.capture``: each batch size, largest first."""
+        """SGLang's ``PrefillCudaGraphRunner.capture`` then ``DecodeCudaGraphRunner.capture``."""
 
-        def capture(runner: Any) -> None:
-            for bs in sorted(self.capture_bs, reverse=True):
-                self.model.load([("warm", i) for i in range(bs)], bs, static=True)
-                hooks.around_capture_one(
-                    lambda *a, **k: backend_capture_one(self.graphs, *a, **k), None, bs, self.model.forward
-                )
+        def capture(phase: str, sizes: tuple[int, ...]) -> Callable[[Any], None]:
+            def run(runner: Any) -> None:
+                for n in sorted(sizes, reverse=True):
+                    self.model.load([("warm", i) for i in range(n)], n, static=True)
+                    hooks.around_capture_one(
+                        lambda *a, **k: backend_capture_one(self.graphs, *a, **k), None, (phase, n), self.model.forward
+                    )
 
-        hooks.around_graph_capture(capture, self.runner)
+            return run
+
+        hooks.around_graph_capture(capture("prefill", self.buckets), self.prefill_runner)
+        hooks.around_graph_capture(capture("decode", self.capture_bs), self.runner)
 
     def step(self, mode: ForwardMode, reqs: list[Req], rows: list[tuple[str, int]]) -> None:
         batch = ScheduleBatch(reqs=reqs, forward_mode=mode)
@@ -382,14 +391,19 @@ class GraphEngine:
         def forward(scheduler: Any, b: ScheduleBatch) -> str:
             if not rows:  # an idle batch: no forward
                 return "result"
-            bs = next((s for s in sorted(self.capture_bs) if s >= fb.batch_size), None)
-            if mode.is_decode() and bs is not None:
+            if mode.is_decode():
+                phase, runner, size, shapes = "decode", self.runner, fb.batch_size, self.capture_bs
+            else:
+                phase, runner, size, shapes = "prefill", self.prefill_runner, len(rows), self.buckets
+            shape = next((n for n in sorted(shapes) if n >= size), None)
+            if shape is not None:
+                padded = shape
 
                 def replay(runner: Any, forward_batch: ForwardBatch) -> None:
-                    self.model.load(rows, bs, static=True)  # the runner's load_batch: pads raw_bs to bs
-                    self.graphs[bs].replay()
+                    self.model.load(rows, padded, static=True)  # the runner's load_batch: pads to the shape
+                    self.graphs[(phase, padded)].replay()
 
-                hooks.around_graph_execute(replay, self.runner, fb)
+                hooks.around_graph_execute(replay, runner, fb)
             else:  # SGLang's eager runner
                 self.model.load(rows, len(rows), static=False)
                 self.model.forward()
@@ -416,40 +430,49 @@ def test_graph_replays_record_real_rows_never_padding(sidecar: ServeProcess, fak
     try:
         e.capture()
         graph = hooks.GRAPH
-        assert graph is not None and graph.armed and graph.capacity == 8
+        assert graph is not None and graph.armed and graph.capacity == 16  # the prefill graphs' largest bucket
+        assert set(e.graphs) == {("prefill", 16), ("decode", 8), ("decode", 4)}
         assert set(graph.widths) == {MOE, DENSE} and set(graph.routes) == {ROUTER}
-        for bs, g in e.graphs.items():  # each captured graph: one op per site, nothing that reads on the host
-            ops = [n for n in g.names if n.startswith("tracestore::")]
-            assert sorted(ops) == sorted(["tracestore::engine_record"] * 2 + ["tracestore::engine_route"]), bs
-            assert not {n.split("::")[1] for n in g.names} & FORBIDDEN
+        for key, cg in e.graphs.items():  # each captured graph: one op per site, nothing that reads on the host
+            ops = [n for n in cg.names if n.startswith("tracestore::")]
+            assert sorted(ops) == sorted(["tracestore::engine_record"] * 2 + ["tracestore::engine_route"]), key
+            assert not {n.split("::")[1] for n in cg.names} & FORBIDDEN
         a, b, c = new_req("a", [1, 2, 3, 4]), new_req("b", [5, 6]), new_req("c", [9, 9, 9])
-        e.step(ForwardMode.EXTEND, [extend(a, 0, 4), extend(b, 0, 2), extend(c, 0, 3)], [
-            *[("a", p) for p in range(4)], ("b", 0), ("b", 1), *[("c", p) for p in range(3)]
-        ])  # fmt: skip
-        for r, t in ((a, 10), (b, 20), (c, 30)):
+        d = new_req("d", list(range(40, 60)))
+        e.step(
+            ForwardMode.EXTEND,
+            [extend(a, 0, 4), extend(b, 0, 2), extend(c, 0, 3)],
+            [*[("a", p) for p in range(4)], ("b", 0), ("b", 1), *[("c", p) for p in range(3)]],
+        )  # fmt: skip  (9 tokens: the prefill graph's 16-token bucket)
+        e.step(ForwardMode.EXTEND, [extend(d, 0, 20)], [("d", p) for p in range(20)])  # 20 > 16: eager
+        for r, t in ((a, 10), (b, 20), (c, 30), (d, 60)):
             r.output_ids.append(t)
-        e.step(ForwardMode.DECODE, [b, a, c], [("b", 2), ("a", 4), ("c", 3)])  # raw_bs 3 -> bs 4
+        e.step(ForwardMode.DECODE, [b, a, c, d], [("b", 2), ("a", 4), ("c", 3), ("d", 20)])  # raw_bs 4 -> bs 4
         assert not graph.stats["gathers"]  # the replay's first rows are the batch's
         c.finished_reason = FINISH_ABORT()
         e.step(ForwardMode.IDLE, [c], [])
-        for r, t in ((a, 11), (b, 21)):
+        for r, t in ((a, 11), (b, 21), (d, 61)):
             r.output_ids.append(t)
-        e.step(ForwardMode.DECODE, [a, b], [("a", 5), ("b", 3)])  # raw_bs 2 -> bs 4
-        for r, t in ((a, 12), (b, 22)):
+        e.step(ForwardMode.DECODE, [a, b, d], [("a", 5), ("b", 3), ("d", 21)])  # raw_bs 3 -> bs 4
+        for r, t in ((a, 12), (b, 22), (d, 62)):
             r.output_ids.append(t)
-        a.finished_reason, b.finished_reason = FINISH_LENGTH(length=3), FINISH_LENGTH(length=3)
-        e.step(ForwardMode.IDLE, [a, b], [])
+        e.step(ForwardMode.DECODE, [d], [("d", 22)])  # raw_bs 1 -> bs 4
+        d.output_ids.append(63)
+        for r in (a, b, d):
+            r.finished_reason = FINISH_LENGTH(length=len(r.output_ids))
+        e.step(ForwardMode.IDLE, [a, b, d], [])
         stats = dict(e.engine.stats)
     finally:
         e.close()
     ends = hooks.ENDINGS
-    assert ends["a"]["gap"] is None and ends["b"]["gap"] is None and ends["c"]["gap"] == "aborted"
+    assert ends["a"]["gap"] is None and ends["b"]["gap"] is None and ends["d"]["gap"] is None
+    assert ends["c"]["gap"] == "aborted"
     assert json.loads(ends["a"]["trace_ref"])["guided"] and not json.loads(ends["c"]["trace_ref"])["guided"]
-    assert stats["rows"] == 9 + 3 + 2  # the prefill, two replays' real rows (padding never)
+    assert stats["rows"] == 9 + 20 + 4 + 3 + 1  # prefill replay, eager prefill, decode replays' real rows
     sidecar.terminate()
     sidecar.start()
     with StoreReader(Store(sidecar.storage), "sgg") as reader:
-        for req in (a, b):
+        for req in (a, b, d):
             n = ends[req.rid]["n_tokens"]
             assert n == len(full(req))
             got = reader.read([(ends[req.rid]["trajectory"], 0, n)], on_missing="mask")
@@ -477,7 +500,7 @@ def test_a_replay_whose_rows_are_not_the_plans_is_a_gap(sidecar: ServeProcess, f
         e.step(ForwardMode.EXTEND, [extend(a, 0, 2), extend(b, 0, 2)], [("a", 0), ("a", 1), ("b", 0), ("b", 1)])
         a.output_ids.append(5)
         b.output_ids.append(6)
-        e.step(ForwardMode.DECODE, [a, b], [("a", 2)])  # the forward ran 1 row; the batch plans 2
+        e.step(ForwardMode.DECODE, [a, b], [("a", 2)])  # the replay ran 1 row; the batch plans 2
         for r in (a, b):
             r.output_ids.append(7)
             r.finished_reason = FINISH_LENGTH(length=2)
