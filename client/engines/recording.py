@@ -73,7 +73,9 @@ class EngineRecorder:
 
     ``make_recorder(run_spec)`` builds the :class:`RolloutRecorder` once the sites are known
     (default: one connected to ``setting.sidecar`` with ``setting.writer`` and
-    ``setting.policy_version``).
+    ``setting.policy_version``; a ``sidecar`` with rank placeholders is filled from ``ranks()``,
+    which the engine's plugin sets: ``{"rank": global rank, "dp_rank": data-parallel rank}`` of
+    this process, asked for when the recorder connects).
     """
 
     def __init__(self, setting: RecordSetting, make_recorder: Callable[[RunSpec], Any] | None = None) -> None:
@@ -89,6 +91,7 @@ class EngineRecorder:
         self._lock = threading.Lock()
         self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
         self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
+        self.ranks: Callable[[], dict[str, int]] | None = None  # this process's ranks (sidecar= placeholders)
         self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
         self.stats = {
             "forwards": 0,
@@ -107,8 +110,14 @@ class EngineRecorder:
 
         s = self.setting
         return RolloutRecorder(
-            s.sidecar, spec, writer=s.writer, policy_version=s.policy_version, staging_bytes=s.staging_mb << 20
+            self.address(), spec, writer=s.writer, policy_version=s.policy_version, staging_bytes=s.staging_mb << 20
         )
+
+    def address(self) -> str:
+        """The sidecar this process records to: ``setting.sidecar``, its rank placeholders filled
+        from :attr:`ranks` (:meth:`RecordSetting.address`)."""
+        s = self.setting
+        return s.address(self.ranks() if s.placeholders and self.ranks is not None else None)
 
     # -- during a forward -------------------------------------------------------------------------
 

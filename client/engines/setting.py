@@ -5,11 +5,24 @@
 
     TRACESTORE_RECORD="sidecar=unix:///run/tracestore.sock run=grpo-7 policy_version=12"
 
-Keys: ``sidecar`` (the recorder's address), ``run``, ``policy_version`` (required); ``writer``
+Keys: ``sidecar`` (the recorder's address; it may name the recording process's ranks, below),
+``run``, ``policy_version`` (required); ``writer``
 (default ``<host>-<pid>``), ``bits`` (1..4, default 1), ``sites`` (``moe``: the MoE expert inputs,
 default; ``all``: also the dense NVFP4 linear inputs), ``routing`` (1, default: each MoE layer's
 routed experts as a ``routed_experts`` site ``layers.{i}.mlp.router``; 0: not), ``staging_mb``
 (default 256). Unset or empty: the plugins install nothing.
+
+Several recording processes (data-parallel replicas, or a multi-node engine) each need their own
+sidecar: ``sidecar=`` may hold the placeholders :data:`PLACEHOLDERS`, filled in each recording
+process when its recorder connects (:meth:`RecordSetting.address`)::
+
+    TRACESTORE_RECORD="sidecar=unix:///run/tracestore/{dp_rank}.sock run=grpo-7 policy_version=12"
+
+``{rank}``: the recording process's global rank, ``dp_rank × tp_size × pp_size`` plus its rank
+within its replica (vLLM's world-group rank; SGLang's replicas each form their own world, so the
+plugin computes it the same way); ``{dp_rank}``: its data-parallel replica (0 without data
+parallelism). Python format specs apply (``{rank:02d}``); any other field is refused when the
+setting is parsed.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import string
 import threading
 from collections.abc import Callable
 from typing import Literal
@@ -29,6 +43,29 @@ from tracestore.settings import RECORD, read_env
 ENV = "TRACESTORE_RECORD"
 SiteChoice = Literal["moe", "all"]
 _KEYS = ("sidecar", "run", "policy_version", "writer", "bits", "sites", "routing", "staging_mb")
+PLACEHOLDERS = ("rank", "dp_rank")  # the fields sidecar= may hold (module docstring)
+
+
+def placeholders(template: str) -> tuple[str, ...]:
+    """The placeholder fields ``template`` uses, in order of first use; a field other than
+    :data:`PLACEHOLDERS`, a positional or attribute field, a conversion or a stray brace raises
+    :class:`~tracestore.errors.ConfigError`."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        bad = [f for f in fields if f not in PLACEHOLDERS]
+        if not bad:
+            template.format(**{p: 0 for p in PLACEHOLDERS})  # a bad format spec or conversion
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise ConfigError(
+            f"{ENV}: sidecar={template!r} is not a valid address template ({e}); "
+            f"placeholders are {', '.join('{' + p + '}' for p in PLACEHOLDERS)}"
+        ) from None
+    if bad:
+        raise ConfigError(
+            f"{ENV}: sidecar={template!r} names the unknown placeholder {{{bad[0]}}}; "
+            f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}"
+        )
+    return tuple(dict.fromkeys(fields))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +84,7 @@ class RecordSetting:
     def __post_init__(self) -> None:
         if not self.sidecar:
             raise ConfigError(f"{ENV}: sidecar= is empty; give the sidecar's address, e.g. sidecar=127.0.0.1:7433")
+        placeholders(self.sidecar)
         validate_id("run", self.run)
         object.__setattr__(self, "policy_version", validate_version(self.policy_version))
         object.__setattr__(self, "bits", check_bits(self.bits))
@@ -59,6 +97,24 @@ class RecordSetting:
         if not self.writer:
             object.__setattr__(self, "writer", f"{socket.gethostname()}-{os.getpid()}")
         validate_id("writer", self.writer)
+
+    @property
+    def placeholders(self) -> tuple[str, ...]:
+        """The rank placeholders ``sidecar`` holds (empty: one address for every process)."""
+        return placeholders(self.sidecar)
+
+    def address(self, ranks: dict[str, int] | None = None) -> str:
+        """The sidecar address of a recording process whose ranks are ``ranks`` (``{"rank": r,
+        "dp_rank": d}``): ``sidecar`` with its placeholders filled. A placeholder without a value
+        raises :class:`~tracestore.errors.ConfigError`."""
+        need, got = self.placeholders, ranks or {}
+        missing = [p for p in need if not isinstance(got.get(p), int) or got[p] < 0]
+        if missing:
+            raise ConfigError(
+                f"{ENV}: sidecar={self.sidecar!r} needs {{{missing[0]}}}, which this engine's plugin did not "
+                f"report as a rank >= 0 (got {ranks}); give a plain address"
+            )
+        return self.sidecar.format(**{p: int(got[p]) for p in need}) if need else self.sidecar
 
 
 def parse_setting(text: str) -> RecordSetting:

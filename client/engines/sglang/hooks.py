@@ -186,6 +186,10 @@ def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     ENGINE = engine if engine is not None else EngineRecorder(setting)
+    if ENGINE.ranks is None:
+        from .ranks import engine_ranks
+
+        ENGINE.ranks = engine_ranks  # the sidecar= placeholders
     MAPPER = RowMapper(block=1)
     if GRAPH is None:
         GRAPH = GraphCapture(setting.bits)

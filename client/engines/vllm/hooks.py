@@ -119,6 +119,18 @@ def recording_rank() -> bool:
     return int(ps.get_tp_group().rank_in_group) == 0
 
 
+def engine_ranks() -> dict[str, int]:
+    """This worker's ranks for the ``sidecar=`` placeholders: ``rank``, its rank in vLLM's world
+    group (with data parallelism vLLM's world spans the replicas: ``data_parallel_rank × TP × PP``
+    plus the rank within the replica), and ``dp_rank``, its rank in the data-parallel group (0
+    without model parallelism set up)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"rank": 0, "dp_rank": 0}
+    return {"rank": int(ps.get_world_group().rank), "dp_rank": int(ps.get_dp_group().rank_in_group)}
+
+
 def disable(why: str) -> None:
     """Record nothing in this process (the hooks stay, and pass every call through)."""
     global ENGINE
@@ -140,6 +152,8 @@ def install(setting: RecordSetting, engine: EngineRecorder | None = None) -> lis
     """Install every hook in this process; returns what was patched (``module:attr``). Idempotent."""
     global ENGINE, GRAPH
     ENGINE = engine if engine is not None else EngineRecorder(setting)
+    if ENGINE.ranks is None:
+        ENGINE.ranks = engine_ranks
     if GRAPH is None:
         GRAPH = GraphCapture(setting.bits)
         GRAPH.install()
