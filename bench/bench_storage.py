@@ -47,7 +47,9 @@ carries the machine's 1-minute load average and CPU pressure measured before its
   shard of one-token chunks; ``one_file_over_this`` = one-file median / this median (where the
   default thresholds of ``Store`` come from);
 - ``footprint``: bytes on storage per token (shard + manifest) vs the 7,680 B target (+1%);
-- ``compression``: per-column codec alternatives (size ratio, encode and decode throughput);
+- ``compression``: per-column codec alternatives (size ratio, encode and decode throughput), and
+  the per-chunk (key and checksum) columns' codec on a decode shard of small row groups (process
+  CPU per GB of payload to encode and read, size over payload);
 - ``validate``: ``validate_version`` (what ``tracestore inspect --validate`` runs per version:
   every manifest checksum, every page, key column, byte length and chunk checksum, and every
   sealed trajectory's completeness) in MB/s of shard bytes, in one process and with ``jobs`` = the
@@ -777,6 +779,66 @@ def bench_compression(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "decode_MiB_per_s": round(raw / 2**20 / _median(dec), 0),
                 }
             )
+    rows += _metadata_codecs(args, codes, scales, g)
+    return rows
+
+
+def _metadata_codecs(args: argparse.Namespace, codes: Any, scales: Any, g: float) -> list[dict[str, Any]]:
+    """The per-chunk columns' codec on a decode shard: 100-token chunks of 20 sites, row groups as
+    the shard writer cuts them (small groups, so every column chunk is a page of a few hundred
+    bytes), codes uncompressed and scales zstd-1 as in production; process CPU per GB of payload
+    to encode and to read back, and the file size over the payload."""
+    from tracestore.storage.config import MIN_ROW_GROUP_BYTES, ROW_GROUP_BYTES
+    from tracestore.storage.shard_write import _WRITER_OPTIONS, _row_groups
+
+    tok = 100
+    chunks = []
+    for i in range(2000):
+        a = (i * tok) % max(1, len(codes) - tok)
+        chunks.append(
+            RecordChunk(
+                SPEC.run, 0, f"t{i // 20:05d}", f"site{i % 20:02d}", 0, tok, codes[a : a + tok], scales[a : a + tok], g
+            )
+        )
+    groups = _row_groups(chunks, ROW_GROUP_BYTES, MIN_ROW_GROUP_BYTES)
+    tables = [chunks_to_table(chunks[a : a + n]) for a, n in groups]
+    payload = sum(c.nbytes for c in chunks)
+    payload_cols = {"codes", "scales", "token_scales"}
+    rows = []
+    for codec, level in (("ZSTD", 1), ("SNAPPY", None), ("LZ4", None), ("NONE", None)):
+        opts = dict(_WRITER_OPTIONS)
+        opts["compression"] = {
+            n: (c if n in payload_cols else codec) for n, c in _WRITER_OPTIONS["compression"].items()
+        }
+        opts["compression_level"] = {
+            n: (1 if c == "ZSTD" and n in payload_cols else level)
+            for n, c in opts["compression"].items()
+            if c == "ZSTD"
+        }
+        enc, dec, size = [], [], 0
+        for _ in range(max(3, args.repeat // 2)):
+            out = pa.BufferOutputStream()
+            t0 = time.process_time()
+            with pq.ParquetWriter(out, tables[0].schema, **opts) as w:
+                for t in tables:
+                    w.write_table(t)
+            enc.append(time.process_time() - t0)
+            data = out.getvalue()
+            size = len(data)
+            t0 = time.process_time()
+            pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read()
+            dec.append(time.process_time() - t0)
+        rows.append(
+            {
+                "case": "compression",
+                "column": f"per-chunk columns, decode shard ({len(groups)} groups of {len(chunks) // len(groups)} chunks)",
+                "codec": codec + (f"-{level}" if level else ""),
+                "raw_MiB": round(payload / 2**20, 1),
+                "size_ratio": round(size / payload, 5),
+                "encode_cpu_s_per_GB": round(min(enc) / payload * 1e9, 3),
+                "decode_cpu_s_per_GB": round(min(dec) / payload * 1e9, 3),
+            }
+        )
     return rows
 
 
@@ -873,7 +935,11 @@ def main() -> None:
             print_table([r for r in rows if r["case"] == case], cols)
     if comp:
         print("\n== compression alternatives per column")
-        print_table(comp, ["column", "codec", "raw_MiB", "size_ratio", "encode_MiB_per_s", "decode_MiB_per_s"])
+        print_table(
+            comp,
+            ["column", "codec", "raw_MiB", "size_ratio", "encode_MiB_per_s", "decode_MiB_per_s"]
+            + ["encode_cpu_s_per_GB", "decode_cpu_s_per_GB"],
+        )
     if not args.no_save:
         path = append_results("bench_storage", [{**r, **config} for r in rows + comp])
         print(f"\nappended {len(rows) + len(comp)} rows to {path}")

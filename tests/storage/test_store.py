@@ -359,7 +359,7 @@ def test_shard_file_layout(store: Store):
     rg = pf.metadata.row_group(0)
     comp = {rg.column(i).path_in_schema: rg.column(i).compression for i in range(rg.num_columns)}
     assert comp["codes"] == "UNCOMPRESSED" and comp["scales"] == "ZSTD" and comp["token_scales"] == "ZSTD"
-    assert comp["trajectory"] == comp["token_start"] == comp["checksum"] == "ZSTD"  # metadata zstd (issue 4)
+    assert comp["trajectory"] == comp["token_start"] == comp["checksum"] == "SNAPPY"  # per-chunk columns
     table = pf.read()
     cols = [table[n].to_pylist() for n in ("trajectory", "site", "token_start")]
     keys = list(zip(*cols, strict=True))
