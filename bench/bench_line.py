@@ -345,7 +345,13 @@ def engine_process(a: dict[str, Any]) -> None:
     if a["device"] == "cuda":
         torch.cuda.set_device(0)
     address = a["addresses"][i % len(a["addresses"])]  # engine i's sidecar (one per engine, or shared)
-    rec = RolloutRecorder(address, spec, writer=f"engine-{i}", staging_bytes=a["staging_mib"] << 20)
+    rec = RolloutRecorder(
+        address,
+        spec,
+        writer=f"engine-{i}",
+        staging_bytes=a["staging_mib"] << 20,
+        **({"linger_s": a["linger_s"]} if a["linger_s"] else {}),
+    )
     fwd: Any = (
         GpuForward(a["model"], spec, a["batch"], rec, 1000 + i, a["device"])
         if gpu
@@ -626,7 +632,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         ]
         sampler = Sampler([(sp.unix_address, sp.proc.pid) for sp in sps if sp.proc], work, int(ns.min_free_gb * 2**30))
         args = {"work": str(work), "config": ns.config, "device": device, "model": ns.model, "batch": ns.batch,
-                "addresses": [sp.unix_address for sp in sps], "staging_mib": staging_mib, "record": ns.record,
+                "addresses": [sp.unix_address for sp in sps], "staging_mib": staging_mib, "linger_s": ns.linger_s,
+                "record": ns.record,
                 "sched_us": ns.sched_us, "len_min": ns.len_min, "len_max": ns.len_max,
                 "forward_ms": stages, "stage_s": stage_s, "overhead_s": ns.overhead_s, "block_s": ns.block_s,
                 "verify_steps": ns.verify_steps, "verify_rows": ns.verify_rows,
@@ -672,6 +679,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             "graph_on_cpu": ns.graph_on_cpu,
             "record_path": "slab_stage" if graph or ns.record == "stage" else "record_slab",
             "sched_us_target": ns.sched_us, "step_payload_bytes": payload, "staging_mib": staging_mib,
+            "linger_s": ns.linger_s,
             "serve_flags": " ".join(ns.serve_flag), "sidecars": n_side, "code_commit": ns.commit}  # fmt: skip
     # -- line: overhead and engine-thread time (median over engines)
     per = []
@@ -747,7 +755,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                  "all_flushed": all(r["flushed"] for r in results), "refused_steps": sum(r["refused"] for r in results),
                  "unguided": sum(r["stats"]["unguided"] for r in results),
                  "unguided_ids": [u for r in results for u in r["unguided_ids"]][:10], "stopped": stopped,
-                 "sidecar_cpu_s_total": cpu_total, "sidecar_exit": rc, "sidecar_stop_s": t_stopped - t_stop,
+                 "sidecar_cpu_s_total": cpu_total, "sidecar_cpu_s_per_GB": cpu_total / (total / 1e9) if total else None,
+                 "sidecar_exit": rc, "sidecar_stop_s": t_stopped - t_stop,
                  "sidecar_rss_max_MiB": max((x["rss_max"] for x in srows if "rss" in x), default=0) / 2**20,
                  "sidecar_anon_max_MiB": max((x["anon_max"] for x in srows if "rss" in x), default=0) / 2**20,
                  "sidecar_shmem_max_MiB": max((x["shmem_max"] for x in srows if "rss" in x), default=0) / 2**20,
@@ -791,6 +800,7 @@ def main() -> int:
     ap.add_argument("--len-min", type=int, default=256, help="sequence lengths (tokens), uniform")
     ap.add_argument("--len-max", type=int, default=2048)
     ap.add_argument("--staging-mib", type=int, default=256, help="each recorder's staging pool")
+    ap.add_argument("--linger-s", type=float, default=0.0, help="recorders' linger_s (0: the recorder's default)")
     ap.add_argument("--sidecars", type=int, default=1,
                     help="sidecar processes (engine i records to sidecar i mod N); 0: one per engine")  # fmt: skip
     ap.add_argument("--verify-steps", type=int, default=3, help="sampled steps per engine checked from storage")
@@ -850,7 +860,8 @@ def main() -> int:
               "engines_cpu_cores", "sidecar_rss_max_MiB", "sidecar_anon_max_MiB", "sidecar_shmem_max_MiB",
               "sustained"])  # fmt: skip
         print_table([r for r in got if r["kind"] in ("run", "verify")], ["procs", "kind", "durable_GBps",
-              "flush_lag_s", "unguided", "sidecar_cpu_s_total", "tokens_per_chunk", "site_rows_checked",
+              "flush_lag_s", "unguided", "sidecar_cpu_s_total", "sidecar_cpu_s_per_GB", "tokens_per_chunk",
+              "site_rows_checked",
               "site_rows_mismatched"])  # fmt: skip
         if not ns.no_save:  # after each run: a later run that is cut off loses only its own rows
             print(f"appended {len(got)} rows to {append_results('bench_line', got)}", flush=True)
