@@ -831,7 +831,7 @@ def _metadata_codecs(args: argparse.Namespace, codes: Any, scales: Any, g: float
         rows.append(
             {
                 "case": "compression",
-                "column": f"per-chunk columns, decode shard ({len(groups)} groups of {len(chunks) // len(groups)} chunks)",
+                "column": f"per-chunk columns, decode shard ({len(groups)} x {len(chunks) // len(groups)} chunks)",
                 "codec": codec + (f"-{level}" if level else ""),
                 "raw_MiB": round(payload / 2**20, 1),
                 "size_ratio": round(size / payload, 5),
