@@ -9,7 +9,8 @@
   ``routed_experts`` site, :mod:`tracestore.client.engines.routing`);
 - after it, :meth:`EngineRecorder.end_forward` applies the step's
   :class:`~tracestore.client.engines.rows.StepPlan`: prefix links first, then the planned rows
-  (one ``record_forward`` with their token ids), draft rows held on the device until confirmed
+  (one ``record_forward`` with their token ids), draft rows (and, under asynchronous scheduling,
+  rows whose input id the engine has not reported yet) held on the device until confirmed
   (under a :class:`~tracestore.client.engines.graph.GraphCapture`, in its slab's spare rows:
   confirmed ones are committed with the next forward's rows in one gather; eagerly, as device
   copies of their rows). Holding, confirming and dropping a draft reads no device data on the
@@ -180,7 +181,7 @@ class EngineRecorder:
             self._broken.update(t for t, _, _ in plan.segments)
             self._broken.update(h[0] for h in plan.held)
             self._broken.update(t for t, _, _ in plan.links)
-            self._broken.update(t for t, _ in plan.released)
+            self._broken.update(r[0] for r in plan.released)
             raise
 
     def _end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
@@ -310,7 +311,7 @@ class EngineRecorder:
         return self.recorder
 
     def _take_released(
-        self, released: Sequence[tuple[str, int]]
+        self, released: Sequence[tuple[str, int, int]]
     ) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray]:
         """Take confirmed draft rows out of the hold: those in spare slab rows are returned as
         (segments, spare rows, token ids) for one commit; device copies (the eager path) are
@@ -320,12 +321,12 @@ class EngineRecorder:
         slots: list[int] = []
         ids: list[int] = []
         eager: list[tuple[str, int, list[tuple[int, Rows]]]] = []
-        for traj, pos in released:
+        for traj, pos, tok in released:  # (the id the plan confirmed: a pending row's is known now)
             held = self._held.pop((traj, pos), None)
             if held is None:
                 self._broken.add(traj)
                 continue
-            tok, rows = held
+            rows = held[1]
             if isinstance(rows, int):
                 if segs and segs[-1][0] == traj and segs[-1][2] == pos:
                     segs[-1] = (traj, segs[-1][1], pos + 1)
@@ -343,20 +344,21 @@ class EngineRecorder:
 
     def _record_copies(self, traj: str, pos: int, taken: list[tuple[int, Rows]]) -> None:
         """Record held device copies of consecutive positions from ``pos`` (one ``record_forward``;
-        g one value per row, so no host read decides between one g and several)."""
+        an FP4 site's g one value per row, so no host read decides between one g and several; a
+        routing site's g is its constant 1.0)."""
         from tracestore.client import SiteOutput
 
         outputs = {}
         for name in taken[0][1]:
             c = torch.cat([r[name][0] for _, r in taken])
             s = torch.cat([r[name][1] for _, r in taken])
-            g = torch.cat([r[name][2] for _, r in taken])
+            g = taken[0][1][name][2] if name in self.artifacts else torch.cat([r[name][2] for _, r in taken])
             outputs[name] = SiteOutput(c, s, g)
         ids = np.asarray([t for t, _ in taken], dtype=np.int64)
         self.recorder_or_raise().record_forward([(traj, pos, pos + len(taken))], outputs, token_ids=ids)
         self.stats["released"] += len(taken)
 
-    def _release(self, released: Sequence[tuple[str, int]]) -> None:
+    def _release(self, released: Sequence[tuple[str, int, int]]) -> None:
         """Record confirmed draft rows outside a forward (a request's end, a forward without sites)."""
         segs, slots, ids = self._take_released(released)
         if not segs:

@@ -22,6 +22,11 @@ What it promises, case by case:
 - **Speculative decoding**: draft rows are held, released only once a later step's ``start`` (the
   scheduler's computed count after rejection) or the finished token ids confirm them; rejected
   drafts are dropped, never recorded.
+- **Asynchronous scheduling** (a step is planned before the previous step's sampled token is
+  known): the positions whose input id is not known yet (``Scheduled.n_pending``) are held the
+  same way, released with their id once the engine reports it (:meth:`RowMapper.learn`, then a
+  later step's ``start`` past them, or the finished token ids); the last position of a trajectory
+  is never recorded, so a row fed after the request already ended is dropped.
 - **Abort**: no seal, gap ``aborted``; held rows are dropped.
 
 Token ids travel with every record segment (the chunk's token identity, docs/data-model.md).
@@ -58,23 +63,31 @@ def trajectory_id(request_id: str, prefix: str = "") -> str:
     return t
 
 
+PENDING = -1  # the held token id of a position whose input id is not known yet
+
+
 @dataclasses.dataclass(frozen=True)
 class Scheduled:
     """One request's share of a forward: positions ``[start, start + n)``, the last ``n_draft`` of
-    them draft tokens; ``token_ids`` the ``n`` input ids (None: the mapper already knows them)."""
+    them draft tokens, or the last ``n_pending`` of them positions whose input id the engine has
+    not reported yet (asynchronous scheduling; not with drafts); ``token_ids`` the ``n −
+    n_pending`` known input ids from ``start`` (None: the mapper already knows them)."""
 
     request_id: str
     start: int
     n: int
     n_draft: int = 0
     token_ids: Sequence[int] | np.ndarray | None = None
+    n_pending: int = 0
 
     def __post_init__(self) -> None:
-        if self.start < 0 or self.n < 0 or not 0 <= self.n_draft <= self.n:
+        if self.start < 0 or self.n < 0 or not 0 <= self.n_draft <= self.n or not 0 <= self.n_pending <= self.n:
             raise ValidationError(
-                f"request {self.request_id}: need start >= 0, n >= 0, 0 <= n_draft <= n; "
-                f"got start={self.start} n={self.n} n_draft={self.n_draft}"
+                f"request {self.request_id}: need start >= 0, n >= 0, 0 <= n_draft <= n, 0 <= n_pending <= n; "
+                f"got start={self.start} n={self.n} n_draft={self.n_draft} n_pending={self.n_pending}"
             )
+        if self.n_draft and self.n_pending:
+            raise ValidationError(f"request {self.request_id}: drafts after positions with unknown ids")
 
 
 @dataclasses.dataclass
@@ -85,17 +98,17 @@ class StepPlan:
     count)``: rows ``offset .. offset + count`` of that request's share of the forward (the engine
     worker resolves where each request's share starts in its own batch order: :meth:`row_index`);
     ``token_ids`` holds their input ids in segment order. ``held`` lists ``(trajectory, position,
-    request_id, offset, token_id)`` draft rows to keep until confirmed. ``links`` are
-    ``(trajectory, source, n_tokens)`` prefix links to write before the segments. ``released`` are
-    earlier held rows now confirmed: ``(trajectory, position)`` in order (their bytes are in the
-    caller's hold store)."""
+    request_id, offset, token_id)`` draft rows (and rows whose id is not known yet: token id
+    :data:`PENDING`) to keep until confirmed. ``links`` are ``(trajectory, source, n_tokens)``
+    prefix links to write before the segments. ``released`` are earlier held rows now confirmed:
+    ``(trajectory, position, token_id)`` in order (their bytes are in the caller's hold store)."""
 
     segments: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
     rows: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     held: list[tuple[str, int, str, int, int]] = dataclasses.field(default_factory=list)
     links: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
-    released: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    released: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
     dropped: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     order: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (request_id, n) as scheduled
@@ -133,7 +146,7 @@ class Ending:
     trajectory: str
     n_tokens: int
     gap: str | None
-    released: list[tuple[str, int]]
+    released: list[tuple[str, int, int]]
 
 
 @dataclasses.dataclass
@@ -143,7 +156,7 @@ class _Req:
     recorded: int = 0  # positions [0, recorded) are stored or linked
     gap: str | None = None
     prompt_len: int = 0
-    held: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> its input id
+    held: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> its input id (or PENDING)
     crcs: dict[int, int] = dataclasses.field(default_factory=dict)  # registered prefix ends -> crc
 
 
@@ -188,6 +201,19 @@ class RowMapper:
     def trajectory(self, request_id: str) -> str:
         return self._req(request_id).trajectory
 
+    def n_ids(self, request_id: str) -> int:
+        """How many input ids of the request the mapper knows (positions ``[0, n)``)."""
+        return len(self._req(request_id).ids)
+
+    def learn(self, request_id: str, start: int, ids: Sequence[int] | np.ndarray) -> None:
+        """The engine reports the request's input ids from position ``start`` (at most
+        :meth:`n_ids`): ids of positions held as pending are now known (asynchronous scheduling)."""
+        r = self._req(request_id)
+        if not 0 <= start <= len(r.ids):
+            raise ValidationError(f"request {request_id}: ids from position {start}, {len(r.ids)} known before it")
+        new = as_token_ids(np.asarray(ids, dtype=np.int64), f"request {request_id} ids").tolist()
+        r.ids[start : start + len(new)] = new
+
     def _req(self, request_id: str) -> _Req:
         r = self._reqs.get(request_id)
         if r is None:
@@ -202,30 +228,37 @@ class RowMapper:
         for s in batch:
             plan.order.append((s.request_id, s.n))
             r = self._req(s.request_id)
+            known = s.n - s.n_pending
             if s.token_ids is not None:
                 ids = as_token_ids(np.asarray(s.token_ids, dtype=np.int64), f"request {s.request_id} ids").tolist()
-                if len(ids) != s.n:
-                    raise ValidationError(f"request {s.request_id}: {len(ids)} token ids for {s.n} scheduled tokens")
+                if len(ids) != known:
+                    raise ValidationError(
+                        f"request {s.request_id}: {len(ids)} token ids for {s.n} scheduled tokens "
+                        f"({s.n_pending} of them pending)"
+                    )
                 if s.start > len(r.ids):
                     raise ValidationError(
                         f"request {s.request_id}: ids from position {s.start}, only {len(r.ids)} known before it"
                     )
                 r.ids[s.start :] = ids
-            elif s.start + s.n > len(r.ids):
+            elif s.start + known > len(r.ids):
                 raise ValidationError(
-                    f"request {s.request_id}: positions up to {s.start + s.n} scheduled, ids known up to {len(r.ids)}"
+                    f"request {s.request_id}: positions up to {s.start + known} scheduled, ids known up to {len(r.ids)}"
                 )
             self._confirm(r, s.start, plan.released, plan.dropped)
             self._place(r, s, plan)
         return plan
 
-    def _confirm(self, r: _Req, computed: int, released: list[tuple[str, int]], dropped: list[tuple[str, int]]) -> None:
-        """Held drafts below ``computed`` were accepted (in order, from ``recorded``); the rest are dropped."""
+    def _confirm(
+        self, r: _Req, computed: int, released: list[tuple[str, int, int]], dropped: list[tuple[str, int]]
+    ) -> None:
+        """Held rows below ``computed`` were accepted (in order, from ``recorded``; a pending one once
+        its id is known); the rest are dropped."""
         if not r.held:
             return
         for pos in sorted(r.held):
-            if pos == r.recorded and pos < computed and r.gap is None:
-                released.append((r.trajectory, pos))
+            if pos == r.recorded and pos < computed and pos < len(r.ids) and r.gap is None:
+                released.append((r.trajectory, pos, r.ids[pos]))
                 r.recorded += 1
             else:
                 dropped.append((r.trajectory, pos))
@@ -253,15 +286,16 @@ class RowMapper:
             r.gap = "unrecorded_positions"
             return
         first = max(start, r.recorded)
-        sure_end = end - s.n_draft
+        sure_end = end - s.n_draft - s.n_pending
         if first < sure_end:
             plan.segments.append((r.trajectory, first, sure_end))
             plan.rows.append((s.request_id, first - start, sure_end - first))
             plan.token_ids.extend(r.ids[first:sure_end])
             r.recorded = sure_end
         for pos in range(max(sure_end, r.recorded), end):
-            r.held[pos] = r.ids[pos]
-            plan.held.append((r.trajectory, pos, s.request_id, pos - start, r.ids[pos]))
+            tok = r.ids[pos] if s.n_draft else PENDING
+            r.held[pos] = tok
+            plan.held.append((r.trajectory, pos, s.request_id, pos - start, tok))
         self._register(r)
 
     def _register(self, r: _Req) -> None:
@@ -284,15 +318,16 @@ class RowMapper:
         self, request_id: str, all_ids: Sequence[int] | np.ndarray | None = None, aborted: bool = False
     ) -> Ending:
         """End a request. ``all_ids``: its final token ids (prompt + output); held drafts whose ids
-        match them are released (accepted), the rest dropped — and a draft at the last position,
-        which every trajectory leaves unrecorded (readers never use it), is dropped too. Returns its
+        match them, and held pending rows, are released (accepted, with the final ids), the rest
+        dropped — and a held row at the last position, which every trajectory leaves unrecorded
+        (readers never use it), is dropped too. Returns its
         :class:`Ending`; its registered prefixes stay linkable (their records are stored)."""
         r = self._reqs.pop(request_id, None)
         if r is None:
             raise ValidationError(f"request {request_id!r} is not tracked")
         final = r.ids if all_ids is None else [int(i) for i in all_ids]
         n_tokens = len(final)
-        released: list[tuple[str, int]] = []
+        released: list[tuple[str, int, int]] = []
         if aborted:
             r.gap = "aborted"
         elif r.held:
@@ -300,9 +335,10 @@ class RowMapper:
             while (
                 r.recorded + ok in r.held
                 and r.recorded + ok < n_tokens - 1
-                and r.held[r.recorded + ok] == final[r.recorded + ok]
+                and r.held[r.recorded + ok] in (PENDING, final[r.recorded + ok])
             ):
                 ok += 1
+            r.ids[r.recorded : r.recorded + ok] = final[r.recorded : r.recorded + ok]
             self._confirm(r, r.recorded + ok, released, [])
         if r.gap is None and r.recorded < n_tokens - 1:
             r.gap = "unrecorded_positions"

@@ -8,9 +8,10 @@ Run beside a sidecar (``tracestore serve``) with vLLM 0.32.0 and ``tracestore[vl
 It generates a group of two samples for each of two prompts (GRPO-style: each sample its own
 request, so each request output carries its own TraceRef; the prompt is stored once, the second
 sample links to it) and prints one JSON line per sample: its trajectory, token count, gap (null
-when sealed) and TraceRef. ``async_scheduling=False``: the plugin refuses vLLM's asynchronous
-scheduling (a decode step is scheduled before the token it feeds exists). CUDA graphs and
-torch.compile stay on (the capture goes through a graph-safe op); ``--eager`` runs without them.
+when sealed) and TraceRef. vLLM's asynchronous scheduling (its default on GPUs) stays on: each
+decode row is committed once the next step learns its token id (the plugin refuses it only
+together with speculative decoding). CUDA graphs and torch.compile stay on (the capture goes
+through a graph-safe op); ``--eager`` runs without them.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the scheduler and the model in this process, so each
 request's seal is queued when it finishes; in vLLM's default layout the worker seals it one step
 later, and the TraceRef comes back on the output all the same.
@@ -38,7 +39,6 @@ def main() -> int:
     llm = LLM(
         args[0],
         enforce_eager="--eager" in sys.argv[1:],
-        async_scheduling=False,
         max_model_len=256,
         kv_transfer_config={
             "kv_connector": "TraceStoreConnector",

@@ -351,33 +351,21 @@ def test_seal_travels_to_a_worker_in_another_process(sidecar: ServeProcess) -> N
     assert check_stored(sidecar, "mp", eng, "m") == 4
 
 
-def test_async_scheduling_and_pipeline_parallelism_are_refused() -> None:
-    """vLLM schedules a decode step before the token it feeds is sampled under async scheduling (its
-    input id is not in the request's ids yet); pipeline stages each run other layers. The connector
-    refuses both at start-up, naming the fix, instead of failing mid-run or recording wrong rows."""
+def test_pipeline_parallelism_is_refused() -> None:
+    """Pipeline stages each run other layers: the connector refuses them at start-up, naming the
+    fix, instead of recording a part of the run's sites (asynchronous scheduling:
+    tests/engines/test_vllm_async.py)."""
     from tracestore.errors import ConfigError
 
-    def config() -> VllmConfig:
-        return VllmConfig(
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="TraceStoreConnector",
-                kv_role="kv_both",
-                kv_connector_module_path="tracestore.client.engines.vllm.connector",
-                kv_connector_extra_config={"tracestore": "sidecar=x run=r policy_version=0"},
-            )
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TraceStoreConnector",
+            kv_role="kv_both",
+            kv_connector_module_path="tracestore.client.engines.vllm.connector",
+            kv_connector_extra_config={"tracestore": "sidecar=x run=r policy_version=0"},
         )
-
-    cfg = config()
-    cfg.scheduler_config.async_scheduling = True  # (the CPU platform turns it off; GPUs default it on)
-    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(ConfigError, match="async_scheduling=False"):
-            TraceStoreConnector(cfg, role, None)
-    cfg = config()
+    )
     cfg.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        TraceStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
-    # why async is refused: a request scheduled for decode at position p = num_computed_tokens has
-    # ids only below p until the token sampled by the step in flight is appended
-    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), None)
-    r.num_computed_tokens = 3
-    assert len(r.all_token_ids[3:4]) == 0
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="pipeline parallelism"):
+            TraceStoreConnector(cfg, role, None)

@@ -25,8 +25,17 @@ Worker side: ``bind_connector_metadata`` hands the plan to the forward's capture
 (:mod:`.hooks`) and seals the endings it carries; ``get_finished`` reports them;
 ``build_connector_worker_meta`` sends the run identity once; ``shutdown`` flushes and closes the
 recorder; every other connector method is a no-op (no KV is loaded or saved). Only tensor-parallel
-rank 0 records (:func:`~tracestore.client.engines.vllm.hooks.recording_rank`); asynchronous
-scheduling and pipeline parallelism are refused at start-up (:func:`check_config`).
+rank 0 records (:func:`~tracestore.client.engines.vllm.hooks.recording_rank`); pipeline
+parallelism, and asynchronous scheduling with speculative decoding, are refused at start-up
+(:func:`check_config`).
+
+Asynchronous scheduling (``AsyncScheduler``): a step is scheduled before the previous step's
+sampled token is known — ``Request.all_token_ids`` lacks it (``num_output_placeholders`` counts
+it) while ``num_computed_tokens`` already counts its position. Positions are therefore exact at
+schedule time, input ids are not: the positions past ``all_token_ids`` are planned as pending
+(``Scheduled.n_pending``), their rows held by the worker, and released with their ids once a
+later step's schedule finds them in ``all_token_ids`` (:meth:`RowMapper.learn`) or the request's
+final ids confirm them. Each record then carries its token ids (``ids_crc``) one step later.
 """
 
 from __future__ import annotations
@@ -109,17 +118,32 @@ def scheduler_ref(identity: dict[str, Any], ending: Ending) -> str:
 
 def check_config(vllm_config: Any) -> None:
     """Refuse (:class:`ConfigError`, naming the fix) engine configurations whose rows the connector
-    cannot map: asynchronous scheduling (a decode step is scheduled before the token it feeds is
-    sampled, so the scheduler cannot name its input id) and pipeline parallelism (no one worker runs
-    every layer, so no one recorder has the run's sites)."""
+    cannot map: asynchronous scheduling with speculative decoding (the scheduler plans a step with
+    ``-1`` placeholders for the drafts the worker proposes on the device, and counts every draft
+    as computed until the next update corrects it: neither a draft row's id nor the next step's
+    positions are known when the step is planned), a MoE model under data parallelism (the MoE
+    input rows at the FlashInfer entry are the data-parallel group's tokens, all-gathered or
+    dispatched to their experts' ranks, not the rank's own forward's) and pipeline parallelism (no
+    one worker runs every layer, so no one recorder has the run's sites)."""
     sched = getattr(vllm_config, "scheduler_config", None)
-    if getattr(sched, "async_scheduling", False):
+    if getattr(sched, "async_scheduling", False) and getattr(vllm_config, "speculative_config", None) is not None:
         raise ConfigError(
-            "tracestore cannot record with vLLM's asynchronous scheduling: a decode step is scheduled "
-            "before the token it feeds is sampled, so its rows could not be tied to their token ids. "
-            "Start vLLM with async_scheduling=False (--no-async-scheduling), or unset TRACESTORE_RECORD."
+            "tracestore cannot record vLLM's asynchronous scheduling together with speculative decoding: "
+            "the drafts are proposed on the device after the step is scheduled (the scheduler sees -1 "
+            "placeholders) and the next step's positions assume every draft accepted, so draft rows could "
+            "not be tied to their tokens. Start vLLM with async_scheduling=False (--no-async-scheduling), "
+            "or without speculative decoding, or unset TRACESTORE_RECORD."
         )
     par = getattr(vllm_config, "parallel_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    if int(getattr(par, "data_parallel_size", 1) or 1) > 1 and model is not None and bool(model.is_moe):
+        raise ConfigError(
+            "tracestore cannot record a MoE model under vLLM's data parallelism: before the FlashInfer MoE "
+            "entry vLLM dispatches the tokens across the data-parallel group (all-gathered in DP-rank order "
+            "without expert parallelism, sent to their experts' ranks with it), so a rank's MoE input rows "
+            "are not its own forward's tokens. Run each replica as its own engine (data_parallel_size=1; "
+            "expert parallelism within one replica is fine), or unset TRACESTORE_RECORD."
+        )
     if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
         raise ConfigError(
             "tracestore records within one process per engine and does not support pipeline "
@@ -148,6 +172,7 @@ class TraceStoreConnector(KVConnectorBase_V1):
             )
         check_config(vllm_config)
         block = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 16) or 16)
+        self.async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
         self.mapper = RowMapper(block=block)
         self._requests: dict[str, Any] = {}
         self._endings: list[tuple[str, Ending]] = []
@@ -185,6 +210,18 @@ class TraceStoreConnector(KVConnectorBase_V1):
         known = list(req.all_token_ids[start : start + n - len(drafts)])
         return known + list(drafts)
 
+    def _scheduled(self, rid: str, start: int, n: int, drafts: list[int]) -> Scheduled:
+        """One request's share of the step; under asynchronous scheduling the positions past the
+        ids vLLM knows are pending, and the ids it learned since the last step go to the mapper."""
+        if not self.async_scheduling:
+            return Scheduled(rid, start, n, len(drafts), self._ids(rid, start, n, drafts))
+        ids = self._requests[rid].all_token_ids
+        have = self.mapper.n_ids(rid)
+        if len(ids) > have:
+            self.mapper.learn(rid, have, list(ids[have:]))
+        known = max(0, min(n, len(ids) - start))
+        return Scheduled(rid, start, n, 0, list(ids[start : start + known]), n_pending=n - known)
+
     def build_connector_meta(self, scheduler_output: Any) -> TraceStoreConnectorMetadata:
         sched = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -195,18 +232,12 @@ class TraceStoreConnector(KVConnectorBase_V1):
                 raise ConfigError(f"request {rid} was scheduled but never announced to the connector")
             if not self.mapper.known(rid):
                 self.mapper.add(rid, list(new.prompt_token_ids or []))
-            n, drafts = sched[rid], list(spec.get(rid, ()))
-            batch.append(
-                Scheduled(
-                    rid, new.num_computed_tokens, n, len(drafts), self._ids(rid, new.num_computed_tokens, n, drafts)
-                )
-            )
+            batch.append(self._scheduled(rid, new.num_computed_tokens, sched[rid], list(spec.get(rid, ()))))
         cached = scheduler_output.scheduled_cached_reqs
         for rid, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             if rid not in sched or not self.mapper.known(rid):
                 continue
-            n, drafts = sched[rid], list(spec.get(rid, ()))
-            batch.append(Scheduled(rid, start, n, len(drafts), self._ids(rid, start, n, drafts)))
+            batch.append(self._scheduled(rid, start, sched[rid], list(spec.get(rid, ()))))
         plan = self.mapper.step(batch)
         meta = TraceStoreConnectorMetadata(plan, self._endings)
         self._endings = []

@@ -486,11 +486,11 @@ def _wrap_ref_quant_dequant(emu: Any, fn: Any) -> Any:
 
 
 def held_rows(runner: Any) -> int:
-    """Spare slab rows for draft rows awaiting confirmation under speculative decoding: twice
-    ``max_num_reqs`` × ``num_spec_tokens`` (each running request holds at most its drafts of one
-    step; the factor leaves room for preempted requests whose drafts are dropped only when they are
-    scheduled again). 0 without speculative decoding."""
-    k = int(getattr(runner, "num_spec_tokens", 0) or 0)
+    """Spare slab rows for rows awaiting confirmation: twice ``max_num_reqs`` × (``num_spec_tokens``
+    drafts, plus one row whose input id is not known yet under asynchronous scheduling). Each
+    running request holds at most those of one step; the factor leaves room for preempted requests,
+    whose rows are dropped only when they are scheduled again. 0 with neither."""
+    k = int(getattr(runner, "num_spec_tokens", 0) or 0) + int(bool(getattr(runner, "use_async_scheduling", False)))
     return 2 * int(getattr(runner, "max_num_reqs", 0) or 0) * k
 
 
