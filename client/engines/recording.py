@@ -10,11 +10,11 @@
 - after it, :meth:`EngineRecorder.end_forward` applies the step's
   :class:`~tracestore.client.engines.rows.StepPlan`: prefix links first, then the planned rows
   (one ``record_forward`` with their token ids), draft rows (and, under asynchronous scheduling,
-  rows whose input id the engine has not reported yet) held on the device until confirmed
-  (under a :class:`~tracestore.client.engines.graph.GraphCapture`, in its slab's spare rows:
-  confirmed ones are committed with the next forward's rows in one gather; eagerly, as device
-  copies of their rows). Holding, confirming and dropping a draft reads no device data on the
-  host; a rejected draft's row is never handed to the recorder;
+  rows whose input id the engine has not reported yet) held until confirmed: under a
+  :class:`~tracestore.client.engines.graph.GraphCapture` in its slab's spare rows on the device
+  (confirmed ones are committed with the next forward's rows in one gather; no host read of
+  device data), eagerly as host copies of their rows. A rejected draft's row is never handed to
+  the recorder;
 - :meth:`EngineRecorder.end_request` seals a finished request, or records why it has a gap, and
   returns the dict an engine hands back on the request output (with the :class:`TraceRef`).
 
@@ -87,7 +87,7 @@ class EngineRecorder:
         self._sites: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.artifacts: dict[str, SiteSpec] = {}  # artifact sites captured so far (routing), by name
         # (trajectory, position) -> (token id, its rows: a spare slab row of the graph capture, or
-        # per-site device copies on the eager path)
+        # per-site host copies on the eager path)
         self._held: dict[tuple[str, int], tuple[int, int | Rows]] = {}
         self._lock = threading.Lock()
         self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
@@ -213,12 +213,12 @@ class EngineRecorder:
         if graph:
             return self._graph_step(plan, order, at)
         self._release(plan.released)
-        for traj, pos, rid, off, tok in plan.held:  # draft rows: device copies until confirmed
+        for traj, pos, rid, off, tok in plan.held:  # held rows: host copies (the eager path) until confirmed
             row = at[rid] + off
             self._held[(traj, pos)] = (
                 tok,
                 {
-                    n: (c[row : row + 1].clone(), s[row : row + 1].clone(), self._g_row(g, row))
+                    n: (c[row : row + 1].cpu(), s[row : row + 1].cpu(), self._g_row(g, row))
                     for n, (c, s, g) in sites.items()
                 },
             )
@@ -285,7 +285,7 @@ class EngineRecorder:
 
     @staticmethod
     def _g_row(g: torch.Tensor, row: int) -> torch.Tensor:
-        return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).clone()
+        return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).cpu()
 
     def _links_and_dropped(self, plan: StepPlan) -> None:
         for traj, source, n in plan.links:
@@ -314,7 +314,7 @@ class EngineRecorder:
         self, released: Sequence[tuple[str, int, int]]
     ) -> tuple[list[tuple[str, int, int]], np.ndarray, np.ndarray]:
         """Take confirmed draft rows out of the hold: those in spare slab rows are returned as
-        (segments, spare rows, token ids) for one commit; device copies (the eager path) are
+        (segments, spare rows, token ids) for one commit; host copies (the eager path) are
         recorded here, one ``record_forward`` per run of consecutive positions. A confirmed row
         that was never kept (no free spare row) leaves its trajectory with a gap."""
         segs: list[tuple[str, int, int]] = []
@@ -343,16 +343,16 @@ class EngineRecorder:
         return segs, np.asarray(slots, dtype=np.int64), np.asarray(ids, dtype=np.int64)
 
     def _record_copies(self, traj: str, pos: int, taken: list[tuple[int, Rows]]) -> None:
-        """Record held device copies of consecutive positions from ``pos`` (one ``record_forward``;
-        an FP4 site's g one value per row, so no host read decides between one g and several; a
-        routing site's g is its constant 1.0)."""
+        """Record held row copies of consecutive positions from ``pos`` (one ``record_forward``; a
+        site's g is one value when every row's is the same, as the eager path stores a forward)."""
         from tracestore.client import SiteOutput
 
         outputs = {}
         for name in taken[0][1]:
             c = torch.cat([r[name][0] for _, r in taken])
             s = torch.cat([r[name][1] for _, r in taken])
-            g = taken[0][1][name][2] if name in self.artifacts else torch.cat([r[name][2] for _, r in taken])
+            gs = [r[name][2] for _, r in taken]
+            g = gs[0] if all(bool(torch.equal(x, gs[0])) for x in gs) else torch.cat(gs)
             outputs[name] = SiteOutput(c, s, g)
         ids = np.asarray([t for t, _ in taken], dtype=np.int64)
         self.recorder_or_raise().record_forward([(traj, pos, pos + len(taken))], outputs, token_ids=ids)
