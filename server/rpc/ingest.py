@@ -168,6 +168,7 @@ def _parse(
     if req.epoch < 1 or req.sequence < 1:
         raise ValidationError(f"epoch and sequence must both be >= 1, got epoch {req.epoch} sequence {req.sequence}")
     spec = run_spec(req.run)
+    sites = {name: spec.site(name) for name in spec.site_names}
     chunks: list[RecordChunk] = []
     crcs: list[int] = []
     blobs: list[Part] = []
@@ -179,7 +180,7 @@ def _parse(
         scales: Buffer
         ts: Buffer | None
         # (trajectory and site ids are checked by RecordChunk: once per chunk, not twice)
-        site = spec.site(c.site) if c.site in spec.site_names else None
+        site = sites.get(c.site)
         if site is None:
             validate_id("site", c.site)  # a malformed id is reported as one, not as undeclared
             raise ValidationError(f"run {req.run} declares no site {c.site!r}; declared: {list(spec.site_names)}")

@@ -76,7 +76,11 @@ def test_sidecar_checksum_is_computed_once_at_receipt() -> None:
     from tracestore.server.rpc.ingest import parse_write
     from tracestore.server.testing import SPEC, make_chunk, write_request
 
-    c = make_chunk("t-once", 0, 2000)  # > 16 KiB: payload viewed in place, not copied
+    from tracestore.wire import SMALL_REQUEST
+
+    c = make_chunk("t-once", 0, 2000)
+    while c.nbytes <= SMALL_REQUEST:  # a request over SMALL_REQUEST: payloads viewed in place, not copied
+        c = make_chunk("t-once", 0, 2 * c.n_tokens)
     raw = bytearray(write_request(1, [c]).SerializeToString())
     _, msg, _ = parse_write(raw, lambda run: SPEC, None)
     (got,) = msg.chunks
@@ -109,7 +113,7 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
     from tracestore.server.testing import make_chunk, write_request
 
     from tracestore.v1 import tracestore_pb2 as pb
-    from tracestore.wire import len_field
+    from tracestore.wire import SMALL_REQUEST, len_field
 
     chunks = [make_chunk("t-a", 0, 2000), make_chunk("t-b", 0, 7), make_chunk("t-c", 5, 3000, seed=3)]
     req = write_request(4, chunks)
@@ -123,14 +127,39 @@ def test_write_request_crc_is_combined_from_its_payloads() -> None:
             assert bytes(view or b"") == field
             assert part is None or part == zlib.crc32(field)
 
-    # one more chunk whose codes field comes twice: the last one wins, the CRC covers both
-    first, last = b"\x01" * 40_000, b"\x07" * 70_000
+    # one more chunk whose codes field comes twice: the last one wins, the CRC covers both (a
+    # request over SMALL_REQUEST, so that it is scanned rather than parsed by protobuf whole)
+    first, last = b"\x01" * 40_000, b"\x07" * (SMALL_REQUEST + 1)
     body = b"".join(pb.Chunk(trajectory="t-d", codes=x).SerializeToString() for x in (first, last))
     twice = raw + len_field(pb.WriteRequest.CHUNKS_FIELD_NUMBER, len(body)) + body
     _, got2, crc2 = scan_write(twice)
     assert crc2 == zlib.crc32(twice)
     assert got2[-1][0].trajectory == "t-d"
     assert bytes(got2[-1][1][0] or b"") == last and got2[-1][2][0] == zlib.crc32(last)
+
+
+def test_small_request_parsed_whole_gives_what_the_scan_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request of at most SMALL_REQUEST bytes is parsed by protobuf in one call: the same chunk
+    fields, payload bytes and request CRC as the field scan gives (SMALL_REQUEST set to 0)."""
+    from tracestore.server.rpc.ingest import scan_write
+    from tracestore.server.testing import make_chunk, write_request
+
+    from tracestore import wire
+
+    req = write_request(3, [make_chunk("t-a", 0, 60), make_chunk("t-b", 4, 7), make_chunk("t-c", 0, 90, seed=2)])
+    req.chunks[1].has_token_scales = True
+    req.chunks[1].token_scales = np.arange(7, dtype="<f4").tobytes()
+    raw = req.SerializeToString()
+    assert len(raw) <= wire.SMALL_REQUEST
+    whole = scan_write(raw)
+    monkeypatch.setattr(wire, "SMALL_REQUEST", 0)
+    scanned = scan_write(raw)
+    assert whole[0] == scanned[0] and not whole[0].chunks
+    assert whole[2] == scanned[2] == zlib.crc32(raw)
+    assert len(whole[1]) == len(scanned[1]) == 3
+    for (c1, v1, _), (c2, v2, _) in zip(whole[1], scanned[1], strict=True):
+        assert c1.trajectory == c2.trajectory and c1.token_start == c2.token_start and c1.n_tokens == c2.n_tokens
+        assert [bytes(v or b"") for v in v1] == [bytes(v or b"") for v in v2]
 
 
 def test_parse_without_isal_gives_the_same_message_and_wal_entry(monkeypatch: pytest.MonkeyPatch,

@@ -152,6 +152,10 @@ HOSTILE = {
     "new-epoch-not-at-1": (lambda r: setattr(r, "sequence", 7) or None, "FAILED_PRECONDITION", "sequence 1, got 7"),
     "bad-checksum": (_set("checksum", 12345), "DATA_LOSS", "checksum"),
     "nan-global-scale": (_set("global_scale", float("nan")), "INVALID_ARGUMENT", "global_scale"),
+    "inf-global-scale": (_set("global_scale", float("inf")), "INVALID_ARGUMENT", "global_scale must be finite"),
+    "zero-global-scale": (_set("global_scale", 0.0), "INVALID_ARGUMENT", "global_scale must be finite and > 0"),
+    "negative-global-scale": (_set("global_scale", -2.0), "INVALID_ARGUMENT", "global_scale must be finite and > 0"),
+    "tokens-past-2^40": (_set("token_start", (1 << 40) - 1), "INVALID_ARGUMENT", "at or before 2^40"),
     "shm-over-tcp": (lambda r: r.chunks[0].shm.SetInParent(), "INVALID_ARGUMENT", "unix socket"),
     # token scale bytes without the flag were silently dropped
     "token-scales-without-flag": (_set("token_scales", b"\0" * 16), "INVALID_ARGUMENT", "has_token_scales"),
