@@ -18,6 +18,13 @@
 - :meth:`EngineRecorder.end_request` seals a finished request, or records why it has a gap, and
   returns the dict an engine hands back on the request output (with the :class:`TraceRef`).
 
+Rows that never reach the recorder (a forward that fails or is refused, a held row with no room)
+leave their trajectories with the gap ``unrecorded_positions``; such a trajectory is never a
+prefix-link source: a planned link to it gives the linking trajectory that gap too, whether the
+source is still running or has ended (remembered for the last :data:`REMEMBER_FAILED`). The plugin
+hands :meth:`EngineRecorder.take_failed` to its :class:`~tracestore.client.engines.rows.RowMapper`
+(:meth:`~tracestore.client.engines.rows.RowMapper.mark_gap`), so later plans stop offering them.
+
 The run's sites are declared from the first forward that captures any (every forward passes
 through every layer); a later forward capturing a site outside them raises. Without a sidecar
 connection the recorder marks trajectories unguided and the engine keeps running.
@@ -44,6 +51,7 @@ from .setting import RecordSetting
 
 log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+REMEMBER_FAILED = 1 << 16  # ended trajectories with lost rows kept to refuse links to them
 Rows = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # site -> (codes, scales, g)
 
 
@@ -90,7 +98,9 @@ class EngineRecorder:
         # per-site host copies on the eager path)
         self._held: dict[tuple[str, int], tuple[int, int | Rows]] = {}
         self._lock = threading.Lock()
-        self._broken: set[str] = set()  # trajectories a failed end_forward planned rows for
+        self._broken: set[str] = set()  # running trajectories some of whose rows never reached the recorder
+        self._failed_ended: dict[str, None] = {}  # ended ones (insertion order: the oldest is forgotten first)
+        self._failed_new: list[str] = []  # broken since the last take_failed()
         self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
         self.ranks: Callable[[], dict[str, int]] | None = None  # this process's ranks (sidecar= placeholders)
         self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
@@ -178,11 +188,28 @@ class EngineRecorder:
         try:
             return self._end_forward(plan, order)
         except Exception:
-            self._broken.update(t for t, _, _ in plan.segments)
-            self._broken.update(h[0] for h in plan.held)
-            self._broken.update(t for t, _, _ in plan.links)
-            self._broken.update(r[0] for r in plan.released)
+            self._break(t for t, _, _ in plan.segments)
+            self._break(h[0] for h in plan.held)
+            self._break(t for t, _, _ in plan.links)
+            self._break(r[0] for r in plan.released)
             raise
+
+    def _break(self, trajectories: Any) -> None:
+        """Rows of ``trajectories`` never reached the recorder: each ends with a gap."""
+        for t in trajectories:
+            if t not in self._broken:
+                self._broken.add(t)
+                self._failed_new.append(t)
+
+    def failed(self, trajectory: str) -> bool:
+        """Whether some of ``trajectory``'s rows never reached the recorder (running or ended)."""
+        return trajectory in self._broken or trajectory in self._failed_ended
+
+    def take_failed(self) -> list[str]:
+        """Trajectories whose rows failed to reach the recorder since the last call (for
+        :meth:`RowMapper.mark_gap`)."""
+        out, self._failed_new = self._failed_new, []
+        return out
 
     def _end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
         sites, self._sites = self._sites, {}
@@ -235,7 +262,10 @@ class EngineRecorder:
             gg = g if g.numel() == 1 else g.index_select(0, i)
             outputs[name] = SiteOutput(c.index_select(0, i), s.index_select(0, i), gg)
         self.stats["rows"] += int(idx.numel())
-        return bool(self.recorder.record_forward(plan.segments, outputs, token_ids=ids))
+        ok = bool(self.recorder.record_forward(plan.segments, outputs, token_ids=ids))
+        if not ok:  # refused (staging full, recorder closed): those rows are not stored
+            self._break(t for t, _, _ in plan.segments)
+        return ok
 
     def _graph_step(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None, at: dict[str, int]) -> bool:
         """A graph-captured forward: the drafts this step confirmed (spare slab rows) and the
@@ -251,6 +281,8 @@ class EngineRecorder:
                 ok = bool(self.graph.commit(self.recorder, segs, index, tokens))
                 self.stats["rows"] += len(plan.token_ids)
                 self.stats["released"] += n_released
+                if not ok:
+                    self._break(t for t, _, _ in segs)
         finally:
             self.graph.free(slots)  # (reused below at the earliest: after the commit's gather)
         self._hold_graph(plan.held, at)
@@ -264,7 +296,7 @@ class EngineRecorder:
         fit = min(len(held), self.graph.spare_free)
         if fit < len(held):
             lost = {h[0] for h in held[fit:]}
-            self._broken.update(lost)
+            self._break(sorted(lost))
             self.stats["held_overflow"] += len(held) - fit
             log.error(
                 "tracestore: %d draft rows found no free spare slab row: %d trajectories will have a gap",
@@ -288,9 +320,10 @@ class EngineRecorder:
         return (g.reshape(1) if g.numel() == 1 else g[row : row + 1]).cpu()
 
     def _links_and_dropped(self, plan: StepPlan) -> None:
+        unguided = getattr(self.recorder, "unguided", ()) if plan.links else ()
         for traj, source, n in plan.links:
-            if source in self._broken:  # the prefix it would link to has a gap: so has this one
-                self._broken.add(traj)
+            if self.failed(source) or source in unguided:  # the prefix it would link to lacks rows: so does this one
+                self._break([traj])
                 continue
             self.recorder_or_raise().link_prefix(traj, source, n)
             self.stats["links"] += 1
@@ -324,7 +357,7 @@ class EngineRecorder:
         for traj, pos, tok in released:  # (the id the plan confirmed: a pending row's is known now)
             held = self._held.pop((traj, pos), None)
             if held is None:
-                self._broken.add(traj)
+                self._break([traj])
                 continue
             rows = held[1]
             if isinstance(rows, int):
@@ -385,10 +418,13 @@ class EngineRecorder:
         gap = ending.gap
         if traj in self._broken:
             self._broken.discard(traj)
+            self._remember_failed(traj)
             gap = gap or "unrecorded_positions"
         if gap is None and self.recorder is not None and n >= 1:
-            if not self.recorder.finish(traj, n):
+            if not self.recorder.finish(traj, n):  # refused: its rows may be missing
                 gap = "unguided"
+                self._remember_failed(traj)
+                self._failed_new.append(traj)
         elif gap is None:
             gap = "nothing_recorded"
         self.stats["seals" if gap is None else "gaps"] += 1
@@ -409,6 +445,11 @@ class EngineRecorder:
         out = {"trajectory": traj, "n_tokens": n, "gap": gap, "trace_ref": ref}
         self.ended.append(out)
         return out
+
+    def _remember_failed(self, trajectory: str) -> None:
+        self._failed_ended[trajectory] = None
+        while len(self._failed_ended) > REMEMBER_FAILED:
+            del self._failed_ended[next(iter(self._failed_ended))]
 
     def close(self, timeout: float = 30.0) -> bool:
         """Flush and close the recorder (True: everything acknowledged durable)."""

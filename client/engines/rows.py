@@ -15,7 +15,15 @@ What it promises, case by case:
   :meth:`RolloutRecorder.link_prefix`), never stored again. With no such trajectory the request
   gets the gap ``prefix_unrecorded`` (its records would lack the prefix).
 - **GRPO groups** (n > 1: several requests with one prompt): the first request that records a
-  prompt owns it; later requests with the same prompt link to it for the prompt's length.
+  whole prompt owns it; a request with the same prompt scheduled from position 0 once the prompt
+  is recorded (in an earlier step, or earlier in the same step) links to it for the prompt's
+  length; one scheduled while no request has recorded all of it yet records its own prompt.
+- **Prefix sources** are only positions a trajectory has recorded (or linked), never positions it
+  is merely scheduled for, and only while it has no gap: a trajectory stops being a source the
+  moment it gets one — from the mapper (abort, ``prefix_unrecorded``, ``unrecorded_positions``)
+  or from the recorder (:meth:`RowMapper.mark_gap`: rows that never reached it) — since a
+  recorder-side failure does not say which positions are missing. A later request then records
+  the positions itself where it computes them, or gets the gap ``prefix_unrecorded``.
 - **Preemption / recompute**: positions already recorded are skipped when recomputed (a write-once
   key never gets other bytes); positions computed while unrecorded give the gap
   ``unrecorded_positions``.
@@ -158,6 +166,7 @@ class _Req:
     prompt_len: int = 0
     held: dict[int, int] = dataclasses.field(default_factory=dict)  # position -> its input id (or PENDING)
     crcs: dict[int, int] = dataclasses.field(default_factory=dict)  # registered prefix ends -> crc
+    crc_at: tuple[int, int] = (0, _SEED)  # (n, crc of ids[:n]): where the running ids crc stands
 
 
 class RowMapper:
@@ -240,7 +249,8 @@ class RowMapper:
                     raise ValidationError(
                         f"request {s.request_id}: ids from position {s.start}, only {len(r.ids)} known before it"
                     )
-                r.ids[s.start :] = ids
+                # (ids past this step's are dropped — drafts rejected since — but never the prompt's)
+                r.ids[s.start :] = ids + r.ids[s.start + len(ids) : r.prompt_len]
             elif s.start + known > len(r.ids):
                 raise ValidationError(
                     f"request {s.request_id}: positions up to {s.start + known} scheduled, ids known up to {len(r.ids)}"
@@ -269,21 +279,22 @@ class RowMapper:
         start, end = s.start, s.start + s.n
         if r.gap is not None:
             return
-        if r.recorded == 0 and start == 0 and r.prompt_len:
-            key = (r.prompt_len, self._crc(r.ids, r.prompt_len))
-            source = self._owners.setdefault(key, r.trajectory)  # the first to record a prompt owns it
-            if source != r.trajectory:  # a group sibling records this prompt: link to it
+        if r.recorded == 0 and start == 0 and r.prompt_len and len(r.ids) >= r.prompt_len:
+            # a group sibling of a prompt already recorded (in an earlier step, or by a request
+            # placed before this one in this step): link to it; else record the prompt itself
+            source = self._owners.get((r.prompt_len, self._crc(r.ids, r.prompt_len)))
+            if source is not None and source != r.trajectory:
                 plan.links.append((r.trajectory, source, r.prompt_len))
                 r.recorded = r.prompt_len
         if r.recorded == 0 and start > 0:  # a prefix-cache hit on the first step
             hit = self._owners.get((start, self._crc(r.ids, start)))
             if hit is None:
-                r.gap = "prefix_unrecorded"
+                self._gap(r, "prefix_unrecorded")
                 return
             plan.links.append((r.trajectory, hit, start))
             r.recorded = start
         if start > r.recorded:
-            r.gap = "unrecorded_positions"
+            self._gap(r, "unrecorded_positions")
             return
         first = max(start, r.recorded)
         sure_end = end - s.n_draft - s.n_pending
@@ -299,14 +310,34 @@ class RowMapper:
         self._register(r)
 
     def _register(self, r: _Req) -> None:
-        """Offer this trajectory's recorded prefixes (block multiples, the prompt's end) to later hits."""
-        ends = [e for e in range(self.block, r.recorded + 1, self.block) if e not in r.crcs]
+        """Offer this trajectory's recorded prefixes (block multiples, the prompt's end) to later
+        hits; a trajectory with a gap offers none."""
+        if r.gap is not None:
+            return
+        first = (max(r.crcs) // self.block + 1) * self.block if r.crcs else self.block
+        ends = list(range(first, r.recorded + 1, self.block))
         if r.prompt_len and r.prompt_len <= r.recorded and r.prompt_len not in r.crcs:
             ends.append(r.prompt_len)
-        for e in ends:
-            c = self._crc(r.ids, e)
+        for e in sorted(ends):
+            c = self._running_crc(r, e)
             r.crcs[e] = c
             self._owners.setdefault((e, c), r.trajectory)
+
+    def _running_crc(self, r: _Req, n: int) -> int:
+        """:meth:`_crc` of ``r.ids[:n]``, carried on from the last one asked for (ends only grow:
+        O(new positions), not O(n), per call)."""
+        at, c = r.crc_at
+        if n < at:
+            return self._crc(r.ids, n)
+        c = zlib.crc32(np.asarray(r.ids[at:n], dtype="<i4").tobytes(), c)
+        r.crc_at = (n, c)
+        return c
+
+    def _gap(self, r: _Req, gap: str) -> None:
+        """``r`` gets ``gap`` (the first one stays) and stops being a prefix source."""
+        if r.gap is None:
+            r.gap = gap
+        self.forget_owner(r.trajectory)
 
     @staticmethod
     def _crc(ids: list[int], n: int) -> int:
@@ -329,7 +360,7 @@ class RowMapper:
         n_tokens = len(final)
         released: list[tuple[str, int, int]] = []
         if aborted:
-            r.gap = "aborted"
+            r.gap = r.gap or "aborted"
         elif r.held:
             ok = 0
             while (
@@ -347,6 +378,26 @@ class RowMapper:
         return Ending(r.trajectory, n_tokens, r.gap, released)
 
     def forget_owner(self, trajectory: str) -> None:
-        """Stop offering ``trajectory``'s prefixes (its records will not be stored: a gap, an abort)."""
-        for key in [k for k, t in self._owners.items() if t == trajectory]:
+        """Stop offering ``trajectory``'s prefixes (it has a gap, an abort); each of them is offered
+        by another tracked trajectory without a gap that registered the same ids, if any."""
+        gone = [k for k, t in self._owners.items() if t == trajectory]
+        for key in gone:
             del self._owners[key]
+        for e, c in gone:
+            heir = next(
+                (q for q in self._reqs.values() if q.gap is None and q.trajectory != trajectory and q.crcs.get(e) == c),
+                None,
+            )
+            if heir is not None:
+                self._owners[(e, c)] = heir.trajectory
+
+    def mark_gap(self, trajectory: str, gap: str = "unrecorded_positions") -> None:
+        """The recorder could not store some of ``trajectory``'s rows (a failed forward, a refused
+        one, a held row it could not keep, a link to such a trajectory): it stops being a prefix
+        source, and, while its request is tracked, records nothing more and ends with ``gap``."""
+        for r in self._reqs.values():
+            if r.trajectory == trajectory:
+                r.held.clear()
+                self._gap(r, gap)
+                return
+        self.forget_owner(trajectory)

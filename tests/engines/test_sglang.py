@@ -348,6 +348,7 @@ class Sched:
         hooks.ENGINE, hooks.MAPPER, hooks.N_EXPERTS = self.engine, RowMapper(block=1), None
         cfg = SimpleNamespace(hf_text_config=SimpleNamespace(num_experts=8))
         self.scheduler = SimpleNamespace(enable_overlap=False, model_config=cfg)
+        self.short = False  # the forward's FP4 site captures one row fewer than it runs
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         target = f"{hooks.TOPK}.capture_routed_experts_if_allowed"
@@ -369,6 +370,8 @@ class Sched:
                 routed.append(route_of(full[: p + 1]))
         # the MoE layer's top-k reaching SGLang's capture site, as select_experts hands it over
         topk.capture_routed_experts_if_allowed(topk.TopKConfig(top_k=2, layer_id=1), 1, torch.tensor(routed))
+        if self.short:
+            rc, rs = rc[:-1], rs[:-1]
         self.engine.capture(
             SITE,
             torch.tensor(np.frombuffer(b"".join(rc), np.uint8).reshape(-1, 4)),
@@ -377,9 +380,13 @@ class Sched:
         )
         return "result"
 
-    def run(self, mode: ForwardMode, reqs: list[Req]) -> None:
+    def run(self, mode: ForwardMode, reqs: list[Req], short: bool = False) -> None:
         batch = ScheduleBatch(reqs=reqs, forward_mode=mode)
-        assert hooks.around_run_batch(self.forward, self.scheduler, batch) == "result"
+        self.short = short
+        try:
+            assert hooks.around_run_batch(self.forward, self.scheduler, batch) == "result"
+        finally:
+            self.short = False
         hooks.after_process_batch_result(None, self.scheduler, batch, "result")
 
     def close(self) -> None:
@@ -443,3 +450,43 @@ def test_sglang_chunked_prefill_decode_retract_and_abort(sidecar: ServeProcess) 
                     req.rid,
                     p,
                 )
+
+
+def test_sglang_a_trajectory_whose_rows_were_lost_is_never_a_prefix_source(sidecar: ServeProcess) -> None:
+    """``a``'s prefill never reaches the recorder (its forward captures a row short), so ``a`` ends
+    with a gap; then a radix-cache hit on ``a``'s prompt gets the gap ``prefix_unrecorded`` and a
+    request with ``a``'s whole prompt from position 0 stores its own rows: never a link to
+    ``a``'s missing rows."""
+    s = Sched(sidecar.address, "sglost")
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    a = new_req("a", list(prompt))
+    s.run(ForwardMode.EXTEND, [extend(a, 0, 9)], short=True)
+    a.output_ids.append(100)
+    s.run(ForwardMode.DECODE, [a])
+    a.output_ids.append(101)
+    a.finished_reason = FINISH_LENGTH(length=2)
+    s.run(ForwardMode.IDLE, [a])
+    h, g = new_req("h", prompt[:8] + [77, 78]), new_req("g", list(prompt))
+    s.run(ForwardMode.EXTEND, [extend(h, 8, 10), extend(g, 0, 9)])  # h: 8 tokens from the radix cache
+    for r, t in ((h, 300), (g, 400)):
+        r.output_ids.append(t)
+    s.run(ForwardMode.DECODE, [h, g])
+    for r, t in ((h, 301), (g, 401)):
+        r.output_ids.append(t)
+        r.finished_reason = FINISH_LENGTH(length=2)
+    s.run(ForwardMode.IDLE, [h, g])
+    stats = dict(s.engine.stats)
+    s.close()
+    e = hooks.ENDINGS
+    assert e["a"]["gap"] == "unrecorded_positions" and not json.loads(e["a"]["trace_ref"])["guided"]
+    assert e["h"]["gap"] == "prefix_unrecorded" and not json.loads(e["h"]["trace_ref"])["guided"]
+    assert e["g"]["gap"] is None and json.loads(e["g"]["trace_ref"])["guided"]
+    assert stats["links"] == 0
+    sidecar.terminate()
+    sidecar.start()
+    full = list(g.origin_input_ids) + list(g.output_ids)
+    with StoreReader(Store(sidecar.storage), "sglost") as reader:
+        rows = reader.read([(e["g"]["trajectory"], 0, len(full))], on_missing="mask")[SITE]
+    for p in range(len(full) - 1):
+        want = row_bytes(full[: p + 1])
+        assert rows.valid[p] and rows.codes[p].tobytes() == want[0] and rows.scales[p].tobytes() == want[1], p

@@ -85,8 +85,13 @@ class Engine:
         cached: list[tuple[str, int, int]],
         spec: dict[str, list[int]] | None = None,
         worker_order: list[str] | None = None,
+        short: bool = False,
+        report: bool = False,
     ) -> None:
-        """new/cached: (request id, num_computed_tokens, num_scheduled_tokens)."""
+        """new/cached: (request id, num_computed_tokens, num_scheduled_tokens). ``short``: the
+        forward's site captures one row fewer than it runs (its rows never reach the recorder;
+        the worker logs it, as the hook does). ``report``: the worker's metadata goes back to the
+        scheduler after the step (``update_connector_output``, as vLLM's KVConnectorOutput)."""
         spec = spec or {}
         out = SchedulerOutput.make_empty()
         for rid, start, n in new:
@@ -118,15 +123,25 @@ class Engine:
                 c, s = row_bytes(ids[: p + 1])
                 rows_c.append(c)
                 rows_s.append(s)
+        if short:
+            rows_c, rows_s = rows_c[:-1], rows_s[:-1]
         self.engine.capture(
             SITE,
             torch.tensor(np.frombuffer(b"".join(rows_c), np.uint8).reshape(-1, 4)),
             torch.tensor(np.frombuffer(b"".join(rows_s), np.uint8).reshape(-1, 2)),
             torch.ones(1),
         )
-        self.engine.end_forward(hooks.PLAN.value, [(rid, out.num_scheduled_tokens[rid]) for rid in order])
+        try:
+            self.engine.end_forward(hooks.PLAN.value, [(rid, out.num_scheduled_tokens[rid]) for rid in order])
+        except Exception:
+            assert short, "the forward failed"
         hooks.PLAN.value = None
         self.worker.clear_connector_metadata()
+        if report:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            meta = self.worker.build_connector_worker_meta()
+            self.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
 
     def sample(self, rid: str, *tokens: int) -> None:
         self.reqs[rid].append_output_token_ids(list(tokens))
@@ -217,6 +232,72 @@ def test_prefix_hit_links_and_grpo_group_shares_the_prompt(sidecar: ServeProcess
     drain(sidecar)
     for rid in ("g0", "g1", "h"):
         check_stored(sidecar, "px", eng, rid)
+
+
+@pytest.mark.parametrize("report", [True, False], ids=["reported", "not-yet-reported"])
+def test_a_trajectory_whose_rows_were_lost_is_never_a_prefix_source(sidecar: ServeProcess, report: bool) -> None:
+    """``a``'s prefill never reaches the recorder (its forward fails), so ``a`` ends with a gap;
+    afterwards a prefix-cache hit on ``a``'s prompt and a request with ``a``'s whole prompt are
+    scheduled. Once the worker's report reaches the scheduler, the hit gets the gap
+    ``prefix_unrecorded`` and the second request stores its own prompt; before it does (the
+    report still in flight), the worker refuses the links the scheduler planned and both end with
+    a gap. Never a link to ``a``'s missing rows."""
+    run = f"lost-{int(report)}"
+    eng = Engine(sidecar.address, run, block=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    eng.add("a", list(prompt))
+    eng.step([("a", 0, 9)], [], short=True, report=report)
+    eng.sample("a", 100)
+    eng.step([], [("a", 9, 1)], report=report)
+    eng.sample("a", 101)
+    ra = eng.finish("a")
+    eng.add("h", prompt[:8] + [77, 78])  # hits a's first two blocks
+    eng.add("g", list(prompt))  # a's prompt again, computed from position 0
+    eng.step([("h", 8, 2), ("g", 0, 9)], [], report=report)
+    eng.sample("h", 300)
+    eng.sample("g", 400)
+    eng.step([], [("h", 10, 1), ("g", 9, 1)], report=report)
+    eng.sample("h", 301)
+    eng.sample("g", 401)
+    rh, rg = eng.finish("h"), eng.finish("g")
+    stats = dict(eng.engine.stats)
+    eng.close()
+    assert ra["gap"] == "unrecorded_positions" and not json.loads(ra["trace_ref"])["guided"]
+    assert not json.loads(rh["trace_ref"])["guided"]
+    if report:
+        assert rh["gap"] == "prefix_unrecorded"
+        assert rg["gap"] is None and json.loads(rg["trace_ref"])["guided"]
+        assert stats["links"] == 0
+        drain(sidecar)
+        assert check_stored(sidecar, run, eng, "g") == 10  # g's own prompt, all of it
+    else:
+        assert rh["gap"] == "unrecorded_positions" and rg["gap"] == "unrecorded_positions"
+        assert stats["links"] == 0 and not json.loads(rg["trace_ref"])["guided"]
+
+
+def test_a_group_sibling_never_links_to_a_prompt_not_yet_recorded(sidecar: ServeProcess) -> None:
+    """GRPO group under chunked prefill: g0 and g1 (one prompt) each get its first chunk; g0 is
+    then preempted, g1 finishes, and g0 resumes from a prefix-cache hit on g1's blocks past what
+    g0 recorded (a gap). g1 must not have linked its prompt to g0 when it was scheduled: g0 had
+    recorded none of it, and never records positions 4..8."""
+    eng = Engine(sidecar.address, "sib", block=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    for rid in ("g0", "g1"):
+        eng.add(rid, list(prompt))
+    eng.step([("g0", 0, 4), ("g1", 0, 4)], [])  # the first chunk of each (token budget 8)
+    eng.step([], [("g1", 4, 5)])  # g0 is preempted; g1 prefills the rest
+    eng.sample("g1", 200)
+    eng.step([], [("g1", 9, 1)])
+    eng.sample("g1", 201)
+    r1 = eng.finish("g1")
+    eng.step([("g0", 8, 1)], [])  # g0 resumes: 8 tokens hit g1's cached blocks, g0 recorded 4
+    eng.sample("g0", 100)
+    r0 = eng.finish("g0")
+    eng.close()
+    assert r1["gap"] is None and json.loads(r1["trace_ref"])["guided"]
+    assert r0["gap"] == "unrecorded_positions"
+    drain(sidecar)
+    assert check_stored(sidecar, "sib", eng, "g1") == 10
 
 
 def test_preemption_recompute_and_abort(sidecar: ServeProcess) -> None:

@@ -402,6 +402,14 @@ def _end_forward(engine: EngineRecorder, plan: StepPlan) -> None:
         engine.end_forward(plan)
     except Exception:
         log.exception("tracestore: recording the batch failed")
+    _mark_failed(engine)
+
+
+def _mark_failed(engine: EngineRecorder) -> None:
+    """Trajectories whose rows never reached the recorder stop being prefix sources, and end with a gap."""
+    for trajectory in engine.take_failed():
+        if MAPPER is not None:
+            MAPPER.mark_gap(trajectory)
 
 
 def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -416,6 +424,7 @@ def after_process_batch_result(result: Any, scheduler: Any, batch: Any, *args: A
             full = list(req.origin_input_ids) + list(req.output_ids)
             ending = MAPPER.finish(rid, full, aborted=isinstance(req.finished_reason, FINISH_ABORT))
             ENDINGS[rid] = ENGINE.end_request(ending)
+    _mark_failed(ENGINE)
     return None
 
 

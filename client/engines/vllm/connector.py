@@ -75,14 +75,17 @@ class TraceStoreConnectorMetadata(KVConnectorMetadata):
 class TraceStoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the recording worker's run identity (``run``, ``policy_version``,
     ``writer``, ``sites``: the digest of its run's sites), which a scheduler in another process
-    needs to make each request's TraceRef. Only the recording rank sends one."""
+    needs to make each request's TraceRef, and ``failed``: trajectories whose rows never reached
+    the recorder since the last report (the scheduler's mapper stops linking to them, and ends
+    them with a gap). Only the recording rank sends one."""
 
     identity: dict[str, Any] | None = None
+    failed: list[str] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, TraceStoreWorkerMetadata) and self.identity is None:
-            return other
-        return self
+        if not isinstance(other, TraceStoreWorkerMetadata):
+            return self
+        return TraceStoreWorkerMetadata(self.identity or other.identity, self.failed + other.failed)
 
 
 def run_identity(engine: Any) -> dict[str, Any] | None:
@@ -261,8 +264,12 @@ class TraceStoreConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, TraceStoreWorkerMetadata) and meta.identity is not None:
+        if not isinstance(meta, TraceStoreWorkerMetadata):
+            return
+        if meta.identity is not None:
             self._identity = meta.identity
+        for trajectory in meta.failed:
+            self.mapper.mark_gap(trajectory)
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -279,12 +286,17 @@ class TraceStoreConnector(KVConnectorBase_V1):
                 self._sealed.add(rid)
 
     def build_connector_worker_meta(self) -> TraceStoreWorkerMetadata | None:
-        """The recording worker's run identity, once the run is declared (again if it changes)."""
+        """The recording worker's run identity, once the run is declared (again if it changes), and
+        the trajectories that failed since the last step."""
         ident = run_identity(hooks.ENGINE)
-        if ident is None or ident == self._sent:
+        failed = [] if hooks.ENGINE is None else hooks.ENGINE.take_failed()
+        if ident == self._sent:
+            ident = None
+        elif ident is not None:
+            self._sent = ident
+        if ident is None and not failed:
             return None
-        self._sent = ident
-        return TraceStoreWorkerMetadata(ident)
+        return TraceStoreWorkerMetadata(ident, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._sealed = self._sealed, set()
