@@ -3,6 +3,11 @@
 All hooks go through SGLang's ``HookRegistry`` (applied by ``load_plugins()`` in each process;
 only the scheduler process runs the hooked code):
 
+- ``Scheduler.init_moe_gemm_config`` (AFTER: the model config and SGLang's MoE flags are set, the
+  model is not loaded yet): only tensor-parallel rank 0 records; a parallel layout whose rows
+  rank 0 cannot record (:func:`.ranks.refusal`: pipeline parallelism, DP attention, attention CP,
+  a scattered MoE input) raises a ``ConfigError``, so the scheduler process fails to start with
+  the reason.
 - ``Scheduler.run_batch`` (AROUND): the batch's rows -> a :class:`StepPlan` (extend / mixed
   batches: each request's positions ``[prefix_len, extend_end)`` with ids from
   ``full_untruncated_fill_ids``; decode batches: one row at ``seqlen - 1``), in ``batch.reqs``
@@ -29,7 +34,8 @@ only the scheduler process runs the hooked code):
 - ``LinearBase.__init__`` (AFTER, ``sites=all``): keeps each linear's ``prefix`` for its site name.
 - ``ModelOptFp4LinearMethod.apply`` (AROUND, ``sites=all``): a prequantized ``(codes, scales)``
   input is recorded; otherwise the module-level ``fp4_quantize`` the method calls is wrapped to
-  record what it returns (scales swizzled 128×4, g = 1 / ``layer.input_scale_inv``).
+  record what it returns (scales swizzled 128×4, g = 1 / ``layer.input_scale_inv``). A
+  row-parallel linear's input under TP is a slice of the site: not recorded.
 
 - **CUDA graphs** (SGLang's default: decode graphs, and breakable prefill graphs on CUDA): the
   hooks above record through :data:`GRAPH` (:class:`~tracestore.client.engines.graph.GraphCapture`)
@@ -73,7 +79,10 @@ from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
 from tracestore.client.engines.setting import RecordSetting
 
+from tracestore.errors import ConfigError
+
 from .graphs import cuda_graph_config, graph_capacity, runner_device
+from .ranks import recording_rank, refusal, row_parallel_slice
 
 log = logging.getLogger("tracestore.client.engines")
 
@@ -170,11 +179,11 @@ def _install_flashinfer() -> list[str]:
     return install_flashinfer(_capture, _bits, GRAPH, route=_route)
 
 
-def disable(why: str) -> None:
+def disable(why: str, level: int = logging.ERROR) -> None:
     """Record nothing in this process from now on (the hooks stay, and pass every call through)."""
     global ENGINE
     if ENGINE is not None:
-        log.error("tracestore: this process records nothing: %s", why)
+        log.log(level, "tracestore: this process records nothing: %s", why)
     ENGINE = None
     if GRAPH is not None:
         GRAPH.active = False
@@ -196,6 +205,7 @@ def register_hooks(setting: RecordSetting, engine: EngineRecorder | None = None)
         GRAPH.install()
     ENGINE.graph = GRAPH
     targets = [
+        (f"{SCHEDULER}.init_moe_gemm_config", after_scheduler_config, HookType.AFTER),
         (f"{SCHEDULER}.run_batch", around_run_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", after_process_batch_result, HookType.AFTER),
         (f"{FUSED_MOE}.forward", around_moe_forward, HookType.AROUND),
@@ -296,6 +306,20 @@ def around_graph_execute(original: Any, runner: Any, forward_batch: Any, *args: 
 
 
 # -- rows ---------------------------------------------------------------------------------------
+
+
+def after_scheduler_config(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """``Scheduler.init_moe_gemm_config``: refuse a layout whose rows TP rank 0 cannot record
+    (``ConfigError``, naming the fix); a TP rank other than 0 records nothing."""
+    if ENGINE is None:
+        return None
+    cfg = getattr(getattr(scheduler, "model_config", None), "hf_text_config", None)
+    why = refusal(cfg is not None and model_n_experts(cfg) is not None, ENGINE.setting.sites == "all")
+    if why is not None:
+        raise ConfigError(why)
+    if not recording_rank():
+        disable("tensor-parallel rank > 0: rank 0 of the group records the same rows", logging.INFO)
+    return None
 
 
 def batch_rows(batch: Any, mapper: RowMapper) -> list[Scheduled] | None:
@@ -520,7 +544,7 @@ def around_linear_apply(original: Any, method: Any, layer: Any, x: Any, bias: An
     if ENGINE is None:
         return original(method, layer, x, bias)
     prefix = str(getattr(layer, "prefix", "") or getattr(layer, "_tracestore_prefix", "") or "")
-    name = site_name(prefix) if "layers." in prefix else None
+    name = site_name(prefix) if "layers." in prefix and not row_parallel_slice(layer) else None
     g = _input_g(layer)
     if name is not None and isinstance(x, tuple) and getattr(layer, "_accepts_prequantized_fp4", False):
         try:
