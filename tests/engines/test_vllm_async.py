@@ -58,6 +58,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("ckpt"))  # a model config vLLM can read offline
 
 
+@pytest.fixture(autouse=True)
+def hooks_state() -> Iterator[None]:
+    """The worker connector turns the plugin's graph mode on (these configs do not enforce eager)
+    and installs a recorder: both are process globals, restored for the tests after these."""
+    graph = None if hooks.GRAPH is None else hooks.GRAPH.active
+    engine = hooks.ENGINE
+    try:
+        yield
+    finally:
+        hooks.ENGINE = engine
+        if hooks.GRAPH is not None:
+            hooks.GRAPH.active = bool(graph)
+
+
 def config(checkpoint: Path, address: str, run: str, budget: int, spec: bool = False) -> VllmConfig:
     text = f"sidecar={address} run={run} policy_version=0 writer=w-{run}"
     cfg = VllmConfig(

@@ -110,10 +110,13 @@ def test_codes_from_values_enumerates_all_16_codes() -> None:
 @pytest.fixture
 def engine() -> Iterator[EngineRecorder]:
     eng = EngineRecorder(parse_setting("sidecar=127.0.0.1:1 run=hooks policy_version=0 sites=all"))
-    old = hooks.ENGINE
+    old = hooks.ENGINE, None if hooks.GRAPH is None else hooks.GRAPH.active
     hooks.ENGINE = eng
+    hooks.set_graph_mode(True)  # eager forwards: the hooks capture into the recorder
     yield eng
-    hooks.ENGINE = old
+    hooks.ENGINE = old[0]
+    if hooks.GRAPH is not None:
+        hooks.GRAPH.active = bool(old[1])
 
 
 def _fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> tuple[types.ModuleType, list[dict]]:
