@@ -360,7 +360,7 @@ class RowMapper:
         n_tokens = len(final)
         released: list[tuple[str, int, int]] = []
         if aborted:
-            r.gap = r.gap or "aborted"
+            r.gap = "aborted"
         elif r.held:
             ok = 0
             while (
