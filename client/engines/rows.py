@@ -72,6 +72,7 @@ def trajectory_id(request_id: str, prefix: str = "") -> str:
 
 
 PENDING = -1  # the held token id of a position whose input id is not known yet
+MAX_PREFIXES = 1 << 20  # prefixes offered for links at most (SGLang offers every position)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,16 +174,20 @@ class RowMapper:
     """Per-step row mapping for one engine instance (see the module docstring for the cases).
 
     ``block``: the prefix-cache block size (hits are registered and looked up at its multiples and
-    at each prompt's end). ``prefix``: prepended to every trajectory id.
+    at each prompt's end). ``prefix``: prepended to every trajectory id. ``max_prefixes``: how many
+    registered prefixes are offered at most; past it the oldest are forgotten (a later hit on one
+    gets the gap ``prefix_unrecorded``, never a wrong link).
     """
 
-    def __init__(self, block: int = 16, prefix: str = "") -> None:
-        if block < 1:
-            raise ValidationError(f"block must be >= 1, got {block}")
+    def __init__(self, block: int = 16, prefix: str = "", max_prefixes: int = MAX_PREFIXES) -> None:
+        if block < 1 or max_prefixes < 1:
+            raise ValidationError(f"block and max_prefixes must be >= 1, got {block} and {max_prefixes}")
         self.block = block
         self.prefix = prefix
+        self.max_prefixes = max_prefixes
         self._reqs: dict[str, _Req] = {}
         self._owners: dict[tuple[int, int], str] = {}  # (n_tokens, ids crc) -> trajectory that records them
+        self._owned: dict[str, dict[tuple[int, int], None]] = {}  # trajectory -> its keys in _owners
         self._attempts: dict[str, int] = {}  # base trajectory id -> attempts handed out
 
     # -- requests ---------------------------------------------------------------------------------
@@ -321,7 +326,23 @@ class RowMapper:
         for e in sorted(ends):
             c = self._running_crc(r, e)
             r.crcs[e] = c
-            self._owners.setdefault((e, c), r.trajectory)
+            self._offer((e, c), r.trajectory)
+
+    def _offer(self, key: tuple[int, int], trajectory: str) -> None:
+        """``trajectory`` serves the prefix ``key`` unless another one already does; the oldest
+        offers past :attr:`max_prefixes` are forgotten."""
+        if key in self._owners:
+            return
+        self._owners[key] = trajectory
+        self._owned.setdefault(trajectory, {})[key] = None
+        while len(self._owners) > self.max_prefixes:
+            old = next(iter(self._owners))
+            t = self._owners.pop(old)
+            keys = self._owned.get(t)
+            if keys is not None:
+                keys.pop(old, None)
+                if not keys:
+                    del self._owned[t]
 
     def _running_crc(self, r: _Req, n: int) -> int:
         """:meth:`_crc` of ``r.ids[:n]``, carried on from the last one asked for (ends only grow:
@@ -380,16 +401,22 @@ class RowMapper:
     def forget_owner(self, trajectory: str) -> None:
         """Stop offering ``trajectory``'s prefixes (it has a gap, an abort); each of them is offered
         by another tracked trajectory without a gap that registered the same ids, if any."""
-        gone = [k for k, t in self._owners.items() if t == trajectory]
+        gone = self._owned.pop(trajectory, {})
         for key in gone:
-            del self._owners[key]
-        for e, c in gone:
-            heir = next(
-                (q for q in self._reqs.values() if q.gap is None and q.trajectory != trajectory and q.crcs.get(e) == c),
-                None,
-            )
-            if heir is not None:
-                self._owners[(e, c)] = heir.trajectory
+            if self._owners.get(key) == trajectory:
+                del self._owners[key]
+        for q in self._reqs.values():
+            if not gone:
+                break
+            if q.gap is not None or q.trajectory == trajectory:
+                continue
+            if len(q.crcs) < len(gone):
+                found = [(e, c) for e, c in q.crcs.items() if (e, c) in gone]
+            else:
+                found = [(e, c) for e, c in gone if q.crcs.get(e) == c]
+            for key in found:
+                del gone[key]
+                self._offer(key, q.trajectory)
 
     def mark_gap(self, trajectory: str, gap: str = "unrecorded_positions") -> None:
         """The recorder could not store some of ``trajectory``'s rows (a failed forward, a refused

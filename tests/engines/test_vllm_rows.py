@@ -300,6 +300,30 @@ def test_a_group_sibling_never_links_to_a_prompt_not_yet_recorded(sidecar: Serve
     assert check_stored(sidecar, "sib", eng, "g1") == 10
 
 
+def test_the_oldest_prefixes_are_forgotten_past_the_bound(sidecar: ServeProcess) -> None:
+    """With room for two offered prefixes, ``a``'s first block (the oldest of its three: 4, 8 and
+    the prompt's 9 tokens) is forgotten: a hit on it gets a gap, a hit on 8 tokens still links."""
+    eng = Engine(sidecar.address, "bound", block=4)
+    eng.sched.mapper.max_prefixes = 2
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    eng.add("a", list(prompt))
+    eng.step([("a", 0, 9)], [])
+    eng.sample("a", 100)
+    eng.add("h", prompt[:8] + [77])
+    eng.add("x", prompt[:4] + [66])
+    eng.step([("h", 8, 1), ("x", 4, 1)], [])
+    eng.sample("h", 300)
+    eng.sample("x", 400)
+    res = {rid: eng.finish(rid) for rid in ("a", "h", "x")}
+    stats = dict(eng.engine.stats)
+    assert len(eng.sched.mapper._owners) <= 2 and sum(map(len, eng.sched.mapper._owned.values())) <= 2
+    eng.close()
+    assert res["a"]["gap"] is None and res["h"]["gap"] is None and res["x"]["gap"] == "prefix_unrecorded"
+    assert stats["links"] == 1
+    drain(sidecar)
+    check_stored(sidecar, "bound", eng, "h")
+
+
 def test_preemption_recompute_and_abort(sidecar: ServeProcess) -> None:
     eng = Engine(sidecar.address, "pr", block=4)
     eng.add("p", [3, 1, 4, 1, 5])
