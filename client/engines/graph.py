@@ -136,7 +136,8 @@ class GraphCapture:
         self.route_rows: RouteBuffers | None = None  # the routing sites' rows (None: none)
         self._armed = False
         self._rows = 0  # rows a forward may write (the slab's spare rows follow them)
-        self._free: list[int] = []  # spare rows not holding a draft row
+        self._spare = np.zeros(0, dtype=bool)  # per spare row: True while it holds no draft row
+        self._n_free = 0
         self._device: torch.device | None = None
         self.stats = {"writes": 0, "late": 0, "unarmed_capture": 0, "clipped": 0, "gathers": 0, "failed": 0}
         self._warned: set[str] = set()
@@ -358,7 +359,8 @@ class GraphCapture:
             self.route_rows = RouteBuffers(self.routes.values(), total, device)
         self._device = torch.device(device)
         self._rows = int(capacity)
-        self._free = list(range(total - 1, capacity - 1, -1))  # popped from the end: lowest first
+        self._spare = np.ones(spare, dtype=bool)
+        self._n_free = spare
         self._armed = True
         log.info(
             "tracestore: graph capture armed: %d FP4 sites (%s), %d routing sites, %d rows + %d spare",
@@ -398,13 +400,13 @@ class GraphCapture:
     @property
     def spare_free(self) -> int:
         """Spare rows not holding a draft row."""
-        return len(self._free)
+        return self._n_free
 
     def hold(self, rows: np.ndarray) -> np.ndarray | None:
         """Copy the last forward's ``rows`` (int64, each below :attr:`capacity`) into free spare
-        rows, by device ops on the current stream (no host read); returns the spare rows taken, in
-        order, or None (nothing copied) when fewer are free. Name them in a later
-        :meth:`commit`'s index, and give them back with :meth:`free`."""
+        rows (the lowest free ones), by device ops on the current stream (no host read); returns
+        the spare rows taken, in order, or None (nothing copied) when fewer are free. Name them in
+        a later :meth:`commit`'s index, and give them back with :meth:`free`."""
         if not self._armed:
             raise ValidationError("the graph capture is not armed")
         k = int(rows.shape[0])
@@ -412,9 +414,12 @@ class GraphCapture:
             return np.zeros(0, dtype=np.int64)
         if int(rows.min()) < 0 or int(rows.max()) >= self._rows:
             raise ShapeError(f"rows {rows.min()}..{rows.max()} held; a forward writes rows below {self._rows}")
-        if k > len(self._free):
+        if k > self._n_free:
             return None
-        slots = np.asarray([self._free.pop() for _ in range(k)], dtype=np.int64)
+        taken = np.flatnonzero(self._spare)[:k]
+        self._spare[taken] = False
+        self._n_free -= k
+        slots = taken + self._rows
         both = self._device_index(np.concatenate([rows, slots]))
         src, dst = both[:k], both[k:]
         if self.slab is not None:
@@ -426,11 +431,22 @@ class GraphCapture:
 
     def free(self, slots: Sequence[int] | np.ndarray) -> None:
         """Give spare rows taken by :meth:`hold` back (after the commit that names them, if any:
-        later device work is ordered after its gather)."""
-        for s in np.asarray(slots, dtype=np.int64).reshape(-1).tolist():
-            if not self._rows <= s < self.total_rows or s in self._free:
-                raise ValidationError(f"row {s} is not a held spare row")
-            self._free.append(s)
+        later device work is ordered after its gather). A row that is not a held spare row (or is
+        named twice) raises, and none is given back."""
+        at = np.asarray(slots, dtype=np.int64).reshape(-1) - self._rows
+        if not at.size:
+            return
+        inside = (at >= 0) & (at < self._spare.size)
+        ok = inside.copy()
+        ok[inside] = ~self._spare[at[inside]]
+        if not bool(ok.all()):
+            bad = int(at[int(np.flatnonzero(~ok)[0])]) + self._rows
+            raise ValidationError(f"row {bad} is not a held spare row")
+        self._spare[at] = True
+        if int(np.count_nonzero(self._spare)) != self._n_free + at.size:  # a row named twice
+            self._spare[at] = False
+            raise ValidationError(f"rows {sorted(at.tolist())[:8]}...: a spare row is given back twice")
+        self._n_free += int(at.size)
 
     def commit(
         self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any

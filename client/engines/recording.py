@@ -36,6 +36,8 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,7 @@ from tracestore.errors import ValidationError
 from tracestore.records import RunSpec, SiteSpec
 from tracestore.traceref import site_digest, split_attempt_id
 
+from .layout import EMPTY, RowLayout, column, held_rows, row_index, runs
 from .routing import route_rows
 from .rows import Ending, StepPlan
 from .setting import RecordSetting
@@ -53,6 +56,9 @@ log = logging.getLogger("tracestore.client.engines")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 REMEMBER_FAILED = 1 << 16  # ended trajectories with lost rows kept to refuse links to them
 Rows = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # site -> (codes, scales, g)
+_TRAJ, _POS = itemgetter(0), itemgetter(1)  # of StepPlan.held and .released entries
+_HELD_TOKEN, _RELEASED_TOKEN = itemgetter(4), itemgetter(2)
+_KEPT = itemgetter(1)  # of a held row's (token id, spare slab row or host copies)
 
 
 def site_spec(name: str, width: int, bits: int) -> SiteSpec:
@@ -102,6 +108,8 @@ class EngineRecorder:
         self._failed_ended: dict[str, None] = {}  # ended ones (insertion order: the oldest is forgotten first)
         self._failed_new: list[str] = []  # broken since the last take_failed()
         self.graph: Any = None  # a GraphCapture (.graph): rows come from its slab once it is armed
+        self._graph_checked: Any = None  # the armed GraphCapture whose sites the run was checked against
+        self._layout = RowLayout()  # the last forward's row layout (kept while the batch order is unchanged)
         self.ranks: Callable[[], dict[str, int]] | None = None  # this process's ranks (sidecar= placeholders)
         self.ended: list[dict[str, Any]] = []  # every end_request result, in order (for reports and tests)
         self.stats = {
@@ -213,9 +221,8 @@ class EngineRecorder:
 
     def _end_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
         sites, self._sites = self._sites, {}
-        graph = not sites and self._graph_rows()
-        if graph:  # a compiled or graph-replayed forward: every site's rows are in the slab
-            sites = self.graph.rows()
+        if not sites and self._graph_rows():  # a compiled or graph-replayed forward: every site's rows are in the slab
+            return self._graph_forward(plan, order)
         if not sites:
             if plan.segments or plan.held:
                 raise ValidationError("the step plans rows but the forward captured no site")
@@ -228,7 +235,8 @@ class EngineRecorder:
         finally:
             self._sites = {}
         self.stats["forwards"] += 1
-        n_fwd = sum(n for _, n in (plan.order if order is None else order))
+        layout = self._layout.of(plan.order if order is None else order)
+        n_fwd = layout.n_rows
         for name, (c, _, _) in sites.items():
             if c.shape[0] < n_fwd:  # (rows past them: padding the engine added)
                 raise ValidationError(f"site {name!r} captured {c.shape[0]} rows; the forward has {n_fwd} tokens")
@@ -236,12 +244,9 @@ class EngineRecorder:
         # may be drafted again in this very step, whose new row must not be dropped with the old
         # one)
         self._links_and_dropped(plan)
-        at = plan.starts(order)
-        if graph:
-            return self._graph_step(plan, order, at)
         self._release(plan.released)
-        for traj, pos, rid, off, tok in plan.held:  # held rows: host copies (the eager path) until confirmed
-            row = at[rid] + off
+        for (traj, pos, _, _, tok), row in zip(plan.held, held_rows(plan.held, layout).tolist(), strict=True):
+            # held rows: host copies (the eager path) until confirmed
             self._held[(traj, pos)] = (
                 tok,
                 {
@@ -253,7 +258,7 @@ class EngineRecorder:
         if not plan.segments:
             return True
         ids = np.asarray(plan.token_ids, dtype=np.int64)
-        idx = torch.from_numpy(plan.row_index(order))
+        idx = torch.from_numpy(row_index(plan.rows, layout))
         outputs = {}
         from tracestore.client import SiteOutput
 
@@ -267,28 +272,53 @@ class EngineRecorder:
             self._break(t for t, _, _ in plan.segments)
         return ok
 
-    def _graph_step(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None, at: dict[str, int]) -> bool:
+    def _graph_forward(self, plan: StepPlan, order: Sequence[tuple[str, int]] | None) -> bool:
         """A graph-captured forward: the drafts this step confirmed (spare slab rows) and the
-        planned rows in one commit, then this step's drafts copied into spare rows."""
+        planned rows in one commit, then this step's drafts copied into spare rows. The slab's
+        sites are checked against the run once per armed capture, its capacity against the
+        forward once per step (every site has the same rows)."""
+        graph = self.graph
+        if self._graph_checked is not graph:
+            self._sites = graph.rows()
+            try:
+                self._ensure_run()
+            finally:
+                self._sites = {}
+            self._graph_checked = graph
+        self.stats["forwards"] += 1
+        layout = self._layout.of(plan.order if order is None else order)
+        if graph.capacity < layout.n_rows:  # (rows past them: padding the engine added)
+            raise ValidationError(
+                f"the slab holds {graph.capacity} forward rows; the forward has {layout.n_rows} tokens"
+            )
+        # earlier drafts first (as on the eager path)
+        self._links_and_dropped(plan)
         segs, slots, ids = self._take_released(plan.released)
         n_released = len(ids)
-        segs += plan.segments
-        index = np.concatenate([slots, plan.row_index(order)])
-        tokens = np.concatenate([ids, np.asarray(plan.token_ids, dtype=np.int64)])
+        if plan.segments:
+            segs += plan.segments
+            index = row_index(plan.rows, layout)
+            tokens = np.asarray(plan.token_ids, dtype=np.int64)
+            if n_released:
+                index = np.concatenate([slots, index])
+                tokens = np.concatenate([ids, tokens])
+        else:
+            index, tokens = slots, ids
         ok = True
         try:
             if segs:
-                ok = bool(self.graph.commit(self.recorder, segs, index, tokens))
+                ok = bool(graph.commit(self.recorder, segs, index, tokens))
                 self.stats["rows"] += len(plan.token_ids)
                 self.stats["released"] += n_released
                 if not ok:
                     self._break(t for t, _, _ in segs)
         finally:
-            self.graph.free(slots)  # (reused below at the earliest: after the commit's gather)
-        self._hold_graph(plan.held, at)
+            if n_released:
+                graph.free(slots)  # (reused below at the earliest: after the commit's gather)
+        self._hold_graph(plan.held, layout)
         return ok
 
-    def _hold_graph(self, held: Sequence[tuple[str, int, str, int, int]], at: dict[str, int]) -> None:
+    def _hold_graph(self, held: Sequence[tuple[str, int, str, int, int]], layout: RowLayout) -> None:
         """Copy this forward's draft rows into the graph capture's spare rows, as many as are free;
         the trajectories of the rest end with a gap (their drafts are never recorded)."""
         if not held:
@@ -303,12 +333,11 @@ class EngineRecorder:
                 len(held) - fit, len(lost),
             )  # fmt: skip
             held = held[:fit]
-        rows = np.asarray([at[rid] + off for _, _, rid, off, _ in held], dtype=np.int64)
-        slots = self.graph.hold(rows)
+        slots = self.graph.hold(held_rows(held, layout))
         if slots is None:  # (cannot happen: fit rows are free)
             raise ValidationError(f"{len(held)} spare slab rows were free, then were not")
-        for (traj, pos, _, _, tok), slot in zip(held, slots.tolist(), strict=True):
-            self._held[(traj, pos)] = (tok, int(slot))
+        keys = zip(map(_TRAJ, held), map(_POS, held), strict=True)
+        self._held.update(zip(keys, zip(map(_HELD_TOKEN, held), slots.tolist(), strict=True), strict=True))
         self.stats["held"] += len(held)
 
     def _graph_rows(self) -> bool:
@@ -350,12 +379,21 @@ class EngineRecorder:
         (segments, spare rows, token ids) for one commit; host copies (the eager path) are
         recorded here, one ``record_forward`` per run of consecutive positions. A confirmed row
         that was never kept (no free spare row) leaves its trajectory with a gap."""
+        if not released:
+            return [], EMPTY, EMPTY
+        # (the ids the plan confirmed: a pending row's is known now)
+        keys = zip(map(_TRAJ, released), map(_POS, released), strict=True)
+        taken: list[Any] = list(map(self._held.pop, keys, repeat(None)))
+        if None not in taken:
+            where = list(map(_KEPT, taken))
+            if set(map(type, where)) == {int}:  # all in spare slab rows: array work
+                merged = runs(list(map(_TRAJ, released)), column(released, _POS))
+                return merged, np.asarray(where, dtype=np.int64), column(released, _RELEASED_TOKEN)
         segs: list[tuple[str, int, int]] = []
         slots: list[int] = []
         ids: list[int] = []
         eager: list[tuple[str, int, list[tuple[int, Rows]]]] = []
-        for traj, pos, tok in released:  # (the id the plan confirmed: a pending row's is known now)
-            held = self._held.pop((traj, pos), None)
+        for (traj, pos, tok), held in zip(released, taken, strict=True):
             if held is None:
                 self._break([traj])
                 continue
@@ -371,8 +409,8 @@ class EngineRecorder:
                 eager[-1][2].append((tok, rows))
             else:
                 eager.append((traj, pos, [(tok, rows)]))
-        for traj, pos, taken in eager:
-            self._record_copies(traj, pos, taken)
+        for traj, pos, copies in eager:
+            self._record_copies(traj, pos, copies)
         return segs, np.asarray(slots, dtype=np.int64), np.asarray(ids, dtype=np.int64)
 
     def _record_copies(self, traj: str, pos: int, taken: list[tuple[int, Rows]]) -> None:
