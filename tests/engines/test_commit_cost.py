@@ -1,0 +1,217 @@
+"""The per-step commit after a graph-replayed forward (EngineRecorder.end_forward) stays array work:
+the Python calls it makes do not grow with the number of requests or sites, in a plain decode
+step, one whose rows are gathered, one under asynchronous scheduling (every row held, then
+released) and one whose batch changed. Counted with ``sys.setprofile`` (calls of Python
+functions and of C functions from Python code), not timed, so the guard does not depend on the
+machine's load. The array helpers are checked against :class:`StepPlan`'s own answers and the
+spare-row free list against its contract."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from tracestore.client.engines.graph import GraphCapture
+from tracestore.client.engines.layout import RowLayout, held_rows, row_index, runs
+from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
+from tracestore.client.engines.setting import parse_setting
+from tracestore.server.testing import ServeProcess
+
+from tracestore.errors import ValidationError
+
+WIDTH = 64
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), wal=False, flags=["--flush-interval", "0.2"])
+    sp.start()
+    try:
+        yield sp
+    finally:
+        sp.terminate()
+
+
+def calls(fn: Callable[[], object]) -> int:
+    """Python-level calls (Python functions, and C functions called from Python code) in ``fn()``
+    on this thread."""
+    n = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal n
+        if event in ("call", "c_call"):
+            n += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+class Steps:
+    """``batch`` requests decoding one token a step into an armed graph capture of ``sites``
+    sites on the CPU (the slab's contents do not matter to the commit's work), recorded through
+    a real sidecar; ``mode``: ``sync``, ``gathered`` (the worker's order reversed) or ``async``
+    (every row pending: held, then released with its id)."""
+
+    def __init__(self, address: str, run: str, batch: int, sites: int, mode: str) -> None:
+        self.rec = EngineRecorder(parse_setting(f"sidecar={address} run={run} policy_version=0 writer=w-{run} bits=1"))
+        graph = GraphCapture(1)
+        graph.install()
+        graph.active = True
+        for i in range(sites):
+            graph.note(f"layers.{i}.mlp.input", WIDTH)
+        assert graph.arm(batch + 8, "cpu", spare=2 * batch + 2)
+        self.rec.graph = graph
+        self.mode, self.mapper, self.p = mode, RowMapper(block=4), 0
+        self.rids = [f"{run}-{i}" for i in range(batch)]
+        for j, r in enumerate(self.rids):
+            self.mapper.add(r, [500 + j])  # (distinct prompts: no request links to another's)
+        for _ in range(3):  # the prompts (declares the run, connects), then what the recorder sizes once
+            self.step()  # per slab (the gather slab's first use) or per new row count
+
+    def plan(self) -> StepPlan:
+        p, m = self.p, self.mapper
+        self.p += 1
+        if self.mode != "async" or p == 0:
+            return m.step(
+                [Scheduled(r, p, 1, 0, None if p == 0 else [(p * 7 + j) % 997]) for j, r in enumerate(self.rids)]
+            )
+        if p >= 2:
+            for j, r in enumerate(self.rids):
+                m.learn(r, p - 1, [(p * 7 + j) % 997])
+        return m.step([Scheduled(r, p, 1, 0, [], n_pending=1) for r in self.rids])
+
+    def order(self) -> list[tuple[str, int]]:
+        return [(r, 1) for r in (reversed(self.rids) if self.mode == "gathered" else self.rids)]
+
+    def step(self) -> int:
+        """One step's commit; returns the Python calls it made."""
+        plan, order = self.plan(), self.order()
+        ok: list[bool] = []
+        n = calls(lambda: ok.append(self.rec.end_forward(plan, order)))
+        assert ok == [True]
+        return n
+
+    def replace(self) -> int:
+        """The batch changes: the first request ends and a new one takes its place (its prompt
+        recorded in this step; the forward's row count unchanged, as a new row count costs the
+        recorder a per-site size computation once). Returns the Python calls of that step."""
+        old = self.rids.pop(0)
+        assert self.rec.end_request(self.mapper.finish(old))["gap"] is None
+        new = f"{old}-next"
+        self.mapper.add(new, [5])
+        self.rids.append(new)
+        p = self.p
+        self.p += 1
+        batch = [Scheduled(r, p, 1, 0, [(p * 7 + j) % 997]) for j, r in enumerate(self.rids[:-1])]
+        plan = self.mapper.step([*batch, Scheduled(new, 0, 1, 0, [5])])
+        ok: list[bool] = []
+        n = calls(lambda: ok.append(self.rec.end_forward(plan, self.order())))
+        assert ok == [True]
+        return n
+
+
+@pytest.mark.parametrize("mode", ["sync", "gathered", "async"])
+def test_commit_calls_do_not_grow_with_requests_or_sites(sidecar: ServeProcess, mode: str) -> None:
+    small = Steps(sidecar.address, f"cs-{mode}", batch=4, sites=2, mode=mode)
+    large = Steps(sidecar.address, f"cl-{mode}", batch=192, sites=16, mode=mode)
+    for _ in range(3):
+        n_small, n_large = small.step(), large.step()
+        assert n_large == n_small, f"{mode}: {n_large} Python calls at 192 requests x 16 sites, {n_small} at 4 x 2"
+    if mode != "async":
+        n_small, n_large = small.replace(), large.replace()
+        assert n_large == n_small, f"{mode}, the batch changed: {n_large} Python calls at 192 x 16, {n_small} at 4 x 2"
+    assert n_large < 400, f"{mode}: {n_large} Python calls per step"
+    for eng in (small, large):
+        stats = eng.rec.stats
+        if mode == "async":  # every position from 1 was held, those from 1 to p - 2 released
+            assert stats["released"] == len(eng.rids) * (eng.p - 2) and stats["held_overflow"] == 0
+        else:  # a position per request and step (the replaced request's and its successor's: p in all)
+            assert stats["rows"] == len(eng.rids) * eng.p and stats["links"] == 0, stats
+        assert eng.rec.close(30)
+
+
+def random_plans(seed: int) -> Iterator[tuple[StepPlan, list[tuple[str, int]]]]:
+    """Plans of a mapper driven through chunked prefill, decode and drafts, each with a shuffled
+    worker order."""
+    rng = random.Random(seed)
+    m = RowMapper(block=4)
+    state = {}
+    for i in range(12):
+        rid = f"q{i}"
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+        m.add(rid, prompt)
+        state[rid] = (0, prompt)
+    for _ in range(30):
+        batch = []
+        for rid, (start, ids) in state.items():
+            if rng.random() < 0.3:
+                continue
+            n = min(rng.randrange(1, 6), len(ids) - start) if start < len(ids) else 0
+            drafts = rng.randrange(0, 3) if start >= len(ids) else 0
+            n_all = max(n, 1) + drafts
+            toks = [rng.randrange(1000) for _ in range(n_all)]
+            ids[start : start + n_all] = toks
+            batch.append(Scheduled(rid, start, n_all, drafts, toks))
+            done = start + n_all - drafts + rng.randrange(0, drafts + 1)  # (some drafts accepted)
+            state[rid] = (done, ids[:done])
+        plan = m.step(batch)
+        order = [(s.request_id, s.n) for s in batch]
+        rng.shuffle(order)
+        yield plan, order
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_array_rows_match_the_plan(seed: int) -> None:
+    layout = RowLayout()
+    n_held = n_rows = 0
+    for plan, order in random_plans(seed):
+        lay = layout.of(order)
+        assert lay.n_rows == sum(n for _, n in order)
+        assert np.array_equal(row_index(plan.rows, lay), plan.row_index(order))
+        at = plan.starts(order)
+        want = np.asarray([at[rid] + off for _, _, rid, off, _ in plan.held], dtype=np.int64)
+        assert np.array_equal(held_rows(plan.held, lay), want)
+        n_held, n_rows = n_held + len(plan.held), n_rows + len(plan.rows)
+    assert n_held and n_rows  # (the plans exercised both)
+
+
+def test_layout_names_a_missing_request() -> None:
+    lay = RowLayout().of([("a", 2)])
+    with pytest.raises(ValidationError, match="'b'"):
+        row_index([("a", 0, 2), ("b", 0, 1)], lay)
+
+
+def test_runs_merge_consecutive_positions_of_one_trajectory() -> None:
+    trajs = ["a", "a", "b", "a", "a", "a", "b", "b"]
+    pos = np.asarray([3, 4, 0, 5, 7, 8, 1, 3], dtype=np.int64)
+    assert runs(trajs, pos) == [("a", 3, 5), ("b", 0, 1), ("a", 5, 6), ("a", 7, 9), ("b", 1, 2), ("b", 3, 4)]
+    assert runs(["a", "b"], np.asarray([1, 2])) == [("a", 1, 2), ("b", 2, 3)]
+    assert runs([], np.zeros(0, dtype=np.int64)) == []
+
+
+def test_spare_rows_lowest_first_and_free_checks_all_before_any() -> None:
+    g = GraphCapture(1)
+    g.note("layers.0.mlp.input", WIDTH)
+    assert g.arm(4, "cpu", spare=4)
+    a = g.hold(np.asarray([0, 1], dtype=np.int64))
+    assert a is not None and a.tolist() == [4, 5] and g.spare_free == 2
+    b = g.hold(np.asarray([2], dtype=np.int64))
+    assert b is not None and b.tolist() == [6] and g.spare_free == 1
+    assert g.hold(np.asarray([0, 1], dtype=np.int64)) is None and g.spare_free == 1
+    g.free([4])
+    c = g.hold(np.asarray([3], dtype=np.int64))
+    assert c is not None and c.tolist() == [4]
+    for bad in ([5, 7], [5, 3], [5, 5], [6, 9]):  # 7: free; 3: a forward row; 5 twice; 9: past the slab
+        with pytest.raises(ValidationError):
+            g.free(bad)
+        assert g.spare_free == 1, bad  # nothing was given back
+    g.free([4, 5, 6])
+    assert g.spare_free == 4
