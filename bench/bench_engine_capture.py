@@ -19,7 +19,10 @@ around the loop, the variants interleaved over ``--reps`` rounds (median per ste
   of the slab staged by ``record_slab``) to a real sidecar over the unix socket (the plans, the
   scheduler process's work in vLLM, are made before the timed loops);
 - ``capture + commit, gathered``: as above with the worker's row order reversed, so the planned
-  rows are gathered into the second slab first.
+  rows are gathered into the second slab first;
+- ``capture + commit, async``: as ``capture + commit`` under vLLM's asynchronous scheduling (the
+  plan is made before the previous step's token is known): every row is pending, copied into a
+  spare slab row, and committed by the next step with its id (gathered from the spare rows).
 
 Overhead = (median ms/step - ``no capture``'s) / ``no capture``'s. The commit's engine-thread time
 (``perf_counter`` around ``end_forward``) is reported too. Before timing, the slab rows after a
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
         graph.active = True
         step(True)  # the warm-up: notes the sites
         sync()
-        assert graph.arm(padded, dev), "no site noted"
+        assert graph.arm(padded, dev, spare=2 * batch), "no site noted"  # (spare rows: the async variant's)
         lasts, kernels, used = {}, {"capture": True, "capture, torch ops": False}, {}
         for label, kernel in kernels.items():
             graphs[label] = capture(lambda kernel=kernel: step(True, kernel))
@@ -159,29 +162,51 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
         rids = [f"r{i}" for i in range(batch)]
         for r in rids:
             mapper.add(r, [1])
-        n_plans = 1 + 2 * args.reps * args.steps
+        n_plans = 1 + 2 * args.reps * args.steps  # (the sync and gathered variants' steps)
         plans = [
             mapper.step([Scheduled(r, p, 1, 0, [(p * 7 + j) % 50000]) for j, r in enumerate(rids)])
             for p in range(n_plans)
         ]
+        # asynchronous scheduling: position p's id is learned only after step p was planned
+        arids = [f"a{i}" for i in range(batch)]
+        for r in arids:
+            mapper.add(r, [1])
+        aplans = [mapper.step([Scheduled(r, 0, 1, 0, [1]) for r in arids])]
+        for p in range(1, 1 + args.reps * args.steps + 1):
+            if p >= 2:
+                for j, r in enumerate(arids):
+                    mapper.learn(r, p - 1, [(p * 7 + j) % 50000])
+            aplans.append(mapper.step([Scheduled(r, p, 1, 0, [], n_pending=1) for r in arids]))
         orders = {
-            False: [(r, 1) for r in rids],
-            True: [(r, 1) for r in reversed(rids)],  # the worker's batch order differs: rows gathered
+            "": [(r, 1) for r in rids],
+            "gathered": [(r, 1) for r in reversed(rids)],  # the worker's batch order differs: rows gathered
+            "async": [(r, 1) for r in arids],
         }
-        pos = [0]
+        pos = {"": 0, "gathered": 0, "async": 0}
 
-        def commit(reverse: bool) -> float:
+        def commit(kind: str) -> float:
             """The worker's part of a step after the replay: EngineRecorder.end_forward."""
-            plan = plans[pos[0]]
-            pos[0] += 1
+            step_plans = aplans if kind == "async" else plans
+            at = pos["" if kind == "gathered" else kind]
+            pos["" if kind == "gathered" else kind] = at + 1
             t0 = time.perf_counter()
-            rec.end_forward(plan, orders[reverse])
+            rec.end_forward(step_plans[at], orders[kind])
             return time.perf_counter() - t0
 
         graphs["capture"].replay()
-        commit(False)  # the first commit declares the run and connects the recorder: not timed
+        commit("")  # the first commit declares the run and connects the recorder: not timed
+        for _ in range(2):  # the async requests' prompts, then their first pending rows
+            graphs["capture"].replay()
+            commit("async")
 
-        variants = ["no capture", "capture", "capture, torch ops", "capture + commit", "capture + commit, gathered"]
+        variants = [
+            "no capture",
+            "capture",
+            "capture, torch ops",
+            "capture + commit",
+            "capture + commit, gathered",
+            "capture + commit, async",
+        ]
         per_step: dict[str, list[float]] = {v: [] for v in variants}
         host: dict[str, list[float]] = {v: [] for v in variants}
         for _rep in range(args.reps):
@@ -195,7 +220,7 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                 for _ in range(args.steps):
                     g.replay()
                     if "commit" in v:
-                        host[v].append(commit("gathered" in v))
+                        host[v].append(commit(v.partition(", ")[2]))
                 if dev == "cuda":
                     b.record()
                     b.synchronize()
@@ -221,6 +246,8 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
                 "slab_bytes_per_step": batch * graph.slab.row_bytes if graph.slab is not None else None,
                 "gathers": graph.stats["gathers"],
                 "refused_forwards": stats.get("refused_forwards"),
+                "released_rows": rec.stats["released"],
+                "held_overflow": rec.stats["held_overflow"],
             }
             rows.append(row)
             c = row["commit_host_ms_median"]
