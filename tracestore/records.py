@@ -373,41 +373,12 @@ class RecordChunk:
             object.__setattr__(self, "ids_crc", int(self.ids_crc))
 
     @classmethod
-    def from_checked_fields(
-        cls,
-        run: str,
-        policy_version: int,
-        trajectory: str,
-        site: str,
-        token_start: int,
-        n_tokens: int,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        global_scale: float,
-        token_scales: np.ndarray | None,
-        ids_crc: int | None,
-    ) -> RecordChunk:
-        """A chunk of these exact field values, built without the checks of the constructor, for a
-        caller that has established each of them: valid ids; ``int`` positions, version and
-        ``ids_crc`` (uint32 or None) in range, tokens ending at or before :data:`MAX_TOKEN_END`;
-        C-contiguous 2-D uint8 ``codes``/``scales`` of the same rows, a whole number per token; a
-        Python ``float`` ``global_scale`` that is a finite, positive float32; C-contiguous float32
-        ``token_scales`` of one per row, or None. :func:`tracestore.wire.chunk_from_parts` (the
-        sidecar's parser) is the one such caller."""
+    def from_checked_fields(cls, *fields: Any) -> RecordChunk:
+        """A chunk of these field values (in field order), built without the constructor's checks,
+        for a caller that has established each of them on its input's types:
+        :func:`tracestore.wire.chunk_from_parts`, the sidecar's parser, is the one such caller."""
         obj = object.__new__(cls)
-        obj.__dict__.update(
-            run=run,
-            policy_version=policy_version,
-            trajectory=trajectory,
-            site=site,
-            token_start=token_start,
-            n_tokens=n_tokens,
-            codes=codes,
-            scales=scales,
-            global_scale=global_scale,
-            token_scales=token_scales,
-            ids_crc=ids_crc,
-        )
+        obj.__dict__.update(zip(_FIELD_NAMES, fields, strict=True))
         return obj
 
     @property
@@ -499,6 +470,11 @@ class RecordChunk:
         ):
             return False
         return bool(np.array_equal(self.codes, other.codes) and np.array_equal(self.scales, other.scales))
+
+
+# (run, policy_version, trajectory, site, token_start, n_tokens, codes, scales, global_scale,
+# token_scales, ids_crc): the order of RecordChunk.from_checked_fields' arguments
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RecordChunk))
 
 
 def check_artifact_rows(site: SiteSpec, codes: np.ndarray, scales: np.ndarray, where: str) -> None:
