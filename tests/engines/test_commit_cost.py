@@ -215,3 +215,15 @@ def test_spare_rows_lowest_first_and_free_checks_all_before_any() -> None:
         assert g.spare_free == 1, bad  # nothing was given back
     g.free([4, 5, 6])
     assert g.spare_free == 4
+
+
+def test_vllm_worker_order_is_the_scheduled_requests_in_batch_order() -> None:
+    from tracestore.client.engines.vllm.hooks import worker_order
+
+    sched = {f"r{i}": 1 + i % 3 for i in range(0, 300, 2)}
+    for ids in ([f"r{i}" for i in range(0, 300, 2)], [f"r{i}" for i in range(300)], ["r4", "x", "r2"], []):
+        want = [(rid, sched[rid]) for rid in ids if rid in sched]
+        assert worker_order(ids, sched) == want
+    small = {f"s{i}": 1 for i in range(4)}
+    large = {f"s{i}": 1 for i in range(256)}
+    assert calls(lambda: worker_order(list(large), large)) == calls(lambda: worker_order(list(small), small))

@@ -52,7 +52,8 @@ import importlib
 import logging
 import sys
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from tracestore.client.engines.capture import SCOPE, patch_attr, site_name
@@ -515,6 +516,15 @@ def _wrap_capture_model(fn: Any) -> Any:
     return capture_model
 
 
+def worker_order(req_ids: Sequence[str], scheduled: dict[str, int]) -> list[tuple[str, int]]:
+    """The forward's layout: ``(request_id, tokens scheduled)`` of the requests in the worker's
+    batch order (``req_ids``) that this step schedules (C-level passes when every one is)."""
+    ns = list(map(scheduled.get, req_ids))
+    if None not in ns:
+        return list(zip(req_ids, cast(list[int], ns), strict=True))
+    return [(rid, n) for rid, n in zip(req_ids, ns, strict=True) if n is not None]
+
+
 def _wrap_execute_model(fn: Any) -> Any:
     @functools.wraps(fn)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -528,8 +538,7 @@ def _wrap_execute_model(fn: Any) -> Any:
         plan = getattr(PLAN, "value", None)
         PLAN.value = None
         if ENGINE is not None and plan is not None:
-            sched = scheduler_output.num_scheduled_tokens
-            order = [(rid, sched[rid]) for rid in self.input_batch.req_ids if rid in sched]
+            order = worker_order(self.input_batch.req_ids, scheduler_output.num_scheduled_tokens)
             try:
                 ENGINE.end_forward(plan, order)
             except Exception:
