@@ -484,13 +484,12 @@ class GraphCapture:
         if self.route_rows is not None:
             from tracestore.client import SiteOutput
 
-            # copies, not views: the next forward rewrites the routing rows while the recorder copies
-            rows = (
-                {k: (c[:n].clone(), f[:n].clone(), g) for k, (c, f, g) in self.route_rows.rows().items()}
-                if dev_index is None
-                else self.route_rows.gather(dev_index)
-            )
-            outputs = {k: SiteOutput(c, f, g) for k, (c, f, g) in rows.items()}
+            # codes: copies, not views (the next forward rewrites them while the recorder copies);
+            # the flag columns are all 1 and never written: their first n rows serve as they are
+            outputs = {
+                k: SiteOutput(c[:n].clone() if dev_index is None else c.index_select(0, dev_index), f[:n], g)
+                for k, (c, f, g) in self.route_rows.rows().items()
+            }
             ok = bool(recorder.record_forward(segments, outputs, token_ids=token_ids)) and ok
         return ok
 
