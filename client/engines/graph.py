@@ -26,9 +26,11 @@ Rows are mapped after the forward, on the host, from the scheduler's plan
 (:class:`~tracestore.client.engines.rows.StepPlan`): :meth:`GraphCapture.commit` hands the
 recorder rows ``[0, n)`` of the slab when the plan takes exactly those, else first gathers the
 planned rows (``index_select`` on the device, the index copied from pinned host memory) into a
-second slab (routing rows: gathered the same way and handed over with one ``record_forward``
-of the same segments). Rows past the scheduled tokens — the padding an engine adds to reach a captured
-batch size — are written by the graph but never named by a plan, so never committed.
+second slab; the routing sites' rows live in a slab of their own
+(:class:`~tracestore.client.engines.routing.RouteBuffers`), gathered the same way and staged by
+the same ``record_slab`` call. Rows past the scheduled tokens — the padding an engine adds to
+reach a captured batch size — are written by the graph but never named by a plan, so never
+committed.
 
 Speculative decoding: a draft token's row must wait for the scheduler to confirm it. ``arm(...,
 spare=k)`` gives the slab (and the routing rows) ``k`` rows past the forward's capacity, which no
@@ -134,6 +136,7 @@ class GraphCapture:
         self.slab: RecordSlab | None = None  # the FP4 sites' rows (None: the run has none)
         self.gathered: RecordSlab | None = None
         self.route_rows: RouteBuffers | None = None  # the routing sites' rows (None: none)
+        self.route_gathered: RecordSlab | None = None
         self._armed = False
         self._rows = 0  # rows a forward may write (the slab's spare rows follow them)
         self._spare = np.zeros(0, dtype=bool)  # per spare row: True while it holds no draft row
@@ -357,6 +360,7 @@ class GraphCapture:
             self.slab = RecordSlab.allocate(specs, total, device)
         if self.routes:
             self.route_rows = RouteBuffers(self.routes.values(), total, device)
+            self.route_gathered = RecordSlab.allocate(self.route_rows.slab.sites, total, device)
         self._device = torch.device(device)
         self._rows = int(capacity)
         self._spare = np.ones(spare, dtype=bool)
@@ -422,12 +426,16 @@ class GraphCapture:
         slots = taken + self._rows
         both = self._device_index(np.concatenate([rows, slots]))
         src, dst = both[:k], both[k:]
-        if self.slab is not None:
-            self.slab.data.index_copy_(0, dst, self.slab.data.index_select(0, src))
-        if self.route_rows is not None:
-            for codes in self.route_rows.codes.values():
-                codes.index_copy_(0, dst, codes.index_select(0, src))
+        for slab in self._slabs():
+            slab.data.index_copy_(0, dst, slab.data.index_select(0, src))
         return slots
+
+    def _slabs(self, gathered: bool = False) -> list[RecordSlab]:
+        """The FP4 slab and the routing sites' slab (those the run has), or their gather slabs."""
+        slabs = [self.gathered if gathered else self.slab]
+        if self.route_rows is not None:
+            slabs.append(self.route_gathered if gathered else self.route_rows.slab)
+        return [s for s in slabs if s is not None]
 
     def free(self, slots: Sequence[int] | np.ndarray) -> None:
         """Give spare rows taken by :meth:`hold` back (after the commit that names them, if any:
@@ -451,11 +459,10 @@ class GraphCapture:
     def commit(
         self, recorder: Any, segments: Sequence[tuple[str, int, int]], index: np.ndarray, token_ids: Any
     ) -> bool:
-        """Hand the recorder the rows ``index`` (one per token of ``segments``, in order). FP4
-        sites: rows ``[0, n)`` of the slab itself when ``index`` is exactly that, else the planned
-        rows gathered into the second slab first (:meth:`RolloutRecorder.record_slab`); routing
-        sites: the planned rows as one ``record_forward`` of the same segments. Returns whether
-        the recorder took them all."""
+        """Hand the recorder the rows ``index`` (one per token of ``segments``, in order) of the
+        FP4 slab and of the routing sites' slab in one :meth:`RolloutRecorder.record_slab`: rows
+        ``[0, n)`` of the slabs themselves when ``index`` is exactly that, else the planned rows
+        gathered into their second slabs first. Returns whether the recorder took them."""
         if not self._armed:
             raise ValidationError("the graph capture is not armed")
         if self.stats["unarmed_capture"] or self.stats["failed"]:
@@ -474,24 +481,13 @@ class GraphCapture:
         dev_index = None if identity else self._device_index(index)
         if dev_index is not None:
             self.stats["gathers"] += 1
-        ok = True
-        if self.slab is not None and self.gathered is not None:
-            slab = self.slab
-            if dev_index is not None:
-                torch.index_select(self.slab.data, 0, dev_index, out=self.gathered.data[:n])
-                slab = self.gathered
-            ok = bool(recorder.record_slab(segments, slab, n_rows=n, token_ids=token_ids))
-        if self.route_rows is not None:
-            from tracestore.client import SiteOutput
-
-            # codes: copies, not views (the next forward rewrites them while the recorder copies);
-            # the flag columns are all 1 and never written: their first n rows serve as they are
-            outputs = {
-                k: SiteOutput(c[:n].clone() if dev_index is None else c.index_select(0, dev_index), f[:n], g)
-                for k, (c, f, g) in self.route_rows.rows().items()
-            }
-            ok = bool(recorder.record_forward(segments, outputs, token_ids=token_ids)) and ok
-        return ok
+        slabs = self._slabs()
+        if dev_index is not None:
+            gathered = self._slabs(gathered=True)
+            for src, dst in zip(slabs, gathered, strict=True):
+                torch.index_select(src.data, 0, dev_index, out=dst.data[:n])
+            slabs = gathered
+        return bool(recorder.record_slab(segments, tuple(slabs), n_rows=n, token_ids=token_ids))
 
     def _device_index(self, index: np.ndarray) -> torch.Tensor:
         """``index`` as an int64 tensor on the slab's device; on a GPU through a pool of pinned

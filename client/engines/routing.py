@@ -27,6 +27,7 @@ import torch
 
 from tracestore.artifacts import routed_experts_site
 from tracestore.errors import ShapeError
+from tracestore.kernels import RecordSlab
 from tracestore.records import SiteSpec
 
 
@@ -56,18 +57,24 @@ def route_rows(ids: torch.Tensor, spec: SiteSpec) -> tuple[torch.Tensor, torch.T
 
 class RouteBuffers:
     """Static rows of the ``routed_experts`` sites ``specs`` (``capacity`` rows each, on ``device``),
-    for graph-safe capture: ``codes[name]`` uint8 ``[capacity, code_bytes]``, ``flags[name]``
-    uint8 ``[capacity, 1]`` (all 1), ``g`` float32 ``[1]`` (1.0)."""
+    for graph-safe capture, held in one :class:`~tracestore.kernels.RecordSlab` (:attr:`slab`, so
+    a commit stages every routing site with one copy): ``codes[name]`` uint8 ``[capacity,
+    code_bytes]`` and ``flags[name]`` uint8 ``[capacity, 1]`` (all 1) are views into it, ``g``
+    float32 ``[1]`` (1.0; the slab's g columns are 1.0 too)."""
 
     def __init__(self, specs: Iterable[SiteSpec], capacity: int, device: torch.device | str) -> None:
         if capacity < 1:
             raise ShapeError(f"capacity must be >= 1 row, got {capacity}")
         self.specs = {s.name: s for s in specs}
+        gated = [s.name for s in self.specs.values() if s.scale_bytes != 1]
+        if gated:
+            raise ShapeError(f"routing sites {gated} declare gate bytes; the engines' capture records ids only")
         self.capacity = int(capacity)
-        self.codes = {
-            n: torch.zeros(capacity, s.code_bytes, dtype=torch.uint8, device=device) for n, s in self.specs.items()
-        }
-        self.flags = {n: torch.ones(capacity, 1, dtype=torch.uint8, device=device) for n in self.specs}
+        self.slab = RecordSlab.allocate(tuple(self.specs.values()), self.capacity, device)
+        self.codes = {n: self.slab[n].codes for n in self.specs}
+        self.flags = {n: self.slab[n].scales for n in self.specs}
+        for f in self.flags.values():
+            f.fill_(1)
         self.g = torch.ones(1, dtype=torch.float32, device=device)
 
     def write(self, site: str, ids: torch.Tensor) -> int:

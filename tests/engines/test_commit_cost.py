@@ -1,5 +1,5 @@
 """The per-step commit after a graph-replayed forward (EngineRecorder.end_forward) stays array work:
-the Python calls it makes do not grow with the number of requests or sites, in a plain decode
+the Python calls it makes do not grow with the number of requests or sites (FP4 and routing), in a plain decode
 step, one whose rows are gathered, one under asynchronous scheduling (every row held, then
 released) and one whose batch changed. Counted with ``sys.setprofile`` (calls of Python
 functions and of C functions from Python code), not timed, so the guard does not depend on the
@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import random
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import torch
 from tracestore.client.engines.graph import GraphCapture
 from tracestore.client.engines.layout import RowLayout, held_rows, row_index, runs
 from tracestore.client.engines.recording import EngineRecorder
+from tracestore.client.engines.routing import route_spec
 from tracestore.client.engines.rows import RowMapper, Scheduled, StepPlan
 from tracestore.client.engines.setting import parse_setting
 from tracestore.server.testing import ServeProcess
@@ -60,14 +63,18 @@ class Steps:
     a real sidecar; ``mode``: ``sync``, ``gathered`` (the worker's order reversed) or ``async``
     (every row pending: held, then released with its id)."""
 
-    def __init__(self, address: str, run: str, batch: int, sites: int, mode: str) -> None:
+    def __init__(self, address: str, run: str, batch: int, sites: int, mode: str, routes: int = 0) -> None:
         self.rec = EngineRecorder(parse_setting(f"sidecar={address} run={run} policy_version=0 writer=w-{run} bits=1"))
         graph = GraphCapture(1)
         graph.install()
         graph.active = True
         for i in range(sites):
             graph.note(f"layers.{i}.mlp.input", WIDTH)
+        for i in range(routes):
+            graph.note_route(route_spec(i, 2, 16))
         assert graph.arm(batch + 8, "cpu", spare=2 * batch + 2)
+        for codes in graph.route_rows.codes.values() if graph.route_rows is not None else ():
+            codes[:, 1] = 1  # experts 0 and 1 (a routed row names top_k distinct experts)
         self.rec.graph = graph
         self.mode, self.mapper, self.p = mode, RowMapper(block=4), 0
         self.rids = [f"{run}-{i}" for i in range(batch)]
@@ -118,10 +125,11 @@ class Steps:
         return n
 
 
+@pytest.mark.parametrize("routing", [False, True], ids=["fp4", "fp4+routing"])
 @pytest.mark.parametrize("mode", ["sync", "gathered", "async"])
-def test_commit_calls_do_not_grow_with_requests_or_sites(sidecar: ServeProcess, mode: str) -> None:
-    small = Steps(sidecar.address, f"cs-{mode}", batch=4, sites=2, mode=mode)
-    large = Steps(sidecar.address, f"cl-{mode}", batch=192, sites=16, mode=mode)
+def test_commit_calls_do_not_grow_with_requests_or_sites(sidecar: ServeProcess, mode: str, routing: bool) -> None:
+    small = Steps(sidecar.address, f"cs-{mode}-{routing:d}", batch=4, sites=2, mode=mode, routes=2 * routing)
+    large = Steps(sidecar.address, f"cl-{mode}-{routing:d}", batch=192, sites=16, mode=mode, routes=16 * routing)
     for _ in range(3):
         n_small, n_large = small.step(), large.step()
         assert n_large == n_small, f"{mode}: {n_large} Python calls at 192 requests x 16 sites, {n_small} at 4 x 2"
@@ -227,3 +235,102 @@ def test_vllm_worker_order_is_the_scheduled_requests_in_batch_order() -> None:
     small = {f"s{i}": 1 for i in range(4)}
     large = {f"s{i}": 1 for i in range(256)}
     assert calls(lambda: worker_order(list(large), large)) == calls(lambda: worker_order(list(small), small))
+
+
+def fp4_row(rid: str, pos: int, site: str) -> bytes:
+    """The record bytes (codes then scales) the test's forward writes for (rid, pos, site)."""
+    return np.random.default_rng(zlib.crc32(f"{rid}:{pos}:{site}".encode())).integers(0, 127, 12, np.uint8).tobytes()
+
+
+def expert_ids(rid: str, pos: int, layer: int) -> list[int]:
+    return [zlib.crc32(f"{rid}:{pos}:{layer}".encode()) % 8, 8 + (pos + layer) % 8]  # (distinct)
+
+
+def test_fp4_and_routing_rows_commit_in_one_slab_call_and_read_back(sidecar: ServeProcess) -> None:
+    """FP4 and routing sites of a graph-captured forward are staged by one ``record_slab`` (two
+    slabs), gathered when the worker's order differs, held and released under asynchronous
+    scheduling; every stored row is the one written for its (request, position)."""
+    from tracestore.client import GuidanceReader
+    from tracestore.client.engines.routing import route_spec
+
+    from tracestore import Store, StoreReader
+    from tracestore.artifacts import Routing
+    from tracestore.plan import MicrobatchPlan
+
+    run = "mixed"
+    rec = EngineRecorder(parse_setting(f"sidecar={sidecar.address} run={run} policy_version=0 writer=w-{run} bits=1"))
+    graph = GraphCapture(1)
+    graph.install()
+    graph.active = True
+    fp4 = [f"layers.{i}.mlp.input" for i in range(2)]
+    routes = [route_spec(i, 2, 16) for i in range(2)]
+    for name in fp4:
+        graph.note(name, WIDTH)
+    for spec in routes:
+        graph.note_route(spec)
+    assert graph.arm(8, "cpu", spare=8)
+    rec.graph = graph
+    slab, rslab = graph.slab, graph.route_rows
+    assert slab is not None and rslab is not None
+    m = RowMapper(block=4)
+    ids = {"a": [11, 12, 13], "b": [21, 22]}
+    for rid, prompt in ids.items():
+        m.add(rid, prompt)
+
+    def forward(rows: list[tuple[str, int]]) -> None:
+        slab.data[: graph.capacity].random_(0, 255)  # padding and stale rows: junk (never the spare rows)
+        for i, (rid, pos) in enumerate(rows):
+            for name in fp4:
+                raw = torch.frombuffer(bytearray(fp4_row(rid, pos, name)), dtype=torch.uint8)
+                slab[name].codes[i] = raw[:8]
+                slab[name].scales[i] = raw[8:]
+                slab[name].global_scale[i] = 0.5 + pos
+            for layer, spec in enumerate(routes):
+                rslab.codes[spec.name][i] = torch.tensor(expert_ids(rid, pos, layer), dtype=torch.uint8)
+
+    def step(batch: list[Scheduled], order: list[tuple[str, int]]) -> None:
+        plan = m.step(batch)
+        by = {s.request_id: s for s in batch}
+        forward([(rid, by[rid].start + i) for rid, n in order for i in range(n)])
+        assert rec.end_forward(plan, order)
+
+    step([Scheduled("a", 0, 3, 0, ids["a"]), Scheduled("b", 0, 2, 0, ids["b"])], [("b", 2), ("a", 3)])
+    ids["a"].append(14)
+    ids["b"].append(23)
+    step([Scheduled("a", 3, 1, 0, [14]), Scheduled("b", 2, 1, 0, [23])], [("a", 1), ("b", 1)])
+    # asynchronous scheduling: positions 4 and 3 planned before their ids are known
+    step([Scheduled("a", 4, 1, 0, [], n_pending=1), Scheduled("b", 3, 1, 0, [], n_pending=1)], [("b", 1), ("a", 1)])
+    m.learn("a", 4, [15])
+    m.learn("b", 3, [24])
+    ids["a"].append(15)
+    ids["b"].append(24)
+    step([Scheduled("a", 5, 1, 0, [], n_pending=1), Scheduled("b", 4, 1, 0, [], n_pending=1)], [("a", 1), ("b", 1)])
+    ids["a"].append(16)
+    ids["b"].append(25)
+    out = {rid: rec.end_request(m.finish(rid, ids[rid] + [99])) for rid in ("a", "b")}
+    assert rec.close(30)
+    assert out["a"]["gap"] is None and out["b"]["gap"] is None, out
+    assert rec.stats["held"] == 4 and rec.stats["released"] == 4 and graph.stats["gathers"] >= 2
+    assert graph.spare_free == 8
+    sidecar.terminate()
+    sidecar.start()
+    for rid in ("a", "b"):
+        n = len(ids[rid]) + 1
+        traj = f"{rid}::a0"
+        with StoreReader(Store(sidecar.storage), run) as reader:
+            got = reader.read([(traj, 0, n)], on_missing="mask")
+        for name in fp4:
+            rows = got[name]
+            assert rows.valid[: n - 1].all() and not rows.valid[n - 1]
+            for p in range(n - 1):
+                raw = fp4_row(rid, p, name)
+                assert rows.codes[p].tobytes() == raw[:8] and rows.scales[p].tobytes() == raw[8:], (rid, p, name)
+                ts = 1.0 if rows.token_scales is None else float(rows.token_scales[p])
+                assert float(rows.global_scale[p]) * ts == 0.5 + p, (rid, p, name)
+        with GuidanceReader(str(sidecar.storage), run, prefetch=False) as greader:
+            routed = greader.read(MicrobatchPlan([(traj, 0, n)]), token_ids=ids[rid] + [99])
+        for layer, spec in enumerate(routes):
+            r = routed[spec.name]
+            assert isinstance(r, Routing) and r.valid[: n - 1].all()
+            want = torch.tensor([expert_ids(rid, p, layer) for p in range(n - 1)])
+            assert torch.equal(torch.as_tensor(r.experts[: n - 1]), want), (rid, spec.name)

@@ -129,8 +129,11 @@ def _slab_layout(sites: Sequence[Any]) -> tuple[list[SlabField], int]:
         )
     fields, off = [], 0
     for site in sites:
-        width, fmt, bits = site_params(site)
-        cb, sb = packed_row_bytes(width, bits), width // fmt.block
+        if getattr(site, "is_artifact", False):  # (a routed_experts site: ids, flag and gate bytes)
+            cb, sb = int(site.code_bytes), int(site.scale_bytes)
+        else:
+            width, fmt, bits = site_params(site)
+            cb, sb = packed_row_bytes(width, bits), width // fmt.block
         c = _align(off, 8)
         sc = _align(c + cb, 8)
         g = _align(sc + sb, 8)
@@ -148,7 +151,10 @@ class RecordSlab:
     forward with one copy whatever the number of sites (``RolloutRecorder.record_slab``).
     ``slab[name]`` is that site's :class:`RecordBuffer` (strided views into ``data``) for the
     ``record_*`` launchers. All sites share one row index, so they must have one
-    ``rows_per_token``. ``with_fp4=True`` adds per-site packed FP4 buffers (not staged).
+    ``rows_per_token``. ``with_fp4=True`` adds per-site packed FP4 buffers (not staged). An
+    artifact site (``SiteSpec.is_artifact``, e.g. ``routed_experts``) gets its stored code and
+    scale bytes (ids; flag and gate bytes) and a g of 1.0; the caller writes them (the
+    ``record_*`` launchers take FP4 sites only).
 
     Example::
 
@@ -201,7 +207,9 @@ class RecordSlab:
         fp4 = None
         if with_fp4:
             fp4 = {
-                s.name: torch.zeros(capacity, site_params(s)[0] // 2, dtype=torch.uint8, device=device) for s in sites
+                s.name: torch.zeros(capacity, site_params(s)[0] // 2, dtype=torch.uint8, device=device)
+                for s in sites
+                if not getattr(s, "is_artifact", False)
             }
         slab = cls(sites, data, fp4)
         for b in slab.buffers.values():
