@@ -6,7 +6,9 @@ for a MoE model's: per layer a bf16 GEMM produces the FC1 input, whose bytes ser
 FP4 codes and linear E4M3 scales (values do not change the record path's cost), with a per-token
 float32 scale, handed to a FlashInfer-shaped entry wrapped exactly as the plugins wrap
 ``trtllm_fp4_block_scale_moe`` (:func:`tracestore.client.engines.capture.wrap_moe_entry`), whose
-body is a second GEMM. One CUDA graph per variant, captured at a padded batch (the engine pads
+body is a second GEMM; with ``--routing`` each layer also records its router's top-8 of 128
+experts (top-k of the FC1 input's first 128 columns) through the routing op, as the plugins'
+default ``routing=1`` does. One CUDA graph per variant, captured at a padded batch (the engine pads
 the scheduled batch to a captured size), replayed ``--steps`` times per timed loop with CUDA events
 around the loop, the variants interleaved over ``--reps`` rounds (median per step):
 
@@ -49,6 +51,7 @@ from tracestore.client.engines.capture import SCOPE, wrap_moe_entry  # noqa: E40
 from tracestore.client.engines.codes import record_rows  # noqa: E402
 from tracestore.client.engines.graph import GraphCapture  # noqa: E402
 from tracestore.client.engines.recording import EngineRecorder  # noqa: E402
+from tracestore.client.engines.routing import route_spec  # noqa: E402
 from tracestore.client.engines.rows import RowMapper, Scheduled  # noqa: E402
 from tracestore.client.engines.setting import parse_setting  # noqa: E402
 
@@ -59,8 +62,11 @@ class DecodeStep:
     """``layers`` layers of (GEMM -> FC1 codes, scales, per-token g -> wrapped entry -> GEMM) on
     static buffers of ``padded`` rows."""
 
-    def __init__(self, layers: int, hidden: int, padded: int, graph: GraphCapture, bits: int, device: str) -> None:
+    def __init__(
+        self, layers: int, hidden: int, padded: int, graph: GraphCapture, bits: int, device: str, routes: list
+    ) -> None:
         self.layers, self.hidden = layers, hidden
+        self.graph, self.routes = graph, routes  # routes: one routed_experts SiteSpec per layer, or none
         gen = torch.Generator(device=device).manual_seed(0)
         self.w1 = [torch.randn(hidden, hidden, device=device, generator=gen).bfloat16() / 40 for _ in range(layers)]
         self.w2 = [torch.randn(hidden, hidden, device=device, generator=gen).bfloat16() / 40 for _ in range(layers)]
@@ -96,6 +102,11 @@ class DecodeStep:
                 y = self.entry(hidden_states=packed, hidden_states_scale=sf, per_token_scale=pts, _h=h, _w=self.w2[i])
             finally:
                 SCOPE.leave()
+            if self.routes:  # the router's top-k experts (computed either way), through the routing op
+                spec = self.routes[i]
+                ids = h[:, : spec.n_experts].float().topk(spec.width, dim=-1).indices
+                if self.scoped:
+                    self.graph.route(spec, ids)
             x = x + y
 
 
@@ -112,7 +123,10 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
         graph.install()
         rec.graph = graph
         dev = args.device
-        model = DecodeStep(args.layers, args.hidden, padded, graph, args.bits, dev)
+        routes = [route_spec(i, 8, 128) for i in range(args.layers)] if args.routing else []
+        for spec in routes:
+            graph.note_route(spec)
+        model = DecodeStep(args.layers, args.hidden, padded, graph, args.bits, dev, routes)
         # --device cpu checks the harness without a GPU: "graphs" are eager calls, host timers
         capture: Any = capture_graph if dev == "cuda" else (lambda fn: types.SimpleNamespace(replay=fn))
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -233,7 +247,8 @@ def run(args: argparse.Namespace, rows: list[dict]) -> None:
             med = statistics.median(per_step[v])
             row = {
                 "device": dev,
-                "kernel": f"decode step {args.layers} MoE sites H={args.hidden} batch {batch} padded {padded}",
+                "kernel": f"decode step {args.layers} MoE sites H={args.hidden} batch {batch} padded {padded}"
+                + (f" + {args.layers} routing sites" if args.routing else ""),
                 "provider": v,
                 "median_ms": med,
                 "min_ms": min(per_step[v]),
@@ -262,6 +277,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20, help="MoE sites (one per layer)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--routing", action="store_true", help="also record each layer's top-8 of 128 experts")
     ap.add_argument("--steps", type=int, default=30, help="replays per timed loop")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--staging-mb", type=int, default=2048)
