@@ -125,6 +125,11 @@ class Steps:
         return n
 
 
+# Calls that depend on the recorder's state rather than on the batch (a message cut, a staging
+# release landing in this step) may differ by a few; a loop over requests or sites adds >= 188.
+SLACK = 16
+
+
 @pytest.mark.parametrize("routing", [False, True], ids=["fp4", "fp4+routing"])
 @pytest.mark.parametrize("mode", ["sync", "gathered", "async"])
 def test_commit_calls_do_not_grow_with_requests_or_sites(sidecar: ServeProcess, mode: str, routing: bool) -> None:
@@ -132,10 +137,10 @@ def test_commit_calls_do_not_grow_with_requests_or_sites(sidecar: ServeProcess, 
     large = Steps(sidecar.address, f"cl-{mode}-{routing:d}", batch=192, sites=16, mode=mode, routes=16 * routing)
     for _ in range(3):
         n_small, n_large = small.step(), large.step()
-        assert n_large == n_small, f"{mode}: {n_large} Python calls at 192 requests x 16 sites, {n_small} at 4 x 2"
+        assert abs(n_large - n_small) <= SLACK, f"{mode}: {n_large} Python calls at 192 x 16, {n_small} at 4 x 2"
     if mode != "async":
         n_small, n_large = small.replace(), large.replace()
-        assert n_large == n_small, f"{mode}, the batch changed: {n_large} Python calls at 192 x 16, {n_small} at 4 x 2"
+        assert abs(n_large - n_small) <= SLACK, f"{mode}, new batch: {n_large} calls at 192 x 16, {n_small} at 4 x 2"
     assert n_large < 400, f"{mode}: {n_large} Python calls per step"
     for eng in (small, large):
         stats = eng.rec.stats
