@@ -268,6 +268,11 @@ class RunSpec:
     def _by_name(self) -> dict[str, SiteSpec]:
         return {s.name: s for s in self.sites}
 
+    @property
+    def sites_by_name(self) -> dict[str, SiteSpec]:
+        """Every site by name (one dict, built once; do not mutate)."""
+        return self._by_name
+
     @functools.cached_property
     def site_names(self) -> tuple[str, ...]:
         return tuple(self._by_name)

@@ -168,7 +168,7 @@ def _parse(
     if req.epoch < 1 or req.sequence < 1:
         raise ValidationError(f"epoch and sequence must both be >= 1, got epoch {req.epoch} sequence {req.sequence}")
     spec = run_spec(req.run)
-    sites = {name: spec.site(name) for name in spec.site_names}
+    sites = spec.sites_by_name
     chunks: list[RecordChunk] = []
     crcs: list[int] = []
     blobs: list[Part] = []
