@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -127,16 +126,6 @@ def test_compiled_fullgraph_keeps_and_runs_the_op() -> None:
 
 
 # -- rows through a real sidecar ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
 
 
 def activation(rid: str, pos: int) -> torch.Tensor:

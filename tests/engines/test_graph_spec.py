@@ -8,7 +8,7 @@ activation, so a rejected draft's row stored in place of the accepted token's sh
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,16 +26,6 @@ from tracestore import NVFP4, Store, StoreReader, quantize
 from tracestore.packing import pack_bits, pack_fp4
 
 BITS = 4
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
 
 
 def activation(rid: str, pos: int, tok: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ import inspect
 import json
 import zlib
 from array import array
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -326,16 +325,6 @@ def route_of(prefix: list[int]) -> list[int]:
 def row_bytes(prefix: list[int]) -> tuple[bytes, bytes]:
     c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes())
     return c.to_bytes(4, "little"), bytes([(c >> 3) & 0x3F, (c >> 11) & 0x3F])
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
 
 
 class Sched:

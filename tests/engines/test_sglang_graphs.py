@@ -297,16 +297,6 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
-
-
 def new_req(rid: str, ids: list[int]) -> Req:
     r = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=64))
     r.refresh_fill_ids()

@@ -245,16 +245,6 @@ def test_run_spec_declares_routing_and_a_redeclaration_is_refused(engine: Engine
 # -- rows through a real sidecar ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
-
-
 SPECS = [route_spec(0, 2, 8), route_spec(1, 2, 300)]  # uint8 ids and uint16 ids
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,16 +38,6 @@ WIDTH = 32  # 4 code bytes (b = 1), 2 scale bytes per row
 def row_bytes(prefix: list[int]) -> tuple[bytes, bytes]:
     c = zlib.crc32(np.asarray(prefix, dtype="<i4").tobytes())
     return c.to_bytes(4, "little"), bytes([(c >> 3) & 0x3F, (c >> 11) & 0x3F])
-
-
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    sp = ServeProcess(tmp_path_factory.mktemp("sidecar"), flags=["--flush-interval", "0.2"])
-    sp.start()
-    try:
-        yield sp
-    finally:
-        sp.terminate()
 
 
 class Engine:
