@@ -17,6 +17,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """The code's commit for result rows: ``$TRACESTORE_BENCH_COMMIT`` when set (a copy of the tree
+    whose git metadata is not its own, e.g. on a lent GPU machine), else ``git rev-parse`` of the
+    working tree, with ``-dirty`` for uncommitted changes to tracked files."""
+    pinned = os.environ.get("TRACESTORE_BENCH_COMMIT")
+    if pinned:
+        return pinned
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
         dirty = subprocess.run(
