@@ -333,6 +333,16 @@ class CpuForward:
 # ------------------------------------------------------------------------------ one engine process
 
 
+def verify_times(start: float, span: float, n: int) -> list[float]:
+    """When the engine keeps its ``n`` sampled steps of the sustained phase ``[start, start + span)``:
+    the first 1 s in (a quarter of a shorter span), so a run stopped by its first unguided row
+    still has stored rows checked, the others spread over the phase."""
+    if n <= 0:
+        return []
+    rest = n - 1
+    return [start + min(1.0, span / 4)] + [start + (q + 0.5) * span / rest for q in range(rest)]
+
+
 def engine_process(a: dict[str, Any]) -> None:
     """One engine (``--child``): waits for the parent's go file, runs both phases, writes its result."""
     import torch
@@ -452,7 +462,7 @@ def engine_process(a: dict[str, Any]) -> None:
     n_stages = len(a["forward_ms"])
     stage_s = a["stage_s"]
     t_start2 = t_go + a["overhead_s"]
-    verify_at = [t_start2 + (q + 0.5) * stage_s * n_stages / a["verify_steps"] for q in range(a["verify_steps"])]
+    verify_at = verify_times(t_start2, stage_s * n_stages, a["verify_steps"])
     for si, f_ms in enumerate(a["forward_ms"]):
         s_end = t_start2 + (si + 1) * stage_s
         n0, b0, u0, c0, ts0 = len(commit_t), rec._outbox.in_bytes, rec.stats["unguided"], len(calls_t), time.time()  # noqa: SLF001
