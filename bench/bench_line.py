@@ -49,8 +49,10 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
 
 Rows: ``line`` (per-step overhead, engine-thread time of the record calls p50/p99, scheduler
 time), ``stage`` (offered GB/s, backlog, sidecar CPU/RSS, unguided, verdict), ``run`` (durable
-GB/s: all bytes over the time until the last flush returned, sidecar CPU, peak RSS) and
-``verify``. GB/s count record payload (codes + scale bytes, as the recorder counts).
+GB/s: all bytes over the time until the last flush returned, sidecar CPU, peak RSS),
+``verify`` and, with ``--prometheus BIN``, ``dashboard``: the Grafana dashboard's panels (Backlog,
+throughput, CPU, ...) over the sustained phase, from a Prometheus scraping the sidecars
+(``line_dashboard.py``). GB/s count record payload (codes + scale bytes, as the recorder counts).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py; `be
 
 import numpy as np  # noqa: E402
 from common import append_results, git_commit, machine, print_table  # noqa: E402
+from line_dashboard import LineDashboard  # noqa: E402
 
 from tracestore.records import RunSpec, SiteSpec  # noqa: E402
 
@@ -618,6 +622,20 @@ def verify(storage: str, spec: RunSpec, results: list[dict[str, Any]]) -> dict[s
             "site_rows_not_stored": absent, "site_rows_not_stored_not_unguided": absent_guided}  # fmt: skip
 
 
+def dashboard_rows(dash: LineDashboard, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dashboard's panels over the sustained phase (first stage's start to last stage's end);
+    a failure is one row with ``error``, so the run's other rows are kept."""
+    st = [r["stages"] for r in results if r["stages"]]
+    if dash.binary is None or not st:
+        return []
+    t0, t1 = min(s[0]["t0"] for s in st), max(s[-1]["t1"] for s in st)
+    try:
+        return dash.evaluate(t0, t1)
+    except Exception as exc:  # noqa: BLE001 - reported as a row and printed
+        print(f"# dashboard: {type(exc).__name__}: {exc}", flush=True)
+        return [{"panel": None, "error": f"{type(exc).__name__}: {exc}"[:500]}]
+
+
 def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     from tracestore.server.testing import ServeProcess
 
@@ -631,7 +649,10 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         print(f"# /dev/shm has {shm_free >> 20} MiB free: staging cut to {staging_mib} MiB per engine")
     stages = ns.forward_ms
     stage_s = ns.stage_s if len(stages) > 1 else ns.duration
-    with tempfile.TemporaryDirectory(prefix="bench-line-", dir=ns.workdir) as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-line-", dir=ns.workdir) as tmp,
+        LineDashboard(ns.prometheus, Path(tmp) / "prometheus") as dash,
+    ):
         work = Path(tmp)
         # one storage for all sidecars (each writer's shards go under its own prefix)
         n_side = k if ns.sidecars == 0 else min(ns.sidecars, k)
@@ -641,6 +662,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             for j in range(n_side)
         ]
         sampler = Sampler([(sp.unix_address, sp.proc.pid) for sp in sps if sp.proc], work, int(ns.min_free_gb * 2**30))
+        dash.start([sp.metrics_port for sp in sps if sp.metrics_port is not None])  # every target up
         args = {"work": str(work), "config": ns.config, "device": device, "model": ns.model, "batch": ns.batch,
                 "addresses": [sp.unix_address for sp in sps], "staging_mib": staging_mib, "linger_s": ns.linger_s,
                 "record": ns.record,
@@ -669,6 +691,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         sampler.sample()
         sampler.halt.set()
         results = [json.loads((work / f"result-{i}.json").read_text()) for i in range(k) if rcs[i] == 0]
+        dash_rows = dashboard_rows(dash, results)  # the sidecars still up: their last scrapes count
         t_stop = time.time()
         rcs_side = [sp.terminate(timeout=300) for sp in sps]  # shards committed before each exits
         rc = next((x for x in rcs_side if x), 0)
@@ -784,6 +807,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                  "tokens_per_chunk": sum(r["payload_total"] // r["step_payload"] * r["batch_sites"]
                                          for r in results) / max(1, sum(r["stats"]["chunks"] for r in results)),
                  "reconnects": sum(r["stats"]["reconnects"] for r in results)})  # fmt: skip
+    rows += [{**base, "kind": "dashboard", **d} for d in dash_rows]
     if ver:
         rows.append(
             {**base, "kind": "verify", **ver, "reference": "tracestore.fp4.quantize (CPU) of the saved activations"}
@@ -824,6 +848,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU path even with a GPU")
     ap.add_argument("--graph-on-cpu", action="store_true",
                     help="development: without a GPU, run the GPU path's calls eagerly on the CPU (slow)")  # fmt: skip
+    ap.add_argument("--prometheus", default=None, metavar="BIN",
+                    help="Prometheus binary ('auto': from PATH): scrape the sidecars and add the Grafana "
+                         "dashboard's panels over the sustained window as `dashboard` rows")  # fmt: skip
     ap.add_argument("--label", default="", help="free text stored in every row (e.g. the machine's name)")
     ap.add_argument("--out", default=None, help="append rows to DIR/bench_line.jsonl instead of bench/results/")
     ap.add_argument("--no-save", action="store_true")
@@ -838,6 +865,9 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() and not ns.cpu else "cpu"
     if ns.quick:
         ns.overhead_s, ns.block_s, ns.duration, ns.stage_s = 4.0, 0.5, 6.0, 6.0 / len(ns.forward_ms)
+    if ns.prometheus == "auto":
+        ns.prometheus = shutil.which("prometheus") or ap.error("--prometheus auto: no prometheus on PATH")
+    LineDashboard(ns.prometheus, Path(tempfile.gettempdir()))  # a missing binary or panel fails now, not after a run
     m = machine()
     if ns.graph_on_cpu and device == "cuda":
         raise SystemExit("--graph-on-cpu is for machines without a GPU")
@@ -873,6 +903,9 @@ def main() -> int:
               "flush_lag_s", "unguided", "sidecar_cpu_s_total", "sidecar_cpu_s_per_GB", "tokens_per_chunk",
               "site_rows_checked",
               "site_rows_mismatched"])  # fmt: skip
+        print_table([r for r in got if r["kind"] == "dashboard"], ["procs", "panel", "unit", "series",
+              "node_samples", "node_first_third_mean", "node_last_third_mean", "node_max", "node_slope_per_s",
+              "flat", "error"])  # fmt: skip
         if not ns.no_save:  # after each run: a later run that is cut off loses only its own rows
             print(f"appended {len(got)} rows to {append_results('bench_line', got)}", flush=True)
     return 0
