@@ -10,7 +10,8 @@ panels named in :data:`PANELS` from ``deploy/grafana/dashboards/tracestore.json`
 substitutes the dashboard variables as Grafana does with its saved selection (All: the variable's
 ``allValue``; ``$__rate_interval``: :func:`rate_interval`), and runs each target's expression with
 ``query_range`` over [t0, t1] at a 1 s step. One row per panel: per target, each series' and the
-node sum's statistics (:func:`stats`) and a decimated series (seconds from t0). The "Backlog" row
+node's statistics (:func:`stats`; the node: the series summed, or their max for a
+``max by`` query) and a decimated series (seconds from t0). The "Backlog" row
 also carries the verdict ``flat`` (:func:`backlog_verdict`). Prometheus is stopped (SIGTERM, wait,
 SIGKILL) when the context exits, on errors too.
 """
@@ -293,18 +294,20 @@ class LineDashboard:
             targets = []
             for t in panel["targets"]:
                 expr = substitute(t["expr"], self.values, self.rate)
+                agg = "max" if expr.lstrip("( ").startswith("max") else "sum"  # an age's node view: its max
                 series: list[dict[str, Any]] = []
                 by_t: dict[float, float] = {}
                 for s in self.query_range(expr, t0, t1):
                     pts = [(float(ts) - t0, float(v)) for ts, v in s["values"] if math.isfinite(float(v))]
                     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                     for x, y in pts:
-                        by_t[x] = by_t.get(x, 0.0) + y
+                        by_t[x] = y if x not in by_t else max(by_t[x], y) if agg == "max" else by_t[x] + y
                     labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
                     series.append({"labels": labels, **stats(xs, ys), "points": decimate(xs, ys)})
                 nx = sorted(by_t)
                 ny = [by_t[x] for x in nx]
                 targets.append({"ref": t.get("refId"), "legend": t.get("legendFormat"), "expr": expr,
+                                "node_of_series": agg,
                                 "series": series, "node": {**stats(nx, ny), "points": decimate(nx, ny)},
                                 "_node": (nx, ny)})  # fmt: skip
             first = targets[0]["node"]

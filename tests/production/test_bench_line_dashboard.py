@@ -109,3 +109,6 @@ def test_bench_line_dashboard_rows_match_its_sampler(tmp_path: Path) -> None:
     assert ingest["last_third_mean"] == pytest.approx(stage["offered_GBps"] * 1e9, rel=0.25)
     assert {v for _, v in dash["Sidecars up"]["targets"][0]["node"]["points"]} == {2.0}
     assert dash["Unguided trajectories"]["node_max"] == 0
+    oldest = dash["Oldest backlog record"]["targets"][0]  # an age: the node's is the oldest pod's
+    assert oldest["node_of_series"] == "max" and target["node_of_series"] == "sum"
+    assert oldest["node"]["max"] == max(s["max"] for s in oldest["series"])
