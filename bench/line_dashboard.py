@@ -50,6 +50,8 @@ JOB = "tracestore"
 SCRAPE_S = 1.0
 STEP_S = 1.0
 POINTS = 60  # decimated series per target, about
+FLAT_SLACK = 0.10  # growth over the window, of the mean backlog, that still reads as flat
+FLAT_FLOOR = 64 << 20  # bytes per sidecar: a shard commit's sawtooth
 
 
 def rate_interval(scrape_s: float, step_s: float) -> str:
@@ -153,25 +155,30 @@ def decimate(ts: list[float], vs: list[float], points: int = POINTS) -> list[tup
     return [(round(ts[i], 2), vs[i]) for i in keep]
 
 
-def backlog_verdict(ts: list[float], node: list[float], budget: float) -> dict[str, Any]:
-    """bench_line's ``sustained`` rule on its sidecar terms, applied to the panel's node sum:
-    ``flat`` when the backlog stayed under half of the sidecars' summed budget, or its growth from
-    the window's first half to its second (mean to mean, per second over half the window) would
-    not fill the budget left above its max within 60 s."""
+def backlog_verdict(ts: list[float], node: list[float], budget: float, sidecars: int = 1) -> dict[str, Any]:
+    """Whether the Backlog panel's node line is ``flat``: its least-squares growth over the window
+    (slope x window) is at most :data:`FLAT_SLACK` of its mean, or at most ``FLAT_FLOOR`` bytes per
+    sidecar (a shard commit's sawtooth); a line that keeps climbing is not flat however much
+    budget is left. ``room_60s`` is bench_line's ``sustained`` rule on the sidecars' terms: the
+    backlog stayed under half of the summed budget, or its half-to-half growth would not fill the
+    budget left above its max within 60 s more."""
     if len(ts) < 2 or budget <= 0:
         return {"flat": False, "flat_rule": "no data"}
+    window = ts[-1] - ts[0]
+    mean = sum(node) / len(node)
+    growth = slope(ts, node) * window
     mid = (ts[0] + ts[-1]) / 2
     a = [v for t, v in zip(ts, node, strict=True) if t < mid]
     b = [v for t, v in zip(ts, node, strict=True) if t >= mid]
-    growth = (sum(b) / len(b) if b else 0.0) - (sum(a) / len(a) if a else 0.0)
-    rate = growth / max((ts[-1] - ts[0]) / 2, 1e-9)
+    rate = ((sum(b) / len(b) if b else 0.0) - (sum(a) / len(a) if a else 0.0)) / max(window / 2, 1e-9)
     peak = max(node)
     far = peak < budget / 2
-    return {"flat": bool(far or rate * 60 < budget - peak), "far_from_budget": far,
-            "growth_Bps": rate, "budget_bytes": budget,
-            "slope_x_window_of_budget": slope(ts, node) * (ts[-1] - ts[0]) / budget,
-            "flat_rule": "bench_line sustained, sidecar terms: max < budget/2, or half-to-half growth x 60 s "
-                         "< budget - max (budget: the Memory budget panel's B, summed)"}  # fmt: skip
+    return {"flat": bool(growth <= max(FLAT_SLACK * mean, FLAT_FLOOR * sidecars)),
+            "growth_over_window_bytes": growth, "room_60s": bool(far or rate * 60 < budget - peak),
+            "far_from_budget": far, "growth_Bps": rate, "budget_bytes": budget,
+            "slope_x_window_of_budget": growth / budget,
+            "flat_rule": f"least-squares growth over the window <= max({FLAT_SLACK:g} x mean, "
+                         f"{FLAT_FLOOR >> 20} MiB x sidecars)"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -320,7 +327,7 @@ class LineDashboard:
         budget_t = [t for t in by_title["Memory budget"]["targets"] if t["ref"] == "B"]
         budget = budget_t[0]["node"]["max"] if budget_t else float("nan")
         nx, ny = by_title["Backlog"]["targets"][0]["_node"]
-        by_title["Backlog"].update(backlog_verdict(nx, ny, budget if budget == budget else 0.0))
+        by_title["Backlog"].update(backlog_verdict(nx, ny, budget if budget == budget else 0.0, len(self.pods)))
         for r in rows:
             for t in r["targets"]:
                 t.pop("_node")

@@ -54,9 +54,15 @@ def test_backlog_verdict() -> None:
     gib = float(1 << 30)
     flat = line_dashboard.backlog_verdict(ts, [0.6 * gib] * 61, gib)  # high but not growing
     assert flat["flat"] and not flat["far_from_budget"]
+    saw = [0.2 * gib + (t % 10) * 0.01 * gib for t in ts]  # shard commits: up and down, no trend
+    assert line_dashboard.backlog_verdict(ts, saw, gib)["flat"]
     growing = line_dashboard.backlog_verdict(ts, [0.3 * gib + t * 0.01 * gib for t in ts], gib)
-    assert not growing["flat"]  # 0.01 GiB/s x 60 s > the 0.1 GiB left above its max
+    assert not growing["flat"] and not growing["room_60s"]  # 0.01 GiB/s x 60 s > the 0.1 GiB left
     assert growing["slope_x_window_of_budget"] == pytest.approx(0.6)
+    # 8 sidecars, 16 GiB of budget, 1.4 -> 4.0 GiB in 60 s (an H100 host run): room left, not flat
+    climbing = [1.4 * gib + t * (2.6 / 60) * gib for t in ts]
+    got = line_dashboard.backlog_verdict(ts, climbing, 16 * gib, sidecars=8)
+    assert got["room_60s"] and not got["flat"]
 
 
 @pytest.mark.slow
@@ -101,7 +107,7 @@ def test_bench_line_dashboard_rows_match_its_sampler(tmp_path: Path) -> None:
     assert abs(m_p - m_s) <= 0.3 * max(m_s, m_p) + 4, (m_p, m_s, panel, sampled)
     assert max(panel) <= 1.5 * max(sampled) + 8, (panel, sampled)
     assert backlog["budget_bytes"] == 2 * 1024 * MiB  # the Memory budget panel: 2 sidecars, 1 GiB each (default)
-    assert backlog["flat"] is True  # the bench called the stage sustained; far from the 2 GiB of budgets
+    assert backlog["room_60s"] is True  # the bench called the stage sustained; far from the 2 GiB of budgets
 
     # the sidecars' ingest rate (a counter: smooth), last third (past the alternating phase's 4 s
     # rate window) vs the rate the engines offered, summed over the sidecars
