@@ -101,7 +101,7 @@ class SlabPlan:
 class SlabForward(Forward):
     """A forward staged as raw RecordSlab rows (one copy per slab); the sender lays it out per site
     (:meth:`Outbox.unslab`) before anything else reads it. ``staged``: per slab, its plan, the
-    staging offset of its rows and their count."""
+    staging offset of its rows and their count; emptied once laid out."""
 
     staged: list[tuple[SlabPlan, int, int]] = dataclasses.field(default_factory=list)
 

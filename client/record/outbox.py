@@ -170,7 +170,11 @@ class Outbox:
 
     def unslab(self, fwd: SlabForward) -> SlabForward:
         """Lay a slab forward's raw rows out per site, as record_forward stages them: codes, scales,
-        token scales when the site's rows carry different g (then g 1.0), g."""
+        token scales when the site's rows carry different g (then g 1.0), g. Once: the layout
+        overwrites the raw rows in place, so a forward laid out and put back on the queue (it did
+        not fit a window) is returned as it is."""
+        if not fwd.staged:  # laid out already
+            return fwd
         region = fwd.region
         if region.event is not None:
             region.event.synchronize()
@@ -199,6 +203,7 @@ class Outbox:
                 extra += nt
                 o += -(-(nc + ns + nt + 4) // 64) * 64
         fwd.sites = sites
+        fwd.staged = []
         fwd.nbytes += extra
         self._out_bytes -= extra  # the token scales were not counted in in_bytes
         return fwd
