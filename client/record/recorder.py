@@ -111,7 +111,7 @@ class RolloutRecorder:
         epoch: int | None = None,
         connect: bool = True,
         pin: bool | None = None,
-        linger_s: float = 1.0,
+        linger_s: float = 4.0,
         channel_credentials: Any = None,
         token: str | None = None,
     ) -> None:
