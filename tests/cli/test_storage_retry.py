@@ -98,3 +98,16 @@ def test_deadline_comes_from_the_sidecars_settings_not_the_library(monkeypatch: 
         config_from_args(resolve(build_parser().parse_args(["serve"])))
     with pytest.raises(ConfigError, match="StorageConfig.retry_deadline_s=0: expected a number of seconds > 0"):
         StorageConfig(retry_deadline_s=0)
+
+
+def test_no_retry_starts_after_the_deadline_when_a_wait_overshoots(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loaded host wakes a sleeper late: each backoff wait (0.05-0.1 s) ends 0.3 s late, so the
+    # third attempt's wait, planned to end before the 0.5 s deadline, ends past it
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: real_sleep(s + 0.3))
+    st = Storage("memory://retry-overshoot", retries=1000, backoff=0.05, max_backoff=0.1, retry_deadline=0.5)
+    fn = _Flaky(10**6)
+    with pytest.raises(StorageError, match=r"failed after 2 attempt\(s\)") as err:
+        st.call("read x", fn)
+    assert isinstance(err.value.__cause__, ConnectionError)
+    assert len(fn.times) == 2 and fn.times[-1] - fn.times[0] < 0.5
