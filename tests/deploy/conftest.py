@@ -6,12 +6,16 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from line_dashboard import substitute  # noqa: E402 - Grafana's interpolation, one definition for bench and tests
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -77,25 +81,6 @@ def grouping_labels(expr: str) -> set[str]:
 
     promql_parser.walk(promql_parser.parse(expr), visit)
     return labels
-
-
-_VAR = re.compile(r"\$(\w+)|\$\{(\w+)(?::\w+)?\}")
-
-
-def substitute(expr: str, values: dict[str, list[str]], rate_interval: str) -> str:
-    """Grafana's variable interpolation for Prometheus: multi-values become an escaped regex group."""
-    expr = expr.replace("$__rate_interval", rate_interval).replace("${__rate_interval}", rate_interval)
-
-    def one(m: re.Match[str]) -> str:
-        name = m.group(1) or m.group(2)
-        if name not in values:
-            raise KeyError(f"dashboard uses ${name}, which is not a dashboard variable")
-        vals = values[name]
-        if len(vals) == 1:
-            return re.escape(vals[0]).replace("\\", "\\\\")
-        return "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in vals) + ")"
-
-    return _VAR.sub(one, expr)
 
 
 def exposition_names(families: Iterable[Any]) -> set[str]:
