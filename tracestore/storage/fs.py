@@ -101,15 +101,6 @@ def _transient(exc: BaseException) -> bool:
     return any(type(exc).__module__.startswith(p) for p in _NETWORK_PACKAGES)
 
 
-class _PastDeadline(Exception):  # noqa: N818 - a signal inside Storage.call, never raised out of it
-    """A retry's wait ended past the retry deadline: the attempt is not made; ``last`` is the
-    failure of the attempt before it."""
-
-    def __init__(self, last: BaseException) -> None:
-        super().__init__(repr(last))
-        self.last = last
-
-
 class _PoolState:
     """What a :class:`DaemonPool`'s workers share (they hold this, not the pool, so an unclosed
     pool is still collected and its idle workers then exit, as ``ThreadPoolExecutor``'s do)."""
@@ -290,12 +281,14 @@ class Storage:
         attempts = 1 + (self.retries if retry else 0)
 
         began: list[float] = []  # when each attempt began
-        failed: list[BaseException] = []  # the last attempt's failure
+        failed: list[BaseException] = []  # the failure a retry follows
 
         def attempt() -> T:
             now = time.monotonic()
-            if began and now - began[0] >= self.retry_deadline:  # the wait overshot (a loaded host)
-                raise _PastDeadline(failed[-1])
+            if began and now - began[0] >= self.retry_deadline:
+                # the wait ended late (a loaded host): no retry; tenacity stops on this failure,
+                # its clock being past the deadline too
+                raise failed[-1]
             began.append(now)
             fut = self._pool.submit(fn, *args, **kwargs)
             try:
@@ -304,14 +297,12 @@ class Storage:
                 if not fut.cancel():  # still running: once it ends, its failure holds nothing
                     fut.add_done_callback(lambda f: None if f.cancelled() else _drop_frames(f.exception()))
                 self._event("timeout", op, f"no answer in {self.timeout:g} s")
-                failed[:] = [TimeoutError(f"{op} timed out after {self.timeout:g} s")]
-                raise failed[0] from None
-            except BaseException as exc:
-                failed[:] = [exc]
-                raise
+                raise TimeoutError(f"{op} timed out after {self.timeout:g} s") from None
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
+            if exc is not None:
+                failed[:] = [exc]
             self._event("retry", op, repr(exc))
             _drop_frames(exc)
 
@@ -324,10 +315,7 @@ class Storage:
         )
         t0 = time.monotonic()
         try:
-            try:
-                return retrying(attempt)
-            except _PastDeadline as late:
-                raise late.last from None
+            return retrying(attempt)
         except Exception as exc:
             if _transient(exc):
                 self._event("error", op, repr(exc))
