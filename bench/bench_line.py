@@ -40,6 +40,13 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
   maps the recorders' staging pools it reads: their pages count in its RSS as RssShmem, not in
   its memory budget) and CPU seconds (/proc); rows sum them over the sidecars, the ``_max`` RSS
   figures are one sidecar's.
+- The disk: the parent also reads /proc/diskstats for the block devices holding the WALs and the
+  shards (``disk_write_GBps`` per stage: all that was written to them). ``--disk-probe S`` first
+  measures that disk alone, as WALs load it (one writer, then one per sidecar; O_DIRECT writes and
+  an fdatasync per 16 MiB): the ceiling in the same run. The shards' storage is beside the WALs
+  unless ``--storage-dir`` puts it on another file system (``/dev/shm``: off the disk, as a node's
+  shards go to object storage while only the WAL stays on its disk; it holds the whole run's
+  shards in memory, so keep such runs short).
 - After the last stage each engine seals its live sequences and flushes (until durable); the
   sidecar stops (SIGTERM: shards committed); ``GuidanceReader`` reads the sampled steps' rows
   from storage and each site is compared bit for bit with ``tracestore.fp4.quantize`` (the CPU
@@ -50,7 +57,7 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
 Rows: ``line`` (per-step overhead, engine-thread time of the record calls p50/p99, scheduler
 time; ``overhead_quotable`` once each engine ran :data:`MIN_PAIRS` alternating pairs), ``stage``
 (offered GB/s, backlog, sidecar CPU/RSS, unguided, verdict), ``run`` (durable GB/s: all bytes over
-the time until the last flush returned, sidecar CPU, peak RSS), ``verify`` and, with
+the time until the last flush returned, sidecar CPU, peak RSS), ``verify``, ``disk`` (``--disk-probe``) and, with
 ``--prometheus BIN``, ``dashboard``: the Grafana dashboard's panels (Backlog, throughput, CPU, ...)
 over the sustained phase, from a Prometheus scraping the sidecars (``line_dashboard.py``). GB/s
 count record payload (codes + scale bytes, as the recorder counts).
@@ -127,6 +134,100 @@ def proc_rss(pid: int) -> dict[str, int]:
         if key is not None:
             got[key] = int(line.split()[1]) << 10
     return got
+
+
+def block_device(path: Path) -> tuple[str, int, int] | None:
+    """(name, major, minor) of the block device holding ``path``, from /proc/diskstats; None for
+    a file system on no block device (tmpfs) or a path that cannot be read."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    major, minor = os.major(dev), os.minor(dev)
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if len(f) > 3 and int(f[0]) == major and int(f[1]) == minor:
+            return f[2], major, minor
+    return None
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (ext4, xfs, tmpfs ...), from /proc/mounts."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        f = line.split()
+        if len(f) > 2 and (real == f[1] or real.startswith(f[1].rstrip("/") + "/")) and len(f[1]) >= len(best):
+            best, kind = f[1], f[2]
+    return kind
+
+
+def disk_written(dev: tuple[str, int, int]) -> int:
+    """Bytes written to ``dev`` since boot (/proc/diskstats counts 512-byte sectors, field 10)."""
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if len(f) > 9 and int(f[0]) == dev[1] and int(f[1]) == dev[2]:
+            return int(f[9]) * 512
+    return 0
+
+
+def disk_probe(directory: Path, writers: int, seconds: float, direct: bool = True) -> dict[str, Any]:
+    """The disk's sustained write rate as ``writers`` WALs load it: each thread appends 4 MiB writes
+    to its own file (O_DIRECT from an aligned buffer, as the sidecar's WAL writes where the file
+    system takes it, else through the page cache) and fdatasyncs every 16 MiB (one WAL buffer), for
+    ``seconds``. Returns the aggregate GB/s, and that rate as /proc/diskstats saw it."""
+    import mmap
+
+    block, sync_every = 4 << 20, 16 << 20
+    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    done = [0] * writers
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def write(i: int) -> None:
+        buf = mmap.mmap(-1, block)
+        buf[:] = os.urandom(block)
+        path = directory / f"disk-probe-{i}.bin"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        except OSError as exc:
+            errors.append(f"{path}: {exc.strerror}")
+            return
+        try:
+            since = 0
+            while not stop.is_set():
+                done[i] += os.write(fd, buf)
+                since += block
+                if since >= sync_every:
+                    os.fdatasync(fd)
+                    since = 0
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    dev = block_device(directory)
+    w0 = disk_written(dev) if dev else 0
+    threads = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(writers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    w1 = disk_written(dev) if dev else 0
+    return {"writers": writers, "direct": bool(flag), "seconds": dt, "GBps": sum(done) / dt / 1e9,
+            "disk_GBps": (w1 - w0) / dt / 1e9 if dev else None, "disk": dev[0] if dev else None,
+            "error": errors[0] if errors else None}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the engine's Python
@@ -525,9 +626,15 @@ class Sampler(threading.Thread):
     memory apart) and CPU seconds; a row sums them over the sidecars (``rss_max``, ``anon_max``,
     ``shmem_max``: the largest one sidecar's)."""
 
-    def __init__(self, sidecars: list[tuple[str, int]], work: Path, min_free: int, period: float = 0.5) -> None:
+    def __init__(
+        self, sidecars: list[tuple[str, int]], work: Path, min_free: int, period: float = 0.5, store: Path | None = None
+    ) -> None:
         super().__init__(daemon=True)
         self.work, self.min_free = work, min_free
+        # where a full file system would stop the line: the WAL's, and the shards' when elsewhere
+        self.watch = [work] if store is None or os.stat(store).st_dev == os.stat(work).st_dev else [work, store]
+        # block devices written (the WAL's, the shards'): their bytes written per sample
+        self.disks = list(dict.fromkeys(d for d in (block_device(p) for p in self.watch) if d is not None))
         from tracestore.client.transport import channel
 
         from tracestore.v1 import tracestore_pb2 as pb
@@ -539,7 +646,7 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         try:
-            row: dict[str, Any] = {"t": time.time(), "cpu_s": 0.0}
+            row: dict[str, Any] = {"t": time.time(), "cpu_s": 0.0, "disk_w": sum(disk_written(d) for d in self.disks)}
             row.update(dict.fromkeys(("backlog", "wal", "shards", "budget", "rss", "anon", "shmem"), 0))
             row.update(dict.fromkeys(("rss_max", "anon_max", "shmem_max"), 0))
             for stat, pid in self.sidecars:
@@ -553,11 +660,12 @@ class Sampler(threading.Thread):
                 for key in ("rss", "anon", "shmem"):
                     row[key + "_max"] = max(row[key + "_max"], mem[key])
             self.rows.append(row)
-            vfs = os.statvfs(self.work)
-            free = vfs.f_bavail * vfs.f_frsize
             stop = self.work / "stop"
-            if free < self.min_free and not stop.exists():  # a full disk would fail the line for another reason
-                stop.write_text(f"disk: {free >> 20} MiB free under {self.work}, stopped before it fills")
+            for where in self.watch:
+                vfs = os.statvfs(where)
+                free = vfs.f_bavail * vfs.f_frsize
+                if free < self.min_free and not stop.exists():  # a full disk would fail the line for another reason
+                    stop.write_text(f"disk: {free >> 20} MiB free under {where}, stopped before it fills")
         except Exception as exc:  # noqa: BLE001 - a missed sample is reported, not fatal
             self.rows.append({"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:200]})
 
@@ -652,19 +760,31 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         print(f"# /dev/shm has {shm_free >> 20} MiB free: staging cut to {staging_mib} MiB per engine")
     stages = ns.forward_ms
     stage_s = ns.stage_s if len(stages) > 1 else ns.duration
+    n_side = k if ns.sidecars == 0 else min(ns.sidecars, k)
     with (
         tempfile.TemporaryDirectory(prefix="bench-line-", dir=ns.workdir) as tmp,
+        tempfile.TemporaryDirectory(prefix="bench-line-store-", dir=ns.storage_dir) as store_tmp,
         LineDashboard(ns.prometheus, Path(tmp) / "prometheus") as dash,
     ):
         work = Path(tmp)
-        # one storage for all sidecars (each writer's shards go under its own prefix)
-        n_side = k if ns.sidecars == 0 else min(ns.sidecars, k)
-        storage = f"file://{work / 'data'}"
+        # one storage for all sidecars (each writer's shards go under its own prefix): beside the
+        # WALs, or (--storage-dir) on another file system, as shards leave a node for object storage
+        store_dir = Path(store_tmp) / "data" if ns.storage_dir else work / "data"
+        storage = f"file://{store_dir}"
+        probes = [disk_probe(work, w, ns.disk_probe) for w in sorted({1, n_side})] if ns.disk_probe > 0 else []
+        for pr in probes:
+            print(f"# disk probe under {work}: {pr['writers']} writer(s), O_DIRECT {pr['direct']}: "
+                  f"{pr['GBps']:.3f} GB/s written + fdatasync ({pr['disk']}: {pr['disk_GBps'] or 0:.3f} GB/s)",
+                  flush=True)  # fmt: skip
         sps = [
             ServeProcess(work / f"sidecar-{j}", storage=storage, unix_socket=True, flags=list(ns.serve_flag)).start()
             for j in range(n_side)
         ]
-        sampler = Sampler([(sp.unix_address, sp.proc.pid) for sp in sps if sp.proc], work, int(ns.min_free_gb * 2**30))
+        store_dir.mkdir(parents=True, exist_ok=True)
+        sampler = Sampler([(sp.unix_address, sp.proc.pid) for sp in sps if sp.proc], work, int(ns.min_free_gb * 2**30),
+                          store=store_dir)  # fmt: skip
+        where = {"wal_fs": fs_type(work), "store_fs": fs_type(store_dir), "store_beside_wal": not ns.storage_dir,
+                 "disks": [d[0] for d in sampler.disks]}  # fmt: skip
         dash.start([sp.metrics_port for sp in sps if sp.metrics_port is not None])  # every target up
         args = {"work": str(work), "config": ns.config, "device": device, "model": ns.model, "batch": ns.batch,
                 "addresses": [sp.unix_address for sp in sps], "staging_mib": staging_mib, "linger_s": ns.linger_s,
@@ -716,7 +836,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
             "record_path": "slab_stage" if graph or ns.record == "stage" else "record_slab",
             "sched_us_target": ns.sched_us, "step_payload_bytes": payload, "staging_mib": staging_mib,
             "linger_s": ns.linger_s,
-            "serve_flags": " ".join(ns.serve_flag), "sidecars": n_side, "code_commit": ns.commit}  # fmt: skip
+            "serve_flags": " ".join(ns.serve_flag), "sidecars": n_side, "code_commit": ns.commit,
+            **where}  # fmt: skip
     # -- line: overhead and engine-thread time (median over engines)
     per = []
     for r in results:
@@ -761,6 +882,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         left = room - max(bl1 + bl2, default=0) - sg2  # room not yet taken at the stage's end
         cpu = (w[-1]["cpu_s"] - w[0]["cpu_s"]) if len(w) > 1 else float("nan")
         span = (w[-1]["t"] - w[0]["t"]) if len(w) > 1 else float("nan")
+        disk_w = (w[-1]["disk_w"] - w[0]["disk_w"]) if len(w) > 1 else float("nan")
         offered = sum(s["payload"] for s in st) / (t1 - t0)
         rows.append({**base, "kind": "stage", "stage": si, "forward_ms": st[0]["forward_ms"], "seconds": t1 - t0,
                      "steps_per_engine": statistics.median(s["steps"] for s in st),
@@ -769,6 +891,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                      "backlog_max_MiB": max(bl1 + bl2) / 2**20 if w else None,
                      "staging_mean_MiB": (sg1 + sg2) / 2 / 2**20, "backlog_growth_MiB": growth / 2**20,
                      "sidecar_cpu_cores": cpu / span if span == span and span > 0 else None,
+                     # all that the disks holding the WALs and the shards took, the line's and anyone's
+                     "disk_write_GBps": disk_w / span / 1e9 if where["disks"] and span == span and span > 0 else None,
                      "engines_cpu_cores": sum(s["cpu_s"] for s in st) / (t1 - t0),
                      "sidecar_rss_max_MiB": max(x["rss_max"] for x in w) / 2**20 if w else None,
                      "sidecar_anon_max_MiB": max(x["anon_max"] for x in w) / 2**20 if w else None,
@@ -812,6 +936,7 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                  "tokens_per_chunk": sum(r["payload_total"] // r["step_payload"] * r["batch_sites"]
                                          for r in results) / max(1, sum(r["stats"]["chunks"] for r in results)),
                  "reconnects": sum(r["stats"]["reconnects"] for r in results)})  # fmt: skip
+    rows += [{**base, "kind": "disk", **pr} for pr in probes]
     rows += [{**base, "kind": "dashboard", **d} for d in dash_rows]
     if ver:
         rows.append(
@@ -849,6 +974,13 @@ def main() -> int:
     ap.add_argument("--serve-flag", action="append", default=[], help="extra `tracestore serve` flag (repeat)")
     ap.add_argument("--min-free-gb", type=float, default=8.0, help="stop the engines when the disk gets this full")
     ap.add_argument("--workdir", default=None, help="where the WAL, shards and sockets go (default: a temp dir)")
+    ap.add_argument("--storage-dir", default=None,
+                    help="put the shards' storage under this directory instead of beside the WALs (e.g. "
+                         "/dev/shm: off the WALs' disk, as shards leave a node for object storage)")  # fmt: skip
+    ap.add_argument("--disk-probe", type=float, default=0.0, metavar="S",
+                    help="first measure the WALs' disk for S seconds each with 1 and with one writer per "
+                         "sidecar (O_DIRECT + fdatasync): `disk` rows, the ceiling the line's disk rate is "
+                         "compared with")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="~10 s: overhead 4 s, sustained 6 s (CPU development)")
     ap.add_argument("--cpu", action="store_true", help="CPU path even with a GPU")
     ap.add_argument("--graph-on-cpu", action="store_true",
@@ -903,8 +1035,8 @@ def main() -> int:
               "calls_p99_ms"])  # fmt: skip
         print_table([r for r in got if r["kind"] == "stage"], ["procs", "stage", "forward_ms", "offered_GBps",
               "unguided", "backlog_max_MiB", "staging_mean_MiB", "backlog_growth_MiB", "sidecar_cpu_cores",
-              "engines_cpu_cores", "sidecar_rss_max_MiB", "sidecar_anon_max_MiB", "sidecar_shmem_max_MiB",
-              "sustained"])  # fmt: skip
+              "engines_cpu_cores", "disk_write_GBps", "sidecar_rss_max_MiB", "sidecar_anon_max_MiB",
+              "sidecar_shmem_max_MiB", "sustained"])  # fmt: skip
         print_table([r for r in got if r["kind"] in ("run", "verify")], ["procs", "kind", "durable_GBps",
               "flush_lag_s", "unguided", "sidecar_cpu_s_total", "sidecar_cpu_s_per_GB", "tokens_per_chunk",
               "site_rows_checked",
