@@ -136,6 +136,19 @@ def proc_rss(pid: int) -> dict[str, int]:
     return got
 
 
+def _diskstats(major: int, minor: int) -> list[str] | None:
+    """The /proc/diskstats fields of device ``major:minor`` (None: no such device, or no file)."""
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        f = line.split()
+        if len(f) > 9 and int(f[0]) == major and int(f[1]) == minor:
+            return f
+    return None
+
+
 def block_device(path: Path) -> tuple[str, int, int] | None:
     """(name, major, minor) of the block device holding ``path``, from /proc/diskstats; None for
     a file system on no block device (tmpfs) or a path that cannot be read."""
@@ -143,16 +156,8 @@ def block_device(path: Path) -> tuple[str, int, int] | None:
         dev = os.stat(path).st_dev
     except OSError:
         return None
-    major, minor = os.major(dev), os.minor(dev)
-    try:
-        lines = Path("/proc/diskstats").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        f = line.split()
-        if len(f) > 3 and int(f[0]) == major and int(f[1]) == minor:
-            return f[2], major, minor
-    return None
+    f = _diskstats(os.major(dev), os.minor(dev))
+    return None if f is None else (f[2], os.major(dev), os.minor(dev))
 
 
 def fs_type(path: Path) -> str:
@@ -171,11 +176,8 @@ def fs_type(path: Path) -> str:
 
 def disk_written(dev: tuple[str, int, int]) -> int:
     """Bytes written to ``dev`` since boot (/proc/diskstats counts 512-byte sectors, field 10)."""
-    for line in Path("/proc/diskstats").read_text().splitlines():
-        f = line.split()
-        if len(f) > 9 and int(f[0]) == dev[1] and int(f[1]) == dev[2]:
-            return int(f[9]) * 512
-    return 0
+    f = _diskstats(dev[1], dev[2])
+    return 0 if f is None else int(f[9]) * 512
 
 
 def disk_probe(directory: Path, writers: int, seconds: float, direct: bool = True) -> dict[str, Any]:
