@@ -43,10 +43,11 @@ What one run does (K engine processes, one per simulated GPU, one sidecar):
 - The disk: the parent also reads /proc/diskstats for the block devices holding the WALs and the
   shards (``disk_write_GBps`` per stage: all that was written to them). ``--disk-probe S`` first
   measures that disk alone, as WALs load it (one writer, then one per sidecar; O_DIRECT writes and
-  an fdatasync per 16 MiB): the ceiling in the same run. The shards' storage is beside the WALs
-  unless ``--storage-dir`` puts it on another file system (``/dev/shm``: off the disk, as a node's
-  shards go to object storage while only the WAL stays on its disk; it holds the whole run's
-  shards in memory, so keep such runs short).
+  an fdatasync per 16 MiB): the ceiling in the same run (``disk_of_probe``: a stage's disk rate
+  over the probe's with one writer per sidecar; near 1, the disk is what the line waits on). The
+  shards' storage is beside the WALs unless ``--storage-dir`` puts it on another file system
+  (``/dev/shm``: off the disk, as a node's shards go to object storage while only the WAL stays on
+  its disk; it holds the whole run's shards in memory, so keep such runs short).
 - After the last stage each engine seals its live sequences and flushes (until durable); the
   sidecar stops (SIGTERM: shards committed); ``GuidanceReader`` reads the sampled steps' rows
   from storage and each site is compared bit for bit with ``tracestore.fp4.quantize`` (the CPU
@@ -885,6 +886,9 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         cpu = (w[-1]["cpu_s"] - w[0]["cpu_s"]) if len(w) > 1 else float("nan")
         span = (w[-1]["t"] - w[0]["t"]) if len(w) > 1 else float("nan")
         disk_w = (w[-1]["disk_w"] - w[0]["disk_w"]) if len(w) > 1 else float("nan")
+        disk_rate = disk_w / span / 1e9 if where["disks"] and span == span and span > 0 else None
+        # the disk's ceiling from this run's probe with as many writers as sidecars
+        ceiling = next((p["GBps"] for p in probes if p["writers"] == n_side and p["error"] is None), None)
         offered = sum(s["payload"] for s in st) / (t1 - t0)
         rows.append({**base, "kind": "stage", "stage": si, "forward_ms": st[0]["forward_ms"], "seconds": t1 - t0,
                      "steps_per_engine": statistics.median(s["steps"] for s in st),
@@ -894,7 +898,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                      "staging_mean_MiB": (sg1 + sg2) / 2 / 2**20, "backlog_growth_MiB": growth / 2**20,
                      "sidecar_cpu_cores": cpu / span if span == span and span > 0 else None,
                      # all that the disks holding the WALs and the shards took, the line's and anyone's
-                     "disk_write_GBps": disk_w / span / 1e9 if where["disks"] and span == span and span > 0 else None,
+                     "disk_write_GBps": disk_rate,
+                     "disk_of_probe": disk_rate / ceiling if disk_rate is not None and ceiling else None,
                      "engines_cpu_cores": sum(s["cpu_s"] for s in st) / (t1 - t0),
                      "sidecar_rss_max_MiB": max(x["rss_max"] for x in w) / 2**20 if w else None,
                      "sidecar_anon_max_MiB": max(x["anon_max"] for x in w) / 2**20 if w else None,
