@@ -137,17 +137,19 @@ def proc_rss(pid: int) -> dict[str, int]:
     return got
 
 
+def _proc_table(path: str) -> list[list[str]]:
+    """The whitespace-split lines of a /proc table (none when it cannot be read)."""
+    try:
+        return [line.split() for line in Path(path).read_text().splitlines()]
+    except OSError:
+        return []
+
+
 def _diskstats(major: int, minor: int) -> list[str] | None:
     """The /proc/diskstats fields of device ``major:minor`` (None: no such device, or no file)."""
-    try:
-        lines = Path("/proc/diskstats").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        f = line.split()
-        if len(f) > 9 and int(f[0]) == major and int(f[1]) == minor:
-            return f
-    return None
+    return next(
+        (f for f in _proc_table("/proc/diskstats") if len(f) > 9 and (int(f[0]), int(f[1])) == (major, minor)), None
+    )
 
 
 def block_device(path: Path) -> tuple[str, int, int] | None:
@@ -164,12 +166,7 @@ def block_device(path: Path) -> tuple[str, int, int] | None:
 def fs_type(path: Path) -> str:
     """The type of the file system holding ``path`` (ext4, xfs, tmpfs ...), from /proc/mounts."""
     real, best, kind = os.path.realpath(path), "", "unknown"
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return kind
-    for line in mounts:
-        f = line.split()
+    for f in _proc_table("/proc/mounts"):
         if len(f) > 2 and (real == f[1] or real.startswith(f[1].rstrip("/") + "/")) and len(f[1]) >= len(best):
             best, kind = f[1], f[2]
     return kind
@@ -181,7 +178,7 @@ def disk_written(dev: tuple[str, int, int]) -> int:
     return 0 if f is None else int(f[9]) * 512
 
 
-def disk_probe(directory: Path, writers: int, seconds: float, direct: bool = True) -> dict[str, Any]:
+def disk_probe(directory: Path, writers: int, seconds: float) -> dict[str, Any]:
     """The disk's sustained write rate as ``writers`` WALs load it: each thread appends 4 MiB writes
     to its own file (O_DIRECT from an aligned buffer, as the sidecar's WAL writes where the file
     system takes it, else through the page cache) and fdatasyncs every 16 MiB (one WAL buffer), for
@@ -189,7 +186,7 @@ def disk_probe(directory: Path, writers: int, seconds: float, direct: bool = Tru
     import mmap
 
     block, sync_every = 4 << 20, 16 << 20
-    flag = getattr(os, "O_DIRECT", 0) if direct else 0
+    flag = getattr(os, "O_DIRECT", 0)
     done = [0] * writers
     errors: list[str] = []
     stop = threading.Event()
@@ -866,6 +863,8 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
                  "overhead_pct_per_engine": [round(p["overhead_pct"], 3) for p in per]})  # fmt: skip
     # -- stages: offered load, backlog, verdict
     srows = sampler.rows
+    # the disk's ceiling from this run's probe with as many writers as sidecars
+    ceiling = next((p["GBps"] for p in probes if p["writers"] == n_side and p["error"] is None), None)
     for si in range(max(len(r["stages"]) for r in results)):
         st = [r["stages"][si] for r in results if si < len(r["stages"])]
         t0, t1 = min(s["t0"] for s in st), max(s["t1"] for s in st)
@@ -887,8 +886,6 @@ def run_once(ns: argparse.Namespace, device: str) -> list[dict[str, Any]]:
         span = (w[-1]["t"] - w[0]["t"]) if len(w) > 1 else float("nan")
         disk_w = (w[-1]["disk_w"] - w[0]["disk_w"]) if len(w) > 1 else float("nan")
         disk_rate = disk_w / span / 1e9 if where["disks"] and span == span and span > 0 else None
-        # the disk's ceiling from this run's probe with as many writers as sidecars
-        ceiling = next((p["GBps"] for p in probes if p["writers"] == n_side and p["error"] is None), None)
         offered = sum(s["payload"] for s in st) / (t1 - t0)
         rows.append({**base, "kind": "stage", "stage": si, "forward_ms": st[0]["forward_ms"], "seconds": t1 - t0,
                      "steps_per_engine": statistics.median(s["steps"] for s in st),
